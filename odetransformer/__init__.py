@@ -1,0 +1,1 @@
+"""odetransformer: Neural ODE Transformers (DiffEqFormer) in Flax NNX."""

@@ -1,0 +1,129 @@
+"""The model config: ConfigDict defaults and the one frozen, typed ModelConfig.
+
+`default_model_config()` is what `configs/*.py` start from; `ModelConfig.from_config`
+is the only place a ConfigDict becomes a model config (modules never read ConfigDicts).
+Every validation error is a one-line ValueError naming the field and the fix.
+"""
+import dataclasses
+
+import ml_collections
+
+KINDS = ("diffeqformer", "gpt", "parallel", "shared")
+FLAVOURS = ("gpt", "llama")
+SOLVERS = ("euler", "midpoint", "rk4")
+REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+DTYPES = ("float32", "bfloat16", "float64")  # float64: numerical checks
+
+
+def default_model_config() -> ml_collections.ConfigDict:
+  """All model keys with defaults (a tiny CPU-sized DiffEqFormer)."""
+  c = ml_collections.ConfigDict()
+  # 'diffeqformer': time-dependent weights from hypernetworks (the paper's model);
+  # 'gpt': discrete transformer, sequential pre-norm blocks (GPT-2, or Llama with
+  #        flavour='llama'); 'parallel': discrete parallel-block transformer;
+  # 'shared': weight-sharing ODE (θ constant in t, Zhong et al. 2022).
+  c.kind = "diffeqformer"
+  c.flavour = "gpt"            # 'gpt': LayerNorm, learned positions, GELU, biases;
+                               # 'llama': RMSNorm, RoPE, SwiGLU, no biases
+  c.vocab_size = 2048          # set from the tokenizer by the training code
+  c.d_model = 128              # width d
+  c.num_heads = 4              # attention heads (must divide d_model)
+  c.mlp_dim = 512              # feed-forward hidden width
+  c.num_steps = 6              # K solver steps (ODE) or L layers (discrete)
+  c.max_len = 256              # position table size (gpt flavour); RoPE has no limit
+  c.time_embed_dim = 32        # d_t: hypernetwork code width (paper: 20…144)
+  c.time_sinusoids = 32        # S: sinusoid pairs in e(t) (size 2S+1)
+  c.time_hidden = 0            # H: hypernetwork MLP hidden width (0 = d_model, as in the paper)
+  c.shared_time_mlp = False    # App. D.2 ablation: one MLP shared by all weights
+  c.solver = "euler"           # 'euler' | 'midpoint' | 'rk4' (ODE kinds only)
+  c.remat_policy = "full"      # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
+  c.dtype = "float32"          # compute dtype: 'float32' | 'bfloat16' (params stay param_dtype)
+  c.param_dtype = "float32"
+  c.tie_embeddings = True      # LM head = embedding transpose
+  c.dropout_rate = 0.0         # on embeddings and on attention / FFN outputs
+  c.rope_base = 10000.0        # llama flavour
+  c.norm_eps = 1e-5
+  c.embed_scale = 0.0          # multiplier on input embeddings; 0 = √d for ODE kinds, 1 otherwise
+  return c
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Typed, validated model config (see `default_model_config` for field meanings)."""
+  kind: str = "diffeqformer"
+  flavour: str = "gpt"
+  vocab_size: int = 2048
+  d_model: int = 128
+  num_heads: int = 4
+  mlp_dim: int = 512
+  num_steps: int = 6
+  max_len: int = 256
+  time_embed_dim: int = 32
+  time_sinusoids: int = 32
+  time_hidden: int = 0
+  shared_time_mlp: bool = False
+  solver: str = "euler"
+  remat_policy: str = "full"
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  tie_embeddings: bool = True
+  dropout_rate: float = 0.0
+  rope_base: float = 10000.0
+  norm_eps: float = 1e-5
+  embed_scale: float = 0.0
+
+  def __post_init__(self):
+    def choice(name, options):
+      value = getattr(self, name)
+      if value not in options:
+        raise ValueError(f"model.{name}={value!r} is unknown; choose one of {list(options)}")
+
+    choice("kind", KINDS)
+    choice("flavour", FLAVOURS)
+    choice("solver", SOLVERS)
+    choice("remat_policy", REMAT)
+    choice("dtype", DTYPES)
+    choice("param_dtype", DTYPES)
+    for name in ("vocab_size", "d_model", "num_heads", "mlp_dim", "num_steps", "max_len",
+                 "time_embed_dim", "time_sinusoids"):
+      if int(getattr(self, name)) <= 0:
+        raise ValueError(f"model.{name}={getattr(self, name)} must be a positive integer")
+    if self.d_model % self.num_heads:
+      raise ValueError(f"model.num_heads={self.num_heads} does not divide "
+                       f"model.d_model={self.d_model}; pick a divisor of the width")
+    if self.flavour == "llama" and self.head_dim % 2:
+      raise ValueError(f"RoPE needs an even head dim, got {self.head_dim}; "
+                       "change model.d_model or model.num_heads")
+    if not 0.0 <= self.dropout_rate < 1.0:
+      raise ValueError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
+    if self.time_hidden < 0:
+      raise ValueError(f"model.time_hidden={self.time_hidden} must be >= 0 (0 = d_model)")
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> "ModelConfig":
+    """Builds the model config from `config.model`; unknown keys are an error."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values = dict(config)
+    unknown = sorted(set(values) - fields)
+    if unknown:
+      raise ValueError(f"unknown model config keys {unknown}; valid keys: {sorted(fields)}")
+    return cls(**values)
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+  @property
+  def hyper_hidden(self) -> int:
+    return self.time_hidden or self.d_model
+
+  @property
+  def input_scale(self) -> float:
+    """Multiplier on input embeddings (see hypernet.py on why ODEs use √d)."""
+    if self.embed_scale:
+      return float(self.embed_scale)
+    return float(self.d_model) ** 0.5 if self.is_ode else 1.0
+
+  @property
+  def is_ode(self) -> bool:
+    return self.kind in ("diffeqformer", "shared")

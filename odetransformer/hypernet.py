@@ -1,0 +1,126 @@
+"""Hypernetworks: every layer weight of DiffEqFormer as a function of t.
+
+For each group of layer params (a linear layer's weight and bias, or a norm's scale and
+shift) one MLP maps the time embedding to a code, h(t) = MLP(e(t)) ∈ R^{d_t}
+(Linear(2S+1→H), SiLU, Linear(H→d_t)); each param is then W(t) = P·h(t) + P0, with
+P stored as [d_t, *weight_shape] so it carries (and shards along) the weight's own
+logical axes. Generating all K (times stages) weights is one GEMM per param,
+h[K, d_t] @ P[d_t, in·out], done once per forward pass before the solver's scan.
+
+Initialisation (why a fresh model is well scaled at any K):
+- Each generated matrix W(t) has, at every t, the variance of a fan-in ("LeCun")
+  initialised matrix, σ² = 1/fan_in, split evenly between the static part P0 and the
+  time-varying part P·h(t). P is drawn N(0, 1/d_t) and rescaled by σ/√2 / rms(h), with
+  rms(h) measured on a grid of t at construction, so P·h(t) has RMS σ/√2 whatever the
+  MLP's output scale. With LayerNorm'd inputs this makes F(x, t) = Attn + FFN O(1).
+- No depth scaling: the solver already multiplies each update by dt = 1/K, so the
+  state after the solve is x0 + (1/K)·Σ_k F(x_k, t_k) — an average of O(1) terms —
+  and the residual stream's variance stays O(1) for any K (GPT-2 instead scales its
+  output projections by 1/√(2L) because its L updates are summed, not averaged).
+- Biases, and norms' Γ/Β (scale = 1 + Γ·h(t), shift = Β·h(t)), start at zero: a fresh
+  model's norms are plain LayerNorm/RMSNorm.
+- Embeddings are N(0, 0.02²) and tied to the head, so logits after the final norm have
+  std 0.02·√d (small) and the initial loss is ≈ ln(vocab). ODE models feed the solver
+  x0 = √d·embedding (as Gemma does), std 0.02·√d: without it x0 ≈ 0.02 sits in
+  LayerNorm's stiff region (Jacobian ~ 1/|x|) and the solve depends strongly on K.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from odetransformer.blocks import ParamSpec, layer_param_specs
+from odetransformer.config import ModelConfig
+from odetransformer.time_embedding import time_embedding
+
+_RMS_GRID = 64  # points in [0, 1] on which rms(h) is measured at initialisation
+
+
+class TimeMLP(nnx.Module):
+  """h(t) = Linear(H→d_t)(SiLU(Linear(2S+1→H)(e(t))))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.num_sinusoids = cfg.time_sinusoids
+    dtype = jnp.dtype(cfg.param_dtype)
+    init = nnx.initializers.lecun_normal()
+    self.fc1 = nnx.Linear(2 * cfg.time_sinusoids + 1, cfg.hyper_hidden, param_dtype=dtype,
+                          kernel_init=nnx.with_partitioning(init, (None, None)),
+                          bias_init=nnx.with_partitioning(nnx.initializers.zeros, (None,)),
+                          rngs=rngs)
+    self.fc2 = nnx.Linear(cfg.hyper_hidden, cfg.time_embed_dim, param_dtype=dtype,
+                          kernel_init=nnx.with_partitioning(init, (None, "time_embed")),
+                          bias_init=nnx.with_partitioning(nnx.initializers.zeros,
+                                                          ("time_embed",)),
+                          rngs=rngs)
+
+  def __call__(self, t):
+    """[...] times -> [..., d_t] codes (float32)."""
+    return self.fc2(nnx.silu(self.fc1(time_embedding(t, self.num_sinusoids))))
+
+  def rms(self):
+    """RMS of h over a uniform grid of t in [0, 1] (used to scale P at init)."""
+    h = self(jnp.linspace(0.0, 1.0, _RMS_GRID))
+    return jnp.sqrt(jnp.mean(jnp.square(h)) + 1e-12)
+
+
+class WeightGenerator(nnx.Module):
+  """W(t) = P·h(t) + P0 for one layer param; P is [d_t, *shape]."""
+
+  def __init__(self, spec: ParamSpec, cfg: ModelConfig, h_rms, *, rngs: nnx.Rngs):
+    d_t, dtype = cfg.time_embed_dim, jnp.dtype(cfg.param_dtype)
+    shape = (d_t,) + spec.shape
+    if spec.role in ("in", "out"):
+      sigma = 1.0 / math.sqrt(spec.fan_in)
+      proj = jax.random.normal(rngs.params(), shape, dtype) * (
+          sigma / math.sqrt(2.0) / (math.sqrt(d_t) * h_rms))
+      base = jax.random.normal(rngs.params(), spec.shape, dtype) * (sigma / math.sqrt(2.0))
+    else:  # biases, norm Γ/Β: zero-initialised; a norm's scale is 1 + Γ·h(t)
+      proj = jnp.zeros(shape, dtype)
+      base = (jnp.ones if spec.role == "norm_scale" else jnp.zeros)(spec.shape, dtype)
+    self.proj = nnx.Param(proj.astype(dtype), out_sharding=("time_embed",) + spec.axes)
+    self.base = nnx.Param(base.astype(dtype), out_sharding=spec.axes)
+
+  def __call__(self, h_kd, dtype):
+    """[K, d_t] codes -> [K, *shape] weights: one GEMM, f32 accumulation."""
+    proj = self.proj[...]
+    d_t = proj.shape[0]
+    w = jnp.dot(h_kd.astype(dtype), proj.reshape(d_t, -1).astype(dtype),
+                preferred_element_type=jnp.promote_types(dtype, jnp.float32))
+    w = w.reshape((h_kd.shape[0],) + proj.shape[1:]) + self.base[...]
+    return w.astype(dtype)
+
+
+class HyperNetwork(nnx.Module):
+  """All time-dependent layer params of a DiffEqFormer block."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.specs = layer_param_specs(cfg)
+    self.groups = tuple(dict.fromkeys(s.group for s in self.specs.values()))
+    self.shared = cfg.shared_time_mlp
+    if self.shared:
+      self.mlp = TimeMLP(cfg, rngs=rngs)
+    else:
+      self.mlps = nnx.Dict({g: TimeMLP(cfg, rngs=rngs) for g in self.groups})
+    gens = {}
+    for name, spec in self.specs.items():
+      mlp = self.mlp if self.shared else self.mlps[spec.group]
+      gens[name] = WeightGenerator(spec, cfg, mlp.rms(), rngs=rngs)
+    self.gens = nnx.Dict(gens)
+
+  def codes(self, t):
+    """group -> h(t) [..., d_t]."""
+    if self.shared:
+      h = self.mlp(t)
+      return {g: h for g in self.groups}
+    return {g: self.mlps[g](t) for g in self.groups}
+
+  def __call__(self, ts, dtype):
+    """Layer params at times `ts` (any shape [...]): name -> [..., *shape]."""
+    flat = ts.reshape(-1)
+    codes = self.codes(flat)
+    out = {}
+    for name, spec in self.specs.items():
+      w = self.gens[name](codes[spec.group], dtype)
+      out[name] = w.reshape(ts.shape + w.shape[1:])
+    return out

@@ -1,0 +1,204 @@
+"""The language model: embeddings → one solver scan over layer params → norm → head.
+
+Three weight sources feed the same scan core (`solvers.fixed_step_solve`):
+
+| kind           | per-step params                                  | update        |
+|----------------|--------------------------------------------------|---------------|
+| diffeqformer   | W(t_k) from `HyperNetwork`, generated before scan | x + dt·F      |
+| shared         | one layer, the same at every step (Zhong et al.)  | x + dt·F      |
+| gpt / parallel | stacked [L, …] params (`DiscreteStack`)          | x + block(x)  |
+
+`num_steps` is a call-time argument: an ODE's parameters hold no K.
+"""
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from odetransformer import blocks
+from odetransformer.axes import constrain
+from odetransformer.config import ModelConfig
+from odetransformer.hypernet import HyperNetwork
+from odetransformer.solvers import fixed_step_solve, stage_times
+
+EMBED_STD = 0.02
+
+
+def _init_layer_param(key, spec: blocks.ParamSpec, std: float, dtype, lead=()):
+  shape = tuple(lead) + spec.shape
+  if spec.role in ("in", "out"):
+    return jax.random.normal(key, shape, dtype) * std
+  return (jnp.ones if spec.role == "norm_scale" else jnp.zeros)(shape, dtype)
+
+
+class DiscreteStack(nnx.Module):
+  """L independent layers, stored stacked [L, …] (logical axis 'layers')."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    dtype = jnp.dtype(cfg.param_dtype)
+    self.specs = blocks.layer_param_specs(cfg)
+    params = {}
+    for name, spec in self.specs.items():
+      # GPT-2 initialisation: N(0, 0.02²), output projections scaled by 1/√(2L).
+      std = EMBED_STD / (math.sqrt(2 * cfg.num_steps) if spec.role == "out" else 1.0)
+      params[name] = nnx.Param(
+          _init_layer_param(rngs.params(), spec, std, dtype, lead=(cfg.num_steps,)),
+          out_sharding=("layers",) + spec.axes)
+    self.params = nnx.Dict(params)
+
+  def layers(self):
+    return {name: p[...] for name, p in self.params.items()}
+
+
+class SharedLayer(nnx.Module):
+  """One layer used at every solver step: the weight-sharing ODE."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    dtype = jnp.dtype(cfg.param_dtype)
+    self.specs = blocks.layer_param_specs(cfg)
+    # Fan-in init with no depth scaling: dt = 1/K already averages the K updates.
+    self.params = nnx.Dict({
+        name: nnx.Param(_init_layer_param(rngs.params(), spec, 1.0 / math.sqrt(spec.fan_in),
+                                          dtype), out_sharding=spec.axes)
+        for name, spec in self.specs.items()})
+
+  def layer(self):
+    return {name: p[...] for name, p in self.params.items()}
+
+
+class LanguageModel(nnx.Module):
+  """DiffEqFormer or a baseline, by `cfg.kind` (see module docstring)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = cfg
+    dtype = jnp.dtype(cfg.param_dtype)
+    d = cfg.d_model
+    self.embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, d), dtype)
+                           * EMBED_STD, out_sharding=("vocab", "embed"))
+    if cfg.flavour == "gpt":
+      self.pos_embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.max_len, d), dtype)
+                                 * EMBED_STD, out_sharding=("length", "embed"))
+    if cfg.kind == "diffeqformer":
+      self.stack = HyperNetwork(cfg, rngs=rngs)
+    elif cfg.kind == "shared":
+      self.stack = SharedLayer(cfg, rngs=rngs)
+    else:
+      self.stack = DiscreteStack(cfg, rngs=rngs)
+    self.final_norm_scale = nnx.Param(jnp.ones((d,), dtype), out_sharding=("embed",))
+    if cfg.flavour == "gpt":
+      self.final_norm_shift = nnx.Param(jnp.zeros((d,), dtype), out_sharding=("embed",))
+    if not cfg.tie_embeddings:
+      self.head = nnx.Param(jax.random.normal(rngs.params(), (d, cfg.vocab_size), dtype)
+                            * EMBED_STD, out_sharding=("embed", "vocab"))
+
+  # ---------------------------------------------------------------------------------
+  def step_params(self, num_steps: int):
+    """Per-step layer params and step size for the solver: ([K, S, …] dict, dt)."""
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    if cfg.kind == "diffeqformer":
+      return self.stack(stage_times(num_steps, cfg.solver), dtype), 1.0 / num_steps
+    layers = self.stack.layers()
+    return {k: v.astype(dtype)[:, None] for k, v in layers.items()}, 1.0
+
+  def embed_tokens(self, tokens_bt, positions_bt):
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    x = jnp.take(self.embed[...], tokens_bt, axis=0)
+    if cfg.flavour == "gpt":
+      x = x + jnp.take(self.pos_embed[...], positions_bt, axis=0)
+    return (x * cfg.input_scale).astype(dtype)
+
+  def logits(self, x_btd):
+    cfg = self.config
+    shift = self.final_norm_shift[...] if cfg.flavour == "gpt" else None
+    x = blocks.norm(x_btd, self.final_norm_scale[...], shift, cfg.norm_eps)
+    dtype = jnp.dtype(cfg.dtype)
+    if cfg.tie_embeddings:
+      logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dtype))
+    else:
+      logits = jnp.einsum("btd,dv->btv", x, self.head[...].astype(dtype))
+    return constrain(logits, ("batch", "length", "vocab"))
+
+  def resolve_num_steps(self, num_steps: Optional[int]) -> int:
+    cfg = self.config
+    k = cfg.num_steps if num_steps is None else int(num_steps)
+    if k <= 0:
+      raise ValueError(f"num_steps={k} must be positive")
+    if not cfg.is_ode and k != cfg.num_steps:
+      raise ValueError(f"a discrete '{cfg.kind}' model has {cfg.num_steps} layers; "
+                       f"num_steps={k} needs an ODE model (materialize it instead)")
+    return k
+
+  def __call__(self, tokens_bl, *, segment_ids_bl=None, positions_bl=None,
+               num_steps: Optional[int] = None, deterministic: bool = True,
+               dropout_rng=None, return_trajectory: bool = False):
+    """Logits [b, l, vocab] in the compute dtype.
+
+    Args:
+      tokens_bl: int tokens [b, l].
+      segment_ids_bl: optional document ids [b, l]; tokens attend only within their id.
+      positions_bl: optional positions [b, l] (default 0…l-1); packed data resets them
+        per document.
+      num_steps: solver steps K (ODE kinds; default `config.num_steps`).
+      deterministic: no dropout when True.
+      dropout_rng: PRNG key for dropout when not deterministic.
+      return_trajectory: also return the hidden states before each step [K, b, l, d].
+    """
+    cfg = self.config
+    k = self.resolve_num_steps(num_steps)
+    b, length = tokens_bl.shape
+    if cfg.flavour == "gpt" and length > cfg.max_len:
+      raise ValueError(f"sequence length {length} exceeds model.max_len={cfg.max_len}; "
+                       "raise model.max_len or shorten the sequence")
+    if positions_bl is None:
+      positions_bl = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+    use_dropout = (not deterministic) and cfg.dropout_rate > 0.0
+    if use_dropout and dropout_rng is None:
+      raise ValueError("dropout_rng is required when deterministic=False and dropout > 0")
+
+    x = self.embed_tokens(tokens_bl, positions_bl)
+    if use_dropout:
+      dropout_rng, embed_rng = jax.random.split(dropout_rng)
+      x = blocks._dropout(x, cfg.dropout_rate, embed_rng)
+    x = constrain(x, ("batch", "length", "embed"))
+    mask = blocks.attention_mask(segment_ids_bl)
+    block = blocks.sequential_block if cfg.kind == "gpt" else blocks.parallel_block
+
+    if cfg.kind == "shared":
+      shared = {n: v.astype(jnp.dtype(cfg.dtype)) for n, v in self.stack.layer().items()}
+      inputs = {"t": stage_times(k, cfg.solver)}
+      dt = 1.0 / k
+      get = lambda inp: shared
+    else:
+      weights, dt = self.step_params(k)
+      inputs = {"w": weights}
+      get = lambda inp: inp["w"]
+    n_stages = jax.tree.leaves(inputs)[0].shape[1]
+    if use_dropout:
+      inputs["key"] = jax.random.split(dropout_rng, k * n_stages).reshape(k, n_stages)
+
+    def field(x_btd, inp):
+      out = block(x_btd, get(inp), cfg, mask, positions_bl, inp.get("key"))
+      return constrain(out, ("batch", "length", "embed"))
+
+    method = cfg.solver if cfg.is_ode else "euler"
+    out = fixed_step_solve(field, x, inputs, dt, method, cfg.remat_policy,
+                           return_trajectory=return_trajectory)
+    if return_trajectory:
+      x, traj = out
+      return self.logits(x), traj
+    return self.logits(out)
+
+
+def create_model(cfg: ModelConfig, *, seed: int = 0, rngs: Optional[nnx.Rngs] = None):
+  """Builds a model. Under `jax.set_mesh(mesh)` + `nnx.logical_axis_rules(rules)` its
+  params are created already sharded (inside one jit: no full replica on a host);
+  with no mesh in context they are ordinary unsharded arrays."""
+  rngs = rngs if rngs is not None else nnx.Rngs(seed)
+  if jax.sharding.get_abstract_mesh().empty:
+    with nnx.use_eager_sharding(False):
+      return LanguageModel(cfg, rngs=rngs)
+  return nnx.jit(lambda r: LanguageModel(cfg, rngs=r))(rngs)
