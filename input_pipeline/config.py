@@ -1,0 +1,27 @@
+"""Defaults for `config.data`, the input-pipeline section of every experiment config."""
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """All `data.*` keys with defaults: the embedded corpus, offline on any machine."""
+  c = ml_collections.ConfigDict()
+  # Where the text comes from: 'embedded' (the Python standard library's own .py
+  # files, offline everywhere), 'local' (train_files / eval_files), 'tfds:<name>'
+  # (any TFDS dataset prepared as array_record, e.g. 'tfds:lm1b', 'tfds:c4/en:3.1.0'),
+  # 'openwebtext' or 'wikitext103' (the paper's corpora; prepare them once with
+  # `python -m input_pipeline.prepare --dataset=<name> --data_dir=DIR`).
+  c.source = "embedded"
+  c.train_split = "train"      # split to train on (tfds / openwebtext / wikitext103); TFDS slices like 'train[:90%]' work
+  c.eval_split = ""            # split to evaluate on; '' = the source's own (validation, or test where there is none)
+  c.data_dir = ""              # TFDS data_dir holding prepared datasets; '' = TFDS default (~/tensorflow_datasets)
+  c.train_files = ""           # 'local': comma-separated globs of training text files
+  c.eval_files = ""            # 'local': comma-separated globs of validation text files
+  c.vocab_size = 2048          # SentencePiece vocabulary size (a given tokenizer_path must match it)
+  c.tokenizer_path = ""        # SentencePiece .model to use; '' = train on the training split and cache it
+  c.tokenizer_sample_bytes = 10_000_000  # bytes of training text the tokenizer is trained on
+  c.text_key = "text"          # feature holding the text in each example
+  c.worker_count = 0           # tokenizer worker processes (0 = tokenize in the training process)
+  c.shuffle_buffer = 256       # packed rows shuffled together after packing (0 or 1 = no row shuffle)
+  c.eval_max_batches = 0       # evaluate on at most this many batches (0 = the whole eval split)
+  c.cache_dir = ""             # tokenizers and prepared local text; '' = data_dir, else <workdir>/data_cache
+  return c

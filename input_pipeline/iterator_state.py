@@ -1,0 +1,98 @@
+"""Training-iterator state: JSON round trips and worker-count changes (grain 0.2.18).
+
+The training code saves `iter(datasets.train).get_state()` as JSON in each checkpoint
+and hands it back to `restore_iterator_state`, which repairs what JSON changed and,
+since the stream does not depend on `data.worker_count`, rewrites the document
+position for the current worker count. Both rely on grain 0.2.18's state layout;
+tests/test_input_pipeline.py pins the behaviour.
+"""
+from typing import Any
+
+import grain
+
+
+def fix_grain_state(state: Any) -> Any:
+  """Undoes what JSON does to grain 0.2.18 iterator states.
+
+  ConcatThenSplitIterDataset keeps `remainder_slices` as tuples and compares them with
+  the sentinel `(-1, -1)`; after JSON they are lists, the comparison fails and the
+  restored iterator resumes from the wrong place (see ../shared/STACK.md §4). The
+  interleave behind worker processes keys `future_states` by int; JSON makes them str.
+  """
+  if isinstance(state, dict):
+    out = {}
+    for k, v in state.items():
+      if k == "remainder_slices":
+        out[k] = {kk: tuple(vv) for kk, vv in v.items()}
+      elif k == "future_states":
+        out[k] = {int(kk): fix_grain_state(vv) for kk, vv in v.items()}
+      else:
+        out[k] = fix_grain_state(v)
+    return out
+  if isinstance(state, list):
+    return [fix_grain_state(x) for x in state]
+  return state
+
+
+def _documents_read(doc_state: dict[str, Any]) -> int | None:
+  """Documents consumed, from a tokenized-document stream's state (None: not one)."""
+  if set(doc_state) == {"next_index"}:
+    return doc_state["next_index"]
+  inner = doc_state.get("iterators_in_use_states")
+  if (isinstance(inner, list) and not doc_state.get("future_states")
+      and not any(doc_state.get("exhausted", []))
+      and doc_state.get("iterators_in_use_indices") == list(range(len(inner)))
+      and all(isinstance(x, dict) and set(x) == {"next_index"} for x in inner)):
+    return sum(x["next_index"] for x in inner)  # round-robin over strided worker slices
+  return None
+
+
+def _documents_state(read: int, num_workers: int) -> dict[str, Any]:
+  """The state of a tokenized-document stream that has consumed `read` documents."""
+  if num_workers == 0:
+    return {"next_index": read}
+  n = num_workers
+  return {"next_index_in_cycle": read % n, "next_index_in_datasets": n,
+          "iterators_in_use_indices": list(range(n)),
+          "iterators_in_use_states": [{"next_index": (read - i + n - 1) // n} for i in range(n)],
+          "exhausted": [0] * n, "future_states": {}}
+
+
+def _num_workers(state: Any) -> int | None:
+  """Worker count of the document stream inside a training iterator state."""
+  if isinstance(state, dict):
+    doc = state.get("parent_state")  # ConcatThenSplit's parent: the document stream
+    if isinstance(doc, dict) and _documents_read(doc) is not None:
+      inner = doc.get("iterators_in_use_states")
+      return 0 if inner is None else len(inner)
+    for v in state.values():
+      if (n := _num_workers(v)) is not None:
+        return n
+  return None
+
+
+def _with_workers(state: Any, num_workers: int) -> Any:
+  """Rewrites the document-stream states inside `state` for `num_workers` workers."""
+  if not isinstance(state, dict):
+    return state
+  out = {}
+  for k, v in state.items():
+    if k == "parent_state" and isinstance(v, dict) and (read := _documents_read(v)) is not None:
+      out[k] = _documents_state(read, num_workers)
+    else:
+      out[k] = _with_workers(v, num_workers)
+  return out
+
+
+def restore_iterator_state(iterator: grain.DatasetIterator, state: dict[str, Any]) -> None:
+  """Restores `iterator` (from `iter(datasets.train)`) to a JSON-loaded `get_state()`.
+
+  Besides undoing JSON's changes (`fix_grain_state`), this accepts a state saved with
+  another `data.worker_count`: the stream does not depend on it, so the position
+  (documents read) carries over exactly.
+  """
+  state = fix_grain_state(state)
+  workers_now = _num_workers(iterator.get_state())
+  if workers_now is not None and _num_workers(state) not in (None, workers_now):
+    state = _with_workers(state, workers_now)
+  iterator.set_state(state)

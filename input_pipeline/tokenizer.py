@@ -1,0 +1,158 @@
+"""SentencePiece BPE: trained once on a bounded sample of the training split, cached.
+
+Settings make the round trip lossless for any text (`decode(encode(s)) == s`):
+identity normalisation, no whitespace squeezing, byte fallback for unseen characters.
+Training sentences are chunks of whole lines that keep their newlines, so newlines
+and indentation get pieces of their own instead of falling back to bytes.
+Ids are fixed: pad=0, unk=1, bos=2, eos=3 (recorded in a json beside the model).
+"""
+from collections.abc import Iterator, Sequence
+import hashlib
+import io
+import json
+import os
+import pathlib
+import tempfile
+
+from absl import logging
+import numpy as np
+import sentencepiece as spm
+
+from input_pipeline.errors import DataError
+
+SPECIAL_IDS = {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
+# Bump when the trainer settings change, so cached tokenizers are not reused wrongly.
+TRAINER_VERSION = 1
+_SENTENCE_CHARS = 4000  # max_sentence_length is in bytes: 4000 chars <= 16000 bytes
+_MIN_VOCAB = 256 + len(SPECIAL_IDS) + 1  # byte fallback needs all 256 byte pieces
+
+
+def as_text(value) -> str:
+  """A document as str (TFDS sources give bytes)."""
+  if isinstance(value, bytes):
+    return value.decode("utf-8", errors="replace")
+  if isinstance(value, np.ndarray):  # a 0-d bytes array
+    return as_text(value.item())
+  return str(value)
+
+
+def _chunks(text: str) -> Iterator[str]:
+  """Whole lines (newlines kept) grouped into training sentences of <= _SENTENCE_CHARS."""
+  current, size = [], 0
+  for line in text.splitlines(keepends=True):
+    for start in range(0, len(line), _SENTENCE_CHARS):
+      piece = line[start:start + _SENTENCE_CHARS]
+      if size + len(piece) > _SENTENCE_CHARS and current:
+        yield "".join(current)
+        current, size = [], 0
+      current.append(piece)
+      size += len(piece)
+  if current:
+    yield "".join(current)
+
+
+def sample_text(source: Sequence, text_key: str, max_bytes: int) -> list[str]:
+  """Documents in a fixed pseudo-random order (seed 0) until `max_bytes` of UTF-8."""
+  order = np.random.default_rng(0).permutation(len(source))
+  docs, total = [], 0
+  for i in order:
+    text = as_text(source[int(i)][text_key])
+    docs.append(text)
+    total += len(text.encode("utf-8"))
+    if total >= max_bytes:
+      break
+  return docs
+
+
+def train(docs: Sequence[str], vocab_size: int) -> bytes:
+  """Trains a BPE model on `docs`; returns the serialized model proto."""
+  if vocab_size < _MIN_VOCAB:
+    raise DataError(f"data.vocab_size={vocab_size} is too small for a byte-fallback tokenizer; "
+                    f"fix: use data.vocab_size >= {_MIN_VOCAB}")
+  model = io.BytesIO()
+  sentences = (c for d in docs for c in _chunks(d))
+  try:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=sentences, model_writer=model, vocab_size=vocab_size,
+        model_type="bpe", character_coverage=1.0, byte_fallback=True,
+        pad_id=SPECIAL_IDS["pad"], unk_id=SPECIAL_IDS["unk"], bos_id=SPECIAL_IDS["bos"],
+        eos_id=SPECIAL_IDS["eos"], max_sentence_length=4 * _SENTENCE_CHARS,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
+        split_digits=True, allow_whitespace_only_pieces=True, num_threads=1,
+        minloglevel=2)
+  except RuntimeError as e:
+    raise DataError(f"SentencePiece training failed ({str(e).strip().splitlines()[-1]}); fix: lower "
+                    "data.vocab_size, raise data.tokenizer_sample_bytes or use a larger corpus") from e
+  return model.getvalue()
+
+
+def load(path: str, vocab_size: int) -> spm.SentencePieceProcessor:
+  """Loads a .model file; its vocab size and special ids must match the config."""
+  if not os.path.isfile(path):
+    raise DataError(f"tokenizer file {path} does not exist; fix: set data.tokenizer_path to an "
+                    "existing SentencePiece .model, or to '' to train one")
+  try:
+    sp = spm.SentencePieceProcessor(model_file=path)
+  except (OSError, RuntimeError) as e:
+    raise DataError(f"tokenizer file {path} is not a SentencePiece model ({e}); "
+                    "fix: point data.tokenizer_path at a .model file, or set it to '' to train one") from e
+  _check(sp, path, vocab_size)
+  return sp
+
+
+def _check(sp: spm.SentencePieceProcessor, path: str, vocab_size: int) -> None:
+  if sp.get_piece_size() != vocab_size:
+    raise DataError(f"tokenizer {path} has {sp.get_piece_size()} pieces but data.vocab_size="
+                    f"{vocab_size}; fix: set --config.data.vocab_size={sp.get_piece_size()} "
+                    "or use a tokenizer trained with that size")
+  ids = {"pad": sp.pad_id(), "unk": sp.unk_id(), "bos": sp.bos_id(), "eos": sp.eos_id()}
+  if ids != SPECIAL_IDS:
+    raise DataError(f"tokenizer {path} has special ids {ids}, expected {SPECIAL_IDS}; "
+                    "fix: train it with those ids, or set data.tokenizer_path='' to train one")
+
+
+def cache_path(cache_dir: str, fingerprint: str, text_key: str, vocab_size: int,
+               sample_bytes: int) -> pathlib.Path:
+  """Where the tokenizer for this (source, vocab size, sample size) is cached."""
+  key = json.dumps({"source": fingerprint, "text_key": text_key, "vocab_size": vocab_size,
+                    "sample_bytes": sample_bytes, "trainer": TRAINER_VERSION}, sort_keys=True)
+  digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+  slug = "".join(ch if ch.isalnum() else "_" for ch in fingerprint.split(":")[0])[:40]
+  return pathlib.Path(cache_dir, "tokenizers",
+                      f"spm_{slug}_v{vocab_size}_s{sample_bytes}_{digest}.model")
+
+
+def _write_atomic(path: pathlib.Path, data: bytes) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+  with os.fdopen(fd, "wb") as f:
+    f.write(data)
+  os.replace(tmp, path)
+
+
+def get_tokenizer(*, tokenizer_path: str, vocab_size: int, cache_dir: str, fingerprint: str,
+                  source: Sequence, text_key: str, sample_bytes: int,
+                  ) -> tuple[spm.SentencePieceProcessor, str]:
+  """Loads `tokenizer_path`, or the cached tokenizer for this corpus, training it if absent.
+
+  Returns:
+    (processor, path of its .model file).
+  """
+  if tokenizer_path:
+    return load(tokenizer_path, vocab_size), tokenizer_path
+  path = cache_path(cache_dir, fingerprint, text_key, vocab_size, sample_bytes)
+  if path.exists():
+    return load(str(path), vocab_size), str(path)
+  docs = sample_text(source, text_key, sample_bytes)
+  n_bytes = sum(len(d.encode("utf-8")) for d in docs)
+  logging.info("training a %d-piece SentencePiece BPE on %d bytes of %s", vocab_size, n_bytes,
+               fingerprint)
+  proto = train(docs, vocab_size)
+  sp = spm.SentencePieceProcessor(model_proto=proto)
+  _check(sp, str(path), vocab_size)
+  meta = {"special_ids": SPECIAL_IDS, "vocab_size": vocab_size, "source": fingerprint,
+          "text_key": text_key, "sample_bytes": sample_bytes, "sampled_bytes": n_bytes,
+          "model_type": "bpe", "trainer_version": TRAINER_VERSION}
+  _write_atomic(path.with_suffix(".json"), json.dumps(meta, indent=1).encode())
+  _write_atomic(path, proto)  # last: its existence means the cache entry is complete
+  return sp, str(path)

@@ -1,0 +1,423 @@
+"""Input pipeline: batch layout, packing, determinism, exact resume, sharding, eval, errors.
+
+A small synthetic corpus (written to a temp dir) keeps this fast: ~40 batches per
+epoch at seq_len 32, batch 4, vocab 512.
+"""
+import collections
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import shared_data_path
+from input_pipeline import DataError, create_datasets, restore_iterator_state
+from input_pipeline import config as config_lib
+from input_pipeline import corpora
+from input_pipeline import embedded
+from input_pipeline import local_text
+from input_pipeline import pipeline
+from input_pipeline import prepare
+from input_pipeline import sources
+from input_pipeline import tokenizer as tokenizer_lib
+
+SEQ, BATCH, VOCAB = 32, 4, 512
+KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
+
+
+def _text(rng, n_paragraphs: int) -> str:
+  syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "to", "vé", "zü", "an", "el", "or"]
+  words = ["".join(rng.choice(syllables, size=rng.integers(1, 4))) for _ in range(150)]
+  paragraphs = []
+  for _ in range(n_paragraphs):
+    sentences = [" ".join(rng.choice(words, size=rng.integers(4, 12))).capitalize() + "."
+                 for _ in range(rng.integers(1, 5))]
+    paragraphs.append(" ".join(sentences) + (" ✓ 42" if rng.random() < 0.2 else ""))
+  return "\n\n".join(paragraphs) + "\n"
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+  d = tmp_path_factory.mktemp("corpus")
+  rng = np.random.default_rng(0)
+  for i in range(16):
+    (d / f"train_{i:02d}.txt").write_text(_text(rng, 8), encoding="utf-8")
+  (d / "train_long.txt").write_text(_text(rng, 60), encoding="utf-8")  # split into docs
+  for i in range(3):
+    (d / f"valid_{i}.txt").write_text(_text(rng, 12), encoding="utf-8")
+  return d
+
+
+def _cfg(corpus_dir, tmp_dir, **overrides):
+  c = config_lib.get_config()
+  c.source = "local"
+  c.train_files = str(corpus_dir / "train_*.txt")
+  c.eval_files = str(corpus_dir / "valid_*.txt")
+  c.vocab_size = VOCAB
+  c.shuffle_buffer = 8
+  c.cache_dir = str(tmp_dir)
+  for k, v in overrides.items():
+    setattr(c, k, v)
+  return c
+
+
+def _create(cfg, seed=0, **kw):
+  args = dict(seq_len=SEQ, global_batch_size=BATCH, eval_batch_size=BATCH, seed=seed,
+              workdir=None)
+  args.update(kw)
+  return create_datasets(cfg, **args)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def ds(corpus_dir, cache):
+  return _create(_cfg(corpus_dir, cache))
+
+
+def _corpus(corpus_dir, cache):
+  return sources.open_corpus(_cfg(corpus_dir, cache), str(cache))
+
+
+def _take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def _equal(a, b):
+  return len(a) == len(b) and all(np.array_equal(x[k], y[k]) for x, y in zip(a, b) for k in KEYS)
+
+
+def _epoch_batches(ds, corpus_dir, cache) -> int:
+  corpus = _corpus(corpus_dir, cache)
+  n = sum(len(ds.tokenizer.encode(tokenizer_lib.as_text(d["text"]))) + 1 for d in corpus.train)
+  return n // (BATCH * (SEQ + 1))
+
+
+def _check_batch(b, local_batch=BATCH):
+  assert set(b) == set(KEYS)
+  for k in KEYS:
+    assert b[k].shape == (local_batch, SEQ), k
+    assert b[k].dtype == (np.float32 if k == "weights" else np.int32), k
+  np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
+  seg, pos = b["segment_ids"], b["positions"]
+  real = seg > 0
+  # padding only at the end of a row; segment ids 1, 2, ... in order
+  assert np.all(np.diff(real.astype(int), axis=1) <= 0)
+  assert np.all(np.diff(seg, axis=1)[real[:, 1:]] >= 0)
+  assert np.all(seg[:, 0][real[:, 0]] == 1)
+  # positions restart at 0 exactly where a document starts, else count up by one
+  starts = np.concatenate([real[:, :1], (seg[:, 1:] != seg[:, :-1]) & real[:, 1:]], axis=1)
+  assert np.all(pos[starts] == 0)
+  inner = real & ~starts
+  assert np.all(pos[:, 1:][inner[:, 1:]] == pos[:, :-1][inner[:, 1:]] + 1)
+  assert np.all(pos[~real] == 0) and np.all(b["inputs"][~real] == 0)
+  # weights: 1 where the target is a real token; padding only where it is zero
+  assert set(np.unique(b["weights"])) <= {0.0, 1.0}
+  assert np.all(b["weights"][:, :-1] == real[:, 1:])
+
+
+def test_train_batches_layout(ds):
+  it = iter(ds.train)
+  batches = _take(it, 60)  # more than one epoch
+  for b in batches:
+    _check_batch(b)
+    assert b["weights"].all()  # the training stream is infinite: no padding
+    assert b["inputs"].max() < ds.vocab_size
+  assert ds.vocab_size == VOCAB == ds.tokenizer.get_piece_size()
+  assert (ds.tokenizer.pad_id(), ds.tokenizer.unk_id(), ds.tokenizer.bos_id(),
+          ds.tokenizer.eos_id()) == (0, 1, 2, 3)
+  assert any((b["segment_ids"] > 1).any() for b in batches)  # documents were packed together
+  assert any((b["inputs"] == 3).any() for b in batches)  # eos after each document
+
+
+def test_packing_loses_and_duplicates_no_token(ds, corpus_dir, cache):
+  corpus = _corpus(corpus_dir, cache)
+  proto = ds.tokenizer.serialized_model_proto()
+  docs = [np.asarray(ds.tokenizer.encode(tokenizer_lib.as_text(d["text"])) + [3])
+          for d in corpus.train]
+  common = dict(seq_len=SEQ, text_key="text", seed=5, worker_count=0, num_epochs=1)
+  # Without row shuffling the packed rows are exactly the shuffled documents, in order.
+  rows = list(pipeline.packed_rows(corpus.train, proto, shuffle_buffer=0, **common))
+  order = list(pipeline.tokenized_documents(corpus.train, proto, text_key="text", seed=5,
+                                            num_epochs=1, worker_count=0))
+  packed = np.concatenate([r["tokens"][r["tokens_segment_ids"] > 0] for r in rows])
+  np.testing.assert_array_equal(packed, np.concatenate([d["tokens"] for d in order]))
+  assert sorted(map(tuple, (d["tokens"] for d in order))) == sorted(map(tuple, docs))
+  # With row shuffling: the same multiset of tokens, as many as the tokenized corpus.
+  rows = list(pipeline.packed_rows(corpus.train, proto, shuffle_buffer=8, **common))
+  packed = np.concatenate([r["tokens"][r["tokens_segment_ids"] > 0] for r in rows])
+  assert len(packed) == sum(map(len, docs))
+  assert collections.Counter(packed.tolist()) == collections.Counter(np.concatenate(docs).tolist())
+
+
+def test_documents_reshuffled_every_epoch(ds, corpus_dir, cache):
+  corpus = _corpus(corpus_dir, cache)
+  docs = pipeline.tokenized_documents(corpus.train, ds.tokenizer.serialized_model_proto(),
+                                      text_key="text", seed=0, num_epochs=2, worker_count=0)
+  docs = [tuple(d["tokens"]) for d in docs]
+  n = len(corpus.train)
+  assert len(docs) == 2 * n
+  assert sorted(docs[:n]) == sorted(docs[n:]) and docs[:n] != docs[n:]
+
+
+def test_seed_determinism(ds, corpus_dir, cache):
+  first = _take(iter(ds.train), 10)
+  again = _take(iter(_create(_cfg(corpus_dir, cache)).train), 10)
+  other = _take(iter(_create(_cfg(corpus_dir, cache), seed=1).train), 10)
+  assert _equal(first, again)
+  assert not any(np.array_equal(a["inputs"], b["inputs"]) for a, b in zip(first, other))
+
+
+def _states_and_next(it, stops, k=3):
+  """Runs `it` to each n in `stops`; returns {n: (JSON-round-tripped state, next k batches)}."""
+  out, done = {}, 0
+  for n in stops:
+    _take(it, n - done)
+    state = json.loads(json.dumps(it.get_state()))
+    out[n] = (state, _take(it, k))
+    done = n + k
+  return out
+
+
+def test_resume_exact_after_json_round_trip(ds, corpus_dir, cache):
+  epoch = _epoch_batches(ds, corpus_dir, cache)
+  stops = (1, 7, epoch + 2)
+  saved = _states_and_next(iter(ds.train), stops)
+  fresh = _create(_cfg(corpus_dir, cache))  # as after a restart
+  for n in stops:
+    state, expected = saved[n]
+    it = iter(fresh.train)
+    restore_iterator_state(it, state)
+    assert _equal(_take(it, 3), expected), n
+
+
+def test_plain_set_state_after_json_is_the_grain_bug(ds):
+  """Documents why restore_iterator_state exists (grain 0.2.18, STACK.md §4)."""
+  it = iter(ds.train)
+  _take(it, 1)
+  state = json.loads(json.dumps(it.get_state()))
+  expected = _take(it, 3)
+  naive = iter(ds.train)
+  naive.set_state(state)
+  assert not _equal(_take(naive, 3), expected)
+
+
+def test_workers_same_stream_and_exact_resume(ds, corpus_dir, cache):
+  epoch = _epoch_batches(ds, corpus_dir, cache)
+  stops = (1, 7, epoch + 2)
+  saved0 = _states_and_next(iter(ds.train), stops)  # no workers
+  wds = _create(_cfg(corpus_dir, cache, worker_count=2))
+  it = iter(wds.train)
+  try:
+    saved2 = _states_and_next(it, stops)
+  finally:
+    it.close()
+  for n in stops:  # tokenizing in workers does not change the stream
+    assert _equal(saved2[n][1], saved0[n][1]), n
+  it = iter(wds.train)  # a fresh iterator, restored in turn to each saved state
+  try:
+    for n in stops:
+      restore_iterator_state(it, saved2[n][0])
+      assert _equal(_take(it, 3), saved2[n][1]), n
+      restore_iterator_state(it, saved0[n][0])  # saved with worker_count=0
+      assert _equal(_take(it, 3), saved0[n][1]), n
+  finally:
+    it.close()
+  for n in stops:  # saved with 2 workers, resumed with none
+    it = iter(ds.train)
+    restore_iterator_state(it, saved2[n][0])
+    assert _equal(_take(it, 3), saved2[n][1]), n
+
+
+def test_processes_get_disjoint_slices_of_the_global_batch(ds, corpus_dir, cache):
+  whole = _take(iter(ds.train), 5)
+  parts = [_take(iter(_create(_cfg(corpus_dir, cache), process_index=p, process_count=2).train), 5)
+           for p in range(2)]
+  for i, b in enumerate(whole):
+    for p in range(2):
+      _check_batch(parts[p][i], local_batch=BATCH // 2)
+      for k in KEYS:
+        np.testing.assert_array_equal(parts[p][i][k], b[k][p * 2:(p + 1) * 2])
+
+
+def _eval_docs(ds, corpus_dir, cache):
+  corpus = _corpus(corpus_dir, cache)
+  return [ds.tokenizer.encode(tokenizer_lib.as_text(d["text"])) + [3] for d in corpus.eval]
+
+
+def test_eval_scores_every_token_once(ds, corpus_dir, cache):
+  batches = list(ds.eval_batches())
+  for b in batches:
+    _check_batch(b)
+  docs = _eval_docs(ds, corpus_dir, cache)
+  n_tokens = sum(map(len, docs))
+  assert sum(b["weights"].sum() for b in batches) == n_tokens
+  # the scored targets, in order, are exactly the eval split's tokens: nothing dropped
+  scored = np.concatenate([b["targets"][b["weights"] > 0] for b in batches])
+  np.testing.assert_array_equal(scored, np.concatenate(docs))
+  assert n_tokens % (BATCH * SEQ) != 0 and batches[-1]["weights"].sum() < BATCH * SEQ  # padded tail
+  assert _equal(batches, list(ds.eval_batches()))  # deterministic, fresh pass each call
+
+
+def test_eval_processes_and_max_batches(ds, corpus_dir, cache):
+  whole = list(ds.eval_batches())
+  parts = [list(_create(_cfg(corpus_dir, cache), process_index=p, process_count=2).eval_batches())
+           for p in range(2)]
+  assert len(parts[0]) == len(parts[1]) == len(whole)
+  for i, b in enumerate(whole):
+    for k in KEYS:
+      np.testing.assert_array_equal(np.concatenate([parts[0][i][k], parts[1][i][k]]), b[k])
+  limited = list(_create(_cfg(corpus_dir, cache, eval_max_batches=2)).eval_batches())
+  assert _equal(limited, whole[:2])
+
+
+def test_eval_rows_segments_and_positions():
+  docs = [np.array([10, 11, 12]), np.array([20]), np.array([30, 31, 32, 33, 34, 35])]
+  rows = list(pipeline.eval_rows(docs, seq_len=4, eos_id=3))
+  stream = np.concatenate([[3]] + docs)
+  assert len(rows) == 3  # 10 targets / 4 per row, tail padded
+  np.testing.assert_array_equal(rows[0]["inputs"], [3, 10, 11, 12])
+  np.testing.assert_array_equal(rows[0]["segment_ids"], [1, 2, 2, 2])
+  np.testing.assert_array_equal(rows[0]["positions"], [0, 0, 1, 2])
+  np.testing.assert_array_equal(rows[1]["inputs"], [20, 30, 31, 32])  # 12 was the last target
+  np.testing.assert_array_equal(rows[1]["segment_ids"], [1, 2, 2, 2])
+  np.testing.assert_array_equal(rows[2]["inputs"], [33, 34, 35, 0])
+  np.testing.assert_array_equal(rows[2]["targets"], [34, 35, 0, 0])
+  np.testing.assert_array_equal(rows[2]["segment_ids"], [1, 1, 1, 0])
+  np.testing.assert_array_equal(rows[2]["weights"], [1, 1, 0, 0])
+  scored = np.concatenate([r["targets"][r["weights"] > 0] for r in rows])
+  np.testing.assert_array_equal(scored, stream[1:])
+
+
+@pytest.mark.parametrize("name", ["wikitext-2/valid.txt", "tinyshakespeare/input.txt"])
+def test_tokenizer_round_trip_on_real_text(name, tmp_path):
+  text = shared_data_path(*name.split("/")).read_text(encoding="utf-8")
+  docs = local_text.split_documents(text)
+  sp, path = tokenizer_lib.get_tokenizer(
+      tokenizer_path="", vocab_size=1024, cache_dir=str(tmp_path), fingerprint=f"test:{name}",
+      source=[{"text": d.encode()} for d in docs], text_key="text", sample_bytes=300_000)
+  assert sp.decode(sp.encode(text)) == text
+  odd = "import os\nprint('héllo wörld ✓')\n\n\tx  =  1  # 数学 🚀\r\n"
+  assert sp.decode(sp.encode(odd)) == odd
+  assert len(sp.encode(text)) < len(text.encode()) / 2  # it learned real pieces
+  meta = json.loads(open(path.replace(".model", ".json")).read())
+  assert meta["special_ids"] == {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
+  assert meta["vocab_size"] == 1024 and meta["sample_bytes"] == 300_000
+
+
+def test_tokenizer_cache_key_and_reuse(tmp_path, monkeypatch):
+  source = [{"text": _text(np.random.default_rng(i), 20).encode()} for i in range(5)]
+  kw = dict(tokenizer_path="", cache_dir=str(tmp_path), source=source, text_key="text")
+  sp, path = tokenizer_lib.get_tokenizer(vocab_size=400, fingerprint="a", sample_bytes=10**6, **kw)
+  monkeypatch.setattr(tokenizer_lib, "train", lambda *a: pytest.fail("retrained a cached tokenizer"))
+  sp2, path2 = tokenizer_lib.get_tokenizer(vocab_size=400, fingerprint="a", sample_bytes=10**6, **kw)
+  assert path2 == path and sp2.serialized_model_proto() == sp.serialized_model_proto()
+  others = {str(tokenizer_lib.cache_path(str(tmp_path), *args)) for args in
+            [("b", "text", 400, 10**6), ("a", "text", 512, 10**6), ("a", "text", 400, 10**5)]}
+  assert path not in others and len(others) == 3
+  # given explicitly, the same file loads; with a wrong vocab size it is a clear error
+  assert tokenizer_lib.load(path, 400).get_piece_size() == 400
+
+
+def _assert_data_error(fn, *fragments):
+  with pytest.raises(DataError) as e:
+    fn()
+  msg = str(e.value)
+  assert "\n" not in msg and "fix" in msg, msg
+  for f in fragments:
+    assert f in msg, msg
+
+
+def test_bad_inputs_raise_clear_data_errors(ds, corpus_dir, cache, tmp_path):
+  mk = lambda **o: (lambda: _create(_cfg(corpus_dir, cache, **o)))
+  _assert_data_error(mk(train_files=str(tmp_path / "nope" / "*.txt")), "no file matches", "nope")
+  _assert_data_error(mk(eval_files=""), "data.eval_files is empty")
+  (tmp_path / "empty.txt").write_text("\n  \n\n")
+  _assert_data_error(mk(train_files=str(tmp_path / "empty.txt")), "contain no text")
+  _assert_data_error(mk(source="nonsense"), "unknown data.source", "'nonsense'")
+  _assert_data_error(mk(source="tfds:no_such_dataset_xyz"), "unknown TFDS dataset")
+  _assert_data_error(mk(source="tfds:tiny_shakespeare", data_dir=str(tmp_path / "tfds")),
+                     "not prepared", "input_pipeline.prepare --dataset=tfds:tiny_shakespeare")
+  _assert_data_error(mk(source="openwebtext", data_dir=str(tmp_path / "tfds")),
+                     "not prepared", "input_pipeline.prepare --dataset=openwebtext")
+  _assert_data_error(mk(tokenizer_path=ds.tokenizer_path, vocab_size=VOCAB * 2),
+                     f"has {VOCAB} pieces but data.vocab_size={VOCAB * 2}",
+                     f"vocab_size={VOCAB}")
+  _assert_data_error(mk(tokenizer_path=str(tmp_path / "missing.model")), "does not exist")
+  _assert_data_error(mk(text_key="content"), "no feature 'content'")
+  _assert_data_error(mk(vocab_size=100), "too small")
+  _assert_data_error(lambda: _create(_cfg(corpus_dir, cache), process_count=3),
+                     "global_batch_size=4", "multiple of 3")
+
+
+def test_split_documents_bounded_and_lossless():
+  text = _text(np.random.default_rng(3), 80) + "x" * 9000 + "\n"
+  docs = local_text.split_documents(text, max_chars=1000)
+  assert all(0 < len(d) <= 1000 for d in docs)
+  assert "".join(docs).replace("\n", "") == text.replace("\n", "")
+  assert len(docs) > 10 and all(d.strip() == d.strip("\n").strip() for d in docs)
+  assert local_text.split_documents("\n \n") == []
+
+
+def test_embedded_corpus_is_offline_and_deterministic(tmp_path):
+  files = embedded.corpus_files()
+  assert files == embedded.corpus_files()
+  assert files["train"] and files["validation"]
+  assert not set(files["train"]) & set(files["validation"])
+  total = sum(os.path.getsize(f) for f in files["train"] + files["validation"])
+  assert total <= embedded.MAX_TOTAL_BYTES
+  c = config_lib.get_config()  # the default: source='embedded'
+  c.vocab_size, c.tokenizer_sample_bytes = VOCAB, 500_000
+  d = create_datasets(c, seq_len=SEQ, global_batch_size=BATCH, eval_batch_size=BATCH, seed=0,
+                      workdir=str(tmp_path))
+  _check_batch(next(iter(d.train)))
+  assert os.path.isdir(tmp_path / "data_cache" / "tokenizers")
+  assert "def " in d.tokenizer.decode(next(iter(d.eval_batches()))["inputs"].ravel().tolist())
+
+
+def test_openwebtext_holdout_is_deterministic():
+  held = [i for i in range(200_000) if corpora.is_heldout(i)]
+  assert held == [i for i in range(200_000) if corpora.is_heldout(i)]
+  assert 60 <= len(held) <= 140  # 0.05% of 200k = 100
+
+
+def test_openwebtext_prepare_path_on_fake_documents(tmp_path):
+  docs = [f"document {i}: " + "lorem ipsum " * (i % 7 + 1) for i in range(300)]
+  builder = corpora.Openwebtext(data_dir=str(tmp_path), file_format="array_record",
+                                raw_documents=lambda: iter(docs), test_fraction=0.1)
+  builder.download_and_prepare()
+  srcs = builder.as_data_source()
+  train = {tokenizer_lib.as_text(x["text"]) for x in srcs["train"]}
+  test = {tokenizer_lib.as_text(x["text"]) for x in srcs["test"]}
+  assert test == {d for i, d in enumerate(docs) if corpora.is_heldout(i, 0.1)}
+  assert train == set(docs) - test and 10 < len(test) < 60
+  # the pipeline then reads it like any prepared corpus
+  corpus = sources.open_corpus(_cfg_for("openwebtext", tmp_path), str(tmp_path))
+  assert corpus.eval_split == "test" and len(corpus.eval) == len(test)
+
+
+def _cfg_for(source, data_dir):
+  c = config_lib.get_config()
+  c.source, c.data_dir, c.vocab_size = source, str(data_dir), VOCAB
+  return c
+
+
+def test_wikitext103_articles_and_prepare_command(tmp_path):
+  raw = tmp_path / "raw"
+  raw.mkdir()
+  article = lambda t: f" = {t} = \n \n Some text about {t} . \n \n = = Section = = \n \n More . \n \n"
+  for name, titles in (("train", ["A", "B", "C"]), ("valid", ["D"]), ("test", ["E", "F"])):
+    (raw / f"wiki.{name}.raw").write_text(" \n" + "".join(article(t) for t in titles))
+  arts = list(corpora.split_wikitext_articles(open(raw / "wiki.train.raw")))
+  assert len(arts) == 3 and arts[1].startswith(" = B = ") and "= = Section = =" in arts[1]
+  summary = prepare.prepare("wikitext103", str(tmp_path / "tfds"), raw_dir=str(raw),
+                            vocab_size=300, sample_bytes=10_000)
+  assert "'train': 3" in summary and "'validation': 1" in summary and "tokenizer" in summary
+  c = _cfg_for("wikitext103", tmp_path / "tfds")
+  c.vocab_size, c.tokenizer_sample_bytes = 300, 10_000
+  d = create_datasets(c, seq_len=8, global_batch_size=2, eval_batch_size=2, seed=0, workdir=None)
+  _ = next(iter(d.train))
+  assert d.tokenizer_path == summary.split("tokenizer ")[1]  # prepared once, reused
