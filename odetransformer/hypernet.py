@@ -24,6 +24,7 @@ Initialisation (why a fresh model is well scaled at any K):
   x0 = √d·embedding (as Gemma does), std 0.02·√d: without it x0 ≈ 0.02 sits in
   LayerNorm's stiff region (Jacobian ~ 1/|x|) and the solve depends strongly on K.
 """
+import functools
 import math
 
 import jax
@@ -64,6 +65,33 @@ class TimeMLP(nnx.Module):
     return jnp.sqrt(jnp.mean(jnp.square(h)) + 1e-12)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def generate_weights(h_kd, proj_dn, acc_dtype):
+  """[K, d_t] @ [d_t, N] -> [K, N] (accumulated in `acc_dtype`): all K steps' weights.
+
+  Same math as `jnp.dot`; the custom backward computes the code gradient as
+  (P @ dWᵀ)ᵀ instead of autodiff's dW @ Pᵀ. Both read P once, but XLA's CPU GEMM
+  runs the latter (tiny [K, d_t] output, contraction over all N weight entries) ~7×
+  slower; on GPU the two are the same cuBLAS call with other transpose flags.
+  """
+  return jnp.dot(h_kd, proj_dn, preferred_element_type=acc_dtype)
+
+
+def _generate_fwd(h_kd, proj_dn, acc_dtype):
+  return generate_weights(h_kd, proj_dn, acc_dtype), (h_kd, proj_dn)
+
+
+def _generate_bwd(acc_dtype, residuals, g_kn):
+  h_kd, proj_dn = residuals
+  g = g_kn.astype(proj_dn.dtype)
+  d_h = jnp.dot(proj_dn, g.T, preferred_element_type=acc_dtype).T.astype(h_kd.dtype)
+  d_proj = jnp.dot(h_kd.T, g, preferred_element_type=acc_dtype).astype(proj_dn.dtype)
+  return d_h, d_proj
+
+
+generate_weights.defvjp(_generate_fwd, _generate_bwd)
+
+
 class WeightGenerator(nnx.Module):
   """W(t) = P·h(t) + P0 for one layer param; P is [d_t, *shape]."""
 
@@ -85,8 +113,8 @@ class WeightGenerator(nnx.Module):
     """[K, d_t] codes -> [K, *shape] weights: one GEMM, f32 accumulation."""
     proj = self.proj[...]
     d_t = proj.shape[0]
-    w = jnp.dot(h_kd.astype(dtype), proj.reshape(d_t, -1).astype(dtype),
-                preferred_element_type=jnp.promote_types(dtype, jnp.float32))
+    w = generate_weights(h_kd.astype(dtype), proj.reshape(d_t, -1).astype(dtype),
+                         jnp.promote_types(dtype, jnp.float32))
     w = w.reshape((h_kd.shape[0],) + proj.shape[1:]) + self.base[...]
     return w.astype(dtype)
 

@@ -392,3 +392,28 @@ def test_discrete_model_rejects_other_depth():
   model = create_model(dataclasses.replace(TINY, kind="gpt"), seed=0)
   with pytest.raises(ValueError, match="materialize"):
     model(tokens(), num_steps=TINY.num_steps + 1)
+
+
+def test_generate_weights_custom_gradient_matches_autodiff():
+  from odetransformer.hypernet import generate_weights
+  h = jax.random.normal(jax.random.key(0), (5, 7))
+  p = jax.random.normal(jax.random.key(1), (7, 33))
+  g = jax.random.normal(jax.random.key(2), (5, 33))
+  custom = jax.vjp(lambda a, b: generate_weights(a, b, jnp.float32), h, p)
+  plain = jax.vjp(lambda a, b: a @ b, h, p)
+  np.testing.assert_allclose(custom[0], plain[0], rtol=1e-6, atol=1e-6)
+  for c, r in zip(custom[1](g), plain[1](g)):
+    np.testing.assert_allclose(c, r, rtol=1e-5, atol=1e-5)
+
+
+def test_param_count_matches_allocated_model_and_gpt2():
+  from odetransformer.param_count import count_params, paper_config
+  for cfg in (TINY, dataclasses.replace(TINY, kind="gpt"),
+              dataclasses.replace(TINY, flavour="llama", shared_time_mlp=True)):
+    allocated = sum(x.size for x in jax.tree.leaves(nnx.state(create_model(cfg), nnx.Param)))
+    assert count_params(cfg) == allocated
+  # GPT-2 closed form: tokens + positions + L·(attention 4d²+4d, MLP 8d²+5d, 2 norms 4d)
+  # + final norm 2d.
+  v, t, d, layers = 50304, 1024, 768, 12
+  closed = v * d + t * d + layers * (12 * d * d + 13 * d) + 2 * d
+  assert count_params(paper_config("gpt-small", kind="gpt")) == closed
