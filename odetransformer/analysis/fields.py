@@ -1,0 +1,87 @@
+"""A model's layer weights (along t, or per layer) and its vector field for one sequence.
+
+The ODE kinds have weights at every t ∈ [0, 1] ('diffeqformer': W(t) from the
+hypernetworks; 'shared': the same layer at every t). The discrete kinds ('gpt',
+'parallel') have L layers, and their "vector field" is the per-layer residual update
+with dt = 1, so x_{l+1} = x_l + F_l(x_l) is the same Euler recursion as the ODE's
+x_{k+1} = x_k + dt·F(x_k, t_k). The analysis runs in float32 (or the dtype asked for),
+whatever the model's compute dtype.
+"""
+import dataclasses
+from typing import Callable, Optional
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from odetransformer import blocks
+from odetransformer.solvers import stage_times
+
+
+@dataclasses.dataclass
+class StepWeights:
+  """Per-step layer params of the Euler recursion x_{k+1} = x_k + dt·F(x_k; weights[k])."""
+  weights: dict        # name -> [K, *shape]
+  dt: float            # 1/K for ODE kinds, 1 for discrete kinds
+  times: np.ndarray    # [K]: t_k = k/K (ODE kinds) or the layer index (discrete kinds)
+  axis_label: str      # 't' or 'layer'
+
+
+def is_continuous(cfg) -> bool:
+  """True when the model's weights are a function of t (ODE kinds)."""
+  return cfg.kind in ("diffeqformer", "shared")
+
+
+def weights_at(model, ts, dtype=jnp.float32) -> dict:
+  """Layer params at times `ts` [T] of an ODE model: name -> [T, *shape]."""
+  cfg = model.config
+  ts = jnp.asarray(ts, jnp.float32)
+  if cfg.kind == "diffeqformer":
+    # One compiled program instead of dozens of eagerly dispatched small ones.
+    weights = nnx.jit(lambda stack, ts: stack(ts, jnp.float32))(model.stack, ts)
+    return {n: w.astype(dtype) for n, w in weights.items()}
+  if cfg.kind == "shared":
+    return {n: jnp.broadcast_to(w.astype(dtype), ts.shape + w.shape)
+            for n, w in model.stack.layer().items()}
+  raise ValueError(f"kind={cfg.kind!r} has no weights along t; use layer_weights")
+
+
+def layer_weights(model, dtype=jnp.float32) -> dict:
+  """The L layers of a discrete model: name -> [L, *shape]."""
+  cfg = model.config
+  if is_continuous(cfg):
+    raise ValueError(f"kind={cfg.kind!r} is an ODE; use weights_at")
+  return {n: w.astype(dtype) for n, w in model.stack.layers().items()}
+
+
+def euler_steps(model, num_steps: Optional[int] = None, dtype=jnp.float32) -> StepWeights:
+  """The weights of each Euler step: W(t_k) at t_k = k/K (ODE kinds), or the layers."""
+  cfg = model.config
+  k = model.resolve_num_steps(num_steps)
+  if is_continuous(cfg):
+    ts = stage_times(k, "euler")[:, 0]
+    return StepWeights(weights_at(model, ts, dtype), 1.0 / k, np.asarray(ts), "t")
+  return StepWeights(layer_weights(model, dtype), 1.0, np.arange(k, dtype=np.float32), "layer")
+
+
+def vector_field(cfg, length: int) -> Callable:
+  """F(x_ld; p) -> [l, d] for one causal sequence of `length` tokens at positions 0…l-1.
+
+  The parallel block for ODE and 'parallel' models; GPT's sequential block returned as
+  its residual update for 'gpt' models. No dropout.
+  """
+  block = blocks.sequential_block if cfg.kind == "gpt" else blocks.parallel_block
+  positions = jnp.arange(length, dtype=jnp.int32)[None]
+
+  def field(x_ld, p):
+    return block(x_ld[None], p, cfg, None, positions, None)[0]
+
+  return field
+
+
+def embed(model, tokens_l, dtype=jnp.float32):
+  """The solver's initial state x0 [l, d] for one sequence (input scale included)."""
+  tokens = jnp.asarray(tokens_l, jnp.int32)[None]
+  positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+  return model.embed_tokens(tokens, positions)[0].astype(dtype)
+

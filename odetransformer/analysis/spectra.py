@@ -1,0 +1,250 @@
+"""Spectral flow of the attention and feed-forward weights (paper §5.1, Fig. 2a/b, App. E).
+
+Per head h, the eigenvalues of
+
+    W_QK,h = W_Q,h W_K,hᵀ   (d×d, rank ≤ head_dim)   — who talks to whom,
+    W_OV,h = W_V,h W_O,h    (d×d, rank ≤ head_dim)   — what is passed on,
+
+and of the feed-forward product W_FF = W_1 W_2 (d×d), along t on any grid (an ODE's
+weights are continuous in t) or per layer for a discrete model. A d×d product of rank
+head_dim has d − head_dim zero eigenvalues; the other head_dim are those of the small
+matrix with the factors swapped (AB and BA share their non-zero spectrum), so QK and OV
+report the head_dim eigenvalues of W_K,hᵀ W_Q,h and W_O,h W_V,h. The raw weights are
+used: no 1/√head_dim score scale, no norm scales, no dt (materialised models have dt
+folded into W_O and W_2). For the Llama flavour W_FF ignores the gate W_3.
+
+    python -m odetransformer.analysis.spectra --workdir=W --out=DIR [--grid=64]
+
+writes DIR/spectra.npz, DIR/spectra_{qk,ov,ff}.png and prints one summary line.
+"""
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Optional
+
+import numpy as np
+
+from odetransformer.analysis import fields
+
+
+@dataclasses.dataclass
+class Spectra:
+  """Eigenvalues along t (or per layer), each set sorted by descending real part."""
+  times: np.ndarray       # [T] times t, or layer indices
+  axis_label: str         # 't' or 'layer'
+  qk: np.ndarray          # complex [T, heads, head_dim]
+  ov: np.ndarray          # complex [T, heads, head_dim]
+  ff: np.ndarray          # complex [T, d]
+  kind: str = ""
+
+
+def _sorted_desc(eigs):
+  """Sorts the last axis by descending real part (then imaginary part)."""
+  return np.sort(eigs, axis=-1)[..., ::-1]
+
+
+def eigenvalues(weights: dict) -> dict:
+  """{'qk', 'ov', 'ff'} eigenvalues of stacked layer params (numpy, float64).
+
+  Args:
+    weights: name -> [T, *shape] with 'wq', 'wk', 'wv' [T, d, n, h], 'wo' [T, n, h, d],
+      'w1' [T, d, f], 'w2' [T, f, d].
+  Returns:
+    'qk' [T, n, h], 'ov' [T, n, h], 'ff' [T, d]: complex, sorted by descending real part.
+  """
+  w = {k: np.asarray(weights[k], np.float64) for k in ("wq", "wk", "wv", "wo", "w1", "w2")}
+  kq = np.einsum("tdna,tdnb->tnab", w["wk"], w["wq"])   # W_K,hᵀ W_Q,h   [h, h]
+  ov = np.einsum("tnad,tdnb->tnab", w["wo"], w["wv"])   # W_O,h W_V,h    [h, h]
+  ff = np.einsum("tdf,tfe->tde", w["w1"], w["w2"])      # W_1 W_2        [d, d]
+  return {"qk": _sorted_desc(np.linalg.eigvals(kq)),
+          "ov": _sorted_desc(np.linalg.eigvals(ov)),
+          "ff": _sorted_desc(np.linalg.eigvals(ff))}
+
+
+_NEEDED = ("wq", "wk", "wv", "wo", "w1", "w2")
+
+
+def compute_spectra(model, grid: int = 64, chunk: int = 16) -> Spectra:
+  """Spectra of a model: on `grid` points t ∈ [0, 1] (ODE kinds) or per layer.
+
+  An ODE's weights are generated `chunk` times at a time, so memory stays that of
+  `chunk` layers whatever the grid.
+  """
+  cfg = model.config
+  if fields.is_continuous(cfg):
+    if grid < 2:
+      raise ValueError(f"grid={grid} must be at least 2 points")
+    times = np.linspace(0.0, 1.0, grid, dtype=np.float32)
+    parts = []
+    for ts in np.array_split(times, -(-grid // max(1, chunk))):
+      weights = fields.weights_at(model, ts)
+      parts.append(eigenvalues({k: weights[k] for k in _NEEDED}))
+    eigs = {k: np.concatenate([p[k] for p in parts]) for k in ("qk", "ov", "ff")}
+    label = "t"
+  else:
+    weights = fields.layer_weights(model)
+    eigs, label = eigenvalues({k: weights[k] for k in _NEEDED}), "layer"
+    times = np.arange(cfg.num_steps, dtype=np.float32)
+  return Spectra(times=times, axis_label=label, kind=cfg.kind, **eigs)
+
+
+def spread(eigs) -> np.ndarray:
+  """Range of the real parts, max Re λ − min Re λ, per set: [T, (heads)]."""
+  re = np.real(eigs)
+  return re.max(-1) - re.min(-1)
+
+
+def spread_along(spectra: Spectra) -> dict:
+  """Per matrix, the spread along the axis: QK and OV averaged over heads. name -> [T]."""
+  return {"qk": spread(spectra.qk).mean(-1), "ov": spread(spectra.ov).mean(-1),
+          "ff": spread(spectra.ff)}
+
+
+def summary_line(spectra: Spectra) -> str:
+  """One line: how the eigenvalue spread changes from the first to the last t (or layer)."""
+  t = spectra.times
+  parts = []
+  for name, s in spread_along(spectra).items():
+    ratio = s[-1] / s[0] if s[0] > 0 else float("inf")
+    parts.append(f"{name.upper()} {s[0]:.3g}→{s[-1]:.3g} (×{ratio:.2f}, "
+                 f"peak {s.max():.3g} at {spectra.axis_label}={t[int(np.argmax(s))]:.3g})")
+  where = (f"t ∈ [{t[0]:.3g}, {t[-1]:.3g}], {len(t)} points" if spectra.axis_label == "t"
+           else f"{len(t)} layers")
+  return (f"spectra ({spectra.kind}, {where}): eigenvalue spread max−min Re λ "
+          f"(QK/OV mean over heads), first→last: " + "; ".join(parts))
+
+
+def save_npz(spectra: Spectra, path: str) -> None:
+  spreads = spread_along(spectra)
+  np.savez(path, times=spectra.times, axis_label=spectra.axis_label, kind=spectra.kind,
+           qk=spectra.qk, ov=spectra.ov, ff=spectra.ff,
+           qk_spread=spreads["qk"], ov_spread=spreads["ov"], ff_spread=spreads["ff"])
+
+
+# ------------------------------------------------------------------------------ plots
+def _lines(ax, x, values, cmap, marker):
+  """One line per eigenvalue rank (values [T, r], already ordered per t)."""
+  from matplotlib.ticker import MaxNLocator  # pylint: disable=g-import-not-at-top
+  r = values.shape[-1]
+  colors = cmap(np.linspace(0.0, 1.0, max(r, 2)))
+  for j in range(r):
+    ax.plot(x, values[:, j], color=colors[j], lw=1.0, marker=marker, ms=3)
+  if marker:   # per layer: integer ticks
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def plot_heads(eigs, times, axis_label: str, title: str, path: str, max_cols: int = 8):
+  """Real part (sorted) and magnitude (sorted) vs t, one column per head."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  n = eigs.shape[1]
+  cols = min(n, max_cols)
+  blocks = -(-n // cols)
+  fig, axes = plt.subplots(2 * blocks, cols, figsize=(2.6 * cols + 0.6, 4.4 * blocks),
+                           squeeze=False, sharex=True)
+  marker = "o" if axis_label == "layer" else None
+  re = np.sort(np.real(eigs), axis=-1)[..., ::-1]
+  mag = np.sort(np.abs(eigs), axis=-1)[..., ::-1]
+  re_lim = (re.min(), re.max())
+  mag_lim = (0.0, mag.max())
+  pad = lambda lo, hi: (lo - 0.05 * (hi - lo + 1e-12), hi + 0.05 * (hi - lo + 1e-12))
+  for h in range(blocks * cols):
+    b, c = divmod(h, cols)
+    ax_re, ax_mag = axes[2 * b, c], axes[2 * b + 1, c]
+    if h >= n:
+      ax_re.axis("off")
+      ax_mag.axis("off")
+      continue
+    _lines(ax_re, times, re[:, h], plt.cm.coolwarm_r, marker)
+    _lines(ax_mag, times, mag[:, h], plt.cm.viridis, marker)
+    ax_re.axhline(0.0, color="k", lw=0.5)
+    ax_re.set_ylim(*pad(*re_lim))
+    ax_mag.set_ylim(*pad(*mag_lim))
+    ax_re.set_title(f"head {h}", fontsize=9)
+    if c == 0:
+      ax_re.set_ylabel("Re λ")
+      ax_mag.set_ylabel("|λ|")
+    ax_mag.set_xlabel(axis_label)
+    for ax in (ax_re, ax_mag):
+      ax.tick_params(labelsize=7)
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def plot_ff(eigs, times, axis_label: str, title: str, path: str):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  fig, (ax_re, ax_mag) = plt.subplots(1, 2, figsize=(9, 3.6))
+  marker = "o" if axis_label == "layer" else None
+  _lines(ax_re, times, np.sort(np.real(eigs), -1)[:, ::-1], plt.cm.coolwarm_r, marker)
+  _lines(ax_mag, times, np.sort(np.abs(eigs), -1)[:, ::-1], plt.cm.viridis, marker)
+  ax_re.axhline(0.0, color="k", lw=0.5)
+  ax_re.set_ylabel("Re λ")
+  ax_mag.set_ylabel("|λ|")
+  for ax in (ax_re, ax_mag):
+    ax.set_xlabel(axis_label)
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def write_outputs(spectra: Spectra, out_dir: str) -> dict:
+  """spectra.npz, spectra_summary.json and the three PNGs; returns name -> path."""
+  os.makedirs(out_dir, exist_ok=True)
+  paths = {"npz": os.path.join(out_dir, "spectra.npz"),
+           "summary": os.path.join(out_dir, "spectra_summary.json"),
+           "qk": os.path.join(out_dir, "spectra_qk.png"),
+           "ov": os.path.join(out_dir, "spectra_ov.png"),
+           "ff": os.path.join(out_dir, "spectra_ff.png")}
+  save_npz(spectra, paths["npz"])
+  spreads = spread_along(spectra)
+  with open(paths["summary"], "w") as f:
+    json.dump({"kind": spectra.kind, "axis": spectra.axis_label,
+               "times": spectra.times.tolist(),
+               "spread": {k: v.tolist() for k, v in spreads.items()},
+               "summary": summary_line(spectra)}, f, indent=1)
+  where = f"({spectra.kind})"
+  plot_heads(spectra.qk, spectra.times, spectra.axis_label,
+             f"eigenvalues of W_Q,h W_K,hᵀ per head {where}", paths["qk"])
+  plot_heads(spectra.ov, spectra.times, spectra.axis_label,
+             f"eigenvalues of W_V,h W_O,h per head {where}", paths["ov"])
+  plot_ff(spectra.ff, spectra.times, spectra.axis_label,
+          f"eigenvalues of W_1 W_2 {where}", paths["ff"])
+  return paths
+
+
+# -------------------------------------------------------------------------------- CLI
+def parse_args(argv):
+  p = argparse.ArgumentParser(
+      prog="python -m odetransformer.analysis.spectra",
+      description="Eigenvalues of W_QK, W_OV per head and of W_1 W_2, along t or per layer.")
+  p.add_argument("--workdir", required=True, help="training run directory (main.py --workdir)")
+  p.add_argument("--out", required=True, help="output directory for .npz, .json and PNGs")
+  p.add_argument("--grid", type=int, default=64,
+                 help="points t in [0, 1] for ODE models (discrete models: every layer)")
+  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  return p.parse_args(argv)
+
+
+def main(argv: Optional[list] = None) -> Spectra:
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
+  loaded = load_model(args.workdir, step=args.step)
+  spectra = compute_spectra(loaded.model, args.grid)
+  paths = write_outputs(spectra, args.out)
+  print(summary_line(spectra))
+  print(f"wrote {', '.join(paths.values())}")
+  return spectra
+
+
+if __name__ == "__main__":
+  main()
