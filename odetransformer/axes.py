@@ -20,8 +20,8 @@ LOGICAL_AXES = (
 )
 
 # Parameters whose paths contain one of these are excluded from weight decay:
-# norms (time-dependent or not) and biases (time-dependent or not).
-NO_DECAY_NAMES = ("norm", "bias", "bq", "bk", "bv", "bo", "b1", "b2")
+# norms and biases (time-dependent or not), and LoRA adapters.
+NO_DECAY_NAMES = ("norm", "bias", "bq", "bk", "bv", "bo", "b1", "b2", "lora")
 
 
 def is_decayed(path) -> bool:

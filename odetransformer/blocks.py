@@ -25,6 +25,7 @@ class ParamSpec:
                    # | 'norm_scale' | 'norm_shift'
   group: str       # params sharing one hypernetwork MLP (a linear layer, or a norm)
   fan_in: int = 1
+  n_in: int = 1    # leading input axes of a weight (wo: heads, kv); the rest are outputs
 
 
 def layer_param_specs(cfg: ModelConfig) -> dict:
@@ -40,7 +41,7 @@ def layer_param_specs(cfg: ModelConfig) -> dict:
     specs[f"w{proj}"] = ParamSpec((d, n, h), ("embed", "heads", "kv"), "in", proj, d)
     if gpt:
       specs[f"b{proj}"] = ParamSpec((n, h), ("heads", "kv"), "bias", proj)
-  specs["wo"] = ParamSpec((n, h, d), ("heads", "kv", "embed"), "out", "o", d)
+  specs["wo"] = ParamSpec((n, h, d), ("heads", "kv", "embed"), "out", "o", d, n_in=2)
   if gpt:
     specs["bo"] = ParamSpec((d,), ("embed",), "out_bias", "o")
   specs["w1"] = ParamSpec((d, f), ("embed", "mlp"), "in", "fc1", d)

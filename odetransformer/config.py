@@ -44,6 +44,11 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.rope_base = 10000.0        # llama flavour
   c.norm_eps = 1e-5
   c.embed_scale = 0.0          # multiplier on input embeddings; 0 = √d for ODE kinds, 1 otherwise
+  # LoRA on a discrete model's stacked layers (fine-tuning; odetransformer/finetune.py):
+  c.lora_rank = 0              # 0 = no adapters; > 0 freezes the layers and trains A·B
+  c.lora_alpha = 16.0          # adapter scale alpha / rank
+  c.lora_targets = "wq,wk,wv,wo"   # comma-separated layer weights to adapt (wq wk wv wo w1 w2 w3)
+  c.lora_train_embeddings = False  # also train embeddings, positions, final norm, head
   return c
 
 
@@ -71,6 +76,10 @@ class ModelConfig:
   rope_base: float = 10000.0
   norm_eps: float = 1e-5
   embed_scale: float = 0.0
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple = ("wq", "wk", "wv", "wo")
+  lora_train_embeddings: bool = False
 
   def __post_init__(self):
     def choice(name, options):
@@ -96,6 +105,16 @@ class ModelConfig:
                        "change model.d_model or model.num_heads")
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
+    if self.lora_rank < 0:
+      raise ValueError(f"model.lora_rank={self.lora_rank} must be >= 0")
+    if self.lora_rank and self.is_ode:
+      raise ValueError("LoRA adapts discrete layers; materialise the ODE first "
+                       "(finetune.method='lora' does this)")
+    weights = {"wq", "wk", "wv", "wo", "w1", "w2"} | ({"w3"} if self.flavour == "llama" else set())
+    bad = sorted(set(self.lora_targets) - weights)
+    if self.lora_rank and bad:
+      raise ValueError(f"model.lora_targets has {bad}, not layer weights of this model; "
+                       f"choose from {sorted(weights)}")
     if self.time_hidden < 0:
       raise ValueError(f"model.time_hidden={self.time_hidden} must be >= 0 (0 = d_model)")
 
@@ -104,6 +123,11 @@ class ModelConfig:
     """Builds the model config from `config.model`; unknown keys are an error."""
     fields = {f.name for f in dataclasses.fields(cls)}
     values = dict(config)
+    targets = values.get("lora_targets")
+    if isinstance(targets, str):
+      values["lora_targets"] = tuple(t.strip() for t in targets.split(",") if t.strip())
+    elif targets is not None:
+      values["lora_targets"] = tuple(targets)
     unknown = sorted(set(values) - fields)
     if unknown:
       raise ValueError(f"unknown model config keys {unknown}; valid keys: {sorted(fields)}")

@@ -33,23 +33,57 @@ def _init_layer_param(key, spec: blocks.ParamSpec, std: float, dtype, lead=()):
   return (jnp.ones if spec.role == "norm_scale" else jnp.zeros)(shape, dtype)
 
 
+class Frozen(nnx.Variable):
+  """A weight held fixed in training: not an `nnx.Param`, so it gets no gradient and no
+  optimizer state (LoRA's base weights), yet it is checkpointed and sharded as usual."""
+
+
+class LoraParam(nnx.Param):
+  """A LoRA factor (A or B)."""
+
+
 class DiscreteStack(nnx.Module):
-  """L independent layers, stored stacked [L, …] (logical axis 'layers')."""
+  """L independent layers, stored stacked [L, …] (logical axis 'layers').
+
+  With `cfg.lora_rank > 0` the layers are `Frozen` and each target weight gets
+  adapters A [L, in, r] ~ N(0, 1/in), B [L, r, out] = 0: W = W0 + (alpha/r)·A·B, equal
+  to W0 at initialisation.
+  """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     dtype = jnp.dtype(cfg.param_dtype)
     self.specs = blocks.layer_param_specs(cfg)
+    self.lora_scale = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
+    var = Frozen if cfg.lora_rank else nnx.Param
     params = {}
     for name, spec in self.specs.items():
       # GPT-2 initialisation: N(0, 0.02²), output projections scaled by 1/√(2L).
       std = EMBED_STD / (math.sqrt(2 * cfg.num_steps) if spec.role == "out" else 1.0)
-      params[name] = nnx.Param(
+      params[name] = var(
           _init_layer_param(rngs.params(), spec, std, dtype, lead=(cfg.num_steps,)),
           out_sharding=("layers",) + spec.axes)
     self.params = nnx.Dict(params)
+    if cfg.lora_rank:
+      adapters = {}
+      for name in cfg.lora_targets:
+        spec = self.specs[name]
+        n_in = math.prod(spec.shape[:spec.n_in])
+        n_out = math.prod(spec.shape[spec.n_in:])
+        a = jax.random.normal(rngs.params(), (cfg.num_steps, n_in, cfg.lora_rank), dtype)
+        adapters[name] = nnx.Dict(
+            a=LoraParam(a / math.sqrt(n_in), out_sharding=("layers", None, None)),
+            b=LoraParam(jnp.zeros((cfg.num_steps, cfg.lora_rank, n_out), dtype),
+                        out_sharding=("layers", None, None)))
+      self.lora = nnx.Dict(adapters)
 
   def layers(self):
-    return {name: p[...] for name, p in self.params.items()}
+    out = {name: p[...] for name, p in self.params.items()}
+    if self.lora_scale:
+      for name, ab in self.lora.items():
+        w = out[name]
+        delta = jnp.einsum("lir,lro->lio", ab["a"][...], ab["b"][...])
+        out[name] = w + (self.lora_scale * delta).reshape(w.shape).astype(w.dtype)
+    return out
 
 
 class SharedLayer(nnx.Module):
@@ -75,10 +109,12 @@ class LanguageModel(nnx.Module):
     self.config = cfg
     dtype = jnp.dtype(cfg.param_dtype)
     d = cfg.d_model
-    self.embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, d), dtype)
+    # With LoRA, the non-layer weights train only when asked to.
+    var = Frozen if cfg.lora_rank and not cfg.lora_train_embeddings else nnx.Param
+    self.embed = var(jax.random.normal(rngs.params(), (cfg.vocab_size, d), dtype)
                            * EMBED_STD, out_sharding=("vocab", "embed"))
     if cfg.flavour == "gpt":
-      self.pos_embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.max_len, d), dtype)
+      self.pos_embed = var(jax.random.normal(rngs.params(), (cfg.max_len, d), dtype)
                                  * EMBED_STD, out_sharding=("length", "embed"))
     if cfg.kind == "diffeqformer":
       self.stack = HyperNetwork(cfg, rngs=rngs)
@@ -86,11 +122,11 @@ class LanguageModel(nnx.Module):
       self.stack = SharedLayer(cfg, rngs=rngs)
     else:
       self.stack = DiscreteStack(cfg, rngs=rngs)
-    self.final_norm_scale = nnx.Param(jnp.ones((d,), dtype), out_sharding=("embed",))
+    self.final_norm_scale = var(jnp.ones((d,), dtype), out_sharding=("embed",))
     if cfg.flavour == "gpt":
-      self.final_norm_shift = nnx.Param(jnp.zeros((d,), dtype), out_sharding=("embed",))
+      self.final_norm_shift = var(jnp.zeros((d,), dtype), out_sharding=("embed",))
     if not cfg.tie_embeddings:
-      self.head = nnx.Param(jax.random.normal(rngs.params(), (d, cfg.vocab_size), dtype)
+      self.head = var(jax.random.normal(rngs.params(), (d, cfg.vocab_size), dtype)
                             * EMBED_STD, out_sharding=("embed", "vocab"))
 
   # ---------------------------------------------------------------------------------

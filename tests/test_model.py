@@ -417,3 +417,32 @@ def test_param_count_matches_allocated_model_and_gpt2():
   v, t, d, layers = 50304, 1024, 768, 12
   closed = v * d + t * d + layers * (12 * d * d + 13 * d) + 2 * d
   assert count_params(paper_config("gpt-small", kind="gpt")) == closed
+
+
+def test_lora_starts_at_base_trains_adapters_only_and_merges():
+  from odetransformer.lora import merge_lora
+  from odetransformer.model import Frozen, LoraParam
+  base = materialize(create_model(TINY, seed=20), 5)
+  cfg = dataclasses.replace(base.config, lora_rank=2, lora_alpha=4.0,
+                            lora_targets=("wq", "wo", "w2"))
+  lora = create_model(cfg, seed=21)
+  # Copy the base weights into the frozen slots.
+  nnx.update(lora, jax.tree.map(lambda x: x, nnx.state(base)))
+  toks = tokens(22)
+  np.testing.assert_array_equal(np.asarray(lora(toks)), np.asarray(base(toks)))
+  trainable = nnx.state(lora, nnx.Param)
+  assert all(isinstance(v, LoraParam) for v in jax.tree.leaves(
+      trainable, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  assert isinstance(lora.stack.params["wq"], Frozen) and isinstance(lora.embed, Frozen)
+  before = jax.tree.map(np.asarray, nnx.state(lora, Frozen))
+  opt = nnx.Optimizer(lora, optax.adam(1e-2), wrt=nnx.Param)
+  for _ in range(3):
+    grads = nnx.grad(lambda m: token_cross_entropy(m(toks[:, :-1]), toks[:, 1:])[0])(lora)
+    opt.update(lora, grads)
+  after = nnx.state(lora, Frozen)
+  jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, after))
+  assert not np.array_equal(np.asarray(lora(toks)), np.asarray(base(toks)))
+  merged = merge_lora(lora)
+  assert merged.config.lora_rank == 0
+  np.testing.assert_allclose(np.asarray(merged(toks)), np.asarray(lora(toks)),
+                             atol=1e-5, rtol=1e-5)
