@@ -1,0 +1,283 @@
+r"""Perplexity of a trained model over a whole split, at one or several solver step counts.
+
+  python -m odetransformer.evaluate --workdir=W [--num_steps=6,9,12,18,24] \
+      [--data=SOURCE | --data=local:GLOB] [--split=SPLIT] [--data_dir=DIR] \
+      [--seq_len=L] [--batch_size=B] [--max_batches=0] [--step=S]
+
+The data is the run's own `config.data` eval split unless `--data` names another
+source (any `data.source` string: 'embedded', 'tfds:<name>', 'wikitext103', …, or
+`local:<comma-separated globs>` for text files). It is read by the training
+pipeline's eval pass (`input_pipeline.create_datasets(...).eval_batches()`): every token
+of the split (each document and its eos) is a target exactly once, the last batch padded
+and masked. Text is always tokenized with the run's own tokenizer.
+
+ODE checkpoints are evaluated at each N of `--num_steps` (default: the training K) by
+the model's own N-step solve; discrete models only at their own depth. One compiled
+scorer per N; every batch has the same shape.
+"""
+import dataclasses
+import functools
+import logging as std_logging
+import math
+import os
+import sys
+import time
+from typing import Callable, Iterable, Iterator, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from odetransformer.model import LanguageModel
+
+_LOCAL_PREFIX = "local:"
+
+
+class _QuietOrbax(std_logging.Filter):
+  """Drops orbax's info and warning chatter about a read-only checkpoint load."""
+
+  def filter(self, record):
+    return record.levelno >= std_logging.ERROR or "/orbax/" not in record.pathname
+
+
+def quiet_orbax(cli: bool = False) -> None:
+  """Hides orbax's non-error log lines (tools that only restore a model); for a
+  command line (`cli`), also absl INFO lines of other libraries."""
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  if cli and absl_logging.get_verbosity() >= absl_logging.INFO:
+    absl_logging.set_verbosity(absl_logging.WARNING)
+  logger = std_logging.getLogger("absl")
+  if not any(isinstance(f, _QuietOrbax) for f in logger.filters):
+    logger.addFilter(_QuietOrbax())
+
+
+# --------------------------------------------------------------------------------------
+# Tokenizer of a run
+# --------------------------------------------------------------------------------------
+def run_tokenizer_path(workdir: str, config: Optional[ml_collections.ConfigDict] = None) -> str:
+  """The .model file of a run's tokenizer.
+
+  `<workdir>/tokenizer.model` if present, else `data.tokenizer_path`, else the
+  tokenizer the run's data config trained and cached (found, or re-created
+  deterministically, by `input_pipeline.create_datasets`).
+  """
+  from odetransformer import checkpointing  # pylint: disable=g-import-not-at-top
+  from odetransformer.loading import TOKENIZER_FILE  # pylint: disable=g-import-not-at-top
+  path = os.path.join(workdir, TOKENIZER_FILE)
+  if os.path.exists(path):
+    return path
+  config = checkpointing.load_config(workdir) if config is None else config
+  if config.data.get("tokenizer_path") and os.path.exists(config.data.tokenizer_path):
+    return config.data.tokenizer_path
+  import input_pipeline  # pylint: disable=g-import-not-at-top
+  ds = input_pipeline.create_datasets(
+      config.data, seq_len=int(config.seq_len), global_batch_size=1, eval_batch_size=1,
+      seed=int(config.seed), workdir=workdir, process_index=0, process_count=1)
+  std_logging.getLogger(__name__).warning(
+      "%s has no %s: using the tokenizer its data config caches (%s)", workdir,
+      TOKENIZER_FILE, ds.tokenizer_path)
+  return ds.tokenizer_path
+
+
+def load_run_tokenizer(workdir: str, config: Optional[ml_collections.ConfigDict] = None):
+  """The run's SentencePiece processor (pad=0, unk=1, bos=2, eos=3)."""
+  from input_pipeline import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  from odetransformer import checkpointing  # pylint: disable=g-import-not-at-top
+  config = checkpointing.load_config(workdir) if config is None else config
+  return tokenizer_lib.load(run_tokenizer_path(workdir, config), int(config.data.vocab_size))
+
+
+# --------------------------------------------------------------------------------------
+# Scoring
+# --------------------------------------------------------------------------------------
+def _score_batch(graphdef, num_steps, state, batch):
+  """(sum of weighted target NLL, sum of weights, weighted correct argmax), float32."""
+  model = nnx.merge(graphdef, state)
+  logits = model(batch["inputs"], segment_ids_bl=batch.get("segment_ids"),
+                 positions_bl=batch.get("positions"), num_steps=num_steps)
+  logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), -1)
+  target_logp = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+  w = batch["weights"].astype(target_logp.dtype)
+  correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(w.dtype)
+  return -jnp.sum(target_logp * w), jnp.sum(w), jnp.sum(correct * w)
+
+
+@dataclasses.dataclass
+class Result:
+  """Perplexity of one model at one step count."""
+  num_steps: int
+  num_tokens: int
+  loss: float          # mean NLL per token (nats)
+  perplexity: float
+  accuracy: float      # next-token argmax accuracy
+  seconds: float
+
+
+def evaluate_model(model: LanguageModel, batches: Iterable[dict],
+                   num_steps: Optional[int] = None) -> Result:
+  """Token-weighted NLL over `batches` (dicts with inputs, targets, weights and
+  optionally segment_ids, positions), summed in float64 on the host."""
+  k = model.resolve_num_steps(num_steps)
+  graphdef, state = nnx.split(model)
+  score = jax.jit(functools.partial(_score_batch, graphdef, k))  # compiled once per call
+  nll, count, correct = 0.0, 0.0, 0.0
+  t0 = time.perf_counter()
+  for batch in batches:
+    batch = {key: np.asarray(batch[key]) for key in
+             ("inputs", "targets", "weights", "segment_ids", "positions") if key in batch}
+    s_nll, s_w, s_c = jax.device_get(score(state, batch))
+    nll, count, correct = nll + float(s_nll), count + float(s_w), correct + float(s_c)
+  if count == 0:
+    raise ValueError("the evaluation data holds no scored tokens")
+  loss = nll / count
+  return Result(num_steps=k, num_tokens=int(round(count)), loss=loss,
+                perplexity=math.exp(min(loss, 700.0)), accuracy=correct / count,
+                seconds=time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class EvalData:
+  batches: Callable[[], Iterator[dict]]   # a fresh pass over the split per call
+  description: str
+
+
+def eval_data(workdir: str, config: ml_collections.ConfigDict, *, data: str = "",
+              split: str = "", data_dir: str = "", seq_len: int = 0, batch_size: int = 0,
+              max_batches: int = 0, tokenizer_path: str = "") -> EvalData:
+  """The eval pass of the run's data config, with the given overrides.
+
+  Args:
+    workdir: the run (its data cache is reused).
+    config: the run's ConfigDict.
+    data: '' (the run's source), a `data.source` string, or 'local:<globs>'.
+    split: eval split for TFDS-style sources ('' = the run's, or the source's default).
+    data_dir: TFDS data_dir ('' = the run's).
+    seq_len, batch_size: rows of the eval batches (0 = the run's seq_len / eval_batch_size).
+    max_batches: stop after this many batches (0 = the whole split).
+    tokenizer_path: the run's tokenizer ('' = `run_tokenizer_path`).
+  """
+  import input_pipeline  # pylint: disable=g-import-not-at-top
+  d = ml_collections.ConfigDict(config.data.to_dict())
+  d.tokenizer_path = tokenizer_path or run_tokenizer_path(workdir, config)
+  if data.startswith(_LOCAL_PREFIX):
+    globs = data[len(_LOCAL_PREFIX):]
+    d.source, d.eval_files, d.train_files = "local", globs, globs  # train: unused, must exist
+  elif data:
+    d.source = data
+  if split:
+    if d.source in ("embedded", "local"):
+      raise ValueError(f"--split applies to TFDS-style sources, not {d.source!r}; "
+                       "evaluate other text with --data=local:<glob>")
+    d.eval_split = split
+  if data_dir:
+    d.data_dir = data_dir
+  d.eval_max_batches = int(max_batches)
+  seq_len = int(seq_len or config.seq_len)
+  batch_size = int(batch_size or config.eval_batch_size)
+  ds = input_pipeline.create_datasets(d, seq_len=seq_len, global_batch_size=batch_size,
+                                      eval_batch_size=batch_size, seed=int(config.seed),
+                                      workdir=workdir, process_index=0, process_count=1)
+  if d.source == "local":
+    where = f"files {d.eval_files}"
+  elif d.source == "embedded":
+    where = "validation files"
+  else:
+    where = f"split {d.eval_split!r}" if d.eval_split else "validation/test split"
+  return EvalData(batches=ds.eval_batches,
+                  description=f"{d.source} ({where}), rows of {seq_len} tokens, "
+                              f"batches of {batch_size}")
+
+
+def evaluate(workdir: str, num_steps: Sequence[Optional[int]] = (None,), *, step=None,
+             **data_kwargs) -> list:
+  """Loads the checkpoint and returns a `Result` per entry of `num_steps`."""
+  from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
+  loaded = load_model(workdir, step=step)
+  for n in num_steps:
+    loaded.model.resolve_num_steps(n)  # fail before reading data
+  data = eval_data(workdir, loaded.config, **data_kwargs)
+  return [evaluate_model(loaded.model, data.batches(), n) for n in num_steps]
+
+
+# --------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------
+def parse_num_steps(text: str) -> list:
+  """'6,9,12' -> [6, 9, 12]; '' -> [None] (the training K)."""
+  if not text.strip():
+    return [None]
+  try:
+    return [int(v) for v in text.split(",") if v.strip()]
+  except ValueError as e:
+    raise ValueError(f"--num_steps={text!r}: expected comma-separated integers") from e
+
+
+def format_table(results: Sequence[Result], trained_k: int) -> str:
+  lines = [f"{'N':>5} {'tokens':>10} {'loss':>8} {'perplexity':>12} {'accuracy':>9} {'time':>7}"]
+  for r in results:
+    mark = "  (training K)" if r.num_steps == trained_k else ""
+    lines.append(f"{r.num_steps:>5} {r.num_tokens:>10,} {r.loss:>8.4f} {r.perplexity:>12.3f} "
+                 f"{r.accuracy:>9.4f} {r.seconds:>6.1f}s{mark}")
+  return "\n".join(lines)
+
+
+def main(argv, flag_values=None):
+  """The command line (flags: `define_flags`); `flag_values` defaults to absl's FLAGS."""
+  del argv
+  from input_pipeline import DataError  # pylint: disable=g-import-not-at-top
+  from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  f = flags.FLAGS if flag_values is None else flag_values
+  quiet_orbax(cli=True)
+  try:
+    steps = parse_num_steps(f.num_steps)
+    loaded = load_model(f.workdir, step=f.step)
+    cfg = loaded.model_config
+    for n in steps:
+      loaded.model.resolve_num_steps(n)
+    data = eval_data(f.workdir, loaded.config, data=f.data, split=f.split,
+                     data_dir=f.data_dir, seq_len=f.seq_len, batch_size=f.batch_size,
+                     max_batches=f.max_batches)
+  except (FileNotFoundError, ValueError, DataError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(f"checkpoint step {loaded.step} of {f.workdir}: {cfg.kind}/{cfg.flavour}"
+        + (f", {cfg.solver} solver" if cfg.is_ode else "") + f", trained at K={cfg.num_steps}")
+  print(f"data: {data.description}" + (f", first {f.max_batches} batches" if f.max_batches
+                                      else ", whole split"))
+  results = []
+  for n in steps:
+    results.append(evaluate_model(loaded.model, data.batches(), n))
+  print(format_table(results, cfg.num_steps))
+
+
+def define_flags(flag_values=None):
+  """Defines this command's flags in `flag_values` (default: absl's global FLAGS)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  fv = flags.FLAGS if flag_values is None else flag_values
+  define = lambda kind, name, default, text: getattr(flags, f"DEFINE_{kind}")(
+      name, default, text, flag_values=fv)
+  define("string", "workdir", None, "Training run directory (config.json + checkpoints/).")
+  define("string", "num_steps", "",
+         "Comma-separated solver step counts N (ODE kinds); '' = the training K.")
+  define("integer", "step", None, "Checkpoint step (default: the latest).")
+  define("string", "data", "", "Data source ('' = the run's config.data.source), e.g. "
+         "'tfds:lm1b', 'wikitext103', or 'local:<comma-separated globs>'.")
+  define("string", "split", "", "Eval split of TFDS-style sources ('' = the run's).")
+  define("string", "data_dir", "", "TFDS data_dir ('' = the run's).")
+  define("integer", "seq_len", 0, "Tokens per row (0 = the run's seq_len).")
+  define("integer", "batch_size", 0, "Rows per batch (0 = the run's eval_batch_size).")
+  define("integer", "max_batches", 0, "Stop after this many batches (0 = the whole split).")
+  flags.mark_flag_as_required("workdir", flag_values=fv)
+  return fv
+
+
+if __name__ == "__main__":
+  from absl import app  # pylint: disable=g-import-not-at-top
+  define_flags()
+  app.run(main)

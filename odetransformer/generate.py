@@ -1,0 +1,240 @@
+r"""Sampling from a trained model with a KV cache.
+
+  python -m odetransformer.generate --workdir=W --prompt="def main(" \
+      [--num_steps=N] [--max_new_tokens=64] [--temperature=0.8] [--top_k=0] [--top_p=1.0] \
+      [--seed=0] [--num_samples=1] [--step=S]
+
+Loads the latest checkpoint of W, prepares it for cached decoding at N steps
+(`decode.Decoder`: an Euler ODE is materialised into N layers with W(t_k) precomputed;
+discrete models run their own layers) and samples in one jitted program: a prefill of
+the (right-padded) prompts, then one `jax.lax.while_loop` over new tokens with a fixed
+[slots, b, max_len, heads, head_dim] cache. Temperature, top-k and top-p are traced
+values, so changing them does not recompile; temperature 0 is greedy decoding.
+"""
+import functools
+import sys
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from odetransformer.decode import Decoder, KVCache
+
+PAD_ID = 0
+
+
+# --------------------------------------------------------------------------------------
+# Sampling
+# --------------------------------------------------------------------------------------
+def filter_logits(logits_bv, top_k=0, top_p=1.0):
+  """Logits with -inf outside the top-k / nucleus (top-p) set of each row.
+
+  top-k keeps the k largest logits (ties broken by lower token id); top-p then keeps
+  the smallest prefix of the remaining tokens, by decreasing probability, whose mass
+  reaches `top_p` (the most likely token always stays). `top_k <= 0` and `top_p >= 1`
+  switch a filter off. Both may be traced values.
+  """
+  logits = logits_bv.astype(jnp.promote_types(logits_bv.dtype, jnp.float32))
+  vocab = logits.shape[-1]
+  order = jnp.argsort(-logits, axis=-1, stable=True)              # rank r -> token id
+  sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+  rank = jnp.arange(vocab)
+  keep = (top_k <= 0) | (rank < top_k)
+  probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  keep = keep & ((top_p >= 1.0) | (mass_before < top_p) | (rank == 0))
+  keep_bv = jnp.take_along_axis(keep, jnp.argsort(order, axis=-1), axis=-1)
+  return jnp.where(keep_bv, logits, -jnp.inf)
+
+
+def sample_logits(logits_bv, rng, temperature=1.0, top_k=0, top_p=1.0):
+  """One token per row: argmax when temperature == 0, else a filtered softmax sample."""
+  logits = logits_bv.astype(jnp.promote_types(logits_bv.dtype, jnp.float32))
+  greedy = jnp.argmax(logits, axis=-1)
+  safe_t = jnp.where(temperature > 0, temperature, 1.0)
+  filtered = filter_logits(logits / safe_t, top_k, top_p)
+  sampled = jax.random.categorical(rng, filtered, axis=-1)
+  return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------------------
+# The decode loop
+# --------------------------------------------------------------------------------------
+class Sampler:
+  """Batched sampling from a `Decoder`; the loop is compiled once per shape.
+
+  Args:
+    decoder: the prepared model.
+    eos_id: generation of a row stops after it samples this token (None: never).
+  """
+
+  def __init__(self, decoder: Decoder, eos_id: Optional[int] = None):
+    self.decoder = decoder
+    self.eos_id = -1 if eos_id is None else int(eos_id)
+
+  def __call__(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+               rng=None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+               prompt_len: Optional[int] = None):
+    """Samples continuations of token prompts.
+
+    Args:
+      prompts: b non-empty lists of token ids.
+      max_new_tokens: tokens to sample per row (fewer when every row hit eos).
+      rng: PRNG key (default key 0).
+      temperature, top_k, top_p: see `sample_logits`.
+      prompt_len: pad prompts to this length (default: the longest prompt); a fixed
+        value lets prompts of any length share one compiled program.
+    Returns:
+      int32 numpy [b, max_new_tokens]: sampled ids; after a row's eos, PAD_ID.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+      raise ValueError("every prompt needs at least one token (use [eos] to start a document)")
+    if max_new_tokens <= 0:
+      raise ValueError(f"max_new_tokens={max_new_tokens} must be positive")
+    longest = max(len(p) for p in prompts)
+    prompt_len = longest if prompt_len is None else int(prompt_len)
+    if longest > prompt_len:
+      raise ValueError(f"a prompt has {longest} tokens, more than prompt_len={prompt_len}")
+    cache_len = prompt_len + max_new_tokens
+    limit = self.decoder.max_positions()
+    if limit is not None and cache_len > limit:
+      raise ValueError(f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) = {cache_len} "
+                       f"exceeds the model's {limit} learned positions (model.max_len)")
+    tokens = np.full((len(prompts), prompt_len), PAD_ID, np.int32)
+    for i, p in enumerate(prompts):
+      tokens[i, :len(p)] = p
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    rng = jax.random.key(0) if rng is None else rng
+    d = self.decoder
+    out = _sample_loop(d.step_fn(), d.num_slots, d.config, d.params, tokens, lengths, rng,
+                       jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
+                       jnp.int32(self.eos_id), max_new_tokens=int(max_new_tokens),
+                       cache_len=cache_len)
+    return np.asarray(out)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("max_new_tokens",
+                                                                        "cache_len"))
+def _sample_loop(step_fn, num_slots, cfg, params, prompt_bp, lengths_b, rng, temperature,
+                 top_k, top_p, eos_id, *, max_new_tokens: int, cache_len: int):
+  """Prefill, then a while_loop sampling one token per row per iteration.
+
+  Compiled once per decoder (`step_fn` is the decoder's own step function, static by
+  identity) and shape; sampling settings and eos are traced."""
+  b = prompt_bp.shape[0]
+  dtype = jnp.dtype(cfg.dtype)
+  shape = (num_slots, b, cache_len, cfg.num_heads, cfg.head_dim)
+  cache = KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+  logits, cache = step_fn(params, prompt_bp, cache, jnp.zeros((b,), jnp.int32))
+  last = jnp.take_along_axis(logits, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
+  out = jnp.full((b, max_new_tokens), PAD_ID, jnp.int32)
+  done = jnp.zeros((b,), bool)
+
+  def cond(state):
+    i, _, _, _, done = state
+    return (i < max_new_tokens) & ~jnp.all(done)
+
+  def body(state):
+    i, last, cache, out, done = state
+    tok = sample_logits(last, jax.random.fold_in(rng, i), temperature, top_k, top_p)
+    tok = jnp.where(done, PAD_ID, tok)
+    out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, i))
+    done = done | (tok == eos_id)
+    logits, cache = step_fn(params, tok[:, None], cache, lengths_b + i)
+    return i + 1, logits[:, 0], cache, out, done
+
+  _, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), last, cache, out, done))
+  return out
+
+
+def strip_after_eos(ids: Sequence[int], eos_id: int) -> list:
+  """The ids before the first eos (and its padding)."""
+  ids = [int(i) for i in ids]
+  return ids[:ids.index(eos_id)] if eos_id in ids else ids
+
+
+# --------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------
+def main(argv, flag_values=None):
+  """The command line (flags: `define_flags`); `flag_values` defaults to absl's FLAGS."""
+  del argv
+  from odetransformer import evaluate  # pylint: disable=g-import-not-at-top
+  from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags_ = flags.FLAGS if flag_values is None else flag_values
+  evaluate.quiet_orbax(cli=True)
+  try:
+    loaded = load_model(flags_.workdir, step=flags_.step)
+    sp = evaluate.load_run_tokenizer(flags_.workdir, loaded.config)
+    cfg = loaded.model_config
+    t0 = time.perf_counter()
+    decoder = Decoder(loaded.model, flags_.num_steps)
+  except (FileNotFoundError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  how = (f"materialised at N={decoder.num_steps} layers" if cfg.is_ode and cfg.solver == "euler"
+         else f"{cfg.solver} solver at N={decoder.num_steps} steps" if cfg.is_ode
+         else f"{decoder.num_steps} layers")
+  print(f"checkpoint step {loaded.step} of {flags_.workdir}: {cfg.kind}/{cfg.flavour}, "
+        f"trained at K={cfg.num_steps}; decoding {how} ({time.perf_counter() - t0:.1f}s)")
+
+  prompt_ids = sp.encode(flags_.prompt) if flags_.prompt else []
+  if not prompt_ids:
+    prompt_ids = [sp.eos_id()]  # an empty prompt starts a new document
+  max_new = flags_.max_new_tokens
+  limit = decoder.max_positions()
+  if limit is not None and len(prompt_ids) + max_new > limit:
+    if len(prompt_ids) >= limit:
+      print(f"error: the prompt has {len(prompt_ids)} tokens; the model embeds at most "
+            f"{limit} positions", file=sys.stderr)
+      sys.exit(2)
+    max_new = limit - len(prompt_ids)
+    print(f"note: max_new_tokens lowered to {max_new} (model.max_len={limit})")
+
+  sampler = Sampler(decoder, eos_id=sp.eos_id())
+  prompts = [prompt_ids] * flags_.num_samples
+  kwargs = dict(rng=jax.random.key(flags_.seed), temperature=flags_.temperature,
+                top_k=flags_.top_k, top_p=flags_.top_p)
+  t0 = time.perf_counter()
+  out = sampler(prompts, max_new, **kwargs)
+  first = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  out = sampler(prompts, max_new, **kwargs)  # compiled: the decode speed
+  again = time.perf_counter() - t0
+  n_new = sum(len(strip_after_eos(row, sp.eos_id())) for row in out)
+  for i, row in enumerate(out):
+    text = sp.decode(strip_after_eos(row, sp.eos_id()))
+    print(f"--- sample {i} ".ljust(60, "-") if flags_.num_samples > 1 else "-" * 60)
+    print(flags_.prompt + text)
+  print("-" * 60)
+  print(f"{n_new} new tokens in {again:.2f}s ({n_new / max(again, 1e-9):.1f} tokens/s; "
+        f"first call incl. compilation {first:.1f}s)")
+
+
+def define_flags(flag_values=None):
+  """Defines this command's flags in `flag_values` (default: absl's global FLAGS)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  fv = flags.FLAGS if flag_values is None else flag_values
+  define = lambda kind, name, default, text: getattr(flags, f"DEFINE_{kind}")(
+      name, default, text, flag_values=fv)
+  define("string", "workdir", None, "Training run directory (config.json + checkpoints/).")
+  define("string", "prompt", "", "Text to continue ('' = start a new document).")
+  define("integer", "num_steps", None, "Solver steps N (ODE kinds; default: the training K).")
+  define("integer", "step", None, "Checkpoint step (default: the latest).")
+  define("integer", "max_new_tokens", 64, "Tokens to sample (stops early at eos).")
+  define("float", "temperature", 0.8, "Softmax temperature; 0 = greedy.")
+  define("integer", "top_k", 0, "Sample from the k most likely tokens (0 = all).")
+  define("float", "top_p", 1.0, "Nucleus sampling: smallest set of this much mass (1 = off).")
+  define("integer", "seed", 0, "Sampling seed.")
+  define("integer", "num_samples", 1, "Continuations of the prompt, sampled as one batch.")
+  flags.mark_flag_as_required("workdir", flag_values=fv)
+  return fv
+
+
+if __name__ == "__main__":
+  from absl import app  # pylint: disable=g-import-not-at-top
+  define_flags()
+  app.run(main)

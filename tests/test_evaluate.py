@@ -1,0 +1,176 @@
+"""Perplexity evaluation (and the generate command line) on a tiny trained checkpoint:
+every token of a split is scored once, and the loss equals a direct sum of the
+model's token log-probabilities."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from absl import flags
+from flax import nnx
+
+from configs import default
+from input_pipeline import local_text
+from odetransformer import evaluate, generate, train
+from odetransformer.config import ModelConfig
+from odetransformer.loading import load_model
+from odetransformer.model import create_model
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EVAL_TEXT = '''def read_config(path):
+    """Reads a JSON config file and returns it as a dict."""
+    with open(path) as f:
+        return json.load(f)
+
+
+class Counter:
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, key):
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+
+for name in sorted(names):
+    print(name, len(name))
+'''
+
+
+def tiny_config(cache_dir):
+  c = default.get_config()
+  c.num_train_steps = 2
+  c.log_every_steps = 1
+  c.eval_every_steps = 2
+  c.checkpoint_every_steps = 2
+  c.seq_len = 32
+  c.global_batch_size = 2
+  c.eval_batch_size = 2
+  c.model.d_model = 32
+  c.model.num_heads = 2
+  c.model.mlp_dim = 64
+  c.model.num_steps = 3
+  c.model.max_len = 64
+  c.model.time_embed_dim = 8
+  c.model.time_sinusoids = 8
+  c.data.vocab_size = 512
+  c.data.tokenizer_sample_bytes = 300_000
+  c.data.eval_max_batches = 1
+  c.data.cache_dir = str(cache_dir)
+  return c
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """(workdir, train_and_evaluate's result) of a 2-step DiffEqFormer run (K=3)."""
+  workdir = tmp_path_factory.mktemp("run")
+  result = train.train_and_evaluate(tiny_config(tmp_path_factory.mktemp("data")), str(workdir))
+  return str(workdir), result
+
+
+@pytest.fixture(scope="module")
+def loaded(run):
+  return load_model(run[0])
+
+
+@pytest.fixture(scope="module")
+def eval_file(tmp_path_factory):
+  path = tmp_path_factory.mktemp("text") / "eval.txt"
+  path.write_text(EVAL_TEXT)
+  return str(path)
+
+
+def direct_nll(model, batches, num_steps):
+  """Reference: the model's full forward pass, log-softmax in float64 on the host."""
+  graphdef, state = nnx.split(model)
+  fwd = jax.jit(lambda st, b: nnx.merge(graphdef, st)(
+      b["inputs"], segment_ids_bl=b["segment_ids"], positions_bl=b["positions"],
+      num_steps=num_steps))
+  nll, count = 0.0, 0.0
+  for batch in batches:
+    logits = np.asarray(fwd(state, batch), np.float64)
+    logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1,
+                                  keepdims=True)) - logits.max(-1, keepdims=True)
+    picked = np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+    nll -= float(np.sum(picked * batch["weights"]))
+    count += float(np.sum(batch["weights"]))
+  return nll, count
+
+
+@pytest.fixture(scope="module")
+def local_data(run, loaded, eval_file):
+  return evaluate.eval_data(run[0], loaded.config, data=f"local:{eval_file}", batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def local_results(loaded, local_data):
+  """N -> evaluate_model's Result on the local file."""
+  return {n: evaluate.evaluate_model(loaded.model, local_data.batches(), n) for n in (2, 3)}
+
+
+def test_perplexity_matches_direct_log_probs_and_scores_every_token(run, loaded, local_data,
+                                                                    local_results):
+  sp = evaluate.load_run_tokenizer(run[0], loaded.config)
+  # Every token of every document, plus its eos, is a target exactly once.
+  docs = local_text.split_documents(EVAL_TEXT)
+  expected_tokens = sum(len(sp.encode(d)) + 1 for d in docs)
+  assert expected_tokens > 4 * 32  # more than one batch: the padded tail is exercised
+  for n, result in local_results.items():
+    nll, count = direct_nll(loaded.model, local_data.batches(), n)
+    assert result.num_tokens == count == expected_tokens
+    np.testing.assert_allclose(result.loss, nll / count, rtol=1e-6)
+    np.testing.assert_allclose(result.perplexity, np.exp(nll / count), rtol=1e-6)
+
+
+def test_default_data_is_the_runs_eval_split(run):
+  workdir, trained = run
+  (result,) = evaluate.evaluate(workdir, [None], max_batches=1)  # as the run's own eval
+  assert result.num_steps == 3
+  assert result.num_tokens == trained["eval"]["num_tokens"]
+  np.testing.assert_allclose(result.loss, trained["eval"]["loss"], rtol=1e-5)
+
+
+def test_discrete_models_only_at_their_own_depth():
+  cfg = ModelConfig(kind="gpt", vocab_size=64, d_model=16, num_heads=2, mlp_dim=32,
+                    num_steps=2, max_len=16)
+  model = nnx.eval_shape(lambda: create_model(cfg))  # the check needs no weights
+  with pytest.raises(ValueError, match="layers"):
+    evaluate.evaluate_model(model, [], num_steps=4)
+  assert evaluate.parse_num_steps("6, 9,12") == [6, 9, 12]
+  assert evaluate.parse_num_steps("") == [None]
+
+
+def test_evaluate_command_line(run, eval_file, local_results, capsys):
+  fv = evaluate.define_flags(flags.FlagValues())
+  fv(["evaluate", f"--workdir={run[0]}", "--num_steps=2,3", f"--data=local:{eval_file}",
+      "--batch_size=4"])
+  evaluate.main([], fv)
+  out = capsys.readouterr().out
+  rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+  assert [r[0] for r in rows] == ["2", "3"] and out.count("(training K)") == 1
+  for row, n in zip(rows, (2, 3)):
+    assert int(row[1].replace(",", "")) == local_results[n].num_tokens
+    assert float(row[2]) == pytest.approx(local_results[n].loss, abs=1e-4)
+
+
+def test_generate_command_line(run, capsys):
+  fv = generate.define_flags(flags.FlagValues())
+  fv(["generate", f"--workdir={run[0]}", "--prompt=def main(", "--num_steps=5",
+      "--max_new_tokens=8", "--temperature=0"])
+  generate.main([], fv)
+  out = capsys.readouterr().out
+  assert "decoding materialised at N=5 layers" in out
+  lines = out.splitlines()
+  assert lines[lines.index("-" * 60) + 1].startswith("def main(")
+  assert "new tokens in" in lines[-1]
+
+
+@pytest.mark.parametrize("module", ["evaluate", "generate"])
+def test_command_lines_report_a_missing_run(module, tmp_path):
+  r = subprocess.run([sys.executable, "-m", f"odetransformer.{module}",
+                      f"--workdir={tmp_path / 'nothing'}"], cwd=ROOT, capture_output=True,
+                     text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert "holds no training run" in r.stderr.splitlines()[-1]
