@@ -1,7 +1,7 @@
 """Merging LoRA adapters into their base weights (for export as a plain model)."""
 import dataclasses
 
-from odetransformer.model import LanguageModel, create_model
+from odetransformer.model import LanguageModel, build_from_values
 
 
 def merge_lora(model: LanguageModel) -> LanguageModel:
@@ -9,10 +9,5 @@ def merge_lora(model: LanguageModel) -> LanguageModel:
   cfg = model.config
   if not cfg.lora_rank:
     raise ValueError("this model has no LoRA adapters to merge")
-  merged = create_model(dataclasses.replace(cfg, lora_rank=0, lora_train_embeddings=False))
-  for name, w in model.stack.layers().items():
-    merged.stack.params[name][...] = w
-  for name in ("embed", "pos_embed", "final_norm_scale", "final_norm_shift", "head"):
-    if hasattr(model, name):
-      getattr(merged, name)[...] = getattr(model, name)[...]
-  return merged
+  plain = dataclasses.replace(cfg, lora_rank=0, lora_train_embeddings=False)
+  return build_from_values(plain, model.stack.layers(), model)

@@ -11,7 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
-from odetransformer.model import LanguageModel, create_model
+from odetransformer.model import LanguageModel, build_from_values
 from odetransformer.solvers import stage_times
 
 _DT_ROLES = ("out", "out_bias")
@@ -25,7 +25,6 @@ def materialize(model: LanguageModel, num_steps: int) -> LanguageModel:
   if num_steps <= 0:
     raise ValueError(f"num_steps={num_steps} must be positive")
   dt = 1.0 / num_steps
-  param_dtype = jnp.dtype(cfg.param_dtype)
   if cfg.kind == "diffeqformer":
     ts = stage_times(num_steps, "euler")[:, 0]
     layers = model.stack(ts, jnp.float32)
@@ -33,15 +32,8 @@ def materialize(model: LanguageModel, num_steps: int) -> LanguageModel:
     layers = {n: jnp.broadcast_to(v, (num_steps,) + v.shape)
               for n, v in model.stack.layer().items()}
   specs = model.stack.specs
-  layers = {n: (w * dt if specs[n].role in _DT_ROLES else w).astype(param_dtype)
-            for n, w in layers.items()}
+  layers = {n: (w * dt if specs[n].role in _DT_ROLES else w) for n, w in layers.items()}
 
   new_cfg = dataclasses.replace(cfg, kind="parallel", num_steps=num_steps,
                                 embed_scale=cfg.input_scale)
-  new = create_model(new_cfg, seed=0)
-  for name, w in layers.items():
-    new.stack.params[name][...] = w
-  for name in ("embed", "pos_embed", "final_norm_scale", "final_norm_shift", "head"):
-    if hasattr(model, name):
-      getattr(new, name)[...] = getattr(model, name)[...]
-  return new
+  return build_from_values(new_cfg, layers, model)

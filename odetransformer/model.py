@@ -229,6 +229,23 @@ class LanguageModel(nnx.Module):
     return self.logits(out)
 
 
+_TOP_LEVEL = ("embed", "pos_embed", "final_norm_scale", "final_norm_shift", "head")
+
+
+def build_from_values(cfg: ModelConfig, layers: dict, source: "LanguageModel"):
+  """A discrete model with stacked `layers` and `source`'s embeddings/norm/head, built
+  without random initialisation (every leaf is given). Unsharded, like `create_model`
+  outside a mesh."""
+  with nnx.use_eager_sharding(False):
+    abstract = nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  values = {name: getattr(source, name)[...] for name in _TOP_LEVEL if hasattr(abstract, name)}
+  values["stack"] = {"params": {n: jnp.asarray(w, jnp.dtype(cfg.param_dtype))
+                                for n, w in layers.items()}}
+  nnx.replace_by_pure_dict(state, values)
+  return nnx.merge(graphdef, state)
+
+
 def create_model(cfg: ModelConfig, *, seed: int = 0, rngs: Optional[nnx.Rngs] = None):
   """Builds a model. Under `jax.set_mesh(mesh)` + `nnx.logical_axis_rules(rules)` its
   params are created already sharded (inside one jit: no full replica on a host);
