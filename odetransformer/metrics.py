@@ -1,0 +1,244 @@
+"""Training and evaluation metrics (clu.metrics), TensorBoard events and log lines.
+
+TensorBoard events are written with tensorboardX, not clu.metric_writers: the latter
+imports TensorFlow at import time (../shared/STACK.md §8), and TF would more than double
+the virtualenv (1.1 GB -> 2.5 GB) for nothing else. `clu.metrics` itself needs no TF
+and is what the train and eval steps return.
+
+Metrics are averaged over the interval since the last write and then reset (not since
+step 0): the loss is a token-weighted mean (sum of losses / sum of target weights).
+"""
+import math
+import time
+from typing import Mapping, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+from absl import logging
+from clu import metrics as clu_metrics
+
+
+@flax.struct.dataclass
+class TokenAverage(clu_metrics.Average):
+  """Average weighted by tokens: total = Σ per-token values, count = Σ weights.
+
+  Subclasses pick their output keys with `sum_key` / `weight_key`; the train step
+  hands the sums over, so the mean over an interval is exact whatever the padding.
+  """
+  sum_key = "loss_sum"
+  weight_key = "weight_sum"
+
+  @classmethod
+  def from_model_output(cls, **outputs) -> "TokenAverage":
+    total = jnp.asarray(outputs[cls.sum_key], jnp.float32)
+    count = jnp.asarray(outputs[cls.weight_key], jnp.float32)
+    return cls(total=total, count=count)
+
+
+@flax.struct.dataclass
+class TokenLoss(TokenAverage):
+  sum_key = "loss_sum"
+
+
+@flax.struct.dataclass
+class TokenAccuracy(TokenAverage):
+  sum_key = "correct_sum"
+
+
+@flax.struct.dataclass
+class TrainMetrics(clu_metrics.Collection):
+  """What one train step reports (merged on the host between log writes)."""
+  loss: TokenLoss
+  grad_norm: clu_metrics.Average.from_output("grad_norm")       # before clipping
+  update_norm: clu_metrics.Average.from_output("update_norm")
+  param_norm: clu_metrics.LastValue.from_output("param_norm")
+  learning_rate: clu_metrics.LastValue.from_output("learning_rate")
+
+
+@flax.struct.dataclass
+class EvalMetrics(clu_metrics.Collection):
+  loss: TokenLoss
+  accuracy: TokenAccuracy
+
+
+def summarize(computed: Mapping[str, float]) -> dict:
+  """Floats from `Collection.compute()`, with perplexity added next to the loss."""
+  out = {k: float(v) for k, v in computed.items()}
+  if "loss" in out:
+    out["perplexity"] = math.exp(min(out["loss"], 80.0)) if math.isfinite(out["loss"]) else math.nan
+  return out
+
+
+class MetricWriter:
+  """TensorBoard scalars/text (tensorboardX) on process 0; no-op elsewhere."""
+
+  def __init__(self, logdir: str, enabled: Optional[bool] = None):
+    self.logdir = logdir
+    self.enabled = jax.process_index() == 0 if enabled is None else enabled
+    self._writer = None
+    if self.enabled:
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      self._writer = SummaryWriter(logdir=logdir, flush_secs=30)
+
+  def write_scalars(self, step: int, scalars: Mapping[str, float], prefix: str = ""):
+    if self._writer is None:
+      return
+    for name, value in scalars.items():
+      self._writer.add_scalar(f"{prefix}{name}", float(value), global_step=int(step))
+
+  def write_text(self, step: int, tag: str, text: str):
+    if self._writer is not None:
+      # Markdown code block so TensorBoard keeps the layout.
+      self._writer.add_text(tag, "```\n" + text + "\n```", global_step=int(step))
+
+  def flush(self):
+    if self._writer is not None:
+      self._writer.flush()
+
+  def close(self):
+    if self._writer is not None:
+      self._writer.close()
+      self._writer = None
+
+
+# Dense peak FLOP/s per device, used for MFU. Accelerators: bf16 dense peak (MFU is
+# conventionally quoted against it even for f32 runs). CPU: the ~300 GFLOP/s f32
+# matmul peak XLA reaches on the 2-core reference machine (DESIGN.md §8), for the
+# whole host since JAX exposes one CPU device. Substrings are matched in order.
+_PEAK_FLOPS = (
+    ("TPU v6 lite", 918e12), ("TPU v6e", 918e12), ("TPU v5 lite", 197e12),
+    ("TPU v5e", 197e12), ("TPU v5p", 459e12), ("TPU v5", 459e12), ("TPU v4", 275e12),
+    ("TPU v3", 123e12), ("H200", 989e12), ("H100", 989e12), ("A100", 312e12),
+    ("B200", 2250e12), ("L40S", 362e12), ("L4", 121e12), ("A10G", 70e12), ("cpu", 300e9),
+)
+
+
+def peak_flops_per_device(device: Optional[jax.Device] = None, override: float = 0.0) -> float:
+  """Peak FLOP/s of one device (`override` > 0 wins); 0.0 when unknown."""
+  if override and override > 0:
+    return float(override)
+  device = device or jax.devices()[0]
+  kind = f"{device.platform} {device.device_kind}"
+  for key, value in _PEAK_FLOPS:
+    if key.lower() in kind.lower():
+      return value
+  return 0.0
+
+
+def format_duration(seconds: float) -> str:
+  if not math.isfinite(seconds):
+    return "?"
+  seconds = int(round(seconds))
+  h, rem = divmod(seconds, 3600)
+  m, s = divmod(rem, 60)
+  return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class Progress:
+  """Throughput, MFU and ETA between log writes (the work clu's ReportProgress does).
+
+  Args:
+    num_train_steps: last step of the run.
+    start_step: step the run starts (or resumes) from.
+    tokens_per_step: tokens processed by one optimizer step, all devices together.
+    flops_per_token: training FLOPs per token (forward + backward).
+    peak_flops: peak FLOP/s of all devices together (0 disables MFU).
+  """
+
+  def __init__(self, num_train_steps: int, start_step: int, tokens_per_step: int,
+               flops_per_token: float, peak_flops: float):
+    self.num_train_steps = num_train_steps
+    self.tokens_per_step = tokens_per_step
+    self.flops_per_token = flops_per_token
+    self.peak_flops = peak_flops
+    self._t0 = time.perf_counter()
+    self._last_time = self._t0
+    self._last_step = start_step
+    self._steps_per_sec = math.nan
+
+  def mark(self, step: int):
+    """Restarts the interval (e.g. after compilation or evaluation)."""
+    self._last_time = time.perf_counter()
+    self._last_step = step
+
+  def update(self, step: int) -> dict:
+    """Rates since the previous update; call after the step's metrics are fetched."""
+    now = time.perf_counter()
+    dt = max(now - self._last_time, 1e-9)
+    steps = step - self._last_step
+    out = {"elapsed_s": now - self._t0}
+    if steps > 0:
+      self._steps_per_sec = steps / dt
+      tokens_per_sec = self._steps_per_sec * self.tokens_per_step
+      out["steps_per_sec"] = self._steps_per_sec
+      out["tokens_per_sec"] = tokens_per_sec
+      if self.peak_flops > 0 and self.flops_per_token > 0:
+        out["mfu"] = tokens_per_sec * self.flops_per_token / self.peak_flops
+    remaining = self.num_train_steps - step
+    if self._steps_per_sec > 0:
+      out["eta_s"] = remaining / self._steps_per_sec
+    self._last_time, self._last_step = now, step
+    return out
+
+
+def train_log_line(step: int, num_train_steps: int, scalars: Mapping[str, float]) -> str:
+  """One human line: step, loss, perplexity, lr, grad norm, tokens/s, MFU, ETA."""
+  parts = [f"step {step}/{num_train_steps}"]
+  if "loss" in scalars:
+    parts.append(f"loss {scalars['loss']:.4f}")
+  if "perplexity" in scalars:
+    parts.append(f"ppl {scalars['perplexity']:.2f}")
+  if "learning_rate" in scalars:
+    parts.append(f"lr {scalars['learning_rate']:.3e}")
+  if "grad_norm" in scalars:
+    parts.append(f"grad_norm {scalars['grad_norm']:.3f}")
+  if "tokens_per_sec" in scalars:
+    parts.append(f"tok/s {scalars['tokens_per_sec']:,.0f}")
+  if "mfu" in scalars:
+    parts.append(f"MFU {100 * scalars['mfu']:.1f}%")
+  if "eta_s" in scalars:
+    parts.append(f"ETA {format_duration(scalars['eta_s'])}")
+  return " | ".join(parts)
+
+
+def eval_log_line(step: int, scalars: Mapping[str, float]) -> str:
+  parts = [f"eval @ step {step}"]
+  for key, fmt in (("loss", ".4f"), ("perplexity", ".2f"), ("accuracy", ".4f")):
+    if key in scalars:
+      parts.append(f"{key} {scalars[key]:{fmt}}")
+  if "num_tokens" in scalars:
+    parts.append(f"tokens {int(scalars['num_tokens']):,}")
+  return " | ".join(parts)
+
+
+def log(line: str):
+  """Log lines from process 0 only."""
+  if jax.process_index() == 0:
+    logging.info("%s", line)
+
+
+def read_scalars(logdir: str) -> dict:
+  """{tag: [(step, value), ...]} from the TensorBoard event files in `logdir`.
+
+  A reader that needs neither TensorFlow nor the tensorboard package: event files
+  are TFRecords (8-byte length, 4-byte crc, payload, 4-byte crc) of Event protos.
+  """
+  import glob  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import struct  # pylint: disable=g-import-not-at-top
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  out = {}
+  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+    with open(path, "rb") as f:
+      data = f.read()
+    pos = 0
+    while pos + 12 <= len(data):
+      (length,) = struct.unpack("<Q", data[pos:pos + 8])
+      payload = data[pos + 12:pos + 12 + length]
+      pos += 12 + length + 4
+      event = event_pb2.Event.FromString(payload)
+      for value in event.summary.value:
+        if value.HasField("simple_value"):
+          out.setdefault(value.tag, []).append((event.step, value.simple_value))
+  return out

@@ -1,0 +1,91 @@
+"""Token-weighted metrics, log lines, TensorBoard events and the checkpoint round trip."""
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from odetransformer import checkpointing
+from odetransformer import metrics
+
+
+def test_token_average_is_weighted_by_tokens():
+  a = metrics.TrainMetrics.single_from_model_output(
+      loss_sum=jnp.float32(10.0), weight_sum=jnp.float32(5.0), grad_norm=1.0,
+      update_norm=0.1, param_norm=3.0, learning_rate=1e-3)
+  b = metrics.TrainMetrics.single_from_model_output(
+      loss_sum=jnp.float32(2.0), weight_sum=jnp.float32(1.0), grad_norm=3.0,
+      update_norm=0.3, param_norm=4.0, learning_rate=2e-3)
+  out = metrics.summarize(a.merge(b).compute())
+  assert out["loss"] == pytest.approx(12.0 / 6.0)        # not (2 + 2) / 2
+  assert out["perplexity"] == pytest.approx(math.exp(2.0))
+  assert out["grad_norm"] == pytest.approx(2.0)
+  assert out["learning_rate"] == pytest.approx(2e-3)     # last value
+
+
+def test_log_line_has_the_fields():
+  line = metrics.train_log_line(50, 100, {"loss": 2.0, "perplexity": 7.39, "learning_rate": 1e-3,
+                                          "grad_norm": 0.5, "tokens_per_sec": 12345.0,
+                                          "mfu": 0.123, "eta_s": 3725})
+  for part in ("step 50/100", "loss 2.0000", "ppl 7.39", "lr 1.000e-03", "grad_norm 0.500",
+               "tok/s 12,345", "MFU 12.3%", "ETA 1:02:05"):
+    assert part in line, (part, line)
+
+
+def test_progress_rates_and_peak_lookup():
+  p = metrics.Progress(num_train_steps=100, start_step=0, tokens_per_step=1000,
+                       flops_per_token=6.0, peak_flops=6000.0)
+  p._last_time -= 2.0            # pretend 2 s passed for 10 steps
+  out = p.update(10)
+  assert out["tokens_per_sec"] == pytest.approx(5000, rel=0.05)
+  assert out["mfu"] == pytest.approx(5.0, rel=0.05)
+  assert out["eta_s"] == pytest.approx(18.0, rel=0.05)
+  assert metrics.peak_flops_per_device(override=5.0) == 5.0
+  assert metrics.peak_flops_per_device() > 0            # CPU entry
+
+
+def test_tensorboard_events_round_trip(tmp_path):
+  w = metrics.MetricWriter(str(tmp_path), enabled=True)
+  w.write_scalars(1, {"loss": 3.0}, prefix="train/")
+  w.write_scalars(2, {"loss": 2.5}, prefix="train/")
+  w.write_text(0, "config", "{}")
+  w.close()
+  assert metrics.read_scalars(str(tmp_path)) == {"train/loss": [(1, 3.0), (2, 2.5)]}
+
+
+class _Tiny(nnx.Module):
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(3, 4, rngs=rngs)
+    self.norm = nnx.LayerNorm(4, rngs=rngs)
+
+
+def test_checkpointer_round_trip_on_a_plain_module(tmp_path):
+  model = _Tiny(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+  grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+  opt.update(model, grads)
+  # A grain-like state with a tuple that JSON turns into a list.
+  data_state = {"remainder_slices": {"tokens": [-1, -1]}, "n": 7}
+  ck = checkpointing.Checkpointer(str(tmp_path), max_to_keep=2)
+  for step in (1, 2, 3):
+    ck.save(step, model, opt, meta={"rng_key": [0, 42]}, data_state=data_state)
+  ck.wait_until_finished()
+  assert ck.all_steps() == [2, 3] and ck.latest_step() == 3
+
+  mesh = jax.make_mesh((1,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  _, abs_model = nnx.get_abstract_model(lambda: _Tiny(nnx.Rngs(1)), mesh)
+  _, abs_opt = nnx.get_abstract_model(
+      lambda: nnx.Optimizer(_Tiny(nnx.Rngs(1)), optax.adamw(1e-2), wrt=nnx.Param), mesh)
+  m_state, o_state, meta, data = ck.restore(3, abs_model, abs_opt)
+  ck.close()
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(m_state),
+               nnx.to_pure_dict(nnx.state(model)))
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(o_state),
+               nnx.to_pure_dict(nnx.state(opt)))
+  assert int(o_state["step"][...]) == 1
+  assert meta["step"] == 3 and meta["rng_key"] == [0, 42]
+  assert data == json.loads(json.dumps(data_state))
