@@ -1,0 +1,134 @@
+"""Shared set-up for benchmarks: presets, and the product's own train step on a mesh.
+
+Benchmarks time exactly what `main.py` runs: `train.init_train_state` and
+`train.make_train_step` (donated, sharding-constrained, AdamW with clipping), with the
+optimizer and mesh settings of `configs/default.py`.
+"""
+import dataclasses
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from configs import default as default_config  # noqa: E402
+from odetransformer import optimizer, sharding, train  # noqa: E402
+from odetransformer.config import ModelConfig  # noqa: E402
+
+PRESETS = {
+    # vocab, d_model, heads, mlp, K = L, seq, batch, d_t, S
+    "bench-small": dict(model=dict(vocab_size=8192, d_model=256, num_heads=4, mlp_dim=1024,
+                                   num_steps=6, max_len=1024, time_embed_dim=64,
+                                   time_sinusoids=64),
+                        seq_len=256, batch=8),
+    "gpt2-small": dict(model=dict(vocab_size=50304, d_model=768, num_heads=12, mlp_dim=3072,
+                                  num_steps=12, max_len=1024, time_embed_dim=96,
+                                  time_sinusoids=128),
+                       seq_len=256, batch=4),
+}
+
+
+def add_common_flags(parser):
+  parser.add_argument("--preset", default="bench-small", choices=sorted(PRESETS))
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--seq_len", type=int, default=0, help="0 = the preset's")
+  parser.add_argument("--batch", type=int, default=0, help="0 = the preset's")
+  parser.add_argument("--remat", default="dots_saveable",
+                      help="remat policy for both models (same for both)")
+
+
+def model_config(args, kind: str, **overrides) -> ModelConfig:
+  preset = PRESETS[args.preset]
+  fields = dict(preset["model"], kind=kind, dtype=args.dtype, remat_policy=args.remat)
+  fields.update(overrides)
+  return ModelConfig(**fields)
+
+
+def shape(args):
+  preset = PRESETS[args.preset]
+  return (args.batch or preset["batch"]), (args.seq_len or preset["seq_len"])
+
+
+class Trainer:
+  """The product's train step for one model config on all local devices."""
+
+  def __init__(self, cfg: ModelConfig, num_train_steps: int = 1000, seed: int = 0):
+    config = default_config.get_config()
+    self.cfg = cfg
+    self.mesh = sharding.make_mesh(config.mesh)
+    self.rules = sharding.logical_axis_rules(config.mesh)
+    tx = optimizer.create_optimizer(config.optim, num_train_steps)
+    schedule = optimizer.learning_rate_schedule(config.optim, num_train_steps)
+    with nnx.logical_axis_rules(self.rules):
+      self.ts, self.state = train.init_train_state(cfg, tx, seed, self.mesh)
+    self.step_fn = train.make_train_step(self.ts, schedule, self.rules)
+    self.batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
+    self.rng = jax.random.key(seed)
+
+  def batch(self, b: int, length: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, self.cfg.vocab_size, (b, length + 1)).astype(np.int32)
+    host = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            "segment_ids": np.ones((b, length), np.int32),
+            "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)),
+            "weights": np.ones((b, length), np.float32)}
+    return jax.device_put(host, self.batch_sharding)
+
+  def step(self, batch):
+    with jax.set_mesh(self.mesh):
+      self.state, metrics = self.step_fn(self.state, batch, self.rng)
+    return metrics
+
+  def lower(self, batch):
+    """The lowered (not yet compiled) train step, for memory/size analysis."""
+    jitted = self.step_fn.__wrapped__
+    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(
+        sharding.activation_rules(self.rules)):
+      return jitted.lower(self.state, batch, self.rng)
+
+
+def block(tree):
+  jax.tree.map(lambda x: x.block_until_ready() if hasattr(x, "block_until_ready") else x, tree)
+  return tree
+
+
+def time_alternating(fns: dict, rounds: int, warmup: int = 1) -> dict:
+  """Median seconds per call of each fn, calling them in turn (fair under load)."""
+  for _ in range(warmup):
+    for fn in fns.values():
+      block(fn())
+  times = {name: [] for name in fns}
+  for _ in range(rounds):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      block(fn())
+      times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def matmul_peak_flops(dtype=jnp.float32, n: int = 2048, reps: int = 10) -> float:
+  """Measured dense-matmul FLOP/s of the default device (the MFU denominator on CPU)."""
+  kind = jax.devices()[0].device_kind.lower()
+  known = {"h100": 989e12, "h200": 989e12, "a100": 312e12}  # bf16 dense peaks
+  for name, peak in known.items():
+    if name in kind and dtype == jnp.bfloat16:
+      return peak
+  a = jnp.ones((n, n), dtype)
+  f = jax.jit(lambda x: x @ x)
+  block(f(a))
+  start = time.perf_counter()
+  for _ in range(reps):
+    out = f(a)
+  block(out)
+  return 2 * n ** 3 * reps / (time.perf_counter() - start)
+
+
+def replace(cfg: ModelConfig, **kw) -> ModelConfig:
+  return dataclasses.replace(cfg, **kw)

@@ -1,0 +1,56 @@
+"""Compiled train-step memory vs K: DiffEqFormer and GPT side by side (bench-small).
+
+From XLA's memory analysis of the product's train step: argument bytes (params,
+optimizer state, batch) and temporaries, for K = L = 6, 12, 24. With
+rematerialisation the temporaries may grow with K only by the scan carry (the residual
+stream saved per step, batch × seq × width × dtype bytes) plus the per-step generated
+weights, which the scan consumes as its input. Last line:
+`ode temp growth per step / scan carry: X` (target ≤ 1; ≫ 1 would mean activations
+stored per step). The ODE's peak is usually in the optimizer update (its gradients
+for the hypernetwork projections), so the generated weights need not show at all.
+
+  python benchmarks/memory.py [--remat=full] [--steps=6,12,24]
+"""
+import argparse
+
+import common  # noqa: F401  (sets sys.path)
+
+from odetransformer.param_count import layer_params
+
+MiB = 2 ** 20
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  common.add_common_flags(parser)
+  parser.set_defaults(remat="full")
+  parser.add_argument("--steps", default="6,12,24")
+  args = parser.parse_args()
+  b, length = common.shape(args)
+  ks = [int(k) for k in args.steps.split(",")]
+  bytes_per = 2 if args.dtype == "bfloat16" else 4
+  print(f"preset {args.preset}, batch {b} × seq {length}, {args.dtype}, remat {args.remat}")
+  print(f"{'model':13s} {'K':>4s} {'arguments MiB':>14s} {'temporaries MiB':>16s} "
+        f"{'generated W MiB':>16s}")
+  temps = {}
+  for kind in ("diffeqformer", "gpt"):
+    for k in ks:
+      trainer = common.Trainer(common.model_config(args, kind, num_steps=k))
+      stats = trainer.lower(trainer.batch(b, length)).compile().memory_analysis()
+      temps[kind, k] = stats.temp_size_in_bytes
+      weights = k * layer_params(trainer.cfg) * bytes_per if kind == "diffeqformer" else 0
+      print(f"{kind:13s} {k:4d} {stats.argument_size_in_bytes / MiB:14.1f} "
+            f"{stats.temp_size_in_bytes / MiB:16.1f} {weights / MiB:16.1f}")
+      del trainer
+  carry = b * length * common.PRESETS[args.preset]["model"]["d_model"] * bytes_per
+  per_step = {kind: (temps[kind, ks[-1]] - temps[kind, ks[0]]) / (ks[-1] - ks[0])
+              for kind in ("diffeqformer", "gpt")}
+  for kind, growth in per_step.items():
+    print(f"{kind:13s} temporaries grow {growth / MiB:.2f} MiB per added step "
+          f"= {growth / carry:.2f} × the scan carry ({carry / MiB:.2f} MiB)")
+  print(f"ode temp growth per step / scan carry: {per_step['diffeqformer'] / carry:.2f} "
+        f"(gpt: {per_step['gpt'] / carry:.2f})")
+
+
+if __name__ == "__main__":
+  main()

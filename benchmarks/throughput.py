@@ -1,0 +1,66 @@
+"""Train-step tokens/s of DiffEqFormer vs the GPT-2 of the same width and depth (K = L).
+
+Both run the product's train step (AdamW, clipping, donation) and are timed in turn in
+one process. Also times the forward pass of the materialised DiffEqFormer against the
+GPT forward (target ≥ 0.98). Last line: `ode/gpt train tokens/s ratio: X.XX`
+(target ≥ 0.90 on bench-small).
+
+  python benchmarks/throughput.py                       # bench-small, f32, CPU
+  python benchmarks/throughput.py --preset=gpt2-small --dtype=bfloat16 --seq_len=1024
+"""
+import argparse
+
+import common  # noqa: F401  (sets sys.path)
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from odetransformer.materialize import materialize
+from odetransformer.model import create_model
+from odetransformer.param_count import count_params, flops_per_token
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  common.add_common_flags(parser)
+  parser.add_argument("--rounds", type=int, default=5)
+  args = parser.parse_args()
+  b, length = common.shape(args)
+  dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+  print(f"devices: {jax.device_count()} × {jax.devices()[0].device_kind}; preset {args.preset}, "
+        f"batch {b} × seq {length}, {args.dtype}, remat {args.remat}")
+
+  trainers = {kind: common.Trainer(common.model_config(args, kind))
+              for kind in ("diffeqformer", "gpt")}
+  batches = {kind: t.batch(b, length) for kind, t in trainers.items()}
+  secs = common.time_alternating(
+      {kind: (lambda k=kind: trainers[k].step(batches[k])) for kind in trainers},
+      rounds=args.rounds)
+  peak = common.matmul_peak_flops(dtype) * jax.device_count()
+  tokens = b * length
+  tps = {}
+  for kind, t in trainers.items():
+    tps[kind] = tokens / secs[kind]
+    fpt = flops_per_token(t.cfg, length, tokens_per_batch=tokens)
+    print(f"{kind:13s} train: {secs[kind] * 1e3:8.1f} ms/step {tps[kind]:10,.0f} tokens/s "
+          f"MFU {tps[kind] * fpt / peak:6.1%}  params {count_params(t.cfg) / 1e6:,.1f} M")
+  print(f"(MFU against a measured/peak {peak / 1e12:.2f} TFLOP/s)")
+
+  # Inference: the materialised DiffEqFormer (plain parallel layers) vs GPT, forward only.
+  ode_model = nnx.merge(trainers["diffeqformer"].ts.graphdef,
+                        trainers["diffeqformer"].state)[0]
+  gpt_model = nnx.merge(trainers["gpt"].ts.graphdef, trainers["gpt"].state)[0]
+  mat = materialize(ode_model, ode_model.config.num_steps)
+  tokens_in = batches["gpt"]["inputs"]
+  forward = nnx.jit(lambda m, x: m(x))
+  fwd = common.time_alternating({"materialised": lambda: forward(mat, tokens_in),
+                                 "gpt": lambda: forward(gpt_model, tokens_in)},
+                                rounds=args.rounds)
+  for name, s in fwd.items():
+    print(f"{name:13s} forward: {s * 1e3:8.1f} ms {tokens / s:10,.0f} tokens/s")
+  print(f"materialised/gpt forward tokens/s ratio: {fwd['gpt'] / fwd['materialised']:.2f}")
+  print(f"ode/gpt train tokens/s ratio: {tps['diffeqformer'] / tps['gpt']:.2f}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,21 @@
+"""Paper Fig. 5 (right): pre-train on WikiText-103 with 18 steps at GPT-medium width,
+fine-tune on OpenWebText with N ∈ {9, 12, 18, 24} steps, each method.
+
+  python main.py --config=configs/wikitext103_medium.py --config.model.num_steps=18 --workdir=$PRE
+  python main.py --config=configs/finetune_wiki_to_owt.py --workdir=$W_${METHOD}_$N \
+      --config.init_from=$PRE --config.finetune.method=$METHOD \
+      --config.finetune.num_steps=$N --config.data.data_dir=$DATA
+
+Expect: as finetune_owt_to_wiki.py, in the other direction. Not run by us.
+"""
+from configs import finetune_owt_to_wiki, owt_medium
+
+
+def get_config():
+  config = owt_medium.get_config()
+  source = finetune_owt_to_wiki.get_config()
+  config.init_from = source.init_from
+  config.finetune = source.finetune
+  config.num_train_steps = source.num_train_steps
+  config.optim.learning_rate = source.optim.learning_rate
+  return config

@@ -1,0 +1,20 @@
+"""Paper: DiffEqFormer at GPT-medium shape on WikiText-103 (Table 1 / App. C.4).
+
+Differs from wikitext103_small: 24 steps/layers, d 1024, 16 heads, MLP 4096.
+
+  python main.py --config=configs/wikitext103_medium.py --workdir=$W --config.data.data_dir=$DATA
+  python main.py --config=configs/wikitext103_medium.py --config.model.kind=gpt --workdir=$W_gpt --config.data.data_dir=$DATA
+
+Expect: GPT-medium overfits (validation perplexity turns up late in training) while
+DiffEqFormer-medium does not, and ends lower (paper Table 1, Fig. 4). Not run by us.
+"""
+from configs import wikitext103_small
+
+
+def get_config():
+  config = wikitext103_small.get_config()
+  config.model.d_model = 1024
+  config.model.num_heads = 16
+  config.model.mlp_dim = 4096
+  config.model.num_steps = 24
+  return config

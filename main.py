@@ -1,0 +1,86 @@
+"""Trains (or resumes) a model from a config file.
+
+  python main.py --config=configs/default.py --workdir=/tmp/odet_default \
+      [--config.model.num_steps=12 ...] [--verbose]
+
+A bad config or bad data settings print one line to stderr and exit with status 2
+(add --verbose for the traceback). Multi-host runs call `jax.distributed.initialize()`
+when the environment says there are several processes (see `_multi_process_env`); on a
+single host nothing is initialised. A hand-made launch on N hosts:
+
+  JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=N JAX_PROCESS_ID=i python main.py ...
+"""
+import logging as logging_std
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file (configs/*.py).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and the tokenizer.")
+_VERBOSE = flags.DEFINE_bool("verbose", False, "Show full tracebacks for config and data errors.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _multi_process_env() -> bool:
+  """True when a launcher says this is one of several processes (single host: False).
+
+  Recognised: JAX_COORDINATOR_ADDRESS (with JAX_NUM_PROCESSES and JAX_PROCESS_ID unless
+  a cluster below supplies them), SLURM and Open MPI jobs of more than one task, and
+  multi-host Cloud TPU slices. JAX's own cluster detection then fills in the rest.
+  """
+  env = os.environ
+  if env.get("JAX_COORDINATOR_ADDRESS"):
+    return True
+  for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    if env.get(key, "1").isdigit() and int(env.get(key, "1")) > 1:
+      return True
+  hosts = env.get("TPU_WORKER_HOSTNAMES", "")
+  return "," in hosts or bool(env.get("MEGASCALE_COORDINATOR_ADDRESS"))
+
+
+def _distributed_args() -> dict:
+  """num_processes / process_id from JAX_NUM_PROCESSES / JAX_PROCESS_ID, when set."""
+  args = {}
+  for key, name in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
+    if os.environ.get(key, "").isdigit():
+      args[name] = int(os.environ[key])
+  return args
+
+
+class _QuietLibraries(logging_std.Filter):
+  """Drops INFO chatter of orbax (dozens of lines per checkpoint); keeps warnings."""
+
+  def filter(self, record):
+    return record.levelno >= logging_std.WARNING or "/orbax/" not in record.pathname
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logging.get_absl_handler().addFilter(_QuietLibraries())
+  # Imported after flag parsing: grain workers need parsed absl flags (STACK.md §4).
+  import jax  # pylint: disable=g-import-not-at-top
+  if _multi_process_env():
+    jax.distributed.initialize(**_distributed_args())
+  logging.info("JAX process %d/%d, %d local / %d global devices (%s)", jax.process_index(),
+               jax.process_count(), jax.local_device_count(), jax.device_count(),
+               jax.devices()[0].device_kind)
+
+  from input_pipeline import DataError  # pylint: disable=g-import-not-at-top
+  from odetransformer import train  # pylint: disable=g-import-not-at-top
+  try:
+    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except (train.ConfigError, train.DivergenceError, DataError) as e:
+    if _VERBOSE.value:
+      raise
+    print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  app.run(main)

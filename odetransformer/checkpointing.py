@@ -1,0 +1,207 @@
+"""Orbax checkpoints: enough to resume a run bit for bit, readable by other tools.
+
+Layout under `<workdir>`:
+
+  config.json                  the run's full config (written at start, process 0)
+  checkpoints/<step>/
+    model/                     nnx.state(model) as a pure dict (orbax StandardSave)
+    opt/                       nnx.state(optimizer) as a pure dict (Adam moments, step)
+    meta/                      JSON: step, base RNG key data, process count, config
+    data/                      JSON: the grain iterator state of every process
+
+Model and optimizer are separate items so that evaluation, generation and
+materialisation restore only `model`. The data-iterator state is plain JSON restored
+by `input_pipeline.restore_iterator_state`, not grain's own orbax handler (which loses
+the packing remainder, ../shared/STACK.md §4). Restore targets come from
+`nnx.get_abstract_model` so they carry concrete-mesh shardings (STACK §7).
+"""
+import json
+import os
+import signal
+import threading
+from typing import Any, Optional
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+from flax import nnx
+
+CHECKPOINT_DIR = "checkpoints"
+CONFIG_FILE = "config.json"
+
+
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.join(os.fspath(workdir), CHECKPOINT_DIR)
+
+
+def save_config(config, workdir: str):
+  """Writes `<workdir>/config.json` (process 0 only)."""
+  if jax.process_index() != 0:
+    return
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, CONFIG_FILE)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+  os.replace(tmp, path)
+
+
+def load_config(workdir: str):
+  """The ConfigDict a run in `workdir` was started with."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(workdir, CONFIG_FILE)) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+def _allgather_strings(text: str) -> list:
+  """Every process's `text`, in process order (collective; trivial on one host)."""
+  if jax.process_count() == 1:
+    return [text]
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  data = np.frombuffer(text.encode("utf-8"), np.uint8)
+  lengths = multihost_utils.process_allgather(np.array([data.size], np.int32))
+  padded = np.zeros(int(np.max(lengths)), np.uint8)
+  padded[:data.size] = data
+  gathered = np.asarray(multihost_utils.process_allgather(padded))
+  return [bytes(gathered[i, :int(lengths[i][0])]).decode("utf-8")
+          for i in range(gathered.shape[0])]
+
+
+class Checkpointer:
+  """Periodic async saves, keep-last-k, automatic resume and preemption saves.
+
+  Args:
+    workdir: the run's directory; checkpoints go to `<workdir>/checkpoints`.
+    max_to_keep: how many recent checkpoints survive.
+    async_save: write in a background thread (training continues meanwhile).
+  """
+
+  def __init__(self, workdir: str, *, max_to_keep: int = 3, async_save: bool = True):
+    self.directory = checkpoint_dir(workdir)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._preempted = threading.Event()
+    self._old_handler = None
+
+  # -- preemption ---------------------------------------------------------------------
+  def install_sigterm_handler(self):
+    """On SIGTERM, ask the loop to save and stop (single-process runs).
+
+    Multi-process runs rely on orbax's `reached_preemption`, which uses JAX's
+    preemption-sync service so that all processes stop at the same step.
+    """
+    if threading.current_thread() is not threading.main_thread():
+      return
+    def handler(signum, frame):  # pylint: disable=unused-argument
+      logging.warning("SIGTERM received: saving a checkpoint and stopping.")
+      self._preempted.set()
+    self._old_handler = signal.signal(signal.SIGTERM, handler)
+
+  def uninstall_sigterm_handler(self):
+    if self._old_handler is not None:
+      signal.signal(signal.SIGTERM, self._old_handler)
+      self._old_handler = None
+
+  def reached_preemption(self, step: int) -> bool:
+    if jax.process_count() > 1:
+      return bool(self._manager.reached_preemption(step))
+    return self._preempted.is_set()
+
+  # -- save / restore -------------------------------------------------------------------
+  def latest_step(self) -> Optional[int]:
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list:
+    return list(self._manager.all_steps())
+
+  def save(self, step: int, model, optimizer, *, meta: dict, data_state: Any,
+           force: bool = False) -> bool:
+    """Starts an (async) save of everything needed to resume at `step`.
+
+    `model` and `optimizer` are modules or their `nnx.State`s. `data_state` is this
+    process's iterator state (JSON-able); every process's state is gathered so that
+    each one restores its own.
+    """
+    states = _allgather_strings(json.dumps(data_state))
+    data = {"process_count": jax.process_count(), "states": [json.loads(s) for s in states]}
+    meta = dict(meta, step=int(step), process_count=jax.process_count())
+    args = ocp.args.Composite(
+        model=ocp.args.StandardSave(nnx.to_pure_dict(_as_state(model))),
+        opt=ocp.args.StandardSave(nnx.to_pure_dict(_as_state(optimizer))),
+        meta=ocp.args.JsonSave(meta),
+        data=ocp.args.JsonSave(data),
+    )
+    return bool(self._manager.save(int(step), args=args, force=force))
+
+  def restore(self, step: int, abstract_model_state, abstract_opt_state):
+    """Restores into abstract states (from `nnx.get_abstract_model`).
+
+    Returns:
+      (model_state, opt_state, meta, data_state): nnx.States to `nnx.merge` or
+      `nnx.update` with, the meta dict, and this process's iterator state.
+    """
+    model_target = nnx.to_pure_dict(abstract_model_state)
+    opt_target = nnx.to_pure_dict(abstract_opt_state)
+    restored = self._manager.restore(int(step), args=ocp.args.Composite(
+        model=ocp.args.StandardRestore(model_target),
+        opt=ocp.args.StandardRestore(opt_target),
+        meta=ocp.args.JsonRestore(),
+        data=ocp.args.JsonRestore(),
+    ))
+    model_state = _fill(abstract_model_state, restored["model"])
+    opt_state = _fill(abstract_opt_state, restored["opt"])
+    data = restored["data"]
+    data_state = None
+    if data is not None:
+      if int(data["process_count"]) != jax.process_count():
+        logging.warning("Checkpoint was written by %d processes, this run has %d: "
+                        "the data iterator restarts from its initial state.",
+                        data["process_count"], jax.process_count())
+      else:
+        data_state = data["states"][jax.process_index()]
+    return model_state, opt_state, restored["meta"], data_state
+
+  def wait_until_finished(self):
+    self._manager.wait_until_finished()
+
+  def close(self):
+    self._manager.wait_until_finished()
+    self._manager.close()
+    self.uninstall_sigterm_handler()
+
+
+def _as_state(x):
+  return x if isinstance(x, nnx.State) else nnx.state(x)
+
+
+def _fill(abstract_state, pure_dict):
+  """An nnx.State shaped like `abstract_state` holding the restored arrays."""
+  state = jax.tree.map(lambda x: x, abstract_state)   # do not mutate the caller's copy
+  nnx.replace_by_pure_dict(state, pure_dict)
+  return state
+
+
+def restore_model_state(workdir: str, abstract_model_state, step: Optional[int] = None):
+  """Just the model item (for evaluation, generation, materialisation).
+
+  Args:
+    workdir: a training workdir.
+    abstract_model_state: from `nnx.get_abstract_model(lambda: create_model(cfg), mesh)`.
+    step: which checkpoint; the latest when None.
+
+  Returns:
+    (model_state, step).
+  """
+  manager = ocp.CheckpointManager(checkpoint_dir(workdir),
+                                  options=ocp.CheckpointManagerOptions(read_only=True))
+  try:
+    step = manager.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {checkpoint_dir(workdir)}")
+    restored = manager.restore(step, args=ocp.args.Composite(
+        model=ocp.args.StandardRestore(nnx.to_pure_dict(abstract_model_state))))
+    return _fill(abstract_model_state, restored["model"]), step
+  finally:
+    manager.close()

@@ -1,0 +1,322 @@
+"""End to end: train_and_evaluate, checkpoints, exact resume, sharding, WikiText-2."""
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from configs import default
+from conftest import shared_data_path
+from odetransformer import checkpointing
+from odetransformer import metrics as metrics_lib
+from odetransformer import optimizer as optimizer_lib
+from odetransformer import sharding as sharding_lib
+from odetransformer import train
+from odetransformer.model import create_model
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def tiny_config(cache_dir, num_train_steps=4):
+  """A seconds-sized run on the embedded corpus."""
+  c = default.get_config()
+  c.num_train_steps = num_train_steps
+  c.log_every_steps = 1
+  c.eval_every_steps = 2
+  c.checkpoint_every_steps = 2
+  c.seq_len = 32
+  c.global_batch_size = 4
+  c.eval_batch_size = 4
+  c.model.d_model = 32
+  c.model.num_heads = 2
+  c.model.mlp_dim = 64
+  c.model.num_steps = 2
+  c.model.max_len = 32
+  c.model.time_embed_dim = 8
+  c.model.time_sinusoids = 8
+  c.data.vocab_size = 512
+  c.data.tokenizer_sample_bytes = 300_000
+  c.data.eval_max_batches = 2
+  c.data.cache_dir = str(cache_dir)
+  return c
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_compiles(tmp_path_factory):
+  """Compilation dominates these tests. Runs in this module compile the same programs
+  again and again (a fresh jit per train_and_evaluate call): a persistent cache turns
+  30 s runs into 3 s ones. And XLA:CPU compiles the parameter init ~3× faster with the
+  'rbg' PRNG than with threefry (the loop under test does not care which; the 8-device
+  equivalence test runs in its own process with the default)."""
+  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+          "jax_persistent_cache_min_entry_size_bytes", "jax_default_prng_impl")
+  old = {k: getattr(jax.config, k) for k in keys}
+  jax.config.update(keys[0], str(tmp_path_factory.mktemp("jax_cache")))
+  jax.config.update(keys[1], 0)
+  jax.config.update(keys[2], 0)
+  jax.config.update(keys[3], "rbg")
+  yield
+  for k, v in old.items():
+    jax.config.update(k, v)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """Three 6-step runs: A preempted at step 4, A again (resumes), B uninterrupted."""
+  base = tmp_path_factory.mktemp("train")
+  cache = base / "cache"
+  wd_a, wd_b = base / "a", base / "b"
+  with pytest.MonkeyPatch.context() as mp:   # a SIGTERM arriving during step 4
+    mp.setattr(checkpointing.Checkpointer, "reached_preemption", lambda self, step: step == 4)
+    first = train.train_and_evaluate(tiny_config(cache, 6), str(wd_a))
+  resumed = train.train_and_evaluate(tiny_config(cache, 6), str(wd_a))
+  fresh = train.train_and_evaluate(tiny_config(cache, 6), str(wd_b))
+  return dict(first=first, resumed=resumed, fresh=fresh, wd_a=wd_a, wd_b=wd_b)
+
+
+def test_first_run_writes_checkpoints_events_and_config(runs):
+  r, wd = runs["first"], runs["wd_a"]
+  assert (r["start_step"], r["step"]) == (0, 4)   # stopped by the "preemption"
+  assert math.isfinite(r["eval"]["perplexity"]) and r["eval"]["perplexity"] > 1
+  assert r["eval"]["num_tokens"] > 0
+  assert (wd / "checkpoints" / "2").is_dir()       # periodic
+  assert (wd / "checkpoints" / "4").is_dir()       # on preemption
+  saved = json.loads((wd / "config.json").read_text())   # the latest run's config
+  assert saved["model"]["vocab_size"] == 512 and saved["seq_len"] == 32
+  scalars = metrics_lib.read_scalars(str(wd / "tensorboard"))
+  assert [s for s, _ in scalars["train/loss"]][:4] == [1, 2, 3, 4]
+  for tag in ("train/perplexity", "train/learning_rate", "train/grad_norm",
+              "train/tokens_per_sec", "train/mfu", "eval/loss", "eval/perplexity"):
+    assert tag in scalars, tag
+
+
+def test_second_run_resumes_and_continues(runs):
+  r, wd = runs["resumed"], runs["wd_a"]
+  assert (r["start_step"], r["step"]) == (4, 6)
+  assert [s for s, _ in r["loss_history"]] == [5, 6]
+  steps = sorted(int(p.name) for p in (wd / "checkpoints").iterdir() if p.name.isdigit())
+  assert steps[-1] == 6 and len(steps) <= 3   # keep-last-k (3)
+
+
+def _final_params(workdir):
+  cfg = train.model_config(tiny_config("/unused"), 512)
+  mesh = sharding_lib.make_mesh(default.get_config().mesh)
+  with nnx.logical_axis_rules(sharding_lib.logical_axis_rules()):
+    _, abstract = nnx.get_abstract_model(lambda: create_model(cfg, seed=0), mesh)
+  state, step = checkpointing.restore_model_state(str(workdir), abstract)
+  return step, jax.tree.map(np.asarray, nnx.to_pure_dict(state))
+
+
+def test_resume_is_exact(runs):
+  """Interrupted at 4 + resumed to 6 == 6 straight: model, optimizer, RNG and data."""
+  step_a, params_a = _final_params(runs["wd_a"])
+  step_b, params_b = _final_params(runs["wd_b"])
+  assert step_a == step_b == 6
+  hist_b = dict(runs["fresh"]["loss_history"])
+  for step, loss in runs["resumed"]["loss_history"]:
+    np.testing.assert_allclose(loss, hist_b[step], rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               params_a, params_b)
+
+
+def test_finetune_lora_starts_at_the_pretrained_model(runs, tmp_path):
+  """main.py fine-tuning (init_from): materialise N = K layers + LoRA (B = 0), so the
+  step-0 evaluation equals the pre-trained run's final one; then only adapters train."""
+  c = tiny_config(runs["wd_b"].parent / "cache", 2)
+  c.init_from = str(runs["wd_b"])
+  c.finetune = ml_collections.ConfigDict(dict(
+      method="lora", num_steps=0, lora_rank=4, lora_alpha=8.0, targets="wq,wv",
+      train_embeddings=False))
+  r = train.train_and_evaluate(c, str(tmp_path))
+  evals = dict(metrics_lib.read_scalars(str(tmp_path / "tensorboard"))["eval/loss"])
+  np.testing.assert_allclose(evals[0], runs["fresh"]["eval"]["loss"], rtol=1e-5)
+  assert r["step"] == 2 and (tmp_path / "tokenizer.model").exists()
+  saved = json.loads((tmp_path / "config.json").read_text())
+  assert saved["model"]["lora_rank"] == 4 and saved["model"]["kind"] == "parallel"
+
+
+def test_grad_accumulation_matches_one_big_batch():
+  """Two microbatches give the same update as the whole batch (sums, then one divide)."""
+  c = tiny_config("/unused")
+  cfg = train.model_config(c, 64)
+  # Plain SGD with lr 1: the params after one step show the gradient itself (Adam's
+  # first step, ~lr·sign(g), would amplify float noise in tiny gradients).
+  tx = optax.sgd(1.0)
+  sched = lambda step: 1.0
+  mesh = sharding_lib.make_mesh(c.mesh)
+  rules = sharding_lib.logical_axis_rules(c.mesh)
+  rng = np.random.default_rng(0)
+  batch = {"inputs": rng.integers(0, 64, (4, 16)).astype(np.int32),
+           "targets": rng.integers(0, 64, (4, 16)).astype(np.int32),
+           "weights": (rng.random((4, 16)) > 0.3).astype(np.float32)}
+  out = []
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    for accum in (1, 2):
+      ts, state = train.init_train_state(cfg, tx, 0, mesh)
+      step = train.make_train_step(ts, sched, rules, grad_accum_steps=accum)
+      state, m = step(state, batch, jax.random.key(0))
+      out.append((float(m.loss.compute()), float(m.grad_norm.compute()),
+                  jax.tree.map(np.asarray, nnx.to_pure_dict(state))))
+  np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-6)
+  np.testing.assert_allclose(out[0][1], out[1][1], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               out[0][2], out[1][2])
+
+
+_SHARDED_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    from flax import nnx
+    sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+    from test_train import tiny_config
+    from odetransformer import optimizer, sharding, train
+    assert jax.device_count() == 8, jax.devices()
+
+    c = tiny_config("/unused")
+    c.model.num_heads = 4                       # split over tensor=2
+    cfg = train.model_config(c, 64)
+    tx = optimizer.create_optimizer(c.optim, 10)
+    sched = optimizer.learning_rate_schedule(c.optim, 10)
+    rng = np.random.default_rng(0)
+    batches = [{"inputs": rng.integers(0, 64, (8, 32)).astype(np.int32),
+                "targets": rng.integers(0, 64, (8, 32)).astype(np.int32),
+                "segment_ids": np.ones((8, 32), np.int32),
+                "positions": np.tile(np.arange(32, dtype=np.int32), (8, 1)),
+                "weights": np.ones((8, 32), np.float32)} for _ in range(4)]
+
+    def run(shape, devices):
+      c.mesh.shape = shape
+      mesh = sharding.make_mesh(c.mesh, devices)
+      rules = sharding.logical_axis_rules(c.mesh)
+      with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        ts, state = train.init_train_state(cfg, tx, 0, mesh)
+        step = train.make_train_step(ts, sched, rules)
+        bsh = sharding.batch_sharding(mesh, rules)
+        losses = []
+        for i, b in enumerate(batches):
+          state, m = step(state, sharding.global_batch_from_local(b, bsh), jax.random.key(i))
+          losses.append(float(m.loss.compute()))
+        drift = sharding.sharding_drift(state, ts.shardings)
+        specs = {jax.tree_util.keystr(p): str(x.sharding.spec)
+                 for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+      return losses, [d[0] for d in drift], specs
+
+    one = run((1, 1, 1), jax.devices()[:1])
+    eight = run((2, 2, -1), jax.devices())
+    print(json.dumps({"one": one[0], "eight": eight[0], "drift": eight[1], "specs": eight[2]}))
+""")
+
+
+def test_sharded_2x2x2_matches_one_device_and_keeps_shardings(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  script = tmp_path / "sharded.py"
+  script.write_text(_SHARDED_SCRIPT)
+  proc = subprocess.run([sys.executable, str(script), str(ROOT)], env=env, cwd=ROOT,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  np.testing.assert_allclose(out["eight"][0], out["one"][0], rtol=1e-5)  # first step
+  np.testing.assert_allclose(out["eight"], out["one"], rtol=1e-4)        # and after
+  assert out["drift"] == []
+  specs = out["specs"]
+  # Params really are split: embedding over (tensor, fsdp), Adam moments alike.
+  assert specs["[0]['embed'].value"] == "P('tensor', 'fsdp')"
+  mu = [v for k, v in specs.items() if "'mu'" in k and "'embed'" in k]
+  assert mu == ["P('tensor', 'fsdp')"]
+
+
+@pytest.mark.parametrize("kind", ["diffeqformer", "gpt"])
+def test_default_model_learns_wikitext2(kind, tmp_path_factory):
+  """The default config's model (DiffEqFormer, and GPT via kind=gpt) on real text."""
+  valid = shared_data_path("wikitext-2", "valid.txt")
+  cache = tmp_path_factory.getbasetemp() / "wt2_cache"
+  c = default.get_config()
+  c.model.kind = kind
+  c.num_train_steps = 40
+  c.log_every_steps = 1
+  c.eval_every_steps = 0
+  c.checkpoint_every_steps = 0
+  c.seq_len = 64
+  c.global_batch_size = 8
+  c.eval_batch_size = 8
+  c.data.source = "local"
+  c.data.train_files = str(valid)
+  c.data.eval_files = str(valid)
+  c.data.tokenizer_sample_bytes = 400_000
+  c.data.eval_max_batches = 2
+  c.data.cache_dir = str(cache)
+  r = train.train_and_evaluate(c, str(tmp_path_factory.mktemp(f"wt2_{kind}")))
+  losses = [loss for _, loss in r["loss_history"]]
+  assert losses[0] > math.log(2048) - 0.5          # starts near uniform
+  assert np.mean(losses[-5:]) < losses[0] - 1.0    # and clearly learns
+  assert r["eval"]["loss"] < losses[0] - 1.0
+
+
+TINY_FLAGS = [  # tiny_config() as command-line overrides of configs/default.py
+    "--config.num_train_steps=2", "--config.log_every_steps=1", "--config.seq_len=32",
+    "--config.global_batch_size=4", "--config.eval_batch_size=4",
+    "--config.model.d_model=32", "--config.model.num_heads=2", "--config.model.mlp_dim=64",
+    "--config.model.num_steps=2", "--config.model.max_len=32",
+    "--config.model.time_embed_dim=8", "--config.model.time_sinusoids=8",
+    "--config.data.vocab_size=512", "--config.data.tokenizer_sample_bytes=300000",
+    "--config.data.eval_max_batches=2"]
+
+
+def test_main_two_processes_on_loopback(tmp_path):
+  """main.py as 2 JAX processes (1 CPU device each, gloo collectives), each feeding
+  half of every batch: distributed init from the environment, global batches,
+  collective checkpointing and the parameter overview."""
+  import portpicker  # pylint: disable=g-import-not-at-top
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_PROCESSES="2", JAX_DEFAULT_PRNG_IMPL="rbg",
+             JAX_COORDINATOR_ADDRESS=f"localhost:{portpicker.pick_unused_port()}",
+             JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+  env.pop("XLA_FLAGS", None)
+  procs = [subprocess.Popen(
+      [sys.executable, str(ROOT / "main.py"), "--config=configs/default.py",
+       f"--workdir={tmp_path / 'wd'}", *TINY_FLAGS,
+       # each host prepares its own copy of the data (no race on one directory)
+       f"--config.data.cache_dir={tmp_path / f'cache{i}'}"],
+      env=dict(env, JAX_PROCESS_ID=str(i)), cwd=ROOT, text=True,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+  outs = [p.communicate(timeout=600) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  log0 = outs[0][1]
+  assert "JAX process 0/2, 1 local / 2 global devices" in log0
+  assert "step 2/2 | loss" in log0 and "eval @ step 2 | loss" in log0
+  assert "step 2/2" not in outs[1][1]                     # process 0 logs, the others not
+  assert (tmp_path / "wd" / "checkpoints" / "2").is_dir()
+  scalars = metrics_lib.read_scalars(str(tmp_path / "wd" / "tensorboard"))
+  assert [s for s, _ in scalars["train/loss"]] == [1, 2]
+
+
+def _main(tmp_path, *overrides):
+  return subprocess.run(
+      [sys.executable, str(ROOT / "main.py"), "--config=configs/default.py",
+       f"--workdir={tmp_path}", *overrides],
+      cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+@pytest.mark.parametrize("overrides,kind", [
+    (["--config.model.num_heads=5"], "ConfigError"),
+    (["--config.mesh.shape=(2,1,1)"], "ConfigError"),          # 2 devices on a 1-CPU host
+    (["--config.data.source=local", "--config.data.train_files=/nonexistent/*.txt"],
+     "DataError"),
+])
+def test_main_reports_bad_input_in_one_line(tmp_path, overrides, kind):
+  proc = _main(tmp_path, *overrides)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+  assert len(errors) == 1 and kind in errors[0], proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
