@@ -1,0 +1,205 @@
+#!/usr/bin/env bash
+# Multi-node GPU training without a scheduler: run this on every node (or once with
+# --hosts to start it on all of them over ssh). Run with --help for usage.
+set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+usage: launch/gpu_multinode.sh --workdir DIR --num_nodes N --node_rank R --coordinator HOST:PORT
+                               [options] [-- --config.x=y ...]
+       launch/gpu_multinode.sh --workdir DIR --hosts host0,host1,... [options] [-- ...]
+
+Starts main.py for one node of an N-node job: one process seeing all local GPUs
+(default), or --procs_per_node G processes with one GPU each. Process ids are
+node_rank * procs_per_node + local_rank; the coordinator (process 0) listens on
+HOST:PORT of node 0, which every node must reach. main.py sees
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID and calls
+jax.distributed.initialize(); JAX_LOCAL_DEVICE_IDS selects each process's GPUs.
+
+With --hosts, this script ssh's to every host (passwordless ssh; the same checkout
+path and venv on each), runs itself there with the right --node_rank (node 0 = the
+first host = coordinator), prefixes and streams their logs, and stops all of them
+when one fails. Run it again to resume: main.py restores the latest checkpoint in
+WORKDIR, which must be shared by all nodes (NFS/Lustre) or a gs:// path.
+
+options (flag, or the environment variable in brackets; default after '='):
+  --config FILE         [CONFIG] = configs/owt_small.py
+  --workdir DIR         shared checkpoint/log directory [WORKDIR] (required)
+  --data_dir DIR        sets --config.data.data_dir [DATA_DIR] = (config's)
+  --num_nodes N         [NUM_NODES] = 1
+  --node_rank R         this node's index, 0 = coordinator [NODE_RANK] = 0
+  --coordinator H:P     node 0's address:port [COORDINATOR] = localhost:12345
+  --port P              port used with --hosts [COORD_PORT] = 12345
+  --hosts LIST          comma-separated hosts, launch all over ssh [HOSTS]
+  --procs_per_node G    1 = a process per node, G = a process per GPU [PROCS_PER_NODE] = 1
+  --gpus_per_node G     GPUs per node [GPUS_PER_NODE] = nvidia-smi's count
+  --venv DIR            virtualenv with jax[cuda12] [VENV] = .venv
+  --nccl_socket_if IF   NCCL_SOCKET_IFNAME, e.g. eth0 [NCCL_SOCKET_IFNAME]
+  --nccl_ib_hca LIST    NCCL_IB_HCA, e.g. mlx5 [NCCL_IB_HCA]
+  --dry_run             print the commands instead of running them [DRY_RUN=1]
+  -h, --help            this text
+Everything after `--` (and any --config.* flag) is passed to main.py.
+
+examples (2 nodes × 8 GPUs):
+  node0$ launch/gpu_multinode.sh --num_nodes 2 --node_rank 0 --coordinator node0:12345 \
+             --workdir /shared/runs/owt_small -- --config.mesh.shape=1,-1,1
+  node1$ launch/gpu_multinode.sh --num_nodes 2 --node_rank 1 --coordinator node0:12345 \
+             --workdir /shared/runs/owt_small -- --config.mesh.shape=1,-1,1
+  or, from anywhere with ssh access:
+  $ launch/gpu_multinode.sh --hosts node0,node1 --workdir /shared/runs/owt_small
+EOF
+}
+
+CONFIG="${CONFIG:-configs/owt_small.py}"
+WORKDIR="${WORKDIR:-}"
+DATA_DIR="${DATA_DIR:-}"
+NUM_NODES="${NUM_NODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+COORDINATOR="${COORDINATOR:-localhost:12345}"
+COORD_PORT="${COORD_PORT:-12345}"
+HOSTS="${HOSTS:-}"
+PROCS_PER_NODE="${PROCS_PER_NODE:-1}"
+GPUS_PER_NODE="${GPUS_PER_NODE:-}"
+VENV="${VENV:-.venv}"
+DRY_RUN="${DRY_RUN:-0}"
+EXTRA=()
+
+die() { echo "gpu_multinode.sh: $*" >&2; exit 2; }
+need() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --config) need "$@"; CONFIG="$2"; shift 2 ;;
+    --config=*) CONFIG="${1#*=}"; shift ;;
+    --workdir) need "$@"; WORKDIR="$2"; shift 2 ;;
+    --workdir=*) WORKDIR="${1#*=}"; shift ;;
+    --data_dir) need "$@"; DATA_DIR="$2"; shift 2 ;;
+    --data_dir=*) DATA_DIR="${1#*=}"; shift ;;
+    --num_nodes) need "$@"; NUM_NODES="$2"; shift 2 ;;
+    --num_nodes=*) NUM_NODES="${1#*=}"; shift ;;
+    --node_rank) need "$@"; NODE_RANK="$2"; shift 2 ;;
+    --node_rank=*) NODE_RANK="${1#*=}"; shift ;;
+    --coordinator) need "$@"; COORDINATOR="$2"; shift 2 ;;
+    --coordinator=*) COORDINATOR="${1#*=}"; shift ;;
+    --port) need "$@"; COORD_PORT="$2"; shift 2 ;;
+    --port=*) COORD_PORT="${1#*=}"; shift ;;
+    --hosts) need "$@"; HOSTS="$2"; shift 2 ;;
+    --hosts=*) HOSTS="${1#*=}"; shift ;;
+    --procs_per_node) need "$@"; PROCS_PER_NODE="$2"; shift 2 ;;
+    --procs_per_node=*) PROCS_PER_NODE="${1#*=}"; shift ;;
+    --gpus_per_node) need "$@"; GPUS_PER_NODE="$2"; shift 2 ;;
+    --gpus_per_node=*) GPUS_PER_NODE="${1#*=}"; shift ;;
+    --venv) need "$@"; VENV="$2"; shift 2 ;;
+    --venv=*) VENV="${1#*=}"; shift ;;
+    --nccl_socket_if) need "$@"; export NCCL_SOCKET_IFNAME="$2"; shift 2 ;;
+    --nccl_socket_if=*) export NCCL_SOCKET_IFNAME="${1#*=}"; shift ;;
+    --nccl_ib_hca) need "$@"; export NCCL_IB_HCA="$2"; shift 2 ;;
+    --nccl_ib_hca=*) export NCCL_IB_HCA="${1#*=}"; shift ;;
+    --dry_run) DRY_RUN=1; shift ;;
+    --) shift; EXTRA+=("$@"); break ;;
+    --config.*) EXTRA+=("$1"); shift ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+done
+
+[[ -n "$WORKDIR" ]] || die "--workdir (or WORKDIR) is required"
+for v in NUM_NODES NODE_RANK PROCS_PER_NODE COORD_PORT; do
+  [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v must be a non-negative integer, got '${!v}'"
+done
+(( NUM_NODES >= 1 && PROCS_PER_NODE >= 1 )) || die "--num_nodes and --procs_per_node must be >= 1"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+# ---------------------------------------------------------------------------------
+# --hosts: start this script on every host over ssh and babysit them.
+# ---------------------------------------------------------------------------------
+if [[ -n "$HOSTS" ]]; then
+  IFS=',' read -r -a HOST_LIST <<< "$HOSTS"
+  n="${#HOST_LIST[@]}"
+  coord="${HOST_LIST[0]}:$COORD_PORT"
+  pass=(--config "$CONFIG" --workdir "$WORKDIR" --num_nodes "$n" --coordinator "$coord"
+        --procs_per_node "$PROCS_PER_NODE" --venv "$VENV")
+  [[ -n "$DATA_DIR" ]] && pass+=(--data_dir "$DATA_DIR")
+  [[ -n "$GPUS_PER_NODE" ]] && pass+=(--gpus_per_node "$GPUS_PER_NODE")
+  [[ -n "${NCCL_SOCKET_IFNAME:-}" ]] && pass+=(--nccl_socket_if "$NCCL_SOCKET_IFNAME")
+  [[ -n "${NCCL_IB_HCA:-}" ]] && pass+=(--nccl_ib_hca "$NCCL_IB_HCA")
+  pids=()
+  for rank in "${!HOST_LIST[@]}"; do
+    host="${HOST_LIST[$rank]}"
+    remote="$(printf '%q ' "$ROOT/launch/gpu_multinode.sh" "${pass[@]}" --node_rank "$rank" -- "${EXTRA[@]}")"
+    if [[ "$DRY_RUN" == 1 ]]; then
+      echo "+ ssh $host $remote"
+      continue
+    fi
+    # -tt: closing the ssh session (when we stop) kills the remote processes.
+    ssh -tt -o BatchMode=yes "$host" "$remote" 2>&1 | sed -u "s/^/[$host] /" &
+    pids+=($!)
+  done
+  [[ "$DRY_RUN" == 1 ]] && exit 0
+  # shellcheck disable=SC2317  # called by the trap
+  cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
+  trap cleanup EXIT INT TERM
+  rc=0
+  # Any node failing stops the others (their collectives would hang otherwise).
+  while (( ${#pids[@]} > 0 )); do
+    wait -n "${pids[@]}" || { rc=$?; echo "a node failed (rc $rc): stopping all" >&2; break; }
+    alive=()
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive+=("$p"); done
+    pids=("${alive[@]+"${alive[@]}"}")
+  done
+  exit "$rc"
+fi
+
+# ---------------------------------------------------------------------------------
+# One node: PROCS_PER_NODE processes of main.py.
+# ---------------------------------------------------------------------------------
+(( NODE_RANK < NUM_NODES )) || die "--node_rank $NODE_RANK must be < --num_nodes $NUM_NODES"
+if [[ -z "$GPUS_PER_NODE" ]]; then
+  if [[ "$DRY_RUN" != 1 ]] && command -v nvidia-smi >/dev/null; then
+    GPUS_PER_NODE="$(nvidia-smi --list-gpus | wc -l)"
+  else
+    GPUS_PER_NODE=8
+  fi
+fi
+if (( PROCS_PER_NODE > 1 && PROCS_PER_NODE != GPUS_PER_NODE )); then
+  die "--procs_per_node must be 1 or the number of GPUs ($GPUS_PER_NODE)"
+fi
+
+export JAX_COORDINATOR_ADDRESS="$COORDINATOR"
+export JAX_NUM_PROCESSES=$((NUM_NODES * PROCS_PER_NODE))
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
+export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
+
+ARGS=(--config="$CONFIG" --workdir="$WORKDIR")
+[[ -n "$DATA_DIR" ]] && ARGS+=(--config.data.data_dir="$DATA_DIR")
+ARGS+=("${EXTRA[@]}")
+
+cd "$ROOT"
+pids=()
+for ((local_rank = 0; local_rank < PROCS_PER_NODE; local_rank++)); do
+  pid_id=$((NODE_RANK * PROCS_PER_NODE + local_rank))
+  if (( PROCS_PER_NODE == 1 )); then
+    devices="$(seq -s, 0 $((GPUS_PER_NODE - 1)))"
+  else
+    devices="$local_rank"
+  fi
+  cmd=(env JAX_PROCESS_ID="$pid_id" JAX_LOCAL_DEVICE_IDS="$devices"
+       "$VENV/bin/python" main.py "${ARGS[@]}")
+  if [[ "$DRY_RUN" == 1 ]]; then
+    printf '+ JAX_COORDINATOR_ADDRESS=%q JAX_NUM_PROCESSES=%q' "$JAX_COORDINATOR_ADDRESS" "$JAX_NUM_PROCESSES"
+    printf ' %q' "${cmd[@]}"; printf '\n'
+    continue
+  fi
+  "${cmd[@]}" &
+  pids+=($!)
+done
+[[ "$DRY_RUN" == 1 ]] && exit 0
+
+trap 'for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done' INT TERM
+rc=0
+for p in "${pids[@]}"; do
+  wait "$p" || rc=$?
+done
+exit "$rc"

@@ -1,0 +1,315 @@
+"""Will it fit? Per-device memory of a config's training state on an N-device mesh.
+
+  python -m odetransformer.memory --config=configs/owt_large.py --num_devices=64 \
+      [--config.mesh.shape=1,-1,1] [--device_memory_gib=80] [--compile | --nocompile]
+
+Run as a program, this module makes `--num_devices` fake CPU devices
+(`XLA_FLAGS=--xla_force_host_platform_device_count=N`, set before jax is imported) and
+builds the config's ('data', 'fsdp', 'tensor') mesh and logical-axis rules on them, the
+same way `train.train_and_evaluate` does. Then either
+
+* compiled (`--compile`, or the default when the model has fewer than
+  `--compile_max_params` parameters): the real train step (`train.make_train_step`) is
+  lowered on abstract inputs and compiled for that mesh, and XLA's
+  `memory_analysis()` gives per-device argument, output, temporary and generated-code
+  bytes. Nothing is allocated. Compiling a large model for 64 fake devices on a CPU
+  takes minutes and many GiB of host memory, hence the threshold; or
+* analytic (`--nocompile`, or the default for large models): the shapes and
+  shardings of parameters and Adam state come from `nnx.get_abstract_model` (the
+  shardings training will use), so their per-device bytes are exact; gradients are
+  counted as one more parameter-sized copy in float32, and activations are a rough
+  estimate (see `rough_activation_bytes`) — compile on the target platform for a real
+  number.
+
+The verdict compares the total against `--device_memory_gib` (default 80, an H100;
+e.g. 141 for an H200, 32 for a TPU v4 chip, 16 for v5e, 95 for v5p). The CPU compiler
+does not make the same fusion and rematerialisation choices as the GPU/TPU ones, so
+treat even the compiled numbers as approximate (roughly ±20 %, not measured here).
+
+`--json=PATH` also writes the numbers as JSON (used by the tests).
+"""
+import os
+import re
+import sys
+
+
+def _force_host_device_count(argv) -> None:
+  """Sets XLA_FLAGS for `--num_devices` (must run before jax is imported)."""
+  num = None
+  for i, arg in enumerate(argv):
+    if arg.startswith("--num_devices="):
+      num = arg.split("=", 1)[1]
+    elif arg == "--num_devices" and i + 1 < len(argv):
+      num = argv[i + 1]
+  if num is None or not num.isdigit():
+    return
+  flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                 os.environ.get("XLA_FLAGS", "")).strip()
+  os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={num}".strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")   # fake devices are CPU devices
+
+
+if __name__ == "__main__":
+  if "jax" in sys.modules:   # cannot happen with `python -m`; guard against misuse
+    print("warning: jax was imported before odetransformer.memory; --num_devices may "
+          "be ignored", file=sys.stderr)
+  _force_host_device_count(sys.argv)
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import dataclasses
+import json
+import math
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from odetransformer import optimizer as optimizer_lib
+from odetransformer import sharding as sharding_lib
+from odetransformer import train
+from odetransformer.model import create_model
+
+GIB = 1024 ** 3
+DEFAULT_COMPILE_MAX_PARAMS = 50_000_000
+
+
+@dataclasses.dataclass
+class MemoryReport:
+  """Per-device bytes (the largest shard over all devices of each array)."""
+  num_devices: int
+  mesh_shape: dict
+  num_params: int
+  param_bytes: int           # nnx.Param leaves of the model
+  other_model_bytes: int     # non-Param model state (RNG counters, ...)
+  opt_state_bytes: int       # Adam mu/nu, step counters
+  grad_bytes: int            # analytic: one float32 copy of the params' shards
+  activation_bytes: int      # analytic: rough estimate; compiled: XLA temp bytes
+  compiled: bool
+  compile_seconds: float = 0.0
+  xla: Optional[dict] = None  # compiled: memory_analysis() fields
+  device_memory_gib: float = 80.0
+
+  @property
+  def state_bytes(self) -> int:
+    return self.param_bytes + self.other_model_bytes + self.opt_state_bytes
+
+  @property
+  def total_bytes(self) -> int:
+    if self.compiled:
+      x = self.xla
+      # Arguments (the donated state + batch) live across the step; outputs alias
+      # the donated state; temporaries cover gradients and activations.
+      return (x["argument_size_in_bytes"] + x["output_size_in_bytes"]
+              - x["alias_size_in_bytes"] + x["temp_size_in_bytes"]
+              + x["generated_code_size_in_bytes"])
+    return self.state_bytes + self.grad_bytes + self.activation_bytes
+
+  @property
+  def fits(self) -> bool:
+    return self.total_bytes <= self.device_memory_gib * GIB
+
+  def to_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d.update(state_bytes=self.state_bytes, total_bytes=self.total_bytes, fits=self.fits)
+    return d
+
+
+def _per_device_bytes(tree) -> int:
+  """Bytes on the most loaded device: sum over leaves of one shard's size."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) else x.shape
+    total += math.prod(shape) * np.dtype(x.dtype).itemsize
+  return total
+
+
+def abstract_train_state(cfg, tx, seed: int, mesh) -> train.TrainState:
+  """The TrainState of `train.init_train_state` without allocating anything.
+
+  Must run under `nnx.logical_axis_rules(rules)`.
+  """
+  # Same init_fn as train.init_train_state (which also allocates the state).
+  def init_fn():
+    model = create_model(cfg, seed=seed)
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  graphdef, abstract = nnx.get_abstract_model(init_fn, mesh)
+  return train.TrainState(graphdef=graphdef, abstract=abstract,
+                          shardings=[a.sharding for a in jax.tree.leaves(abstract)])
+
+
+def rough_activation_bytes(config, cfg, mesh, rules) -> int:
+  """A rough per-device activation estimate for the analytic path.
+
+  Counts, per device (local batch b = global / (batch shards × grad accumulation)):
+  the residual stream saved at every solver step/layer (full remat) or ~16 such
+  tensors per step (no remat), float32 logits and their gradient (2 × b·T·V /
+  tensor shards), and one layer's generated weights gathered over fsdp (DiffEqFormer
+  materialises W(t) per step). Attention scores are not counted (flash/cuDNN
+  attention does not store them). Good to a factor of ~2; compile for a real number.
+  """
+  shards = sharding_lib.num_batch_shards(mesh, rules)
+  local = max(1, config.global_batch_size // (shards * int(config.optim.grad_accum_steps)))
+  seq, d = config.seq_len, cfg.d_model
+  cbytes = np.dtype(cfg.dtype).itemsize
+  tensor = mesh.shape["tensor"]
+  per_step = local * seq * d * cbytes
+  saved = 1 if cfg.remat_policy == "full" else 16
+  evals = {"euler": 1, "midpoint": 2, "rk4": 4}.get(cfg.solver, 1)
+  acts = cfg.num_steps * evals * saved * per_step
+  acts += 2 * local * seq * cfg.vocab_size * 4 // tensor
+  if cfg.kind == "diffeqformer":
+    from odetransformer.param_count import layer_params
+    acts += 2 * layer_params(cfg) * cbytes // tensor
+  return int(acts)
+
+
+def memory_report(config, *, compile_step: Optional[bool] = None,
+                  compile_max_params: int = DEFAULT_COMPILE_MAX_PARAMS,
+                  device_memory_gib: float = 80.0, devices=None) -> MemoryReport:
+  """Per-device memory of training `config` on `devices` (default: all of jax.devices()).
+
+  Args:
+    config: a training ConfigDict (configs/*.py); model.vocab_size is taken from
+      data.vocab_size (the tokenizer's size at training time).
+    compile_step: True = lower and compile the train step; False = analytic; None =
+      compile when the model has fewer than `compile_max_params` parameters.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  try:
+    mesh = sharding_lib.make_mesh(config.mesh, devices)
+    rules = sharding_lib.logical_axis_rules(config.mesh)
+  except sharding_lib.MeshError as e:
+    raise train.ConfigError(str(e)) from e
+  train._check_config(config, mesh, rules)  # pylint: disable=protected-access
+  cfg = train.model_config(config, config.data.vocab_size)
+  tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps)
+  schedule = optimizer_lib.learning_rate_schedule(config.optim, config.num_train_steps)
+
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    ts = abstract_train_state(cfg, tx, config.seed, mesh)
+  abs_model, abs_opt = ts.split_abstract()
+  params = abs_model.filter(nnx.Param)
+  num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+  param_bytes = _per_device_bytes(params)
+  model_bytes = _per_device_bytes(abs_model)
+  grad_bytes = sum(
+      math.prod(x.sharding.shard_shape(x.shape)) * 4 for x in jax.tree.leaves(params))
+  report = MemoryReport(
+      num_devices=len(devices), mesh_shape=dict(mesh.shape), num_params=num_params,
+      param_bytes=param_bytes, other_model_bytes=model_bytes - param_bytes,
+      opt_state_bytes=_per_device_bytes(abs_opt), grad_bytes=grad_bytes,
+      activation_bytes=rough_activation_bytes(config, cfg, mesh, rules), compiled=False,
+      device_memory_gib=device_memory_gib)
+
+  if compile_step is None:
+    compile_step = num_params < compile_max_params
+  if not compile_step:
+    return report
+
+  step = train.make_train_step(ts, schedule, rules,
+                               grad_accum_steps=int(config.optim.grad_accum_steps),
+                               use_dropout=cfg.dropout_rate > 0)
+  batch_sharding = sharding_lib.batch_sharding(mesh, rules)
+  shape = (config.global_batch_size, config.seq_len)
+  batch = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding),
+           "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding),
+           "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding),
+           "positions": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding),
+           "weights": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=batch_sharding)}
+  rng = jax.eval_shape(lambda: jax.random.key(0))
+  t0 = time.perf_counter()
+  # make_train_step's wrapper applies the activation rules when called; lowering
+  # bypasses it, so apply them here.
+  jitted = getattr(step, "__wrapped__", step)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding_lib.activation_rules(rules)):
+    compiled = jitted.lower(ts.abstract, batch, rng).compile()
+  stats = compiled.memory_analysis()
+  fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+            "temp_size_in_bytes", "generated_code_size_in_bytes")
+  report.xla = {f: int(getattr(stats, f, 0) or 0) for f in fields}
+  report.activation_bytes = report.xla["temp_size_in_bytes"]
+  report.compiled = True
+  report.compile_seconds = time.perf_counter() - t0
+  return report
+
+
+def format_report(r: MemoryReport) -> str:
+  def gib(n):
+    return f"{n / GIB:9.3f} GiB" if n >= GIB / 10 else f"{n / 2**20:9.3f} MiB"
+  lines = [
+      f"mesh {r.mesh_shape} on {r.num_devices} devices; {r.num_params:,} parameters",
+      f"per device ({'compiled train step' if r.compiled else 'analytic'}):",
+      f"  parameters          {gib(r.param_bytes)}",
+      f"  other model state   {gib(r.other_model_bytes)}",
+      f"  optimizer state     {gib(r.opt_state_bytes)}",
+  ]
+  if r.compiled:
+    x = r.xla
+    lines += [
+        f"  XLA arguments       {gib(x['argument_size_in_bytes'])}  (state + batch)",
+        f"  XLA outputs         {gib(x['output_size_in_bytes'])}  "
+        f"({x['alias_size_in_bytes'] / GIB:.3f} GiB aliased to donated arguments)",
+        f"  XLA temporaries     {gib(x['temp_size_in_bytes'])}  (gradients, activations)",
+        f"  XLA code            {gib(x['generated_code_size_in_bytes'])}",
+        f"  compile time        {r.compile_seconds:9.1f} s",
+    ]
+  else:
+    lines += [
+        f"  gradients (f32)     {gib(r.grad_bytes)}",
+        f"  activations (rough) {gib(r.activation_bytes)}  (estimate; --compile for XLA's number)",
+    ]
+  verdict = "FITS" if r.fits else "DOES NOT FIT"
+  lines.append(f"  total               {gib(r.total_bytes)}  of {r.device_memory_gib:g} GiB "
+               f"per device: {verdict} ({100 * r.total_bytes / (r.device_memory_gib * GIB):.0f}%)")
+  if not r.fits:
+    lines.append("  hint: more fsdp shards (config.mesh.shape), tensor parallelism for wide "
+                 "models, model.remat_policy=full, a smaller global_batch_size per device or "
+                 "optim.grad_accum_steps > 1")
+  return "\n".join(lines)
+
+
+def main(argv):
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flag_values = flags.FLAGS
+  if len(argv) > 1:
+    raise SystemExit(f"unexpected arguments: {argv[1:]}")
+  if flag_values.num_devices and jax.device_count() != flag_values.num_devices:
+    raise SystemExit(f"asked for {flag_values.num_devices} devices but jax has "
+                     f"{jax.device_count()} ({jax.devices()[0].platform}); run as "
+                     "`python -m odetransformer.memory` so XLA_FLAGS is set before jax loads")
+  try:
+    report = memory_report(flag_values.config, compile_step=flag_values.compile,
+                           compile_max_params=flag_values.compile_max_params,
+                           device_memory_gib=flag_values.device_memory_gib)
+  except (train.ConfigError, optimizer_lib.OptimConfigError) as e:
+    print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(format_report(report))
+  if flag_values.json:
+    with open(flag_values.json, "w") as f:
+      json.dump(report.to_dict(), f, indent=2)
+
+
+def _define_flags():
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py).",
+                                  lock_config=True)
+  flags.DEFINE_integer("num_devices", 0, "Fake CPU devices to plan for (0 = the real ones).")
+  flags.DEFINE_float("device_memory_gib", 80.0, "Memory per device (H100: 80).")
+  flags.DEFINE_bool("compile", None, "Compile the train step (default: only below "
+                    "--compile_max_params parameters); --nocompile = analytic only.")
+  flags.DEFINE_integer("compile_max_params", DEFAULT_COMPILE_MAX_PARAMS,
+                       "Auto mode compiles only models smaller than this.")
+  flags.DEFINE_string("json", "", "Also write the report as JSON to this path.")
+  flags.mark_flags_as_required(["config"])
+
+
+if __name__ == "__main__":
+  from absl import app  # pylint: disable=g-import-not-at-top
+  _define_flags()
+  app.run(main)

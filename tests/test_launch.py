@@ -1,0 +1,107 @@
+"""launch/ scripts: valid bash, shellcheck-clean, `--help` works offline, dry runs."""
+import os
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPTS = ["launch/tpu_pod.sh", "launch/gpu_slurm.sbatch", "launch/gpu_multinode.sh"]
+
+
+def _offline_env(tmp_path):
+  """PATH with only basic tools: no gcloud, srun, sbatch, ssh or scontrol."""
+  bindir = tmp_path / "bin"
+  bindir.mkdir(exist_ok=True)
+  for tool in ("cat", "dirname", "sed", "seq", "hostname", "printf", "env", "head", "wc",
+               "mktemp", "tar", "rm"):
+    path = shutil.which(tool)
+    if path and not (bindir / tool).exists():
+      (bindir / tool).symlink_to(path)
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TPU_"))}
+  env["PATH"] = str(bindir)
+  return env
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bash_syntax(script):
+  subprocess.run(["bash", "-n", str(ROOT / script)], check=True)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_strict_mode(script):
+  assert "set -euo pipefail" in (ROOT / script).read_text()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_shellcheck(script):
+  if shutil.which("shellcheck") is None:
+    if os.environ.get("ODET_REQUIRE_SHELLCHECK"):
+      pytest.fail("shellcheck is not installed but ODET_REQUIRE_SHELLCHECK is set "
+                  "(apt-get install -y shellcheck)")
+    pytest.skip("shellcheck not installed (apt-get install -y shellcheck)")
+  r = subprocess.run(["shellcheck", "-s", "bash", str(ROOT / script)],
+                     capture_output=True, text=True)
+  assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_is_offline(script, flag, tmp_path):
+  for tool in ("gcloud", "srun", "sbatch", "ssh", "scontrol"):
+    assert shutil.which(tool, path=_offline_env(tmp_path)["PATH"]) is None
+  r = subprocess.run(["/bin/bash", str(ROOT / script), flag], env=_offline_env(tmp_path),
+                     capture_output=True, text=True, timeout=20)
+  assert r.returncode == 0, r.stderr
+  assert "usage" in r.stdout.lower()
+  assert "--config" in r.stdout and "--workdir" in r.stdout
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_missing_workdir_is_a_one_line_error(script, tmp_path):
+  args = ["--name", "x", "--zone", "z"] if script.endswith("tpu_pod.sh") else []
+  r = subprocess.run(["/bin/bash", str(ROOT / script), *args], env=_offline_env(tmp_path),
+                     capture_output=True, text=True, timeout=20)
+  assert r.returncode == 2
+  assert "workdir" in r.stderr
+
+
+def _dry_run(script, args, tmp_path, **env):
+  e = _offline_env(tmp_path)
+  e.update(DRY_RUN="1", **env)
+  r = subprocess.run(["/bin/bash", str(ROOT / script), *args], env=e, cwd=str(ROOT),
+                     capture_output=True, text=True, timeout=60)
+  assert r.returncode == 0, r.stderr
+  return r.stdout
+
+
+def test_tpu_dry_run_passes_overrides(tmp_path):
+  out = _dry_run("launch/tpu_pod.sh",
+                 ["--name", "t", "--zone", "us-central2-b", "--workdir", "gs://b/run",
+                  "--skip_setup", "--config.seed=7", "--", "--config.mesh.shape=1,-1,1"],
+                 tmp_path)
+  assert "tpu-vm ssh t --zone us-central2-b --worker=all" in out
+  assert "main.py" in out and "gs://b/run" in out
+  assert "--config.seed=7" in out and "--config.mesh.shape=1" in out
+
+
+def test_slurm_dry_run(tmp_path):
+  out = _dry_run("launch/gpu_slurm.sbatch",
+                 ["--workdir", "/shared/run", "--", "--config.seed=3"], tmp_path)
+  assert "srun --nodes=1 --ntasks-per-node=1" in out
+  assert "--workdir=/shared/run" in out and "--config.seed=3" in out
+
+
+def test_multinode_dry_run_process_ids(tmp_path):
+  out = _dry_run("launch/gpu_multinode.sh",
+                 ["--workdir", "/shared/run", "--num_nodes", "2", "--node_rank", "1",
+                  "--coordinator", "n0:1234", "--procs_per_node", "4", "--gpus_per_node", "4",
+                  "--config.seed=3"], tmp_path)
+  lines = out.strip().splitlines()
+  assert len(lines) == 4
+  for local, line in enumerate(lines):
+    assert f"JAX_PROCESS_ID={4 + local} " in line
+    assert f"JAX_LOCAL_DEVICE_IDS={local} " in line
+    assert "JAX_NUM_PROCESSES=8" in line and "JAX_COORDINATOR_ADDRESS=n0:1234" in line
+    assert line.endswith("--config.seed=3")

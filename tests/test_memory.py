@@ -1,0 +1,98 @@
+"""odetransformer.memory: per-device memory report (analytic and compiled paths)."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from configs import default
+from odetransformer import memory
+from odetransformer import train
+from odetransformer.param_count import count_params
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["--config.model.d_model=32", "--config.model.num_heads=2", "--config.model.mlp_dim=64",
+        "--config.model.num_steps=2", "--config.model.max_len=32",
+        "--config.model.time_embed_dim=8", "--config.model.time_sinusoids=8",
+        "--config.seq_len=32", "--config.data.vocab_size=512", "--config.global_batch_size=8"]
+
+
+def small_config():
+  c = default.get_config()
+  c.model.d_model = 64
+  c.model.num_heads = 4
+  c.model.mlp_dim = 128
+  c.model.num_steps = 3
+  c.model.time_embed_dim = 8
+  c.model.time_sinusoids = 8
+  c.data.vocab_size = 512
+  return c
+
+
+def _cli(tmp_path, *args, timeout=150):
+  out = tmp_path / "report.json"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  r = subprocess.run([sys.executable, "-m", "odetransformer.memory", *args, f"--json={out}"],
+                     cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=timeout)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return r.stdout, json.loads(out.read_text())
+
+
+def test_param_bytes_equal_eval_shape_count():
+  config = small_config()
+  cfg = train.model_config(config, config.data.vocab_size)
+  r = memory.memory_report(config, compile_step=False, devices=jax.devices()[:1])
+  n = count_params(cfg)
+  assert r.num_params == n
+  assert r.param_bytes == n * 4                   # float32 params, one device holds all
+  assert r.opt_state_bytes >= 2 * n * 4           # Adam mu and nu (+ step counters)
+  assert r.grad_bytes == n * 4
+  assert not r.compiled and r.total_bytes > r.state_bytes
+
+
+def test_analytic_cli_shards_params_over_fake_devices(tmp_path):
+  config = small_config()
+  n = count_params(train.model_config(config, config.data.vocab_size))
+  args = ["--config=configs/default.py", "--num_devices=4", "--nocompile",
+          "--config.model.d_model=64", "--config.model.num_heads=4",
+          "--config.model.mlp_dim=128", "--config.model.num_steps=3",
+          "--config.model.time_embed_dim=8", "--config.model.time_sinusoids=8",
+          "--config.data.vocab_size=512"]
+  stdout, rep = _cli(tmp_path, *args)
+  assert rep["num_devices"] == 4 and rep["mesh_shape"] == {"data": 1, "fsdp": 4, "tensor": 1}
+  assert rep["num_params"] == n and not rep["compiled"]
+  # FSDP: about a quarter of the parameters per device (small unsharded leaves aside).
+  assert n * 4 / 4 <= rep["param_bytes"] < n * 4 / 2
+  assert "analytic" in stdout and "FITS" in stdout
+
+
+def test_compiled_cli_on_four_fake_devices(tmp_path):
+  stdout, rep = _cli(tmp_path, "--config=configs/default.py", "--num_devices=4",
+                     "--config.mesh.shape=2,-1,1", *TINY)
+  assert rep["compiled"] and rep["mesh_shape"] == {"data": 2, "fsdp": 2, "tensor": 1}
+  x = rep["xla"]
+  assert x["temp_size_in_bytes"] > 0 and x["argument_size_in_bytes"] > 0
+  # The donated state (params + Adam) is among the step's arguments.
+  assert x["argument_size_in_bytes"] >= rep["state_bytes"]
+  assert "compiled train step" in stdout and "XLA temporaries" in stdout
+
+
+def test_large_config_uses_the_analytic_path_and_a_verdict(tmp_path):
+  stdout, rep = _cli(tmp_path, "--config=configs/owt_large.py", "--num_devices=8",
+                     "--device_memory_gib=1", timeout=60)
+  assert not rep["compiled"] and rep["num_params"] > 1_000_000_000
+  assert rep["mesh_shape"]["fsdp"] == 8
+  assert "DOES NOT FIT" in stdout and not rep["fits"]
+
+
+def test_bad_mesh_is_a_one_line_error(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "odetransformer.memory",
+                      "--config=configs/default.py", "--num_devices=4",
+                      "--config.mesh.shape=3,-1,1"], cwd=str(ROOT), capture_output=True,
+                     text=True, timeout=60, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 2
+  assert "mesh.shape" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,202 @@
+"""Multi-host on one machine: 2 processes × 4 CPU devices on 127.0.0.1 (gloo).
+
+The same tiny run three ways, each in fresh subprocesses (device counts and
+`jax.distributed` are per process):
+
+  ref     1 process × 8 devices, 4 steps uninterrupted;
+  part1   2 processes × 4 devices, "preempted" after step 2 (checkpoint saved);
+  part2   the same 2 processes again on the same workdir: resumes at step 2, runs to 4.
+
+The driver goes through main.py's own multi-host detection (`_multi_process_env`,
+`_distributed_args`: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)
+and then `train.train_and_evaluate`, recording each process's training batches. Checked:
+losses of part1 + part2 equal ref's (1e-5), and at every step the two processes held
+disjoint halves whose concatenation is ref's global batch (also after the resume).
+"""
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TIMEOUT_S = 240          # per group of processes; a hang is killed, not waited on
+
+DRIVER = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, os.environ["ODET_ROOT"])
+    import time
+    T0 = time.time()
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity("info")
+    absl_logging.set_stderrthreshold("info")
+    import jax
+    import main as main_lib
+    if main_lib._multi_process_env():
+      jax.distributed.initialize(**main_lib._distributed_args())
+    from configs import default
+    from odetransformer import checkpointing, train
+
+    c = default.get_config()
+    c.num_train_steps = 4
+    c.log_every_steps = 1
+    c.eval_every_steps = 0          # only at the end
+    c.checkpoint_every_steps = 0    # only at the end (or at the preemption)
+    c.seq_len = 32
+    c.global_batch_size = 8
+    c.eval_batch_size = 8
+    c.model.d_model = 32
+    c.model.num_heads = 2
+    c.model.mlp_dim = 64
+    c.model.num_steps = 2
+    c.model.max_len = 32
+    c.model.time_embed_dim = 8
+    c.model.time_sinusoids = 8
+    c.data.vocab_size = 512
+    c.data.tokenizer_sample_bytes = 300_000
+    c.data.eval_max_batches = 1
+    c.data.cache_dir = os.environ["ODET_CACHE"]
+
+    stop = int(os.environ.get("ODET_STOP_AT", "0"))
+    if stop:   # a preemption noticed at step `stop` by every process
+      checkpointing.Checkpointer.reached_preemption = lambda self, step: step == stop
+
+    # Evaluation is not under test here; skipping it saves an eval-step compilation.
+    train.evaluate = lambda *args, **kwargs: {}
+
+    batches = []
+    local_batch = train._local_batch
+    def recording(batch, local_batch_size=None):
+      out = local_batch(batch, local_batch_size)
+      if local_batch_size is None:       # training batches only (eval passes a size)
+        batches.append(out["inputs"].tolist())
+      return out
+    train._local_batch = recording
+
+    result = train.train_and_evaluate(c, os.environ["ODET_WORKDIR"])
+    out = {"process_index": jax.process_index(), "process_count": jax.process_count(),
+           "device_count": jax.device_count(), "local_devices": jax.local_device_count(),
+           "start_step": result["start_step"], "step": result["step"],
+           "losses": [[s, float(l)] for s, l in result["loss_history"]],
+           "batches": batches}
+    print(f"driver done in {time.time() - T0:.1f}s", file=sys.stderr)
+    with open(os.environ["ODET_RESULT"], "w") as f:
+      json.dump(out, f)
+    """)
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _env(tmp, devices, **extra):
+  env = dict(os.environ)
+  env.update(JAX_PLATFORMS="cpu", ODET_ROOT=str(ROOT), ODET_CACHE=str(tmp / "cache"),
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_COMPILATION_CACHE_DIR=str(tmp / "jax_cache"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+              "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"):
+    env.pop(key, None)
+  env.update({k: str(v) for k, v in extra.items()})
+  return env
+
+
+def _run_group(tmp, name, envs) -> list:
+  """Starts one process per env, waits (bounded), kills all on failure; results."""
+  driver = tmp / "driver.py"
+  driver.write_text(DRIVER)
+  procs, logs = [], []
+  for i, env in enumerate(envs):
+    env["ODET_RESULT"] = str(tmp / f"{name}_{i}.json")
+    log = open(tmp / f"{name}_{i}.log", "w")
+    logs.append(log)
+    procs.append(subprocess.Popen([sys.executable, str(driver)], env=env, cwd=str(ROOT),
+                                  stdout=log, stderr=subprocess.STDOUT))
+  deadline = time.monotonic() + TIMEOUT_S
+  try:
+    while any(p.poll() is None for p in procs):
+      if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+        break
+      time.sleep(0.2)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+    for log in logs:
+      log.close()
+  codes = [p.returncode for p in procs]
+  if codes != [0] * len(procs):
+    tails = "\n".join(f"--- {name} process {i} (rc {c}) ---\n" +
+                      (tmp / f"{name}_{i}.log").read_text()[-3000:]
+                      for i, c in enumerate(codes))
+    pytest.fail(f"{name}: processes exited with {codes} (killed after {TIMEOUT_S}s if "
+                f"still running)\n{tails}")
+  return [json.loads((tmp / f"{name}_{i}.json").read_text()) for i in range(len(procs))]
+
+
+def _two_processes(tmp, name, workdir, **extra):
+  port = _free_port()
+  return _run_group(tmp, name, [
+      _env(tmp, 4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=2,
+           JAX_PROCESS_ID=i, ODET_WORKDIR=workdir, **extra) for i in range(2)])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("multihost")
+  # The 1-process run first: it also trains and caches the tokenizer for the others.
+  ref = _run_group(tmp, "ref", [_env(tmp, 8, ODET_WORKDIR=tmp / "ref")])[0]
+  part1 = _two_processes(tmp, "part1", tmp / "multi", ODET_STOP_AT=2)
+  part2 = _two_processes(tmp, "part2", tmp / "multi")
+  return ref, part1, part2
+
+
+def test_topology(runs):
+  ref, part1, part2 = runs
+  assert (ref["process_count"], ref["device_count"]) == (1, 8)
+  for group in (part1, part2):
+    assert [r["process_index"] for r in group] == [0, 1]
+    for r in group:
+      assert (r["process_count"], r["device_count"], r["local_devices"]) == (2, 8, 4)
+
+
+def test_preempted_then_resumed(runs):
+  _, part1, part2 = runs
+  assert [(r["start_step"], r["step"]) for r in part1] == [(0, 2), (0, 2)]
+  assert [(r["start_step"], r["step"]) for r in part2] == [(2, 4), (2, 4)]
+
+
+def test_losses_equal_single_process(runs):
+  ref, part1, part2 = runs
+  expected = dict((s, l) for s, l in ref["losses"])
+  assert sorted(expected) == [1, 2, 3, 4]
+  for group, steps in ((part1, [1, 2]), (part2, [3, 4])):
+    for r in group:
+      got = dict((s, l) for s, l in r["losses"])
+      assert sorted(got) == steps
+      for s in steps:
+        assert got[s] == pytest.approx(expected[s], abs=1e-5), (r["process_index"], s)
+
+
+def test_each_process_reads_a_disjoint_half(runs):
+  ref, part1, part2 = runs
+  assert len(ref["batches"]) == 4
+  for group, offset in ((part1, 0), (part2, 2)):
+    p0, p1 = group[0]["batches"], group[1]["batches"]
+    assert len(p0) == len(p1) == 2
+    for j in range(2):
+      assert len(p0[j]) == len(p1[j]) == 4            # 8 rows / 2 processes
+      rows0 = {tuple(r) for r in p0[j]}
+      rows1 = {tuple(r) for r in p1[j]}
+      assert not rows0 & rows1, f"step {offset + j + 1}: processes share rows"
+      assert p0[j] + p1[j] == ref["batches"][offset + j], f"step {offset + j + 1}"
