@@ -9,7 +9,6 @@ fine-tuning with any method.
 import dataclasses
 
 import jax.numpy as jnp
-from flax import nnx
 
 from odetransformer.model import LanguageModel, build_from_values
 from odetransformer.solvers import stage_times
