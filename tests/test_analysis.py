@@ -39,27 +39,10 @@ def random_model(cfg: ModelConfig, seed: int):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
   """A DiffEqFormer (gpt flavour) trained for 2 steps on the embedded corpus."""
-  from configs import default  # pylint: disable=g-import-not-at-top
   from odetransformer import train  # pylint: disable=g-import-not-at-top
-  c = default.get_config()
-  c.num_train_steps = 2
-  c.log_every_steps = 1
-  c.eval_every_steps = 2
-  c.checkpoint_every_steps = 2
+  from tiny import tiny_run_config  # pylint: disable=g-import-not-at-top
+  c = tiny_run_config(tmp_path_factory.mktemp("analysis_data"))
   c.checkpoint_async = False
-  c.seq_len = 32
-  c.global_batch_size = 2
-  c.eval_batch_size = 2
-  c.model.d_model = 32
-  c.model.num_heads = 2
-  c.model.mlp_dim = 64
-  c.model.num_steps = 3
-  c.model.max_len = 32
-  c.model.time_embed_dim = 8
-  c.model.time_sinusoids = 8
-  c.data.vocab_size = 512
-  c.data.tokenizer_sample_bytes = 300_000
-  c.data.eval_max_batches = 1
   wd = tmp_path_factory.mktemp("analysis_run")
   train.train_and_evaluate(c, str(wd))
   return str(wd)

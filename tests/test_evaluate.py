@@ -12,12 +12,12 @@ import pytest
 from absl import flags
 from flax import nnx
 
-from configs import default
 from input_pipeline import local_text
 from odetransformer import evaluate, generate, train
 from odetransformer.config import ModelConfig
 from odetransformer.loading import load_model
 from odetransformer.model import create_model
+from tiny import tiny_run_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EVAL_TEXT = '''def read_config(path):
@@ -40,25 +40,8 @@ for name in sorted(names):
 
 
 def tiny_config(cache_dir):
-  c = default.get_config()
-  c.num_train_steps = 2
-  c.log_every_steps = 1
-  c.eval_every_steps = 2
-  c.checkpoint_every_steps = 2
-  c.seq_len = 32
-  c.global_batch_size = 2
-  c.eval_batch_size = 2
-  c.model.d_model = 32
-  c.model.num_heads = 2
-  c.model.mlp_dim = 64
-  c.model.num_steps = 3
+  c = tiny_run_config(cache_dir)
   c.model.max_len = 64
-  c.model.time_embed_dim = 8
-  c.model.time_sinusoids = 8
-  c.data.vocab_size = 512
-  c.data.tokenizer_sample_bytes = 300_000
-  c.data.eval_max_batches = 1
-  c.data.cache_dir = str(cache_dir)
   return c
 
 

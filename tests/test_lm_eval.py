@@ -21,9 +21,9 @@ lm_eval = pytest.importorskip(
 
 from lm_eval.api.instance import Instance  # pylint: disable=g-import-not-at-top
 
-from configs import default  # pylint: disable=g-import-not-at-top
 from odetransformer import train  # pylint: disable=g-import-not-at-top
 from odetransformer.lm_eval_model import ODETransformerLM  # pylint: disable=g-import-not-at-top
+from tiny import tiny_run_config  # pylint: disable=g-import-not-at-top
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TASK_DIR = ROOT / "examples" / "lm_eval_tasks"
@@ -34,25 +34,8 @@ NUM_STEPS = 2     # not the training K (3): the ODE is evaluated at another step
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
   """A 2-step DiffEqFormer run (K=3) on the embedded corpus."""
-  c = default.get_config()
-  c.num_train_steps = 2
-  c.log_every_steps = 1
-  c.eval_every_steps = 2
-  c.checkpoint_every_steps = 2
-  c.seq_len = 32
-  c.global_batch_size = 2
-  c.eval_batch_size = 2
-  c.model.d_model = 32
-  c.model.num_heads = 2
-  c.model.mlp_dim = 64
-  c.model.num_steps = 3
+  c = tiny_run_config(tmp_path_factory.mktemp("data"))
   c.model.max_len = 64
-  c.model.time_embed_dim = 8
-  c.model.time_sinusoids = 8
-  c.data.vocab_size = 512
-  c.data.tokenizer_sample_bytes = 300_000
-  c.data.eval_max_batches = 1
-  c.data.cache_dir = str(tmp_path_factory.mktemp("data"))
   w = tmp_path_factory.mktemp("run")
   train.train_and_evaluate(c, str(w))
   return str(w)

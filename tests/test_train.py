@@ -18,36 +18,13 @@ from configs import default
 from conftest import shared_data_path
 from odetransformer import checkpointing
 from odetransformer import metrics as metrics_lib
-from odetransformer import optimizer as optimizer_lib
 from odetransformer import sharding as sharding_lib
 from odetransformer import train
 from odetransformer.model import create_model
 
+from tiny import tiny_config  # noqa: E402  (re-exported for other test modules)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def tiny_config(cache_dir, num_train_steps=4):
-  """A seconds-sized run on the embedded corpus."""
-  c = default.get_config()
-  c.num_train_steps = num_train_steps
-  c.log_every_steps = 1
-  c.eval_every_steps = 2
-  c.checkpoint_every_steps = 2
-  c.seq_len = 32
-  c.global_batch_size = 4
-  c.eval_batch_size = 4
-  c.model.d_model = 32
-  c.model.num_heads = 2
-  c.model.mlp_dim = 64
-  c.model.num_steps = 2
-  c.model.max_len = 32
-  c.model.time_embed_dim = 8
-  c.model.time_sinusoids = 8
-  c.data.vocab_size = 512
-  c.data.tokenizer_sample_bytes = 300_000
-  c.data.eval_max_batches = 2
-  c.data.cache_dir = str(cache_dir)
-  return c
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,0 +1,35 @@
+"""The tiny training config shared by tests that need a real (seconds-sized) run."""
+from configs import default
+
+
+def tiny_config(cache_dir, num_train_steps=4):
+  """A seconds-sized run on the embedded corpus (callers override what they test)."""
+  c = default.get_config()
+  c.num_train_steps = num_train_steps
+  c.log_every_steps = 1
+  c.eval_every_steps = 2
+  c.checkpoint_every_steps = 2
+  c.seq_len = 32
+  c.global_batch_size = 4
+  c.eval_batch_size = 4
+  c.model.d_model = 32
+  c.model.num_heads = 2
+  c.model.mlp_dim = 64
+  c.model.num_steps = 2
+  c.model.max_len = 32
+  c.model.time_embed_dim = 8
+  c.model.time_sinusoids = 8
+  c.data.vocab_size = 512
+  c.data.tokenizer_sample_bytes = 300_000
+  c.data.eval_max_batches = 2
+  c.data.cache_dir = str(cache_dir)
+  return c
+
+
+def tiny_run_config(cache_dir):
+  """tiny_config as a 2-step, K=3 run with batches of 2 (the inference tools' fixture)."""
+  c = tiny_config(cache_dir, num_train_steps=2)
+  c.global_batch_size = c.eval_batch_size = 2
+  c.model.num_steps = 3
+  c.data.eval_max_batches = 1
+  return c
