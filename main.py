@@ -3,8 +3,12 @@
   python main.py --config=configs/default.py --workdir=/tmp/odet_default \
       [--config.model.num_steps=12 ...] [--verbose]
 
-A bad config or bad data settings print one line to stderr and exit with status 2
-(add --verbose for the traceback). Multi-host runs call `jax.distributed.initialize()`
+A bad config or bad data settings, a workdir holding checkpoints of a different model,
+checkpoints none of which restores, or a diverged (NaN/inf) run print one line to stderr
+and exit with status 2 (add --verbose for the traceback); config errors are found before
+anything is written to the workdir. SIGTERM saves a checkpoint at the current step and
+exits 0; a run killed outright resumes from its newest complete checkpoint when started
+again with the same command. Multi-host runs call `jax.distributed.initialize()`
 when the environment says there are several processes (see `_multi_process_env`); on a
 single host nothing is initialised. A hand-made launch on N hosts:
 
@@ -72,13 +76,16 @@ def main(argv):
                jax.devices()[0].device_kind)
 
   from input_pipeline import DataError  # pylint: disable=g-import-not-at-top
+  from odetransformer import checkpointing  # pylint: disable=g-import-not-at-top
   from odetransformer import train  # pylint: disable=g-import-not-at-top
   try:
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except (train.ConfigError, train.DivergenceError, DataError) as e:
+  except (train.ConfigError, train.DivergenceError, checkpointing.CheckpointError,
+          DataError) as e:
     if _VERBOSE.value:
       raise
-    print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+    message = " ".join(str(e).split())     # always one line
+    print(f"error: {type(e).__name__}: {message}", file=sys.stderr)
     sys.exit(2)
 
 

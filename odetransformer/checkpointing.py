@@ -14,11 +14,21 @@ materialisation restore only `model`. The data-iterator state is plain JSON rest
 by `input_pipeline.restore_iterator_state`, not grain's own orbax handler (which loses
 the packing remainder, ../shared/STACK.md §4). Restore targets come from
 `nnx.get_abstract_model` so they carry concrete-mesh shardings (STACK §7).
+
+Reliability: orbax writes each step under `<step>.orbax-checkpoint-tmp-<ts>` and renames
+it when complete, so a run killed mid-save leaves only such a temporary directory:
+`latest_step()` never lists it, and the manager deletes it at start
+(`cleanup_tmp_directories`). A finalised checkpoint that fails to restore (truncated
+or corrupted files) is moved to `<workdir>/corrupt_checkpoints/` with a warning and the
+previous one is used; when none restores, `CheckpointError` stops the run and nothing
+is moved or overwritten.
 """
 import json
 import os
+import shutil
 import signal
 import threading
+import time
 from typing import Any, Optional
 
 import jax
@@ -28,7 +38,21 @@ from absl import logging
 from flax import nnx
 
 CHECKPOINT_DIR = "checkpoints"
+CORRUPT_DIR = "corrupt_checkpoints"
 CONFIG_FILE = "config.json"
+
+
+class CheckpointError(RuntimeError):
+  """No checkpoint in the workdir can be restored (reported as one line by main.py)."""
+
+
+def finalized_steps(workdir: str) -> list:
+  """Steps with a complete checkpoint (plain integer directories), ascending."""
+  directory = checkpoint_dir(workdir)
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(n) for n in os.listdir(directory)
+                if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -78,9 +102,11 @@ class Checkpointer:
   """
 
   def __init__(self, workdir: str, *, max_to_keep: int = 3, async_save: bool = True):
+    self.workdir = os.fspath(workdir)
     self.directory = checkpoint_dir(workdir)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
+        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=True)   # a kill mid-save leaves <step>.orbax-checkpoint-tmp-*
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._preempted = threading.Event()
     self._old_handler = None
@@ -90,9 +116,11 @@ class Checkpointer:
     """On SIGTERM, ask the loop to save and stop (single-process runs).
 
     Multi-process runs rely on orbax's `reached_preemption`, which uses JAX's
-    preemption-sync service so that all processes stop at the same step.
+    preemption-sync service so that all processes stop at the same step; that
+    service installs its own SIGTERM notifier at `jax.distributed.initialize`, which
+    a Python handler would replace, so none is installed there.
     """
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
       return
     def handler(signum, frame):  # pylint: disable=unused-argument
       logging.warning("SIGTERM received: saving a checkpoint and stopping.")
@@ -163,6 +191,52 @@ class Checkpointer:
         data_state = data["states"][jax.process_index()]
     return model_state, opt_state, restored["meta"], data_state
 
+  def restore_latest(self, abstract_model_state, abstract_opt_state):
+    """`restore` of the newest checkpoint that restores; None when there is none.
+
+    A checkpoint that fails while an older one restores is corrupt: it is moved to
+    `<workdir>/corrupt_checkpoints/` (so a later save of that step cannot collide with
+    it) with a warning. When every checkpoint fails, nothing is moved and
+    CheckpointError names the newest one and its error.
+
+    Returns:
+      None, or (step, model_state, opt_state, meta, data_state).
+    """
+    steps = sorted(self.all_steps(), reverse=True)
+    failed = []
+    for step in steps:
+      try:
+        restored = self.restore(step, abstract_model_state, abstract_opt_state)
+      except Exception as e:  # pylint: disable=broad-except
+        failed.append((step, _one_line(e)))
+        logging.warning("checkpoint at step %d in %s does not restore (%s)", step,
+                        self.directory, failed[-1][1])
+        continue
+      if failed:
+        logging.warning("resuming from step %d, the newest checkpoint that restores", step)
+        self.set_aside([s for s, _ in failed])
+      return (step,) + restored
+    if not failed:
+      return None
+    step, reason = failed[0]
+    raise CheckpointError(
+        f"no checkpoint in {self.directory} restores (steps {[s for s, _ in failed]}; "
+        f"nothing was changed); step {step}: {reason}")
+
+  def set_aside(self, steps):
+    """Moves the (corrupt) step directories to `<workdir>/corrupt_checkpoints/`."""
+    if jax.process_index() == 0:
+      dest_root = os.path.join(self.workdir, CORRUPT_DIR)
+      os.makedirs(dest_root, exist_ok=True)
+      for step in steps:
+        dest = os.path.join(dest_root, f"{step}-{int(time.time())}")
+        shutil.move(os.path.join(self.directory, str(step)), dest)
+        logging.warning("moved the corrupt checkpoint of step %d to %s", step, dest)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices("odetransformer_set_aside_corrupt_checkpoints")
+    self._manager.reload()
+
   def wait_until_finished(self):
     self._manager.wait_until_finished()
 
@@ -170,6 +244,12 @@ class Checkpointer:
     self._manager.wait_until_finished()
     self._manager.close()
     self.uninstall_sigterm_handler()
+
+
+def _one_line(e: BaseException) -> str:
+  text = " ".join(str(e).split())
+  text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+  return text[:300] + ("…" if len(text) > 300 else "")
 
 
 def _as_state(x):

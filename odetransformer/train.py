@@ -15,6 +15,7 @@ params would otherwise get whatever the compiler picks, ../shared/STACK.md §6).
 """
 import dataclasses
 import functools
+import json
 import math
 import os
 import shutil
@@ -299,12 +300,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """
   input_pipeline = _import_input_pipeline()
   workdir = os.fspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
   process_index, process_count = jax.process_index(), jax.process_count()
   if config.get("init_from"):
     config = _prepare_finetuning(config)
 
-  # Mesh and rules.
+  # Validation first: a config error leaves the workdir untouched (nothing created).
   try:
     mesh = sharding_lib.make_mesh(config.mesh)
     rules = sharding_lib.logical_axis_rules(config.mesh)
@@ -312,6 +312,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     raise ConfigError(str(e)) from e
   _check_config(config, mesh, rules)
   model_config(config)  # fail on a bad model config before the data is prepared
+  try:
+    tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps)
+    schedule = optimizer_lib.learning_rate_schedule(config.optim, config.num_train_steps)
+  except optimizer_lib.OptimConfigError as e:
+    raise ConfigError(str(e)) from e
+  _check_resumable(config, workdir)
   metrics_lib.log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} "
                   f"devices, {process_count} process(es)")
 
@@ -321,17 +327,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       eval_batch_size=config.eval_batch_size, seed=config.seed, workdir=workdir,
       process_index=process_index, process_count=process_count)
 
+  os.makedirs(workdir, exist_ok=True)
   _save_tokenizer(ds, workdir)
 
   # Model config (vocab from the tokenizer) and optimizer.
   cfg = model_config(config, ds.vocab_size)
   if cfg.vocab_size != config.model.vocab_size:
     metrics_lib.log(f"model.vocab_size set to {cfg.vocab_size} from the tokenizer")
-  try:
-    tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps)
-    schedule = optimizer_lib.learning_rate_schedule(config.optim, config.num_train_steps)
-  except optimizer_lib.OptimConfigError as e:
-    raise ConfigError(str(e)) from e
   saved_config = ml_collections.ConfigDict(config.to_dict())
   saved_config.model.vocab_size = cfg.vocab_size
   if not saved_config.data.get("tokenizer_path") and getattr(ds, "tokenizer_path", ""):
@@ -349,6 +351,46 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   finally:
     ckpt.close()          # waits for a pending async save, restores the SIGTERM handler
     writer.close()
+
+
+# Model fields that may change between a run and its resumption (no effect on the
+# checkpointed arrays or on what they mean); vocab_size comes from the tokenizer and is
+# compared through data.vocab_size.
+RESUMABLE_MODEL_FIELDS = ("vocab_size", "remat_policy", "dtype")
+
+
+def _check_resumable(config, workdir: str):
+  """ConfigError when `workdir` holds checkpoints of a different model.
+
+  Compares the model section of `<workdir>/config.json` (what the checkpoints were
+  written with) with this config, field by field, before anything is written, so the
+  saved config.json and the checkpoints stay as they are.
+  """
+  if not checkpointing.finalized_steps(workdir):
+    return
+  path = os.path.join(workdir, checkpointing.CONFIG_FILE)
+  if not os.path.exists(path):
+    return
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"{path} is unreadable ({type(e).__name__}: {e}); it describes the "
+                      "checkpoints in this workdir") from e
+  new = json.loads(config.to_json_best_effort())
+  diffs = []
+  old_model, new_model = saved.get("model", {}), new.get("model", {})
+  for key in sorted(set(old_model) | set(new_model)):
+    if key not in RESUMABLE_MODEL_FIELDS and old_model.get(key) != new_model.get(key):
+      diffs.append(f"model.{key} {old_model.get(key)!r} -> {new_model.get(key)!r}")
+  old_vocab = saved.get("data", {}).get("vocab_size")
+  new_vocab = new.get("data", {}).get("vocab_size")
+  if old_vocab != new_vocab:
+    diffs.append(f"data.vocab_size {old_vocab!r} -> {new_vocab!r}")
+  if diffs:
+    raise ConfigError(
+        f"{workdir} holds checkpoints of a different model ({'; '.join(diffs)}); "
+        "resume with the same model settings or use a new --workdir")
 
 
 def _prepare_finetuning(config):
@@ -404,10 +446,33 @@ def _save_tokenizer(ds, workdir: str):
   os.replace(path + ".tmp", path)
 
 
-def _check_finite(loss: float, step: int):
-  if not math.isfinite(loss):
-    raise DivergenceError(f"non-finite training loss ({loss}) at step {step}; "
-                          "lower optim.learning_rate or optim.grad_clip_norm")
+_HEALTH = (("loss", "loss"), ("gradient norm", "grad_norm"), ("update norm", "update_norm"),
+           ("parameter norm", "param_norm"))
+
+
+def _check_finite(pending: list, last_good: Optional[int], directory: str):
+  """DivergenceError at the first step in `pending` with a non-finite loss, gradient,
+  update or (updated) parameter norm.
+
+  `pending` holds (step, TrainMetrics) of the steps since the last check: device
+  values, fetched here in one transfer (no per-step host sync). Every save runs this
+  first, so `last_good` (the newest step saved) holds finite parameters; it is named in
+  the message and left as it is.
+  """
+  if not pending:
+    return
+  values = jax.device_get([[getattr(m, attr).total for _, attr in _HEALTH] for _, m in pending])
+  for (step, _), row in zip(pending, values):
+    bad = [(name, float(np.sum(v))) for (name, _), v in zip(_HEALTH, row)
+           if not math.isfinite(float(np.sum(v)))]
+    if bad:
+      kept = (f"last good checkpoint: step {last_good} in {directory} (left intact)"
+              if last_good is not None else "no checkpoint was written yet")
+      what = ", ".join(f"{name} {value}" for name, value in bad)
+      raise DivergenceError(
+          f"non-finite training values at step {step} ({what}); stopped; {kept}; "
+          "lower optim.learning_rate or set optim.grad_clip_norm")
+  pending.clear()
 
 
 def _run(config, mesh, rules, ds, cfg, tx, schedule, saved_config, writer, ckpt,
@@ -422,13 +487,12 @@ def _run(config, mesh, rules, ds, cfg, tx, schedule, saved_config, writer, ckpt,
   rng = jax.random.key(config.seed)
   train_iter = iter(ds.train)
 
-  # Resume.
+  # Resume (from the newest checkpoint that restores; temporary ones never count).
   start_step = 0
-  latest = ckpt.latest_step()
-  if latest is not None:
-    t0 = time.perf_counter()
-    abs_model, abs_opt = ts.split_abstract()
-    model_state, opt_state, meta, data_state = ckpt.restore(latest, abs_model, abs_opt)
+  t0 = time.perf_counter()
+  restored = ckpt.restore_latest(*ts.split_abstract())
+  if restored is not None:
+    latest, model_state, opt_state, meta, data_state = restored
     state = jax.tree.unflatten(jax.tree.structure(state),
                                jax.tree.leaves(model_state) + jax.tree.leaves(opt_state))
     if meta and "rng_key" in meta:
@@ -479,7 +543,12 @@ def _run(config, mesh, rules, ds, cfg, tx, schedule, saved_config, writer, ckpt,
                       f" | {time.perf_counter() - t:.1f}s")
     return scalars
 
+  pending = []                      # (step, metrics) not yet checked for NaN/inf
+  last_saved = [start_step if restored is not None else None]
+
   def save(step, force=False):
+    _check_finite(pending, last_saved[0], ckpt.directory)   # never checkpoint a diverged model
+    last_saved[0] = step
     meta = {"rng_key": np.asarray(jax.random.key_data(rng)).tolist(),
             "config": saved_config.to_dict()}
     try:
@@ -502,6 +571,7 @@ def _run(config, mesh, rules, ds, cfg, tx, schedule, saved_config, writer, ckpt,
     t = time.perf_counter()
     state, m = train_step(state, batch, jax.random.fold_in(rng, step))
     step += 1
+    pending.append((step, m))
     train_metrics = m if train_metrics is None else train_metrics.merge(m)
     if first:
       jax.block_until_ready(m)
@@ -512,7 +582,7 @@ def _run(config, mesh, rules, ds, cfg, tx, schedule, saved_config, writer, ckpt,
     if _every(step, config.log_every_steps, last) or preempted or first:
       train_scalars = metrics_lib.summarize(train_metrics.compute())
       train_metrics = None
-      _check_finite(train_scalars["loss"], step)
+      _check_finite(pending, last_saved[0], ckpt.directory)
       train_scalars.update(progress.update(step))
       writer.write_scalars(step, train_scalars, prefix="train/")
       metrics_lib.log(metrics_lib.train_log_line(step, last, train_scalars))
@@ -521,7 +591,6 @@ def _run(config, mesh, rules, ds, cfg, tx, schedule, saved_config, writer, ckpt,
       eval_scalars = run_eval(step)
       progress.mark(step)
     if _every(step, config.checkpoint_every_steps, last) or preempted:
-      _check_finite(float(m.loss.compute()), step)   # never checkpoint a diverged model
       save(step, force=preempted)
     if preempted:
       metrics_lib.log(f"stopping at step {step} after preemption; checkpoint saved")

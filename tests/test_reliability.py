@@ -1,0 +1,341 @@
+"""Issue 5, "a run never loses work": SIGKILL + restart is bit-exact, SIGTERM saves and
+exits 0, divergence stops with the last good checkpoint intact, checkpoints move
+between 8 and 1 devices, corrupt checkpoints are skipped, and bad input is one line
+with nothing written."""
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from test_train import ROOT, TINY_FLAGS, _final_params, fast_compiles, tiny_config  # pylint: disable=unused-import
+from input_pipeline import DataError
+from odetransformer import checkpointing
+from odetransformer import metrics as metrics_lib
+from odetransformer import train
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  """One tokenizer/data cache for every run of this module."""
+  return tmp_path_factory.mktemp("reliability_cache")
+
+
+def config(cache_dir, num_train_steps=4, **overrides):
+  c = tiny_config(cache_dir, num_train_steps)
+  c.eval_every_steps = 0
+  c.data.eval_max_batches = 1
+  for key, value in overrides.items():
+    node = c
+    *path, last = key.split(".")
+    for part in path:
+      node = node[part]
+    node[last] = value
+  return c
+
+
+def main_cmd(workdir, cache_dir, num_train_steps, *overrides):
+  """main.py with the flags equivalent to `config(cache_dir, num_train_steps)`."""
+  flags = [f for f in TINY_FLAGS
+           if not f.startswith(("--config.num_train_steps=", "--config.data.eval_max_batches="))]
+  return [sys.executable, str(ROOT / "main.py"), "--config=configs/default.py",
+          f"--workdir={workdir}", *flags, f"--config.num_train_steps={num_train_steps}",
+          "--config.eval_every_steps=0", "--config.data.eval_max_batches=1",
+          f"--config.data.cache_dir={cache_dir}", *overrides]
+
+
+def subprocess_env():
+  """CPU, the 'rbg' PRNG of the in-process runs (fast_compiles) and their compile cache."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEFAULT_PRNG_IMPL="rbg",
+             JAX_COMPILATION_CACHE_DIR=str(jax.config.jax_compilation_cache_dir),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  env.pop("XLA_FLAGS", None)
+  return env
+
+
+def start_and_wait_for_checkpoint(cmd, workdir, min_step=1, timeout=240):
+  """Starts `cmd`; returns it once `workdir` holds a finalised checkpoint >= min_step."""
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), text=True,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    steps = checkpointing.finalized_steps(str(workdir))
+    if steps and steps[-1] >= min_step:
+      return proc
+    if proc.poll() is not None:
+      pytest.fail(f"run ended (rc {proc.returncode}) before a checkpoint: "
+                  f"{proc.stderr.read()[-3000:]}")
+    time.sleep(0.01)
+  proc.kill()
+  pytest.fail("no checkpoint within the timeout")
+
+
+def snapshot(path):
+  """{relative path: (size, mtime)} of everything under `path` (None: absent)."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    return None
+  return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
+          for p in sorted(path.rglob("*"))}
+
+
+def params_equal(a, b):
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+@pytest.fixture(scope="module")
+def reference(cache, tmp_path_factory):
+  """An uninterrupted 8-step run (checkpoint every step; in-process)."""
+  wd = tmp_path_factory.mktemp("reference")
+  r = train.train_and_evaluate(config(cache, 8, checkpoint_every_steps=1), str(wd))
+  return dict(result=r, workdir=wd, params=_final_params(wd))
+
+
+# --------------------------------------------------------------------------------------
+# 1. SIGKILL at a random-ish step, restart with the same command: bit for bit
+# --------------------------------------------------------------------------------------
+def test_sigkill_then_same_command_resumes_bit_exact(reference, cache, tmp_path):
+  wd = tmp_path / "wd"
+  cmd = main_cmd(wd, cache, 8, "--config.checkpoint_every_steps=1")
+  proc = start_and_wait_for_checkpoint(cmd, wd, min_step=2)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+  assert proc.returncode == -signal.SIGKILL
+  latest = checkpointing.finalized_steps(str(wd))[-1]
+  assert 2 <= latest < 8, latest
+  # What a kill in the middle of the next save leaves: orbax's temporary directory.
+  tmp = wd / "checkpoints" / f"{latest + 1}.orbax-checkpoint-tmp-1700000000"
+  (tmp / "model").mkdir(parents=True, exist_ok=True)
+  (tmp / "model" / "garbage").write_bytes(b"\0" * 100)
+  tb = wd / "tensorboard"
+  old_events = set(tb.iterdir())
+
+  proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f"resumed from checkpoint at step {latest} " in proc.stderr
+  assert not [p for p in (wd / "checkpoints").iterdir() if "orbax-checkpoint-tmp" in p.name]
+
+  step, params = _final_params(wd)
+  assert step == 8
+  params_equal(params, reference["params"][1])
+  # The restarted run's own TensorBoard file: its losses equal the uninterrupted run's.
+  new_tb = tmp_path / "new_tb"
+  new_tb.mkdir()
+  for f in set(tb.iterdir()) - old_events:
+    shutil.copy(f, new_tb)
+  resumed = dict(metrics_lib.read_scalars(str(new_tb))["train/loss"])
+  ref = dict(reference["result"]["loss_history"])
+  assert sorted(resumed) == list(range(latest + 1, 9))
+  for s, loss in resumed.items():
+    assert np.float32(loss) == np.float32(ref[s]), (s, loss, ref[s])
+
+
+# --------------------------------------------------------------------------------------
+# 2. SIGTERM: a checkpoint at the signalled step, exit 0, bounded time
+# --------------------------------------------------------------------------------------
+def test_sigterm_saves_at_current_step_and_exits_zero(cache, tmp_path):
+  wd = tmp_path / "wd"
+  proc = start_and_wait_for_checkpoint(
+      main_cmd(wd, cache, 200, "--config.checkpoint_every_steps=1"), wd)
+  proc.send_signal(signal.SIGTERM)
+  t = time.monotonic()
+  _, err = proc.communicate(timeout=60)
+  assert proc.returncode == 0, err[-3000:]
+  assert time.monotonic() - t < 30
+  line = [l for l in err.splitlines() if "after preemption; checkpoint saved" in l]
+  assert len(line) == 1, err[-3000:]
+  step = int(line[0].split("stopping at step ")[1].split()[0])
+  assert 1 <= step < 200
+  assert checkpointing.finalized_steps(str(wd))[-1] == step
+
+
+# --------------------------------------------------------------------------------------
+# 3. Divergence: stop naming the step and the last good checkpoint, which still loads
+# --------------------------------------------------------------------------------------
+def test_nonfinite_stops_and_keeps_last_good_checkpoint(trained, cache, tmp_path):
+  """Resumed from a good step-2 checkpoint with an absurd learning rate: the first
+  update overflows, the run stops at step 3 naming checkpoint 2, which still loads."""
+  shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
+  before = snapshot(tmp_path / "checkpoints")
+  c = config(cache, 6, checkpoint_every_steps=1, log_every_steps=100)
+  c.optim.learning_rate = 1e30
+  with pytest.raises(train.DivergenceError) as err:
+    train.train_and_evaluate(c, str(tmp_path))
+  msg = str(err.value)
+  assert msg.startswith("non-finite training values at step 3 (") and "\n" not in msg
+  assert f"last good checkpoint: step 2 in {tmp_path / 'checkpoints'}" in msg
+  assert snapshot(tmp_path / "checkpoints") == before
+  step, params = _final_params(tmp_path)
+  assert step == 2
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+
+
+def test_nonfinite_before_any_checkpoint(cache, tmp_path):
+  c = config(cache, 3, checkpoint_every_steps=1)
+  c.optim.learning_rate = 1e30
+  c.optim.warmup_frac = 0.0
+  with pytest.raises(train.DivergenceError, match=r"at step 1 .*no checkpoint was written yet"):
+    train.train_and_evaluate(c, str(tmp_path))
+  assert checkpointing.finalized_steps(str(tmp_path)) == []
+
+
+# --------------------------------------------------------------------------------------
+# 4. Another topology: written on 1 device, continued on 8, restored again on 1
+# --------------------------------------------------------------------------------------
+_EIGHT_DEVICES = textwrap.dedent("""
+    import sys
+    import jax, numpy as np
+    sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+    from test_reliability import config
+    from test_train import _final_params
+    from odetransformer import train
+    assert jax.device_count() == 8, jax.devices()
+    wd1, wd8, cache = sys.argv[2:5]
+    step, params = _final_params(wd1)                  # 1-device checkpoint on 8 devices
+    ref = np.load(wd1 + "/params.npz")
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    assert len(flat) == len(ref.files)
+    for path, x in flat:
+      np.testing.assert_array_equal(x, ref[jax.tree_util.keystr(path)])
+    r = train.train_and_evaluate(config(cache, 4, global_batch_size=8, eval_batch_size=8), wd8)
+    assert (r["start_step"], r["step"]) == (2, 4), r
+    _, params = _final_params(wd8)
+    np.savez(wd8 + "/params.npz", **{jax.tree_util.keystr(p): x
+                                     for p, x in jax.tree_util.tree_flatten_with_path(params)[0]})
+    print("OK")
+""")
+
+
+def _save_npz(path, params):
+  np.savez(path, **{jax.tree_util.keystr(p): x
+                    for p, x in jax.tree_util.tree_flatten_with_path(params)[0]})
+
+
+def test_checkpoint_moves_between_1_and_8_devices(cache, tmp_path):
+  wd1, wd8 = tmp_path / "one", tmp_path / "eight"
+  c = lambda n: config(cache, n, global_batch_size=8, eval_batch_size=8)
+  train.train_and_evaluate(c(2), str(wd1))
+  _, params1 = _final_params(wd1)
+  _save_npz(wd1 / "params.npz", params1)
+  shutil.copytree(wd1, wd8)
+  script = tmp_path / "eight.py"
+  script.write_text(_EIGHT_DEVICES)
+  env = dict(subprocess_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  proc = subprocess.run([sys.executable, str(script), str(ROOT), str(wd1), str(wd8), str(cache)],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+  assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+  # The 8-device step-4 checkpoint, restored on 1 device: identical values...
+  step, params8 = _final_params(wd8)
+  ref = np.load(wd8 / "params.npz")
+  flat = jax.tree_util.tree_flatten_with_path(params8)[0]
+  assert step == 4 and len(flat) == len(ref.files)
+  for path, x in flat:
+    np.testing.assert_array_equal(x, ref[jax.tree_util.keystr(path)])
+  # ...and training continues on 1 device.
+  r = train.train_and_evaluate(c(6), str(wd8))
+  assert (r["start_step"], r["step"]) == (4, 6)
+  assert all(np.isfinite(loss) for _, loss in r["loss_history"])
+
+
+# --------------------------------------------------------------------------------------
+# 5. Corrupt checkpoints: fall back to the previous good one; none good: stop, touch nothing
+# --------------------------------------------------------------------------------------
+def _corrupt(step_dir):
+  for f in sorted(p for p in (step_dir / "model").rglob("*") if p.is_file()):
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+
+
+def test_corrupt_checkpoint_falls_back_or_stops(cache, tmp_path):
+  train.train_and_evaluate(config(cache, 4), str(tmp_path))      # checkpoints 2 and 4
+  ck = tmp_path / "checkpoints"
+  assert checkpointing.finalized_steps(str(tmp_path)) == [2, 4]
+  good2 = tmp_path / "good2"
+  shutil.copytree(ck / "2", good2)
+  _corrupt(ck / "2")
+  _corrupt(ck / "4")
+  before = snapshot(ck)
+  with pytest.raises(checkpointing.CheckpointError, match=r"no checkpoint in .* restores"):
+    train.train_and_evaluate(config(cache, 6), str(tmp_path))
+  assert snapshot(ck) == before                                   # nothing moved or written
+
+  shutil.rmtree(ck / "2")
+  shutil.copytree(good2, ck / "2")
+  r = train.train_and_evaluate(config(cache, 6), str(tmp_path))   # 4 corrupt, 2 good
+  assert (r["start_step"], r["step"]) == (2, 6)
+  assert [p.name.split("-")[0] for p in (tmp_path / "corrupt_checkpoints").iterdir()] == ["4"]
+  assert checkpointing.finalized_steps(str(tmp_path)) == [2, 4, 6]
+
+
+# --------------------------------------------------------------------------------------
+# 6. Bad input: one line, non-zero exit, nothing written
+# --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(cache, tmp_path_factory):
+  """A 2-step run's workdir (checkpoint at 2), to be copied by tests."""
+  wd = tmp_path_factory.mktemp("trained")
+  train.train_and_evaluate(config(cache, 2), str(wd))
+  return wd
+
+
+@pytest.mark.parametrize("overrides,error,match", [
+    ({"model.num_heads": 5}, train.ConfigError, "does not divide"),
+    ({"model.kind": "lstm"}, train.ConfigError, "model.kind='lstm' is unknown"),
+    ({"model.solver": "heun"}, train.ConfigError, "model.solver='heun' is unknown"),
+    ({"model.num_steps": 0}, train.ConfigError, "model.num_steps=0 must be a positive"),
+    ({"model.num_steps": -2}, train.ConfigError, "model.num_steps=-2 must be a positive"),
+    ({"model.kind": "gpt", "seq_len": 64}, train.ConfigError, "seq_len=64 exceeds model.max_len=32"),
+    ({"data.source": "local", "data.train_files": "/nonexistent/*.txt"}, DataError, "nonexistent"),
+])
+def test_bad_config_is_one_error_and_writes_nothing(cache, tmp_path, overrides, error, match):
+  wd = tmp_path / "wd"
+  with pytest.raises(error, match=match) as err:
+    train.train_and_evaluate(config(cache, 2, **overrides), str(wd))
+  assert "\n" not in str(err.value)
+  assert not wd.exists()
+
+
+def test_incompatible_workdir_is_refused_untouched(trained, cache, tmp_path):
+  wd = tmp_path / "wd"
+  shutil.copytree(trained, wd)
+  before = snapshot(wd)
+  c = config(cache, 4)
+  c.model.num_heads = 4
+  c.model.mlp_dim = 128
+  c.model.remat_policy = "full"        # allowed to differ: not reported
+  with pytest.raises(train.ConfigError) as err:
+    train.train_and_evaluate(c, str(wd))
+  msg = str(err.value)
+  assert "holds checkpoints of a different model" in msg
+  assert "model.mlp_dim 64 -> 128" in msg and "model.num_heads 2 -> 4" in msg
+  assert "remat_policy" not in msg
+  assert snapshot(wd) == before
+
+
+def test_main_subprocess_one_line_exit_2_nothing_written(trained, cache, tmp_path):
+  """The real command: exit status 2, one `error:` line, no traceback, workdir as it was."""
+  wd = tmp_path / "wd"
+  shutil.copytree(trained, wd)
+  before = snapshot(wd)
+  proc = subprocess.run(main_cmd(wd, cache, 4, "--config.model.num_steps=3"), cwd=ROOT,
+                        env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+  assert len(errors) == 1 and "ConfigError" in errors[0] and "model.num_steps 2 -> 3" in errors[0]
+  assert "Traceback" not in proc.stderr
+  assert snapshot(wd) == before
+  fresh = tmp_path / "fresh"
+  proc = subprocess.run(main_cmd(fresh, cache, 4, "--config.model.num_steps=0"), cwd=ROOT,
+                        env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert [l for l in proc.stderr.splitlines() if l.startswith("error:")] == [
+      "error: ConfigError: model.num_steps=0 must be a positive integer"]
+  assert not fresh.exists()
