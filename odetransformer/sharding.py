@@ -169,10 +169,18 @@ def num_batch_shards(mesh: jax.sharding.Mesh, rules) -> int:
 
 
 def global_batch_from_local(local_batch: Mapping[str, np.ndarray],
-                            sharding: NamedSharding) -> dict:
-  """Global jax.Arrays from this process's slice of the batch (multi-host safe)."""
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
-          for k, v in local_batch.items()}
+                            sharding: NamedSharding,
+                            global_batch_size: Optional[int] = None) -> dict:
+  """Global jax.Arrays from this process's slice of the batch (multi-host safe).
+
+  With `global_batch_size` the global shape is stated, so jax rejects process-local
+  data that does not tile it instead of silently building a smaller "global" batch.
+  """
+  def make(v):
+    v = np.asarray(v)
+    shape = None if global_batch_size is None else (int(global_batch_size),) + v.shape[1:]
+    return jax.make_array_from_process_local_data(sharding, v, global_shape=shape)
+  return {k: make(v) for k, v in local_batch.items()}
 
 
 def sharding_drift(state, shardings) -> list:

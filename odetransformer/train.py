@@ -81,6 +81,10 @@ def _check_config(config, mesh, rules):
     raise ConfigError(
         f"global_batch_size={config.global_batch_size} must be a multiple of the batch "
         f"shards ({shards}) × optim.grad_accum_steps ({accum})")
+  if shards % jax.process_count():
+    raise ConfigError(f"the batch is split {shards} ways (mesh data × fsdp) but there are "
+                      f"{jax.process_count()} processes; make data × fsdp a multiple of the "
+                      "process count (keep 'tensor' within a host)")
   if config.global_batch_size % jax.process_count():
     raise ConfigError(f"global_batch_size={config.global_batch_size} must be a multiple of "
                       f"the {jax.process_count()} processes")
@@ -259,8 +263,9 @@ def evaluate(eval_step, state, batches: Iterable, batch_sharding, local_batch_si
   for i, batch in enumerate(batches):
     if 0 <= num_eval_steps <= i:
       break
-    gbatch = sharding_lib.global_batch_from_local(_local_batch(batch, local_batch_size),
-                                                  batch_sharding)
+    gbatch = sharding_lib.global_batch_from_local(
+        _local_batch(batch, local_batch_size), batch_sharding,
+        local_batch_size * jax.process_count())
     m = eval_step(state, gbatch)
     merged = m if merged is None else merged.merge(m)
   if merged is None:
@@ -566,7 +571,7 @@ def _run(config, mesh, rules, ds, cfg, tx, schedule, saved_config, writer, ckpt,
     eval_scalars = run_eval(0)     # the starting point: the pre-trained model on this data
   while step < last:
     batch = sharding_lib.global_batch_from_local(
-        _local_batch(next(train_iter)), batch_sharding)
+        _local_batch(next(train_iter)), batch_sharding, config.global_batch_size)
     first = step == start_step
     t = time.perf_counter()
     state, m = train_step(state, batch, jax.random.fold_in(rng, step))

@@ -60,3 +60,14 @@ def test_activation_rules_drop_the_batch_axes():
   assert rules["batch"] == ("data", "fsdp")
   assert rules["embed"] is None               # fsdp is taken by the batch
   assert rules["heads"] == rules["vocab"] == "tensor"
+
+
+def test_global_batch_rejects_local_data_that_does_not_tile_the_stated_global_shape():
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  sh = jax.sharding.NamedSharding(mesh, P("data"))
+  local = {"inputs": np.zeros((4, 8), np.int32)}
+  assert sharding.global_batch_from_local(local, sh, 4)["inputs"].shape == (4, 8)
+  with pytest.raises(ValueError):   # this process's rows do not tile a batch of 8
+    sharding.global_batch_from_local(local, sh, 8)
