@@ -153,7 +153,8 @@ def main():
     ax.axhline(value, linestyle="--", color="gray" if method == "full" else "black",
                label=f"GPT {method} ({args.k} layers)")
   ax.set_xlabel("fine-tuning steps N")
-  ax.set_ylabel("validation perplexity")
+  ax.set_ylabel("validation perplexity (log scale)")
+  ax.set_yscale("log")
   ax.set_title("Adaptive fine-tuning on Tiny Shakespeare")
   ax.legend(fontsize=8)
   fig.tight_layout()
