@@ -39,28 +39,15 @@ DRIVER = textwrap.dedent("""
     import main as main_lib
     if main_lib._multi_process_env():
       jax.distributed.initialize(**main_lib._distributed_args())
-    from configs import default
     from odetransformer import checkpointing, train
+    sys.path.insert(0, os.path.join(os.environ["ODET_ROOT"], "tests"))
+    from tiny import tiny_config
 
-    c = default.get_config()
-    c.num_train_steps = 4
-    c.log_every_steps = 1
+    c = tiny_config(os.environ["ODET_CACHE"], num_train_steps=4)
     c.eval_every_steps = 0          # only at the end
     c.checkpoint_every_steps = 0    # only at the end (or at the preemption)
-    c.seq_len = 32
-    c.global_batch_size = 8
-    c.eval_batch_size = 8
-    c.model.d_model = 32
-    c.model.num_heads = 2
-    c.model.mlp_dim = 64
-    c.model.num_steps = 2
-    c.model.max_len = 32
-    c.model.time_embed_dim = 8
-    c.model.time_sinusoids = 8
-    c.data.vocab_size = 512
-    c.data.tokenizer_sample_bytes = 300_000
+    c.global_batch_size = c.eval_batch_size = 8
     c.data.eval_max_batches = 1
-    c.data.cache_dir = os.environ["ODET_CACHE"]
 
     stop = int(os.environ.get("ODET_STOP_AT", "0"))
     if stop:   # a preemption noticed at step `stop` by every process
