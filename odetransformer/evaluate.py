@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import logging as std_logging
 import math
-import os
 import sys
 import time
 from typing import Callable, Iterable, Iterator, Optional, Sequence
@@ -30,6 +29,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from odetransformer import loading
 from odetransformer.model import LanguageModel
 
 _LOCAL_PREFIX = "local:"
@@ -56,39 +56,6 @@ def quiet_orbax(cli: bool = False) -> None:
 # --------------------------------------------------------------------------------------
 # Tokenizer of a run
 # --------------------------------------------------------------------------------------
-def run_tokenizer_path(workdir: str, config: Optional[ml_collections.ConfigDict] = None) -> str:
-  """The .model file of a run's tokenizer.
-
-  `<workdir>/tokenizer.model` if present, else `data.tokenizer_path`, else the
-  tokenizer the run's data config trained and cached (found, or re-created
-  deterministically, by `input_pipeline.create_datasets`).
-  """
-  from odetransformer import checkpointing  # pylint: disable=g-import-not-at-top
-  from odetransformer.loading import TOKENIZER_FILE  # pylint: disable=g-import-not-at-top
-  path = os.path.join(workdir, TOKENIZER_FILE)
-  if os.path.exists(path):
-    return path
-  config = checkpointing.load_config(workdir) if config is None else config
-  if config.data.get("tokenizer_path") and os.path.exists(config.data.tokenizer_path):
-    return config.data.tokenizer_path
-  import input_pipeline  # pylint: disable=g-import-not-at-top
-  ds = input_pipeline.create_datasets(
-      config.data, seq_len=int(config.seq_len), global_batch_size=1, eval_batch_size=1,
-      seed=int(config.seed), workdir=workdir, process_index=0, process_count=1)
-  std_logging.getLogger(__name__).warning(
-      "%s has no %s: using the tokenizer its data config caches (%s)", workdir,
-      TOKENIZER_FILE, ds.tokenizer_path)
-  return ds.tokenizer_path
-
-
-def load_run_tokenizer(workdir: str, config: Optional[ml_collections.ConfigDict] = None):
-  """The run's SentencePiece processor (pad=0, unk=1, bos=2, eos=3)."""
-  from input_pipeline import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
-  from odetransformer import checkpointing  # pylint: disable=g-import-not-at-top
-  config = checkpointing.load_config(workdir) if config is None else config
-  return tokenizer_lib.load(run_tokenizer_path(workdir, config), int(config.data.vocab_size))
-
-
 # --------------------------------------------------------------------------------------
 # Scoring
 # --------------------------------------------------------------------------------------
@@ -159,11 +126,11 @@ def eval_data(workdir: str, config: ml_collections.ConfigDict, *, data: str = ""
     data_dir: TFDS data_dir ('' = the run's).
     seq_len, batch_size: rows of the eval batches (0 = the run's seq_len / eval_batch_size).
     max_batches: stop after this many batches (0 = the whole split).
-    tokenizer_path: the run's tokenizer ('' = `run_tokenizer_path`).
+    tokenizer_path: the run's tokenizer ('' = `loading.tokenizer_path`).
   """
   import input_pipeline  # pylint: disable=g-import-not-at-top
   d = ml_collections.ConfigDict(config.data.to_dict())
-  d.tokenizer_path = tokenizer_path or run_tokenizer_path(workdir, config)
+  d.tokenizer_path = tokenizer_path or loading.tokenizer_path(workdir, config)
   if data.startswith(_LOCAL_PREFIX):
     globs = data[len(_LOCAL_PREFIX):]
     d.source, d.eval_files, d.train_files = "local", globs, globs  # train: unused, must exist

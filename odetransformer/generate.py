@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from odetransformer import loading
 from odetransformer.decode import Decoder, KVCache
 
 PAD_ID = 0
@@ -168,7 +169,7 @@ def main(argv, flag_values=None):
   evaluate.quiet_orbax(cli=True)
   try:
     loaded = load_model(flags_.workdir, step=flags_.step)
-    sp = evaluate.load_run_tokenizer(flags_.workdir, loaded.config)
+    sp = loading.load_tokenizer(flags_.workdir, loaded.config)
     cfg = loaded.model_config
     t0 = time.perf_counter()
     decoder = Decoder(loaded.model, flags_.num_steps)

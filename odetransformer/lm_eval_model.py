@@ -37,6 +37,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from odetransformer import loading
 from odetransformer.decode import Decoder
 from odetransformer.generate import Sampler, strip_after_eos
 
@@ -73,7 +74,7 @@ class ODETransformerLM(TemplateLM):
       evaluate.quiet_orbax()
       loaded = load_model(str(workdir), step=None if step in (None, "") else int(step))
       model = loaded.model
-      tokenizer = evaluate.load_run_tokenizer(str(workdir), loaded.config)
+      tokenizer = loading.load_tokenizer(str(workdir), loaded.config)
       default_len = int(loaded.config.seq_len)
     else:
       if tokenizer is None:

@@ -9,6 +9,7 @@ import os
 from typing import Optional
 
 import jax
+from absl import logging
 from flax import nnx
 
 from odetransformer import checkpointing, sharding, train
@@ -47,14 +48,30 @@ def load_model(workdir: str, step: Optional[int] = None, mesh=None) -> Loaded:
                 step=int(restored_step))
 
 
-def load_tokenizer(workdir: str):
-  """The run's SentencePiece tokenizer: `<workdir>/tokenizer.model`, else the data cache."""
-  from input_pipeline import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
-  config = checkpointing.load_config(workdir)
+def tokenizer_path(workdir: str, config=None) -> str:
+  """The .model file of a run's tokenizer.
+
+  `<workdir>/tokenizer.model` (written by main.py at start) if present, else
+  `data.tokenizer_path`, else the tokenizer the run's data config trained and cached
+  (found, or re-created deterministically, by `input_pipeline.create_datasets`).
+  """
   path = os.path.join(workdir, TOKENIZER_FILE)
-  if not os.path.exists(path):
-    path = config.data.get("tokenizer_path") or ""
-  if not path or not os.path.exists(path):
-    raise FileNotFoundError(f"no tokenizer found for {workdir}: expected {TOKENIZER_FILE} "
-                            "there (written by main.py at start) or data.tokenizer_path")
-  return tokenizer_lib.load(path, int(config.data.vocab_size))
+  if os.path.exists(path):
+    return path
+  config = checkpointing.load_config(workdir) if config is None else config
+  if config.data.get("tokenizer_path") and os.path.exists(config.data.tokenizer_path):
+    return config.data.tokenizer_path
+  import input_pipeline  # pylint: disable=g-import-not-at-top
+  ds = input_pipeline.create_datasets(
+      config.data, seq_len=int(config.seq_len), global_batch_size=1, eval_batch_size=1,
+      seed=int(config.seed), workdir=workdir, process_index=0, process_count=1)
+  logging.warning("%s has no %s: using the tokenizer its data config caches (%s)",
+                  workdir, TOKENIZER_FILE, ds.tokenizer_path)
+  return ds.tokenizer_path
+
+
+def load_tokenizer(workdir: str, config=None):
+  """The run's SentencePiece processor (pad=0, unk=1, bos=2, eos=3)."""
+  from input_pipeline import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  config = checkpointing.load_config(workdir) if config is None else config
+  return tokenizer_lib.load(tokenizer_path(workdir, config), int(config.data.vocab_size))

@@ -15,6 +15,7 @@ from flax import nnx
 from input_pipeline import local_text
 from odetransformer import evaluate, generate, train
 from odetransformer.config import ModelConfig
+from odetransformer import loading
 from odetransformer.loading import load_model
 from odetransformer.model import create_model
 from tiny import tiny_run_config
@@ -95,7 +96,7 @@ def local_results(loaded, local_data):
 
 def test_perplexity_matches_direct_log_probs_and_scores_every_token(run, loaded, local_data,
                                                                     local_results):
-  sp = evaluate.load_run_tokenizer(run[0], loaded.config)
+  sp = loading.load_tokenizer(run[0], loaded.config)
   # Every token of every document, plus its eos, is a target exactly once.
   docs = local_text.split_documents(EVAL_TEXT)
   expected_tokens = sum(len(sp.encode(d)) + 1 for d in docs)

@@ -27,7 +27,6 @@ and DIR/lyapunov.png (the text coloured by each map, side by side).
 """
 import argparse
 import dataclasses
-import glob
 import html
 import json
 import os
@@ -172,31 +171,12 @@ def sensitivity(model, tokens_l: Sequence[int], position: int = -1,
 
 # ------------------------------------------------------------------------ tokenizer
 def load_tokenizer(workdir: str, path: Optional[str] = None):
-  """`path`, else the run's tokenizer (`loading.load_tokenizer`), else the one cached in
-  the run's data cache (`<workdir>/data_cache/tokenizers/*_v<vocab>_*.model`)."""
+  """`path` if given, else the run's tokenizer (`loading.load_tokenizer`)."""
   from input_pipeline import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   from odetransformer import checkpointing, loading  # pylint: disable=g-import-not-at-top
-  config = checkpointing.load_config(workdir)
-  vocab = int(config.data.vocab_size)
   if path:
-    return tokenizer_lib.load(path, vocab)
-  try:
-    return loading.load_tokenizer(workdir)
-  except FileNotFoundError:
-    pass
-  data = config.data
-  dirs = [d for d in (data.get("cache_dir"), data.get("data_dir")) if d]
-  dirs += [os.path.join(workdir, "data_cache")]
-  sample = data.get("tokenizer_sample_bytes")
-  for d in dirs:
-    found = sorted(glob.glob(os.path.join(os.path.expanduser(d), "tokenizers",
-                                          f"*_v{vocab}_s{sample}_*.model")), key=os.path.getmtime)
-    if found:
-      if len(found) > 1:
-        logging.warning("%d cached tokenizers match; using the newest, %s", len(found), found[-1])
-      return tokenizer_lib.load(found[-1], vocab)
-  raise FileNotFoundError(f"no tokenizer for {workdir}: no tokenizer.model there, no "
-                          f"data.tokenizer_path and none cached in {dirs}; pass --tokenizer")
+    return tokenizer_lib.load(path, int(checkpointing.load_config(workdir).data.vocab_size))
+  return loading.load_tokenizer(workdir)
 
 
 def piece_text(sp, token_id: int) -> str:
