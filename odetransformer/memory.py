@@ -70,7 +70,6 @@ from flax import nnx
 from odetransformer import optimizer as optimizer_lib
 from odetransformer import sharding as sharding_lib
 from odetransformer import train
-from odetransformer.model import create_model
 
 GIB = 1024 ** 3
 DEFAULT_COMPILE_MAX_PARAMS = 50_000_000
@@ -126,21 +125,6 @@ def _per_device_bytes(tree) -> int:
   return total
 
 
-def abstract_train_state(cfg, tx, seed: int, mesh) -> train.TrainState:
-  """The TrainState of `train.init_train_state` without allocating anything.
-
-  Must run under `nnx.logical_axis_rules(rules)`.
-  """
-  # Same init_fn as train.init_train_state (which also allocates the state).
-  def init_fn():
-    model = create_model(cfg, seed=seed)
-    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-  graphdef, abstract = nnx.get_abstract_model(init_fn, mesh)
-  return train.TrainState(graphdef=graphdef, abstract=abstract,
-                          shardings=[a.sharding for a in jax.tree.leaves(abstract)])
-
-
 def rough_activation_bytes(config, cfg, mesh, rules) -> int:
   """A rough per-device activation estimate for the analytic path.
 
@@ -190,7 +174,7 @@ def memory_report(config, *, compile_step: Optional[bool] = None,
   schedule = optimizer_lib.learning_rate_schedule(config.optim, config.num_train_steps)
 
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    ts = abstract_train_state(cfg, tx, config.seed, mesh)
+    ts = train.abstract_train_state(cfg, tx, config.seed, mesh)
   abs_model, abs_opt = ts.split_abstract()
   params = abs_model.filter(nnx.Param)
   num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))

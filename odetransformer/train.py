@@ -118,18 +118,30 @@ class TrainState:
     return self.abstract[0], self.abstract[1]
 
 
+def _init_fn(cfg: ModelConfig, tx, seed: int):
+  def init_fn():
+    model = create_model(cfg, seed=seed)
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+  return init_fn
+
+
+def abstract_train_state(cfg: ModelConfig, tx, seed: int, mesh) -> TrainState:
+  """The (model, optimizer) TrainState — shapes and shardings — allocating nothing.
+
+  Must run under `nnx.logical_axis_rules(rules)`.
+  """
+  graphdef, abstract = nnx.get_abstract_model(_init_fn(cfg, tx, seed), mesh)
+  return TrainState(graphdef=graphdef, abstract=abstract,
+                    shardings=[a.sharding for a in jax.tree.leaves(abstract)])
+
+
 def init_train_state(cfg: ModelConfig, tx, seed: int, mesh):
   """Creates (model, optimizer) state directly in its shardings.
 
   Must run under `nnx.logical_axis_rules(rules)`. Returns (TrainState, state).
   """
-  def init_fn():
-    model = create_model(cfg, seed=seed)
-    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-  graphdef, abstract = nnx.get_abstract_model(init_fn, mesh)
-  shardings = [a.sharding for a in jax.tree.leaves(abstract)]
-  ts = TrainState(graphdef=graphdef, abstract=abstract, shardings=shardings)
+  ts = abstract_train_state(cfg, tx, seed, mesh)
+  init_fn = _init_fn(cfg, tx, seed)
 
   @jax.jit
   def init():
