@@ -65,28 +65,36 @@ class TimeMLP(nnx.Module):
     return jnp.sqrt(jnp.mean(jnp.square(h)) + 1e-12)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def generate_weights(h_kd, proj_dn, acc_dtype):
-  """[K, d_t] @ [d_t, N] -> [K, N] (accumulated in `acc_dtype`): all K steps' weights.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def generate_weights(h_kd, proj_dn, base_n, acc_dtype):
+  """h[K, d_t] @ P[d_t, N] + P0[N] -> [K, N] (in `acc_dtype`): all K steps' weights.
 
-  Same math as `jnp.dot`; the custom backward computes the code gradient as
-  (P @ dWᵀ)ᵀ instead of autodiff's dW @ Pᵀ. Both read P once, but XLA's CPU GEMM
-  runs the latter (tiny [K, d_t] output, contraction over all N weight entries) ~7×
-  slower; on GPU the two are the same cuBLAS call with other transpose flags.
+  Same math as `h @ P + P0`, with a backward written for XLA:CPU (on GPU every form is
+  the same cuBLAS call), each measured at 54 M hypernetwork weights (jax 0.10):
+  - the code gradient as (P @ dWᵀ)ᵀ rather than autodiff's dW @ Pᵀ: both read P once,
+    but the GEMM with a tiny [K, d_t] output and a contraction over all N weights ran
+    ~6× slower. An optimization barrier keeps XLA from folding the transpose back in
+    (136 ms → 24 ms);
+  - P0's gradient Σ_k dW_k as a dot with ones rather than a reduction over the leading
+    axis, which XLA:CPU ran ~30× slower (6.8 ms vs 0.2 ms for a [6, 256, 1024] slab).
   """
-  return jnp.dot(h_kd, proj_dn, preferred_element_type=acc_dtype)
+  w = jnp.dot(h_kd, proj_dn, preferred_element_type=acc_dtype)
+  return w + base_n.astype(acc_dtype)
 
 
-def _generate_fwd(h_kd, proj_dn, acc_dtype):
-  return generate_weights(h_kd, proj_dn, acc_dtype), (h_kd, proj_dn)
+def _generate_fwd(h_kd, proj_dn, base_n, acc_dtype):
+  return generate_weights(h_kd, proj_dn, base_n, acc_dtype), (h_kd, proj_dn, base_n)
 
 
 def _generate_bwd(acc_dtype, residuals, g_kn):
-  h_kd, proj_dn = residuals
+  h_kd, proj_dn, base_n = residuals
   g = g_kn.astype(proj_dn.dtype)
-  d_h = jnp.dot(proj_dn, g.T, preferred_element_type=acc_dtype).T.astype(h_kd.dtype)
+  d_h = jax.lax.optimization_barrier(
+      jnp.dot(proj_dn, g.T, preferred_element_type=acc_dtype)).T.astype(h_kd.dtype)
   d_proj = jnp.dot(h_kd.T, g, preferred_element_type=acc_dtype).astype(proj_dn.dtype)
-  return d_h, d_proj
+  ones = jnp.ones((g_kn.shape[0],), g_kn.dtype)
+  d_base = jnp.dot(ones, g_kn, preferred_element_type=acc_dtype).astype(base_n.dtype)
+  return d_h, d_proj, d_base
 
 
 generate_weights.defvjp(_generate_fwd, _generate_bwd)
@@ -114,9 +122,8 @@ class WeightGenerator(nnx.Module):
     proj = self.proj[...]
     d_t = proj.shape[0]
     w = generate_weights(h_kd.astype(dtype), proj.reshape(d_t, -1).astype(dtype),
-                         jnp.promote_types(dtype, jnp.float32))
-    w = w.reshape((h_kd.shape[0],) + proj.shape[1:]) + self.base[...]
-    return w.astype(dtype)
+                         self.base[...].reshape(-1), jnp.promote_types(dtype, jnp.float32))
+    return w.reshape((h_kd.shape[0],) + proj.shape[1:]).astype(dtype)
 
 
 class HyperNetwork(nnx.Module):

@@ -398,9 +398,10 @@ def test_generate_weights_custom_gradient_matches_autodiff():
   from odetransformer.hypernet import generate_weights
   h = jax.random.normal(jax.random.key(0), (5, 7))
   p = jax.random.normal(jax.random.key(1), (7, 33))
+  base = jax.random.normal(jax.random.key(3), (33,))
   g = jax.random.normal(jax.random.key(2), (5, 33))
-  custom = jax.vjp(lambda a, b: generate_weights(a, b, jnp.float32), h, p)
-  plain = jax.vjp(lambda a, b: a @ b, h, p)
+  custom = jax.vjp(lambda a, b, c: generate_weights(a, b, c, jnp.float32), h, p, base)
+  plain = jax.vjp(lambda a, b, c: a @ b + c, h, p, base)
   np.testing.assert_allclose(custom[0], plain[0], rtol=1e-6, atol=1e-6)
   for c, r in zip(custom[1](g), plain[1](g)):
     np.testing.assert_allclose(c, r, rtol=1e-5, atol=1e-5)
