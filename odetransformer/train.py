@@ -194,10 +194,15 @@ def make_train_step(ts: TrainState, schedule: Callable, rules, *, grad_accum_ste
   """
   batch_spec = sharding_lib.logical_to_spec(("batch", None), rules)
 
-  def loss_fn(params, rest, graphdef, batch, rng):
+  def loss_fn(params, rest, graphdef, batch, rng, denominator):
+    """Σ token losses / denominator (the whole batch's target count) and Σ losses.
+
+    Dividing the scalar loss, not the gradients, keeps the mean out of the per-parameter
+    passes (a divide over every gradient would be one more read and write of each).
+    """
     model = nnx.merge(graphdef, params, rest)
-    loss_sum, weight_sum, _ = _forward_sums(model, batch, rng if use_dropout else None)
-    return loss_sum, weight_sum
+    loss_sum, _, _ = _forward_sums(model, batch, rng if use_dropout else None)
+    return loss_sum / denominator, loss_sum
 
   def step(state, batch, rng):
     model, optimizer = nnx.merge(ts.graphdef, state)
@@ -205,30 +210,34 @@ def make_train_step(ts: TrainState, schedule: Callable, rules, *, grad_accum_ste
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
+    # The gradient is of the mean over all target tokens of the global batch (exact
+    # under accumulation: every microbatch divides by the whole batch's count).
+    weight_sum = jnp.sum(batch["weights"].astype(jnp.float32))
+    denominator = jnp.maximum(weight_sum, 1.0)
     if grad_accum_steps == 1:
-      (loss_sum, weight_sum), grads = grad_fn(params, rest, graphdef, batch, rng)
+      (_, loss_sum), grads = grad_fn(params, rest, graphdef, batch, rng, denominator)
     else:
       micro = _microbatches(batch, grad_accum_steps, batch_spec)
 
       def body(carry, xs):
-        g_acc, l_acc, w_acc = carry
+        g_acc, l_acc = carry
         mb, j = xs
-        (l, w), g = grad_fn(params, rest, graphdef, mb, jax.random.fold_in(rng, j))
-        return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, w_acc + w), None
+        (_, l), g = grad_fn(params, rest, graphdef, mb, jax.random.fold_in(rng, j),
+                            denominator)
+        return (jax.tree.map(jnp.add, g_acc, g), l_acc + l), None
 
       zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-      (grads, loss_sum, weight_sum), _ = jax.lax.scan(
-          body, (zeros, jnp.float32(0), jnp.float32(0)),
-          (micro, jnp.arange(grad_accum_steps)))
+      (grads, loss_sum), _ = jax.lax.scan(
+          body, (zeros, jnp.float32(0)), (micro, jnp.arange(grad_accum_steps)))
 
-    # Mean over all target tokens of the global batch (exact under accumulation).
-    grads = jax.tree.map(lambda g: g / jnp.maximum(weight_sum, 1.0), grads)
     grad_norm = optax.global_norm(grads)
-    updates = optimizer.update(model, grads)
+    # The updates are not reduced to a norm: that would keep them in memory beside the
+    # new parameters (two more passes over every parameter); a non-finite update shows
+    # in the parameter norm.
+    optimizer.update(model, grads)
     new_state = ts.constrain(nnx.state((model, optimizer)))
     out = metrics_lib.TrainMetrics.single_from_model_output(
         loss_sum=loss_sum, weight_sum=weight_sum, grad_norm=grad_norm,
-        update_norm=optax.global_norm(updates),
         param_norm=optax.global_norm(nnx.state(model, nnx.Param)),
         learning_rate=lr)
     return new_state, out
@@ -463,13 +472,12 @@ def _save_tokenizer(ds, workdir: str):
   os.replace(path + ".tmp", path)
 
 
-_HEALTH = (("loss", "loss"), ("gradient norm", "grad_norm"), ("update norm", "update_norm"),
-           ("parameter norm", "param_norm"))
+_HEALTH = (("loss", "loss"), ("gradient norm", "grad_norm"), ("parameter norm", "param_norm"))
 
 
 def _check_finite(pending: list, last_good: Optional[int], directory: str):
-  """DivergenceError at the first step in `pending` with a non-finite loss, gradient,
-  update or (updated) parameter norm.
+  """DivergenceError at the first step in `pending` with a non-finite loss, gradient
+  or (updated) parameter norm.
 
   `pending` holds (step, TrainMetrics) of the steps since the last check: device
   values, fetched here in one transfer (no per-step host sync). Every save runs this

@@ -90,6 +90,51 @@ def test_decay_applies_only_to_masked_leaves_and_clipping_bounds_the_update():
   upd, _ = tx.update(zero, state, params)
   np.testing.assert_allclose(upd["w"], -0.1 * 0.5 * np.ones((2, 2)), rtol=1e-6)
   np.testing.assert_allclose(upd["norm_scale"], 0.0)
-  clipped = optax.clip_by_global_norm(1.0)
+  clipped = optimizer.clip_by_global_norm(1.0)
   g, _ = clipped.update({"w": jnp.full((2, 2), 100.0)}, clipped.init(None))
   assert float(optax.global_norm(g)) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_clip_by_global_norm_matches_optax():
+  ours, ref = optimizer.clip_by_global_norm(2.0), optax.clip_by_global_norm(2.0)
+  rng = np.random.default_rng(0)
+  for scale in (0.01, 10.0):           # below the threshold (untouched), above (scaled)
+    g = {"a": jnp.asarray(rng.normal(size=(3, 5)) * scale, jnp.float32),
+         "b": jnp.asarray(rng.normal(size=(7,)) * scale, jnp.float32)}
+    got, _ = ours.update(g, ours.init(g))
+    want, _ = ref.update(g, ref.init(g))
+    for k in g:
+      if scale < 1:
+        np.testing.assert_array_equal(got[k], want[k])
+      else:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6)
+
+
+def test_optimizer_equals_float64_adamw_reference():
+  """create_optimizer == clip → Adam (bias-corrected) → decoupled decay on the mask, in NumPy."""
+  lr, b1, b2, eps, wd, clip = 0.01, 0.9, 0.95, 1e-8, 0.1, 1.0
+  c = _optim(learning_rate=lr, warmup_frac=0.0, schedule="constant", b1=b1, b2=b2, eps=eps,
+             weight_decay=wd, grad_clip_norm=clip)
+  tx = optimizer.create_optimizer(c, 10)
+  rng = np.random.default_rng(1)
+  params = {"w": rng.normal(size=(4, 3)), "bias": rng.normal(size=(3,))}
+  decay = {"w": 1.0, "bias": 0.0}
+  p = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  state = tx.init(p)
+  ref = {k: v.copy() for k, v in params.items()}
+  m = {k: np.zeros_like(v) for k, v in params.items()}
+  v2 = {k: np.zeros_like(v) for k, v in params.items()}
+  for t, scale in enumerate((5.0, 0.05, 3.0), start=1):   # clipped, not clipped, clipped
+    g = {k: rng.normal(size=x.shape) * scale for k, x in params.items()}
+    upd, state = tx.update(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g), state, p)
+    p = optax.apply_updates(p, upd)
+    norm = np.sqrt(sum(np.sum(x ** 2) for x in g.values()))
+    factor = min(1.0, clip / norm)
+    for k in ref:
+      gk = g[k] * factor
+      m[k] = b1 * m[k] + (1 - b1) * gk
+      v2[k] = b2 * v2[k] + (1 - b2) * gk ** 2
+      step = (m[k] / (1 - b1 ** t)) / (np.sqrt(v2[k] / (1 - b2 ** t)) + eps)
+      ref[k] = ref[k] - lr * (step + wd * decay[k] * ref[k])
+    for k in ref:
+      np.testing.assert_allclose(np.asarray(p[k]), ref[k], rtol=2e-5, atol=1e-6)

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -139,6 +140,7 @@ def test_grad_accumulation_matches_one_big_batch():
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     for accum in (1, 2):
       ts, state = train.init_train_state(cfg, tx, 0, mesh)
+      initial = jax.tree.map(np.asarray, nnx.to_pure_dict(state[0]))
       step = train.make_train_step(ts, sched, rules, grad_accum_steps=accum)
       state, m = step(state, batch, jax.random.key(0))
       out.append((float(m.loss.compute()), float(m.grad_norm.compute()),
@@ -147,6 +149,28 @@ def test_grad_accumulation_matches_one_big_batch():
   np.testing.assert_allclose(out[0][1], out[1][1], rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                out[0][2], out[1][2])
+
+  # Independent reference: the gradient of the token-weighted mean loss, taken directly.
+  def mean_loss(model):
+    logits = model(jnp.asarray(batch["inputs"]))
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    nll = -jnp.take_along_axis(logp, jnp.asarray(batch["targets"])[..., None], -1)[..., 0]
+    w = jnp.asarray(batch["weights"])
+    return jnp.sum(nll * w) / jnp.sum(w)
+
+  graphdef, model_state = nnx.split(create_model(cfg, seed=0))
+  nnx.replace_by_pure_dict(model_state, initial)
+  loss, grads = nnx.value_and_grad(mean_loss)(nnx.merge(graphdef, model_state))
+  flat = lambda tree: {jax.tree_util.keystr(k): np.asarray(v)
+                       for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  grads = flat(nnx.to_pure_dict(nnx.state(grads, nnx.Param)))
+  before, after = flat(initial), flat(out[0][2][0])
+  np.testing.assert_allclose(out[0][0], float(loss), rtol=1e-5)
+  np.testing.assert_allclose(out[0][1], math.sqrt(sum(np.sum(g.astype(np.float64) ** 2)
+                                                      for g in grads.values())), rtol=1e-4)
+  assert len(grads) > 10
+  for key, g in grads.items():       # SGD, lr 1: after = before - gradient of the mean
+    np.testing.assert_allclose(after[key], before[key] - g, rtol=1e-4, atol=1e-6, err_msg=key)
 
 
 _SHARDED_SCRIPT = textwrap.dedent("""
