@@ -3,11 +3,13 @@
 From XLA's memory analysis of the product's train step: argument bytes (params,
 optimizer state, batch) and temporaries, for K = L = 6, 12, 24. With
 rematerialisation the temporaries may grow with K only by the scan carry (the residual
-stream saved per step, batch × seq × width × dtype bytes) plus the per-step generated
-weights, which the scan consumes as its input. Last line:
-`ode temp growth per step / scan carry: X` (target ≤ 1; ≫ 1 would mean activations
-stored per step). The ODE's peak is usually in the optimizer update (its gradients
-for the hypernetwork projections), so the generated weights need not show at all.
+stream saved per step, batch × seq × width × dtype bytes). The DiffEqFormer also holds
+its generated weights W(t_k), made for all K steps by one GEMM before the scan, and,
+in the backward pass, their gradient — one layer's weights twice per step, by design.
+Last line: `ode temp growth per step / scan carry: X`, that growth net of the generated
+weights and their gradient (target ≤ 1; ≫ 1 would mean activations stored per step).
+Whether the generated weights show at all depends on where the peak is: in the
+activation-heavy backward pass, or in the optimizer update.
 
   python benchmarks/memory.py [--remat=full] [--steps=6,12,24]
 """
@@ -32,13 +34,14 @@ def main():
   print(f"preset {args.preset}, batch {b} × seq {length}, {args.dtype}, remat {args.remat}")
   print(f"{'model':13s} {'K':>4s} {'arguments MiB':>14s} {'temporaries MiB':>16s} "
         f"{'generated W MiB':>16s}")
-  temps = {}
+  temps, weights_per_step = {}, 0
   for kind in ("diffeqformer", "gpt"):
     for k in ks:
       trainer = common.Trainer(common.model_config(args, kind, num_steps=k))
       stats = trainer.lower(trainer.batch(b, length)).compile().memory_analysis()
       temps[kind, k] = stats.temp_size_in_bytes
       weights = k * layer_params(trainer.cfg) * bytes_per if kind == "diffeqformer" else 0
+      weights_per_step = weights / k or weights_per_step
       print(f"{kind:13s} {k:4d} {stats.argument_size_in_bytes / MiB:14.1f} "
             f"{stats.temp_size_in_bytes / MiB:16.1f} {weights / MiB:16.1f}")
       del trainer
@@ -48,7 +51,10 @@ def main():
   for kind, growth in per_step.items():
     print(f"{kind:13s} temporaries grow {growth / MiB:.2f} MiB per added step "
           f"= {growth / carry:.2f} × the scan carry ({carry / MiB:.2f} MiB)")
-  print(f"ode temp growth per step / scan carry: {per_step['diffeqformer'] / carry:.2f} "
+  net = per_step["diffeqformer"] - 2 * weights_per_step
+  print(f"diffeqformer  net of the generated weights and their gradient "
+        f"(2 × {weights_per_step / MiB:.2f} MiB per step): {net / MiB:.2f} MiB per step")
+  print(f"ode temp growth per step / scan carry: {max(net, 0.0) / carry:.2f} "
         f"(gpt: {per_step['gpt'] / carry:.2f})")
 
 

@@ -23,7 +23,7 @@ from odetransformer.param_count import count_params, flops_per_token
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   common.add_common_flags(parser)
-  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--rounds", type=int, default=10)
   args = parser.parse_args()
   b, length = common.shape(args)
   dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
