@@ -6,7 +6,7 @@ evaluated on every token of WikiText-2 test. The last line is the key ratio:
 
   diffeqformer/gpt test perplexity ratio: X        (< 1: DiffEqFormer is better)
 
-  python benchmarks/quality.py                      # ~15-20 min on a 2-core CPU
+  python benchmarks/quality.py                      # ~10 min on a 2-core CPU
   python benchmarks/quality.py --steps=20 --eval_batches=2   # smoke run, ~2 min
 
 Defaults (d 256, 4 heads, 6 steps/layers, seq 128, batch 16, 600 steps, vocab 4096,
