@@ -51,7 +51,6 @@ class TrainMetrics(clu_metrics.Collection):
   """What one train step reports (merged on the host between log writes)."""
   loss: TokenLoss
   grad_norm: clu_metrics.Average.from_output("grad_norm")       # before clipping
-  param_norm: clu_metrics.LastValue.from_output("param_norm")
   learning_rate: clu_metrics.LastValue.from_output("learning_rate")
 
 

@@ -231,18 +231,27 @@ def make_train_step(ts: TrainState, schedule: Callable, rules, *, grad_accum_ste
           body, (zeros, jnp.float32(0)), (micro, jnp.arange(grad_accum_steps)))
 
     grad_norm = optax.global_norm(grads)
-    # The updates are not reduced to a norm: that would keep them in memory beside the
-    # new parameters (two more passes over every parameter); a non-finite update shows
-    # in the parameter norm.
+    # Neither the updates nor the new parameters are reduced to norms here: each would be
+    # one more pass over every parameter per step (the updates would also stay in memory
+    # beside the new parameters). `make_param_norm` measures the parameters when a log
+    # line or a checkpoint needs them; a non-finite update shows there, and in the next
+    # step's loss.
     optimizer.update(model, grads)
     new_state = ts.constrain(nnx.state((model, optimizer)))
     out = metrics_lib.TrainMetrics.single_from_model_output(
-        loss_sum=loss_sum, weight_sum=weight_sum, grad_norm=grad_norm,
-        param_norm=optax.global_norm(nnx.state(model, nnx.Param)),
-        learning_rate=lr)
+        loss_sum=loss_sum, weight_sum=weight_sum, grad_norm=grad_norm, learning_rate=lr)
     return new_state, out
 
   return _with_rules(sharding_lib.activation_rules(rules), jax.jit(step, donate_argnums=(0,)))
+
+
+def make_param_norm(ts: TrainState) -> Callable:
+  """The jitted global L2 norm of the model's parameters in a (model, optimizer) state."""
+  @jax.jit
+  def param_norm(state):
+    model, _ = nnx.merge(ts.graphdef, state)
+    return optax.global_norm(nnx.state(model, nnx.Param))
+  return param_norm
 
 
 def make_eval_step(ts: TrainState, rules) -> Callable:
@@ -472,24 +481,28 @@ def _save_tokenizer(ds, workdir: str):
   os.replace(path + ".tmp", path)
 
 
-_HEALTH = (("loss", "loss"), ("gradient norm", "grad_norm"), ("parameter norm", "param_norm"))
+_HEALTH = (("loss", "loss"), ("gradient norm", "grad_norm"))
 
 
-def _check_finite(pending: list, last_good: Optional[int], directory: str):
-  """DivergenceError at the first step in `pending` with a non-finite loss, gradient
-  or (updated) parameter norm.
+def _check_finite(pending: list, last_good: Optional[int], directory: str,
+                  param_norm: Optional[float] = None):
+  """DivergenceError at the first step in `pending` with a non-finite loss or gradient
+  norm, or when `param_norm` (of the parameters after the last pending step) is not
+  finite.
 
   `pending` holds (step, TrainMetrics) of the steps since the last check: device
   values, fetched here in one transfer (no per-step host sync). Every save runs this
-  first, so `last_good` (the newest step saved) holds finite parameters; it is named in
-  the message and left as it is.
+  first, with the norm of the parameters it would write, so `last_good` (the newest
+  step saved) holds finite parameters; it is named in the message and left as it is.
   """
   if not pending:
     return
   values = jax.device_get([[getattr(m, attr).total for _, attr in _HEALTH] for _, m in pending])
-  for (step, _), row in zip(pending, values):
+  for i, ((step, _), row) in enumerate(zip(pending, values)):
     bad = [(name, float(np.sum(v))) for (name, _), v in zip(_HEALTH, row)
            if not math.isfinite(float(np.sum(v)))]
+    if i == len(pending) - 1 and param_norm is not None and not math.isfinite(param_norm):
+      bad.append(("parameter norm", param_norm))
     if bad:
       kept = (f"last good checkpoint: step {last_good} in {directory} (left intact)"
               if last_good is not None else "no checkpoint was written yet")
@@ -554,6 +567,7 @@ def _run(config, mesh, rules, ds, cfg, tx, schedule, saved_config, writer, ckpt,
                                grad_accum_steps=int(config.optim.grad_accum_steps),
                                use_dropout=cfg.dropout_rate > 0)
   eval_step = make_eval_step(ts, rules)
+  param_norm = make_param_norm(ts)
   progress = metrics_lib.Progress(config.num_train_steps, start_step, tokens_per_step,
                                   fpt, peak_total)
   last = int(config.num_train_steps)
@@ -572,7 +586,8 @@ def _run(config, mesh, rules, ds, cfg, tx, schedule, saved_config, writer, ckpt,
   last_saved = [start_step if restored is not None else None]
 
   def save(step, force=False):
-    _check_finite(pending, last_saved[0], ckpt.directory)   # never checkpoint a diverged model
+    # Never checkpoint a diverged model.
+    _check_finite(pending, last_saved[0], ckpt.directory, float(param_norm(state)))
     last_saved[0] = step
     meta = {"rng_key": np.asarray(jax.random.key_data(rng)).tolist(),
             "config": saved_config.to_dict()}
@@ -607,7 +622,8 @@ def _run(config, mesh, rules, ds, cfg, tx, schedule, saved_config, writer, ckpt,
     if _every(step, config.log_every_steps, last) or preempted or first:
       train_scalars = metrics_lib.summarize(train_metrics.compute())
       train_metrics = None
-      _check_finite(pending, last_saved[0], ckpt.directory)
+      train_scalars["param_norm"] = float(param_norm(state))
+      _check_finite(pending, last_saved[0], ckpt.directory, train_scalars["param_norm"])
       train_scalars.update(progress.update(step))
       writer.write_scalars(step, train_scalars, prefix="train/")
       metrics_lib.log(metrics_lib.train_log_line(step, last, train_scalars))

@@ -16,10 +16,10 @@ from odetransformer import metrics
 def test_token_average_is_weighted_by_tokens():
   a = metrics.TrainMetrics.single_from_model_output(
       loss_sum=jnp.float32(10.0), weight_sum=jnp.float32(5.0), grad_norm=1.0,
-      param_norm=3.0, learning_rate=1e-3)
+      learning_rate=1e-3)
   b = metrics.TrainMetrics.single_from_model_output(
       loss_sum=jnp.float32(2.0), weight_sum=jnp.float32(1.0), grad_norm=3.0,
-      param_norm=4.0, learning_rate=2e-3)
+      learning_rate=2e-3)
   out = metrics.summarize(a.merge(b).compute())
   assert out["loss"] == pytest.approx(12.0 / 6.0)        # not (2 + 2) / 2
   assert out["perplexity"] == pytest.approx(math.exp(2.0))

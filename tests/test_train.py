@@ -94,6 +94,14 @@ def _final_params(workdir):
   return step, jax.tree.map(np.asarray, nnx.to_pure_dict(state))
 
 
+def test_logged_param_norm_is_the_checkpointed_parameters_norm(runs):
+  step, params = _final_params(runs["wd_a"])
+  norm = math.sqrt(sum(float(np.sum(np.square(x.astype(np.float64))))
+                       for x in jax.tree.leaves(params)))
+  logged = dict(metrics_lib.read_scalars(str(runs["wd_a"] / "tensorboard"))["train/param_norm"])
+  assert logged[step] == pytest.approx(norm, rel=1e-5)
+
+
 def test_resume_is_exact(runs):
   """Interrupted at 4 + resumed to 6 == 6 straight: model, optimizer, RNG and data."""
   step_a, params_a = _final_params(runs["wd_a"])
