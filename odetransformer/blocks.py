@@ -86,8 +86,8 @@ def attention_mask(segment_ids_bt):
   return (segment_ids_bt[:, None, :, None] == segment_ids_bt[:, None, None, :])
 
 
-def attention(x_btd, p, cfg: ModelConfig, mask_b1ts, positions_bt):
-  """Causal multi-head self-attention; `jax.nn.dot_product_attention` picks the kernel."""
+def qkv_projections(x_btd, p, cfg: ModelConfig, positions_bt):
+  """(q, k, v) [b, t, heads, head_dim]: projections, biases (gpt) and RoPE (llama)."""
   q = jnp.einsum("btd,dnh->btnh", x_btd, p["wq"])
   k = jnp.einsum("btd,dnh->btnh", x_btd, p["wk"])
   v = jnp.einsum("btd,dnh->btnh", x_btd, p["wv"])
@@ -96,15 +96,26 @@ def attention(x_btd, p, cfg: ModelConfig, mask_b1ts, positions_bt):
   if cfg.flavour == "llama":
     q = rope(q, positions_bt, cfg.rope_base)
     k = rope(k, positions_bt, cfg.rope_base)
+  return q, k, v
+
+
+def output_projection(o_btnh, p):
+  """Heads [b, t, heads, head_dim] -> [b, t, d]: W_O and its bias (gpt)."""
+  out = jnp.einsum("btnh,nhd->btd", o_btnh, p["wo"])
+  if "bo" in p:
+    out = out + p["bo"]
+  return out
+
+
+def attention(x_btd, p, cfg: ModelConfig, mask_b1ts, positions_bt):
+  """Causal multi-head self-attention; `jax.nn.dot_product_attention` picks the kernel."""
+  q, k, v = qkv_projections(x_btd, p, cfg, positions_bt)
   q = constrain(q, ("batch", "length", "heads", "kv"))
   if q.dtype == jnp.float64:  # numerical checks: the fused kernel's softmax is float32
     o = _dense_causal_attention(q, k, v, mask_b1ts)
   else:
     o = jax.nn.dot_product_attention(q, k, v, mask=mask_b1ts, is_causal=True)
-  out = jnp.einsum("btnh,nhd->btd", o, p["wo"])
-  if "bo" in p:
-    out = out + p["bo"]
-  return out
+  return output_projection(o, p)
 
 
 def _dense_causal_attention(q_btnh, k_bsnh, v_bsnh, mask_b1ts):

@@ -168,14 +168,7 @@ def cached_attention(x_btd, p, cfg: ModelConfig, k_bsnh, v_bsnh, index_b, positi
   Same math as `blocks.attention` (and `jax.nn.dot_product_attention`'s XLA path):
   scores in float32 or wider, scaled by 1/√head_dim, softmax in float32.
   """
-  q = jnp.einsum("btd,dnh->btnh", x_btd, p["wq"])
-  k = jnp.einsum("btd,dnh->btnh", x_btd, p["wk"])
-  v = jnp.einsum("btd,dnh->btnh", x_btd, p["wv"])
-  if "bq" in p:
-    q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-  if cfg.flavour == "llama":
-    q = blocks.rope(q, positions_bt, cfg.rope_base)
-    k = blocks.rope(k, positions_bt, cfg.rope_base)
+  q, k, v = blocks.qkv_projections(x_btd, p, cfg, positions_bt)
   k_bsnh = _write(k_bsnh, k, index_b)
   v_bsnh = _write(v_bsnh, v, index_b)
   wide = jnp.promote_types(q.dtype, jnp.float32)
@@ -187,10 +180,7 @@ def cached_attention(x_btd, p, cfg: ModelConfig, k_bsnh, v_bsnh, index_b, positi
   scores = jnp.where(allowed[:, None], scores, jnp.finfo(wide).min)
   probs = jax.nn.softmax(scores.astype(jnp.promote_types(wide, jnp.float32)), axis=-1)
   o = jnp.einsum("bnts,bsnh->btnh", probs.astype(v_bsnh.dtype), v_bsnh)
-  out = jnp.einsum("btnh,nhd->btd", o, p["wo"])
-  if "bo" in p:
-    out = out + p["bo"]
-  return out, k_bsnh, v_bsnh
+  return blocks.output_projection(o, p), k_bsnh, v_bsnh
 
 
 def _norm(x, p, which, cfg):
