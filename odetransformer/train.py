@@ -485,10 +485,10 @@ _HEALTH = (("loss", "loss"), ("gradient norm", "grad_norm"))
 
 
 def _check_finite(pending: list, last_good: Optional[int], directory: str,
-                  param_norm: Optional[float] = None):
+                  param_norm: Optional[Callable[[], float]] = None):
   """DivergenceError at the first step in `pending` with a non-finite loss or gradient
-  norm, or when `param_norm` (of the parameters after the last pending step) is not
-  finite.
+  norm, or when `param_norm()` (of the parameters after the last pending step) is not
+  finite. Nothing pending (already checked at this step): nothing is measured.
 
   `pending` holds (step, TrainMetrics) of the steps since the last check: device
   values, fetched here in one transfer (no per-step host sync). Every save runs this
@@ -501,8 +501,9 @@ def _check_finite(pending: list, last_good: Optional[int], directory: str,
   for i, ((step, _), row) in enumerate(zip(pending, values)):
     bad = [(name, float(np.sum(v))) for (name, _), v in zip(_HEALTH, row)
            if not math.isfinite(float(np.sum(v)))]
-    if i == len(pending) - 1 and param_norm is not None and not math.isfinite(param_norm):
-      bad.append(("parameter norm", param_norm))
+    norm = param_norm() if i == len(pending) - 1 and param_norm is not None else 0.0
+    if not math.isfinite(norm):
+      bad.append(("parameter norm", norm))
     if bad:
       kept = (f"last good checkpoint: step {last_good} in {directory} (left intact)"
               if last_good is not None else "no checkpoint was written yet")
@@ -587,7 +588,7 @@ def _run(config, mesh, rules, ds, cfg, tx, schedule, saved_config, writer, ckpt,
 
   def save(step, force=False):
     # Never checkpoint a diverged model.
-    _check_finite(pending, last_saved[0], ckpt.directory, float(param_norm(state)))
+    _check_finite(pending, last_saved[0], ckpt.directory, lambda: float(param_norm(state)))
     last_saved[0] = step
     meta = {"rng_key": np.asarray(jax.random.key_data(rng)).tolist(),
             "config": saved_config.to_dict()}
@@ -623,7 +624,7 @@ def _run(config, mesh, rules, ds, cfg, tx, schedule, saved_config, writer, ckpt,
       train_scalars = metrics_lib.summarize(train_metrics.compute())
       train_metrics = None
       train_scalars["param_norm"] = float(param_norm(state))
-      _check_finite(pending, last_saved[0], ckpt.directory, train_scalars["param_norm"])
+      _check_finite(pending, last_saved[0], ckpt.directory, lambda: train_scalars["param_norm"])
       train_scalars.update(progress.update(step))
       writer.write_scalars(step, train_scalars, prefix="train/")
       metrics_lib.log(metrics_lib.train_log_line(step, last, train_scalars))
