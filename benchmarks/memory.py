@@ -34,14 +34,15 @@ def main():
   print(f"preset {args.preset}, batch {b} × seq {length}, {args.dtype}, remat {args.remat}")
   print(f"{'model':13s} {'K':>4s} {'arguments MiB':>14s} {'temporaries MiB':>16s} "
         f"{'generated W MiB':>16s}")
-  temps, weights_per_step = {}, 0
+  # The ODE's generated weights per step: one layer's params (the same at every K).
+  weights_per_step = layer_params(common.model_config(args, "diffeqformer")) * bytes_per
+  temps = {}
   for kind in ("diffeqformer", "gpt"):
     for k in ks:
       trainer = common.Trainer(common.model_config(args, kind, num_steps=k))
       stats = trainer.lower(trainer.batch(b, length)).compile().memory_analysis()
       temps[kind, k] = stats.temp_size_in_bytes
-      weights = k * layer_params(trainer.cfg) * bytes_per if kind == "diffeqformer" else 0
-      weights_per_step = weights / k or weights_per_step
+      weights = k * weights_per_step if kind == "diffeqformer" else 0
       print(f"{kind:13s} {k:4d} {stats.argument_size_in_bytes / MiB:14.1f} "
             f"{stats.temp_size_in_bytes / MiB:16.1f} {weights / MiB:16.1f}")
       del trainer
