@@ -13,6 +13,10 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from odetransformer import hugepages  # noqa: E402
+
+hugepages.reexec_with_huge_pages()     # as main.py does, before jax is imported
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
