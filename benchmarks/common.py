@@ -15,7 +15,11 @@ sys.path.insert(0, str(ROOT))
 
 from odetransformer import hugepages  # noqa: E402
 
-hugepages.reexec_with_huge_pages()     # as main.py does, before jax is imported
+# As main.py does, before jax is imported; only when a benchmark script is the program
+# (importing this module from a notebook or test must not replace that process).
+if pathlib.Path(getattr(sys.modules["__main__"], "__file__", None) or "/").resolve().parent \
+    == pathlib.Path(__file__).resolve().parent:
+  hugepages.reexec_with_huge_pages()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
