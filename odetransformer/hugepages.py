@@ -54,7 +54,11 @@ def reexec_with_huge_pages() -> None:
   env = env_with_huge_pages(os.environ, _thp_mode(), _glibc_version())
   if env is None:
     return
+  args = getattr(sys, "orig_argv", None) or [sys.executable] + sys.argv   # 3.10+: with -X, -m
   sys.stdout.flush()
   sys.stderr.flush()
-  # sys.executable, not orig_argv[0]: a bare "python" could resolve outside the venv.
-  os.execve(sys.executable, [sys.executable] + sys.orig_argv[1:], env)
+  try:
+    # sys.executable, not args[0]: a bare "python" could resolve outside the venv.
+    os.execve(sys.executable, [sys.executable] + args[1:], env)
+  except OSError:
+    pass   # cannot re-exec (no executable path): carry on with 4 KiB pages
