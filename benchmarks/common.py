@@ -17,8 +17,8 @@ from odetransformer import hugepages  # noqa: E402
 
 # As main.py does, before jax is imported; only when a benchmark script is the program
 # (importing this module from a notebook or test must not replace that process).
-if pathlib.Path(getattr(sys.modules["__main__"], "__file__", None) or "/").resolve().parent \
-    == pathlib.Path(__file__).resolve().parent:
+_program = getattr(sys.modules["__main__"], "__file__", None)
+if _program and pathlib.Path(_program).resolve().parent == ROOT / "benchmarks":
   hugepages.reexec_with_huge_pages()
 
 import jax  # noqa: E402

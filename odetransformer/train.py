@@ -501,9 +501,10 @@ def _check_finite(pending: list, last_good: Optional[int], directory: str,
   for i, ((step, _), row) in enumerate(zip(pending, values)):
     bad = [(name, float(np.sum(v))) for (name, _), v in zip(_HEALTH, row)
            if not math.isfinite(float(np.sum(v)))]
-    norm = param_norm() if i == len(pending) - 1 and param_norm is not None else 0.0
-    if not math.isfinite(norm):
-      bad.append(("parameter norm", norm))
+    if i == len(pending) - 1 and param_norm is not None:   # the parameters after it
+      norm = param_norm()
+      if not math.isfinite(norm):
+        bad.append(("parameter norm", norm))
     if bad:
       kept = (f"last good checkpoint: step {last_good} in {directory} (left intact)"
               if last_good is not None else "no checkpoint was written yet")
