@@ -73,6 +73,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.optim.weight_decay = 0.1       # decoupled; masked off norms and biases
   config.optim.grad_clip_norm = 1.0     # global-norm clipping (0 = off)
   config.optim.grad_accum_steps = 1     # microbatches per optimizer step
+  # Steps with a NaN/inf loss or gradient to skip in a row (state left unchanged, batch
+  # consumed) before stopping; 0 = stop at the first, keeping the last good checkpoint.
+  config.optim.skip_nonfinite_steps = 0
 
   # --- mesh: axes (data, fsdp, tensor); -1 = the remaining devices ----------------------
   config.mesh = ml_collections.ConfigDict()

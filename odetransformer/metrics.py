@@ -47,11 +47,40 @@ class TokenAccuracy(TokenAverage):
 
 
 @flax.struct.dataclass
+class AppliedStepAverage(TokenAverage):
+  """Mean over the steps whose update was applied (a skipped step has weight 0)."""
+  sum_key = "grad_norm"
+  weight_key = "applied"
+
+
+@flax.struct.dataclass
+class SkippedSteps(clu_metrics.Metric):
+  """How many steps were skipped for a non-finite loss or gradient (a sum, not a mean)."""
+  total: jnp.ndarray
+
+  @classmethod
+  def from_model_output(cls, **outputs) -> "SkippedSteps":
+    return cls(total=jnp.asarray(outputs["skipped"], jnp.int32))
+
+  def merge(self, other: "SkippedSteps") -> "SkippedSteps":
+    return type(self)(total=self.total + other.total)
+
+  def compute(self):
+    return self.total
+
+
+@flax.struct.dataclass
 class TrainMetrics(clu_metrics.Collection):
-  """What one train step reports (merged on the host between log writes)."""
+  """What one train step reports (merged on the host between log writes).
+
+  Outputs: loss_sum and weight_sum (Σ token losses and target weights), grad_norm (before
+  clipping), learning_rate, applied (1.0, or 0.0 for a skipped step, whose loss, weights
+  and gradient norm are then passed as 0) and skipped (1 - applied, as an int).
+  """
   loss: TokenLoss
-  grad_norm: clu_metrics.Average.from_output("grad_norm")       # before clipping
+  grad_norm: AppliedStepAverage
   learning_rate: clu_metrics.LastValue.from_output("learning_rate")
+  skipped_steps: SkippedSteps
 
 
 @flax.struct.dataclass
@@ -180,23 +209,24 @@ class Progress:
     return out
 
 
+_TRAIN_FIELDS = (
+    ("loss", lambda v: f"loss {v:.4f}"),
+    ("perplexity", lambda v: f"ppl {v:.2f}"),
+    ("learning_rate", lambda v: f"lr {v:.3e}"),
+    ("grad_norm", lambda v: f"grad_norm {v:.3f}"),
+    ("skipped_steps", lambda v: f"skipped {int(v)} non-finite steps"),
+    ("tokens_per_sec", lambda v: f"tok/s {v:,.0f}"),
+    ("mfu", lambda v: f"MFU {100 * v:.1f}%"),
+    ("eta_s", lambda v: f"ETA {format_duration(v)}"),
+)
+
+
 def train_log_line(step: int, num_train_steps: int, scalars: Mapping[str, float]) -> str:
-  """One human line: step, loss, perplexity, lr, grad norm, tokens/s, MFU, ETA."""
+  """One human line: step, loss, perplexity, lr, grad norm, tokens/s, MFU, ETA (and the
+  steps skipped since the last line, when there were any)."""
   parts = [f"step {step}/{num_train_steps}"]
-  if "loss" in scalars:
-    parts.append(f"loss {scalars['loss']:.4f}")
-  if "perplexity" in scalars:
-    parts.append(f"ppl {scalars['perplexity']:.2f}")
-  if "learning_rate" in scalars:
-    parts.append(f"lr {scalars['learning_rate']:.3e}")
-  if "grad_norm" in scalars:
-    parts.append(f"grad_norm {scalars['grad_norm']:.3f}")
-  if "tokens_per_sec" in scalars:
-    parts.append(f"tok/s {scalars['tokens_per_sec']:,.0f}")
-  if "mfu" in scalars:
-    parts.append(f"MFU {100 * scalars['mfu']:.1f}%")
-  if "eta_s" in scalars:
-    parts.append(f"ETA {format_duration(scalars['eta_s'])}")
+  parts += [show(scalars[key]) for key, show in _TRAIN_FIELDS
+            if key in scalars and (key != "skipped_steps" or scalars[key])]
   return " | ".join(parts)
 
 

@@ -13,18 +13,35 @@ from odetransformer import checkpointing
 from odetransformer import metrics
 
 
+def _step_metrics(loss_sum, weight_sum, grad_norm, lr, applied=1.0):
+  return metrics.TrainMetrics.single_from_model_output(
+      loss_sum=jnp.float32(loss_sum), weight_sum=jnp.float32(weight_sum), grad_norm=grad_norm,
+      learning_rate=lr, applied=jnp.float32(applied), skipped=int(applied == 0.0))
+
+
 def test_token_average_is_weighted_by_tokens():
-  a = metrics.TrainMetrics.single_from_model_output(
-      loss_sum=jnp.float32(10.0), weight_sum=jnp.float32(5.0), grad_norm=1.0,
-      learning_rate=1e-3)
-  b = metrics.TrainMetrics.single_from_model_output(
-      loss_sum=jnp.float32(2.0), weight_sum=jnp.float32(1.0), grad_norm=3.0,
-      learning_rate=2e-3)
+  a = _step_metrics(10.0, 5.0, 1.0, 1e-3)
+  b = _step_metrics(2.0, 1.0, 3.0, 2e-3)
   out = metrics.summarize(a.merge(b).compute())
   assert out["loss"] == pytest.approx(12.0 / 6.0)        # not (2 + 2) / 2
   assert out["perplexity"] == pytest.approx(math.exp(2.0))
   assert out["grad_norm"] == pytest.approx(2.0)
   assert out["learning_rate"] == pytest.approx(2e-3)     # last value
+  assert out["skipped_steps"] == 0
+
+
+def test_skipped_steps_are_counted_and_left_out_of_the_means():
+  """A skipped step (the train step passes 0 for its sums) adds to skipped_steps only."""
+  a = _step_metrics(10.0, 5.0, 1.0, 1e-3)
+  skipped = _step_metrics(0.0, 0.0, 0.0, 1.5e-3, applied=0.0)
+  b = _step_metrics(2.0, 1.0, 3.0, 2e-3)
+  out = metrics.summarize(a.merge(skipped).merge(b).merge(skipped).compute())
+  assert out["loss"] == pytest.approx(2.0)
+  assert out["grad_norm"] == pytest.approx(2.0)           # (1 + 3) / 2, not / 4
+  assert out["skipped_steps"] == 2
+  line = metrics.train_log_line(4, 10, out)
+  assert "skipped 2 non-finite steps" in line, line
+  assert "skipped" not in metrics.train_log_line(4, 10, dict(out, skipped_steps=0.0))
 
 
 def test_log_line_has_the_fields():

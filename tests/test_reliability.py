@@ -188,6 +188,61 @@ def test_nonfinite_before_any_checkpoint(cache, tmp_path):
   assert checkpointing.finalized_steps(str(tmp_path)) == []
 
 
+def _poison_train_batches(monkeypatch, bad_steps):
+  """The train batches of `bad_steps` (1-based) carry one NaN target weight: a stand-in
+  for a batch whose loss overflows."""
+  original, calls = train._local_batch, [0]
+
+  def local_batch(batch, local_batch_size=None):
+    out = original(batch, local_batch_size)
+    if local_batch_size is None:          # a train batch (eval batches pass their size)
+      calls[0] += 1
+      if calls[0] in bad_steps:
+        out["weights"] = out["weights"].astype(np.float32)
+        out["weights"][0, 0] = np.nan
+    return out
+  monkeypatch.setattr(train, "_local_batch", local_batch)
+
+
+def test_skip_nonfinite_steps_skips_a_bad_batch_and_finishes(cache, tmp_path, monkeypatch):
+  """optim.skip_nonfinite_steps=1: the bad step 3 is skipped (logged, counted in
+  TensorBoard) and the run ends at step 6 with finite parameters; with the default (0)
+  the same batch stops the run at step 3."""
+  _poison_train_batches(monkeypatch, {3})
+  c = config(cache, 6, checkpoint_every_steps=2, log_every_steps=2)
+  c.optim.skip_nonfinite_steps = 1
+  out = train.train_and_evaluate(c, str(tmp_path / "skip"))
+  assert out["step"] == 6 and np.isfinite(out["train"]["loss"])
+  skipped = metrics_lib.read_scalars(str(tmp_path / "skip" / "tensorboard"))[
+      "train/skipped_steps"]
+  assert dict(skipped) == {1: 0.0, 2: 0.0, 4: 1.0, 6: 0.0}
+  assert checkpointing.finalized_steps(str(tmp_path / "skip")) == [2, 4, 6]
+  step, params = _final_params(tmp_path / "skip")
+  assert step == 6 and all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+
+  _poison_train_batches(monkeypatch, {3})
+  c.optim.skip_nonfinite_steps = 0
+  with pytest.raises(train.DivergenceError, match=r"at step 3 \(loss nan, gradient norm nan"):
+    train.train_and_evaluate(c, str(tmp_path / "stop"))
+  assert checkpointing.finalized_steps(str(tmp_path / "stop")) == [2]
+
+
+def test_skip_nonfinite_steps_stops_after_too_many_in_a_row(cache, tmp_path, monkeypatch):
+  """Three bad batches in a row with optim.skip_nonfinite_steps=2: stopped at the third,
+  naming the run of skips; checkpoint 2 (before them) is intact and nothing later was
+  written."""
+  _poison_train_batches(monkeypatch, {3, 4, 5})
+  c = config(cache, 8, checkpoint_every_steps=2, log_every_steps=100)
+  c.optim.skip_nonfinite_steps = 2
+  with pytest.raises(train.DivergenceError) as err:
+    train.train_and_evaluate(c, str(tmp_path))
+  msg = str(err.value)
+  assert msg.startswith("non-finite training values at step 5 (3 steps in a row skipped "
+                        "from step 3 on, more than optim.skip_nonfinite_steps=2)"), msg
+  assert f"last good checkpoint: step 4 in {tmp_path / 'checkpoints'}" in msg
+  assert checkpointing.finalized_steps(str(tmp_path)) == [2, 4]
+
+
 # --------------------------------------------------------------------------------------
 # 4. Another topology: written on 1 device, continued on 8, restored again on 1
 # --------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from configs import default
 from conftest import shared_data_path
 from odetransformer import checkpointing
 from odetransformer import metrics as metrics_lib
+from odetransformer import optimizer as optimizer_lib
 from odetransformer import sharding as sharding_lib
 from odetransformer import train
 from odetransformer.model import create_model
@@ -181,6 +182,55 @@ def test_grad_accumulation_matches_one_big_batch():
     np.testing.assert_allclose(after[key], before[key] - g, rtol=1e-4, atol=1e-6, err_msg=key)
 
 
+def test_skipped_nonfinite_step_leaves_the_state_exactly_as_it_was():
+  """With skipping on, batches [a, bad, b] end in exactly the state of [a, b] (parameters,
+  Adam moments, every step counter), the bad step is counted and left out of the loss;
+  and skipping changes nothing on finite steps: the same two steps without it agree."""
+  c = tiny_config("/unused")
+  c.optim.schedule, c.optim.warmup_frac = "constant", 0.0
+  cfg = train.model_config(c, 64)
+  tx = optimizer_lib.create_optimizer(c.optim, 10)
+  sched = optimizer_lib.learning_rate_schedule(c.optim, 10)
+  mesh = sharding_lib.make_mesh(c.mesh)
+  rules = sharding_lib.logical_axis_rules(c.mesh)
+  rng = np.random.default_rng(0)
+  a, b = ({"inputs": rng.integers(0, 64, (4, 16)).astype(np.int32),
+           "targets": rng.integers(0, 64, (4, 16)).astype(np.int32),
+           "weights": np.ones((4, 16), np.float32)} for _ in range(2))
+  bad = dict(b, weights=b["weights"].copy())
+  bad["weights"][1, 3] = np.nan               # a stand-in for a batch that overflows
+
+  def run(batches, skip):
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+      ts, state = train.init_train_state(cfg, tx, 0, mesh)
+      step = train.make_train_step(ts, sched, rules, skip_nonfinite=skip)
+      merged = None
+      for i, batch in enumerate(batches):
+        state, m = step(state, batch, jax.random.key(i))
+        merged = m if merged is None else merged.merge(m)
+    flat = {jax.tree_util.keystr(k): np.asarray(v)
+            for k, v in jax.tree_util.tree_flatten_with_path(state)[0]}
+    return flat, metrics_lib.summarize(merged.compute())
+
+  clean, clean_m = run([a, b], skip=True)
+  skipped, skipped_m = run([a, bad, b], skip=True)
+  plain, plain_m = run([a, b], skip=False)
+  applied, applied_m = run([a, bad], skip=False)
+  assert any("count" in k for k in clean) and any("step" in k for k in clean)
+  assert clean.keys() == skipped.keys() == plain.keys()
+  for key in clean:
+    np.testing.assert_array_equal(skipped[key], clean[key], err_msg=key)
+    # Another compiled program (the selects change XLA's fusions): equal up to rounding.
+    np.testing.assert_allclose(plain[key], clean[key], rtol=1e-5, atol=1e-9, err_msg=key)
+  assert (skipped_m["skipped_steps"], clean_m["skipped_steps"]) == (1, 0)
+  assert skipped_m["loss"] == clean_m["loss"]
+  np.testing.assert_allclose(plain_m["loss"], clean_m["loss"], rtol=1e-6)
+  assert skipped_m["grad_norm"] == clean_m["grad_norm"]
+  # Without skipping the same bad batch is applied: its NaN reaches the parameters.
+  assert math.isnan(applied_m["loss"]) and applied_m["skipped_steps"] == 0
+  assert not all(np.isfinite(v).all() for v in applied.values())
+
+
 _SHARDED_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
@@ -320,6 +370,7 @@ def _main(tmp_path, *overrides):
 @pytest.mark.parametrize("overrides,kind", [
     (["--config.model.num_heads=5"], "ConfigError"),
     (["--config.mesh.shape=(2,1,1)"], "ConfigError"),          # 2 devices on a 1-CPU host
+    (["--config.optim.skip_nonfinite_steps=-1"], "ConfigError"),
     (["--config.data.source=local", "--config.data.train_files=/nonexistent/*.txt"],
      "DataError"),
 ])
