@@ -5,16 +5,19 @@ The same tiny run three ways, each in fresh subprocesses (device counts and
 
   ref     1 process × 8 devices, 4 steps uninterrupted;
   part1   2 processes × 4 devices, "preempted" after step 2 (checkpoint saved);
-  part2   the same 2 processes again on the same workdir: resumes at step 2, runs to 4.
+  part2   the same 2 processes again on the same workdir: resumes at step 2, runs to 4;
+  sigterm 2 processes on a 1000-step run, a real SIGTERM sent to process 1 only.
 
 The driver goes through main.py's own multi-host detection (`_multi_process_env`,
 `_distributed_args`: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)
 and then `train.train_and_evaluate`, recording each process's training batches. Checked:
 losses of part1 + part2 equal ref's (1e-5), and at every step the two processes held
-disjoint halves whose concatenation is ref's global batch (also after the resume).
+disjoint halves whose concatenation is ref's global batch (also after the resume); the
+SIGTERM stops both processes at the same step, with that step's checkpoint, exit 0.
 """
 import json
 import os
+import signal
 import pathlib
 import socket
 import subprocess
@@ -23,6 +26,8 @@ import textwrap
 import time
 
 import pytest
+
+from odetransformer import checkpointing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240          # per group of processes; a hang is killed, not waited on
@@ -43,7 +48,7 @@ DRIVER = textwrap.dedent("""
     sys.path.insert(0, os.path.join(os.environ["ODET_ROOT"], "tests"))
     from tiny import tiny_config
 
-    c = tiny_config(os.environ["ODET_CACHE"], num_train_steps=4)
+    c = tiny_config(os.environ["ODET_CACHE"], num_train_steps=int(os.environ.get("ODET_STEPS", 4)))
     c.eval_every_steps = 0          # only at the end
     c.checkpoint_every_steps = 0    # only at the end (or at the preemption)
     c.global_batch_size = c.eval_batch_size = 8
@@ -97,8 +102,8 @@ def _env(tmp, devices, **extra):
   return env
 
 
-def _run_group(tmp, name, envs) -> list:
-  """Starts one process per env, waits (bounded), kills all on failure; results."""
+def _start_group(tmp, name, envs):
+  """Starts one driver process per env, its output going to <name>_<i>.log."""
   driver = tmp / "driver.py"
   driver.write_text(DRIVER)
   procs, logs = [], []
@@ -108,6 +113,13 @@ def _run_group(tmp, name, envs) -> list:
     logs.append(log)
     procs.append(subprocess.Popen([sys.executable, str(driver)], env=env, cwd=str(ROOT),
                                   stdout=log, stderr=subprocess.STDOUT))
+  return procs, logs
+
+
+def _run_group(tmp, name, envs, started=None) -> list:
+  """Starts (or takes `started`) one process per env, waits (bounded), kills all on
+  failure; results."""
+  procs, logs = started or _start_group(tmp, name, envs)
   deadline = time.monotonic() + TIMEOUT_S
   try:
     while any(p.poll() is None for p in procs):
@@ -131,16 +143,25 @@ def _run_group(tmp, name, envs) -> list:
   return [json.loads((tmp / f"{name}_{i}.json").read_text()) for i in range(len(procs))]
 
 
-def _two_processes(tmp, name, workdir, **extra):
+def _two_process_envs(tmp, workdir, **extra):
   port = _free_port()
-  return _run_group(tmp, name, [
-      _env(tmp, 4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=2,
-           JAX_PROCESS_ID=i, ODET_WORKDIR=workdir, **extra) for i in range(2)])
+  return [_env(tmp, 4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=2,
+               JAX_PROCESS_ID=i, ODET_WORKDIR=workdir, **extra) for i in range(2)]
+
+
+def _two_processes(tmp, name, workdir, **extra):
+  return _run_group(tmp, name, _two_process_envs(tmp, workdir, **extra))
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  tmp = tmp_path_factory.mktemp("multihost")
+def base(tmp_path_factory):
+  """The module's directory: the shared tokenizer/data cache and compilation cache."""
+  return tmp_path_factory.mktemp("multihost")
+
+
+@pytest.fixture(scope="module")
+def runs(base):
+  tmp = base
   # The 1-process run first: it also trains and caches the tokenizer for the others.
   ref = _run_group(tmp, "ref", [_env(tmp, 8, ODET_WORKDIR=tmp / "ref")])[0]
   part1 = _two_processes(tmp, "part1", tmp / "multi", ODET_STOP_AT=2)
@@ -187,3 +208,26 @@ def test_each_process_reads_a_disjoint_half(runs):
       rows1 = {tuple(r) for r in p1[j]}
       assert not rows0 & rows1, f"step {offset + j + 1}: processes share rows"
       assert p0[j] + p1[j] == ref["batches"][offset + j], f"step {offset + j + 1}"
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_step(runs, base):
+  """A real preemption notice (SIGTERM) reaching only process 1 of 2: through JAX's
+  preemption-sync service both processes stop at the same step, the checkpoint of that
+  step is written, and both exit 0 — no process is left waiting in a collective."""
+  del runs                       # run after it: its tokenizer and compilations are cached
+  tmp = base
+  workdir = tmp / "sigterm"
+  envs = _two_process_envs(tmp, workdir, ODET_STEPS=1000)
+  procs, logs = _start_group(tmp, "sigterm", envs)
+  log0 = tmp / "sigterm_0.log"
+  deadline = time.monotonic() + TIMEOUT_S
+  while "first train step" not in log0.read_text() and time.monotonic() < deadline:
+    if any(p.poll() is not None for p in procs):
+      break
+    time.sleep(0.05)
+  procs[1].send_signal(signal.SIGTERM)
+  group = _run_group(tmp, "sigterm", envs, started=(procs, logs))
+  steps = [r["step"] for r in group]
+  assert steps[0] == steps[1] and 1 <= steps[0] < 1000, steps
+  assert checkpointing.finalized_steps(str(workdir)) == [steps[0]]
+  assert f"stopping at step {steps[0]} after preemption" in log0.read_text()
