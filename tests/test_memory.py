@@ -12,12 +12,19 @@ from configs import default
 from odetransformer import memory
 from odetransformer import train
 from odetransformer.param_count import count_params
+from tiny import config_flags, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TINY = ["--config.model.d_model=32", "--config.model.num_heads=2", "--config.model.mlp_dim=64",
-        "--config.model.num_steps=2", "--config.model.max_len=32",
-        "--config.model.time_embed_dim=8", "--config.model.time_sinusoids=8",
-        "--config.seq_len=32", "--config.data.vocab_size=512", "--config.global_batch_size=8"]
+
+
+def _tiny_flags():
+  """tests/tiny.py's config (batch 8: 4 batch shards in the mesh test) as CLI flags."""
+  c = tiny_config(None)
+  c.global_batch_size = 8
+  return config_flags(c)
+
+
+TINY = _tiny_flags()
 
 
 def small_config():

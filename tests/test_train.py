@@ -24,7 +24,7 @@ from odetransformer import sharding as sharding_lib
 from odetransformer import train
 from odetransformer.model import create_model
 
-from tiny import tiny_config  # noqa: E402  (re-exported for other test modules)
+from tiny import config_flags, tiny_config  # noqa: E402  (re-exported for other test modules)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -321,14 +321,7 @@ def test_default_model_learns_wikitext2(kind, tmp_path_factory):
   assert r["eval"]["loss"] < losses[0] - 1.0
 
 
-TINY_FLAGS = [  # tiny_config() as command-line overrides of configs/default.py
-    "--config.num_train_steps=2", "--config.log_every_steps=1", "--config.seq_len=32",
-    "--config.global_batch_size=4", "--config.eval_batch_size=4",
-    "--config.model.d_model=32", "--config.model.num_heads=2", "--config.model.mlp_dim=64",
-    "--config.model.num_steps=2", "--config.model.max_len=32",
-    "--config.model.time_embed_dim=8", "--config.model.time_sinusoids=8",
-    "--config.data.vocab_size=512", "--config.data.tokenizer_sample_bytes=300000",
-    "--config.data.eval_max_batches=2"]
+TINY_FLAGS = config_flags(tiny_config(None, num_train_steps=2))   # for main.py subprocesses
 
 
 def test_main_two_processes_on_loopback(tmp_path):

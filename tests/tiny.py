@@ -22,7 +22,8 @@ def tiny_config(cache_dir, num_train_steps=4):
   c.data.vocab_size = 512
   c.data.tokenizer_sample_bytes = 300_000
   c.data.eval_max_batches = 2
-  c.data.cache_dir = str(cache_dir)
+  if cache_dir is not None:                  # None: the default cache
+    c.data.cache_dir = str(cache_dir)
   return c
 
 
@@ -33,3 +34,17 @@ def tiny_run_config(cache_dir):
   c.model.num_steps = 3
   c.data.eval_max_batches = 1
   return c
+
+
+def config_flags(config) -> list:
+  """`config` as main.py flags: --config.<key>=<value> for each leaf that differs from
+  configs/default.py (so subprocess tests run exactly the config the in-process ones do)."""
+  def leaves(node, prefix=""):
+    for key, value in node.items():
+      if hasattr(value, "items"):
+        yield from leaves(value, f"{prefix}{key}.")
+      else:
+        yield f"{prefix}{key}", value
+  base = dict(leaves(default.get_config()))
+  return [f"--config.{key}={value}" for key, value in leaves(config)
+          if key not in base or base[key] != value]
