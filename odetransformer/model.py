@@ -142,9 +142,9 @@ class LanguageModel(nnx.Module):
   def embed_tokens(self, tokens_bt, positions_bt):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
-    x = jnp.take(self.embed[...], tokens_bt, axis=0)
+    x = jnp.take(constrain(self.embed[...], ("vocab", "embed")), tokens_bt, axis=0)
     if cfg.flavour == "gpt":
-      x = x + jnp.take(self.pos_embed[...], positions_bt, axis=0)
+      x = x + jnp.take(constrain(self.pos_embed[...], ("length", "embed")), positions_bt, axis=0)
     return (x * cfg.input_scale).astype(dtype)
 
   def logits(self, x_btd):
