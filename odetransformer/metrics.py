@@ -60,7 +60,7 @@ class SkippedSteps(clu_metrics.Metric):
 
   @classmethod
   def from_model_output(cls, **outputs) -> "SkippedSteps":
-    return cls(total=jnp.asarray(outputs["skipped"], jnp.int32))
+    return cls(total=1 - jnp.asarray(outputs["applied"]).astype(jnp.int32))
 
   def merge(self, other: "SkippedSteps") -> "SkippedSteps":
     return type(self)(total=self.total + other.total)
@@ -74,8 +74,8 @@ class TrainMetrics(clu_metrics.Collection):
   """What one train step reports (merged on the host between log writes).
 
   Outputs: loss_sum and weight_sum (Σ token losses and target weights), grad_norm (before
-  clipping), learning_rate, applied (1.0, or 0.0 for a skipped step, whose loss, weights
-  and gradient norm are then passed as 0) and skipped (1 - applied, as an int).
+  clipping), learning_rate and applied (1.0, or 0.0 for a skipped step, whose loss,
+  weights and gradient norm are then passed as 0).
   """
   loss: TokenLoss
   grad_norm: AppliedStepAverage

@@ -263,7 +263,7 @@ def make_train_step(ts: TrainState, schedule: Callable, rules, *, grad_accum_ste
       new_state = apply_update(state, grads)
     out = metrics_lib.TrainMetrics.single_from_model_output(
         loss_sum=loss_sum, weight_sum=weight_sum, grad_norm=grad_norm, learning_rate=lr,
-        applied=applied, skipped=1 - applied.astype(jnp.int32))
+        applied=applied)
     return ts.constrain(new_state), out
 
   return _with_rules(sharding_lib.activation_rules(rules), jax.jit(step, donate_argnums=(0,)))
@@ -556,7 +556,6 @@ class _HealthCheck:
                     f"{self.skipped_from} on, more than optim.skip_nonfinite_steps="
                     f"{self.skip_limit}", None))
       if bad:
-        self.pending.clear()
         raise self._error(step, bad)
     self.pending.clear()
 

@@ -16,7 +16,7 @@ from odetransformer import metrics
 def _step_metrics(loss_sum, weight_sum, grad_norm, lr, applied=1.0):
   return metrics.TrainMetrics.single_from_model_output(
       loss_sum=jnp.float32(loss_sum), weight_sum=jnp.float32(weight_sum), grad_norm=grad_norm,
-      learning_rate=lr, applied=jnp.float32(applied), skipped=int(applied == 0.0))
+      learning_rate=lr, applied=jnp.float32(applied))
 
 
 def test_token_average_is_weighted_by_tokens():

@@ -17,8 +17,8 @@ SIGTERM stops both processes at the same step, with that step's checkpoint, exit
 """
 import json
 import os
-import signal
 import pathlib
+import signal
 import socket
 import subprocess
 import sys

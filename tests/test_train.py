@@ -220,7 +220,7 @@ def test_skipped_nonfinite_step_leaves_the_state_exactly_as_it_was():
   assert clean.keys() == skipped.keys() == plain.keys()
   for key in clean:
     np.testing.assert_array_equal(skipped[key], clean[key], err_msg=key)
-    # Another compiled program (the selects change XLA's fusions): equal up to rounding.
+    # Another compiled program (the update inside a lax.cond): equal up to rounding.
     np.testing.assert_allclose(plain[key], clean[key], rtol=1e-5, atol=1e-9, err_msg=key)
   assert (skipped_m["skipped_steps"], clean_m["skipped_steps"]) == (1, 0)
   assert skipped_m["loss"] == clean_m["loss"]
