@@ -40,6 +40,10 @@ PRESETS = {
                                   num_steps=12, max_len=1024, time_embed_dim=96,
                                   time_sinusoids=128),
                        seq_len=256, batch=4),
+    # Seconds, not a measurement: the tests run every benchmark end to end at this size.
+    "tiny": dict(model=dict(vocab_size=512, d_model=32, num_heads=2, mlp_dim=64,
+                            num_steps=2, max_len=64, time_embed_dim=8, time_sinusoids=8),
+                 seq_len=32, batch=2),
 }
 
 
