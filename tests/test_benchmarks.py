@@ -1,0 +1,121 @@
+"""Every script in benchmarks/ runs end to end (at seconds size) and prints what it claims.
+
+The measurements themselves are the benchmarks' job; these runs keep the scripts from
+rotting between the occasions they are run for real (the GPU command of the README
+included) and check that each reported figure is the one its own lines imply.
+"""
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import shared_data_path
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NUM = r"([0-9][0-9,]*\.?[0-9]*)"
+
+
+def _run(script, *args, timeout=600):
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
+  env["JAX_PLATFORMS"] = "cpu"
+  r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=str(ROOT),
+                     env=env, capture_output=True, text=True, timeout=timeout)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+  return r.stdout
+
+
+def _num(text):
+  return float(text.replace(",", ""))
+
+
+def _find(pattern, out):
+  m = re.search(pattern, out, re.MULTILINE)
+  assert m, f"no line matching {pattern!r} in:\n{out}"
+  return m
+
+
+@pytest.mark.parametrize("flags, batch, seq, dtype", [
+    ([], 2, 32, "float32"),                                           # the CPU default path
+    (["--dtype=bfloat16", "--seq_len=64", "--batch=1"], 1, 64, "bfloat16"),  # the GPU command's
+])
+def test_throughput(flags, batch, seq, dtype):
+  out = _run("throughput.py", "--preset=tiny", "--rounds=2", *flags)
+  assert f"batch {batch} × seq {seq}, {dtype}" in out
+  tps = {}
+  for kind in ("diffeqformer", "gpt"):
+    m = _find(rf"^{kind}\s+train:\s+{NUM} ms/step\s+{NUM} tokens/s MFU\s+{NUM}%", out)
+    ms, tps[kind] = _num(m.group(1)), _num(m.group(2))
+    # ms is printed to 0.1, tokens/s to 1: tokens/s = batch·seq / s within that rounding.
+    assert batch * seq / ((ms + 0.05) / 1e3) - 1 <= tps[kind] <= batch * seq / ((ms - 0.05) / 1e3) + 1
+    assert 0 < _num(m.group(3)) < 100
+  fwd = {name: _num(_find(rf"^{name}\s+forward:\s+{NUM} ms\s+{NUM} tokens/s", out).group(2))
+         for name in ("materialised", "gpt")}
+  ratio = _num(_find(rf"^materialised/gpt forward tokens/s ratio: {NUM}$", out).group(1))
+  assert ratio == pytest.approx(fwd["materialised"] / fwd["gpt"], abs=0.006)
+  last = out.strip().splitlines()[-1]
+  m = re.fullmatch(rf"ode/gpt train tokens/s ratio: {NUM}", last)
+  assert m, last
+  assert _num(m.group(1)) == pytest.approx(tps["diffeqformer"] / tps["gpt"], abs=0.006)
+
+
+def test_memory():
+  out = _run("memory.py", "--preset=tiny", "--steps=2,4")
+  rows = {(m.group(1), int(m.group(2))): (_num(m.group(3)), _num(m.group(4)))
+          for m in re.finditer(rf"^(diffeqformer|gpt)\s+(\d+)\s+{NUM}\s+{NUM}\s+{NUM}$", out,
+                               re.MULTILINE)}
+  assert set(rows) == {(k, n) for k in ("diffeqformer", "gpt") for n in (2, 4)}, out
+  # The ODE's parameters (and so its arguments) do not depend on K; GPT's grow with L.
+  assert rows["diffeqformer", 2][0] == rows["diffeqformer", 4][0]
+  assert rows["gpt", 4][0] > rows["gpt", 2][0]
+  _find(rf"^ode temp growth per step / scan carry: {NUM} \(gpt: {NUM}\)$", out)
+
+
+def test_input_pipeline():
+  shared_data_path("wikitext-2", "valid.txt")
+  out = _run("input_pipeline.py", "--preset=tiny", "--batches=20")
+  pipe = [_num(m.group(2)) for m in
+          re.finditer(rf"^pipeline workers=(0|2): {NUM} tokens/s \(20 batches of 2x32", out,
+                      re.MULTILINE)]
+  assert len(pipe) == 2, out
+  train = _num(_find(rf"^train step \(tiny DiffEqFormer, cpu\): {NUM} tokens/s", out).group(1))
+  ratio = _num(_find(rf"^pipeline/train tokens/s ratio: {NUM}$", out).group(1))
+  assert ratio == pytest.approx(min(pipe) / train, rel=0.01, abs=0.06)
+
+
+def test_quality(tmp_path):
+  shared_data_path("wikitext-2", "test.txt")
+  out = _run("quality.py", "--steps=2", "--eval_batches=1", "--batch=2", "--seq_len=32",
+             "--d_model=32", "--num_heads=2", "--num_steps=2", "--time_embed_dim=8",
+             "--vocab=512", f"--workdir={tmp_path}")
+  ppl = {}
+  for kind in ("diffeqformer", "gpt"):
+    m = _find(rf"^{kind}\s+params\s+{NUM} \| train loss {NUM} -> {NUM} \| test loss {NUM} \| "
+              rf"test ppl {NUM} \|", out)
+    loss, ppl[kind] = _num(m.group(4)), _num(m.group(5))
+    assert ppl[kind] == pytest.approx(math.exp(loss), rel=1e-3)
+  ratio = _num(_find(rf"^diffeqformer/gpt test perplexity ratio: {NUM}$", out).group(1))
+  assert ratio == pytest.approx(ppl["diffeqformer"] / ppl["gpt"], abs=0.002)
+
+
+def test_adaptive_finetune(tmp_path):
+  shared_data_path("tinyshakespeare", "input.txt")
+  shared_data_path("wikitext-2", "test.txt")
+  out = _run("adaptive_finetune.py", f"--out={tmp_path}", "--k=2", "--steps=1,2",
+             "--d_model=32", "--seq_len=32", "--batch=2", "--vocab=512",
+             "--pretrain_steps=2", "--finetune_steps=2", "--eval_batches=1",
+             "--methods=continuous,full,lora")
+  table = (tmp_path / "adaptive_finetune.md").read_text()
+  assert (tmp_path / "adaptive_finetune.png").stat().st_size > 0
+  ode = [_num(v) for m in re.finditer(r"^\| DiffEqFormer \S+ \| (.*) \|$", table, re.MULTILINE)
+         for v in m.group(1).split(" | ")]
+  gpt = [_num(m.group(1)) for m in re.finditer(rf"^\| GPT \(2 layers\) \S+ \| – \| {NUM} \|$",
+                                               table, re.MULTILINE)]
+  assert len(ode) == 6 and len(gpt) == 2, table
+  assert all(math.isfinite(v) and v > 1 for v in ode + gpt)
+  ratio = _num(_find(rf"^best diffeqformer/gpt fine-tuned perplexity ratio: {NUM}$",
+                     out).group(1))
+  assert ratio == pytest.approx(min(ode) / min(gpt), abs=0.002)
