@@ -111,8 +111,8 @@ def block(tree):
   return tree
 
 
-def time_alternating(fns: dict, rounds: int, warmup: int = 1) -> dict:
-  """Median seconds per call of each fn, calling them in turn (fair under load)."""
+def time_rounds(fns: dict, rounds: int, warmup: int = 1) -> dict:
+  """Seconds per call of each fn in each round, calling them in turn (fair under load)."""
   for _ in range(warmup):
     for fn in fns.values():
       block(fn())
@@ -122,7 +122,22 @@ def time_alternating(fns: dict, rounds: int, warmup: int = 1) -> dict:
       start = time.perf_counter()
       block(fn())
       times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(ts) for name, ts in times.items()}
+  return times
+
+
+def time_alternating(fns: dict, rounds: int, warmup: int = 1) -> dict:
+  """Median seconds per call of each fn, calling them in turn (fair under load)."""
+  return {name: statistics.median(ts) for name, ts in time_rounds(fns, rounds, warmup).items()}
+
+
+def paired_spread(num: list, den: list) -> str:
+  """Quartiles of num[i] / den[i] over rounds: how much a ratio moves on this machine."""
+  ratios = sorted(a / b for a, b in zip(num, den))
+  if len(ratios) < 2:
+    return f"{ratios[0]:.2f} (1 round)"
+  q1, q2, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+  return (f"median {q2:.2f}, quartiles {q1:.2f}–{q3:.2f}, range {ratios[0]:.2f}–"
+          f"{ratios[-1]:.2f} over {len(ratios)} rounds")
 
 
 def matmul_peak_flops(dtype=jnp.float32, n: int = 2048, reps: int = 10) -> float:

@@ -9,6 +9,7 @@ GPT forward (target ≥ 0.98). Last line: `ode/gpt train tokens/s ratio: X.XX`
   python benchmarks/throughput.py --preset=gpt2-small --dtype=bfloat16 --seq_len=1024
 """
 import argparse
+import statistics
 
 import common  # noqa: F401  (sets sys.path)
 import jax
@@ -33,9 +34,10 @@ def main():
   trainers = {kind: common.Trainer(common.model_config(args, kind))
               for kind in ("diffeqformer", "gpt")}
   batches = {kind: t.batch(b, length) for kind, t in trainers.items()}
-  secs = common.time_alternating(
+  rounds = common.time_rounds(
       {kind: (lambda k=kind: trainers[k].step(batches[k])) for kind in trainers},
       rounds=args.rounds)
+  secs = {kind: statistics.median(ts) for kind, ts in rounds.items()}
   peak = common.matmul_peak_flops(dtype) * jax.device_count()
   tokens = b * length
   tps = {}
@@ -60,6 +62,10 @@ def main():
   for name, s in fwd.items():
     print(f"{name:13s} forward: {s * 1e3:8.1f} ms {tokens / s:10,.0f} tokens/s")
   print(f"materialised/gpt forward tokens/s ratio: {fwd['gpt'] / fwd['materialised']:.2f}")
+  # The ratio of the medians is the figure; the same ratio per round (each pair timed back
+  # to back) shows how much of it is this machine's noise.
+  print("ode/gpt train ratio per round: "
+        + common.paired_spread(rounds["gpt"], rounds["diffeqformer"]))
   print(f"ode/gpt train tokens/s ratio: {tps['diffeqformer'] / tps['gpt']:.2f}")
 
 
