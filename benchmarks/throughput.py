@@ -7,6 +7,7 @@ GPT forward (target ≥ 0.98). Last line: `ode/gpt train tokens/s ratio: X.XX`
 
   python benchmarks/throughput.py                       # bench-small, f32, CPU
   python benchmarks/throughput.py --preset=gpt2-small --dtype=bfloat16 --seq_len=1024
+  python benchmarks/throughput.py --also=parallel,shared   # where the ODE's extra time goes
 """
 import argparse
 import statistics
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from odetransformer.config import KINDS
 from odetransformer.materialize import materialize
 from odetransformer.model import create_model
 from odetransformer.param_count import count_params, flops_per_token
@@ -25,14 +27,22 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   common.add_common_flags(parser)
   parser.add_argument("--rounds", type=int, default=10)
+  parser.add_argument("--also", default="",
+                      help="more model kinds timed in the same rotation, e.g. parallel,shared "
+                           "(the discrete parallel-block model and the weight-sharing ODE: "
+                           "the DiffEqFormer's layers without its hypernetwork)")
   args = parser.parse_args()
+  also = [k for k in args.also.split(",") if k]
+  for kind in also:
+    if kind not in KINDS or kind in ("diffeqformer", "gpt"):
+      parser.error(f"--also={kind}: choose from {', '.join(KINDS[2:])}")
   b, length = common.shape(args)
   dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
   print(f"devices: {jax.device_count()} × {jax.devices()[0].device_kind}; preset {args.preset}, "
         f"batch {b} × seq {length}, {args.dtype}, remat {args.remat}")
 
   trainers = {kind: common.Trainer(common.model_config(args, kind))
-              for kind in ("diffeqformer", "gpt")}
+              for kind in ("diffeqformer", "gpt", *also)}
   batches = {kind: t.batch(b, length) for kind, t in trainers.items()}
   rounds = common.time_rounds(
       {kind: (lambda k=kind: trainers[k].step(batches[k])) for kind in trainers},
@@ -46,6 +56,9 @@ def main():
     fpt = flops_per_token(t.cfg, length, tokens_per_batch=tokens)
     print(f"{kind:13s} train: {secs[kind] * 1e3:8.1f} ms/step {tps[kind]:10,.0f} tokens/s "
           f"MFU {tps[kind] * fpt / peak:6.1%}  params {count_params(t.cfg) / 1e6:,.1f} M")
+  for kind in also:
+    print(f"{kind}/gpt train tokens/s ratio: {tps[kind] / tps['gpt']:.2f} "
+          f"(per round: {common.paired_spread(rounds['gpt'], rounds[kind])})")
   print(f"(MFU against a measured/peak {peak / 1e12:.2f} TFLOP/s)")
 
   # Inference: the materialised DiffEqFormer (plain parallel layers) vs GPT, forward only.

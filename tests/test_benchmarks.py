@@ -38,20 +38,24 @@ def _find(pattern, out):
   return m
 
 
-@pytest.mark.parametrize("flags, batch, seq, dtype", [
-    ([], 2, 32, "float32"),                                           # the CPU default path
-    (["--dtype=bfloat16", "--seq_len=64", "--batch=1"], 1, 64, "bfloat16"),  # the GPU command's
+@pytest.mark.parametrize("flags, also, batch, seq, dtype", [
+    (["--also=parallel,shared"], ["parallel", "shared"], 2, 32, "float32"),  # CPU + baselines
+    (["--dtype=bfloat16", "--seq_len=64", "--batch=1"], [], 1, 64, "bfloat16"),  # GPU command's
 ])
-def test_throughput(flags, batch, seq, dtype):
+def test_throughput(flags, also, batch, seq, dtype):
   out = _run("throughput.py", "--preset=tiny", "--rounds=2", *flags)
   assert f"batch {batch} × seq {seq}, {dtype}" in out
   tps = {}
-  for kind in ("diffeqformer", "gpt"):
+  for kind in ("diffeqformer", "gpt", *also):
     m = _find(rf"^{kind}\s+train:\s+{NUM} ms/step\s+{NUM} tokens/s MFU\s+{NUM}%", out)
     ms, tps[kind] = _num(m.group(1)), _num(m.group(2))
     # ms is printed to 0.1, tokens/s to 1: tokens/s = batch·seq / s within that rounding.
-    assert batch * seq / ((ms + 0.05) / 1e3) - 1 <= tps[kind] <= batch * seq / ((ms - 0.05) / 1e3) + 1
+    tokens = batch * seq
+    assert tokens / ((ms + 0.05) / 1e3) - 1 <= tps[kind] <= tokens / ((ms - 0.05) / 1e3) + 1
     assert 0 < _num(m.group(3)) < 100
+  for kind in also:
+    m = _find(rf"^{kind}/gpt train tokens/s ratio: {NUM} \(per round: median", out)
+    assert _num(m.group(1)) == pytest.approx(tps[kind] / tps["gpt"], abs=0.006)
   fwd = {name: _num(_find(rf"^{name}\s+forward:\s+{NUM} ms\s+{NUM} tokens/s", out).group(2))
          for name in ("materialised", "gpt")}
   ratio = _num(_find(rf"^materialised/gpt forward tokens/s ratio: {NUM}$", out).group(1))
