@@ -16,7 +16,8 @@ import sys
 import tempfile
 import time
 
-import common  # noqa: F401  (sets sys.path; huge pages as main.py)
+import common  # sets sys.path; huge pages as main.py
+import jax
 from absl import flags
 
 DATA = common.ROOT.parent / "shared" / "data" / "wikitext-2"
@@ -53,7 +54,6 @@ def pipeline_tokens_per_s(cache_dir: str, worker_count: int, num_batches: int,
 
 def train_tokens_per_s(args, batches, num_timed: int = 3) -> float:
   """Tokens/s of the preset's DiffEqFormer product train step on the given batches."""
-  import jax  # pylint: disable=g-import-not-at-top
   trainer = common.Trainer(common.model_config(args, "diffeqformer"))
   on_device = [jax.device_put(b, trainer.batch_sharding) for b in batches]
   b, length = on_device[0]["inputs"].shape
