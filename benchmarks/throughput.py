@@ -33,9 +33,10 @@ def main():
                            "the DiffEqFormer's layers without its hypernetwork)")
   args = parser.parse_args()
   also = [k for k in args.also.split(",") if k]
+  baselines = [k for k in KINDS if k not in ("diffeqformer", "gpt")]
   for kind in also:
-    if kind not in KINDS or kind in ("diffeqformer", "gpt"):
-      parser.error(f"--also={kind}: choose from {', '.join(KINDS[2:])}")
+    if kind not in baselines:
+      parser.error(f"--also={kind}: choose from {', '.join(baselines)}")
   b, length = common.shape(args)
   dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
   print(f"devices: {jax.device_count()} × {jax.devices()[0].device_kind}; preset {args.preset}, "

@@ -130,3 +130,13 @@ def test_adaptive_finetune(tmp_path):
   ratio = _num(_find(rf"^best diffeqformer/gpt fine-tuned perplexity ratio: {NUM}$",
                      out).group(1))
   assert ratio == pytest.approx(min(ode) / min(gpt), abs=0.002)
+
+
+def test_throughput_rejects_an_unknown_kind():
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
+  r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"),
+                      "--preset=tiny", "--also=parallel,gtp"], cwd=str(ROOT), env=env,
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2
+  assert r.stderr.strip().splitlines()[-1].endswith(
+      "error: --also=gtp: choose from parallel, shared")
