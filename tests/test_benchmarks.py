@@ -19,11 +19,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM = r"([0-9][0-9,]*\.?[0-9]*)"
 
 
-def _run(script, *args, timeout=600):
+def _launch(script, *args, timeout=600) -> subprocess.CompletedProcess:
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
   env["JAX_PLATFORMS"] = "cpu"
-  r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=str(ROOT),
-                     env=env, capture_output=True, text=True, timeout=timeout)
+  return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                        cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _run(script, *args, timeout=600) -> str:
+  """stdout of a benchmark run that must succeed."""
+  r = _launch(script, *args, timeout=timeout)
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
   return r.stdout
 
@@ -133,10 +138,7 @@ def test_adaptive_finetune(tmp_path):
 
 
 def test_throughput_rejects_an_unknown_kind():
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
-  r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"),
-                      "--preset=tiny", "--also=parallel,gtp"], cwd=str(ROOT), env=env,
-                     capture_output=True, text=True, timeout=120)
+  r = _launch("throughput.py", "--preset=tiny", "--also=parallel,gtp", timeout=120)
   assert r.returncode == 2
   assert r.stderr.strip().splitlines()[-1].endswith(
       "error: --also=gtp: choose from parallel, shared")
