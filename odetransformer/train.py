@@ -544,7 +544,8 @@ class _HealthCheck:
         if not math.isfinite(norm):
           bad.append(("parameter norm", norm))
       if skipped:
-        self.skipped_from = self.skipped_from if self.skipped_in_a_row else step
+        if not self.skipped_in_a_row:         # a new run of skips starts here
+          self.skipped_from = step
         self.skipped_in_a_row += 1
         if jax.process_index() == 0:
           logging.warning("step %d skipped: non-finite loss or gradient (state unchanged)",
