@@ -9,7 +9,9 @@ in the backward pass, their gradient — one layer's weights twice per step, by 
 Last line: `ode temp growth per step / scan carry: X`, that growth net of the generated
 weights and their gradient (target ≤ 1; ≫ 1 would mean activations stored per step).
 Whether the generated weights show at all depends on where the peak is: in the
-activation-heavy backward pass, or in the optimizer update.
+activation-heavy backward pass, or in the optimizer update. The growth is the slope
+between the two largest K: up to `hypernet.OUTER_SUM_MAX_TIMES` solver times the
+gradient of P is fused into AdamW and never held, so a small K sits below the line.
 
   python benchmarks/memory.py [--remat=full] [--steps=6,12,24]
 """
@@ -47,10 +49,11 @@ def main():
             f"{stats.temp_size_in_bytes / MiB:16.1f} {weights / MiB:16.1f}")
       del trainer
   carry = b * length * common.PRESETS[args.preset]["model"]["d_model"] * bytes_per
-  per_step = {kind: (temps[kind, ks[-1]] - temps[kind, ks[0]]) / (ks[-1] - ks[0])
+  per_step = {kind: (temps[kind, ks[-1]] - temps[kind, ks[-2]]) / (ks[-1] - ks[-2])
               for kind in ("diffeqformer", "gpt")}
   for kind, growth in per_step.items():
     print(f"{kind:13s} temporaries grow {growth / MiB:.2f} MiB per added step "
+          f"(K {ks[-2]} → {ks[-1]}) "
           f"= {growth / carry:.2f} × the scan carry ({carry / MiB:.2f} MiB)")
   net = per_step["diffeqformer"] - 2 * weights_per_step
   print(f"diffeqformer  net of the generated weights and their gradient "

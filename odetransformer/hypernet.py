@@ -65,39 +65,83 @@ class TimeMLP(nnx.Module):
     return jnp.sqrt(jnp.mean(jnp.square(h)) + 1e-12)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def generate_weights(h_kd, proj_dn, base_n, acc_dtype):
+# Solver grids up to this many times (K·stages) write P's gradient as a sum of outer
+# products rather than a GEMM (see `generate_weights`); larger grids use the GEMM, so the
+# program stays the same size for any K.
+OUTER_SUM_MAX_TIMES = 8
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def generate_weights(h_kd, proj_dn, base_n, norm_probe, acc_dtype):
   """h[K, d_t] @ P[d_t, N] + P0[N] -> [K, N] (in `acc_dtype`): all K steps' weights.
 
-  Same math as `h @ P + P0`, with a backward written for XLA:CPU (on GPU every form is
-  the same cuBLAS call), each measured at 54 M hypernetwork weights (jax 0.10):
+  `norm_probe` is a float32 scalar the forward pass ignores; its gradient is ‖dP‖²,
+  the squared norm of P's gradient ("ghost norm", as DP-SGD's ghost clipping takes
+  per-example norms without forming the gradients). The train step feeds a zero
+  probe through every generator and so gets the hypernetworks' share of the global
+  gradient norm without any reduction reading dP (see `train._global_norm`).
+
+  Same math as `h @ P + P0`, with a backward written for XLA:CPU (on GPU every form
+  is the same cuBLAS call), each measured at 54 M hypernetwork weights (jax 0.10):
   - the code gradient as (P @ dWᵀ)ᵀ rather than autodiff's dW @ Pᵀ: both read P once,
     but the GEMM with a tiny [K, d_t] output and a contraction over all N weights ran
     ~6× slower. An optimization barrier keeps XLA from folding the transpose back in
     (136 ms → 24 ms);
   - P0's gradient Σ_k dW_k as a dot with ones rather than a reduction over the leading
-    axis, which XLA:CPU ran ~30× slower (6.8 ms vs 0.2 ms for a [6, 256, 1024] slab).
+    axis, which XLA:CPU ran ~30× slower (6.8 ms vs 0.2 ms for a [6, 256, 1024] slab);
+  - dP = Σ_k h_k ⊗ dW_k, for up to `OUTER_SUM_MAX_TIMES` times, as elementwise products
+    XLA fuses into AdamW's two moment updates: dP is never written out or read back
+    (a GEMM's output is always written). Its norm then comes from K×K Gram matrices,
+    ‖hᵀdW‖² = Σ (hhᵀ) ∘ (dW dWᵀ), since any reduction over dP would write it out.
   """
+  del norm_probe
   w = jnp.dot(h_kd, proj_dn, preferred_element_type=acc_dtype)
   return w + base_n.astype(acc_dtype)
 
 
-def _generate_fwd(h_kd, proj_dn, base_n, acc_dtype):
-  return generate_weights(h_kd, proj_dn, base_n, acc_dtype), (h_kd, proj_dn, base_n)
+@jax.jit
+def _outer_sum(h_kd, g_kn):
+  """Σ_k h_k ⊗ g_k as K slices of one broadcast product, added in an unrolled sum: the
+  form XLA fuses into consumers (a reduce over k, or a GEMM, is written out). Jitted,
+  so the program holds one copy per shape rather than one per generator, and it is
+  three ops per k: the program stays within a few percent of its size at large K."""
+  prod = h_kd[:, :, None] * g_kn[:, None, :]
+  return functools.reduce(jnp.add, [prod[k] for k in range(h_kd.shape[0])])
+
+
+def _generate_fwd(h_kd, proj_dn, base_n, norm_probe, acc_dtype):
+  return (generate_weights(h_kd, proj_dn, base_n, norm_probe, acc_dtype),
+          (h_kd, proj_dn, base_n, norm_probe))
 
 
 def _generate_bwd(acc_dtype, residuals, g_kn):
-  h_kd, proj_dn, base_n = residuals
+  h_kd, proj_dn, base_n, norm_probe = residuals
   g = g_kn.astype(proj_dn.dtype)
   d_h = jax.lax.optimization_barrier(
       jnp.dot(proj_dn, g.T, preferred_element_type=acc_dtype)).T.astype(h_kd.dtype)
-  d_proj = jnp.dot(h_kd.T, g, preferred_element_type=acc_dtype).astype(proj_dn.dtype)
+  if h_kd.shape[0] <= OUTER_SUM_MAX_TIMES:
+    d_proj = _outer_sum(h_kd.astype(acc_dtype), g.astype(acc_dtype))
+  else:
+    d_proj = jnp.dot(h_kd.T, g, preferred_element_type=acc_dtype)
   ones = jnp.ones((g_kn.shape[0],), g_kn.dtype)
   d_base = jnp.dot(ones, g_kn, preferred_element_type=acc_dtype).astype(base_n.dtype)
-  return d_h, d_proj, d_base
+  gram_h = jnp.dot(h_kd, h_kd.T, preferred_element_type=jnp.float32)
+  gram_g = jnp.dot(g, g.T, preferred_element_type=jnp.float32)
+  # ≥ 0 exactly; rounding in the K×K sum must not make the global norm's sqrt a NaN.
+  d_probe = jnp.maximum(jnp.sum(gram_h * gram_g), 0.0).astype(norm_probe.dtype)
+  return d_h, d_proj.astype(proj_dn.dtype), d_base, d_probe
 
 
 generate_weights.defvjp(_generate_fwd, _generate_bwd)
+
+
+def is_projection(path) -> bool:
+  """Whether the parameter at key path `path` is a generator's P (whose squared
+  gradient norm the generators' `norm_probe` reports)."""
+  parts = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
+  if parts and parts[-1] == "value":   # an nnx.Variable's own leaf
+    parts = parts[:-1]
+  return len(parts) >= 3 and parts[-1] == "proj" and parts[-3] == "gens"
 
 
 class WeightGenerator(nnx.Module):
@@ -117,12 +161,16 @@ class WeightGenerator(nnx.Module):
     self.proj = nnx.Param(proj.astype(dtype), out_sharding=("time_embed",) + spec.axes)
     self.base = nnx.Param(base.astype(dtype), out_sharding=spec.axes)
 
-  def __call__(self, h_kd, dtype):
-    """[K, d_t] codes -> [K, *shape] weights: one GEMM, f32 accumulation."""
+  def __call__(self, h_kd, dtype, norm_probe=None):
+    """[K, d_t] codes -> [K, *shape] weights: one GEMM, f32 accumulation. The gradient
+    of `norm_probe` (a float32 scalar) is ‖∂L/∂P‖²; see `generate_weights`."""
     proj = self.proj[...]
     d_t = proj.shape[0]
+    if norm_probe is None:
+      norm_probe = jnp.zeros((), jnp.float32)
     w = generate_weights(h_kd.astype(dtype), proj.reshape(d_t, -1).astype(dtype),
-                         self.base[...].reshape(-1), jnp.promote_types(dtype, jnp.float32))
+                         self.base[...].reshape(-1), norm_probe,
+                         jnp.promote_types(dtype, jnp.float32))
     return w.reshape((h_kd.shape[0],) + proj.shape[1:]).astype(dtype)
 
 
@@ -150,12 +198,13 @@ class HyperNetwork(nnx.Module):
       return {g: h for g in self.groups}
     return {g: self.mlps[g](t) for g in self.groups}
 
-  def __call__(self, ts, dtype):
-    """Layer params at times `ts` (any shape [...]): name -> [..., *shape]."""
+  def __call__(self, ts, dtype, norm_probe=None):
+    """Layer params at times `ts` (any shape [...]): name -> [..., *shape]. The gradient
+    of `norm_probe` is Σ‖∂L/∂P‖² over all generators (each P is used once here)."""
     flat = ts.reshape(-1)
     codes = self.codes(flat)
     out = {}
     for name, spec in self.specs.items():
-      w = self.gens[name](codes[spec.group], dtype)
+      w = self.gens[name](codes[spec.group], dtype, norm_probe)
       out[name] = w.reshape(ts.shape + w.shape[1:])
     return out

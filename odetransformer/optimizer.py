@@ -66,14 +66,18 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   written out and read back: one extra pass over every parameter-sized array
   (a multiply is fused into the consumers instead). Equal to optax's result up to
   rounding; bit-identical when no clipping happens.
+
+  The train step passes the norm it has already taken as the extra argument
+  `global_norm` (its hypernetwork part comes from the backward pass, so that no
+  reduction reads the hypernetworks' gradients); without it the norm is computed here.
   """
-  def update_fn(updates, state, params=None):
-    del params
-    norm = optax.global_norm(updates)
+  def update_fn(updates, state, params=None, *, global_norm=None, **extra_args):
+    del params, extra_args
+    norm = optax.global_norm(updates) if global_norm is None else global_norm
     scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
     return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
 
-  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
 
 
 def create_optimizer(optim_config, num_train_steps: int) -> optax.GradientTransformation:

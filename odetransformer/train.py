@@ -32,6 +32,7 @@ from clu import parameter_overview
 from flax import nnx
 
 from odetransformer import checkpointing
+from odetransformer import hypernet
 from odetransformer import metrics as metrics_lib
 from odetransformer import optimizer as optimizer_lib
 from odetransformer import sharding as sharding_lib
@@ -167,12 +168,12 @@ def _with_rules(rules, fn):
   return wrapped
 
 
-def _forward_sums(model, batch, dropout_rng):
+def _forward_sums(model, batch, dropout_rng, grad_norm_probe=None):
   """(loss_sum, weight_sum, logits) for one (micro)batch; the loss in float32."""
   deterministic = dropout_rng is None
   logits = model(batch["inputs"], segment_ids_bl=batch.get("segment_ids"),
                  positions_bl=batch.get("positions"), deterministic=deterministic,
-                 dropout_rng=dropout_rng)
+                 dropout_rng=dropout_rng, grad_norm_probe=grad_norm_probe)
   loss_sum, weight_sum = token_cross_entropy(logits.astype(jnp.float32), batch["targets"],
                                              batch["weights"])
   return loss_sum, weight_sum, logits
@@ -185,6 +186,18 @@ def _microbatches(batch, num: int, batch_spec):
     spec = jax.sharding.PartitionSpec(None, *batch_spec)
     return jax.lax.with_sharding_constraint(y, spec)
   return jax.tree.map(split, batch)
+
+
+def _global_norm(grads, proj_sq_norm):
+  """‖grads‖ with the hypernetworks' P taken from the probe's Σ‖dP‖² (the gradient of
+  the model's `grad_norm_probe`), so that no reduction reads dP: XLA then fuses dP
+  into AdamW and never writes it out. Models without hypernetworks have no P and a
+  zero probe gradient."""
+  leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
+  dense = [g for path, g in leaves if not hypernet.is_projection(path)]
+  if len(dense) == len(leaves):   # no trainable P (a frozen one would still report)
+    return optax.global_norm(grads)
+  return jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in dense) + proj_sq_norm)
 
 
 def make_train_step(ts: TrainState, schedule: Callable, rules, *, grad_accum_steps: int = 1,
@@ -205,48 +218,54 @@ def make_train_step(ts: TrainState, schedule: Callable, rules, *, grad_accum_ste
   """
   batch_spec = sharding_lib.logical_to_spec(("batch", None), rules)
 
-  def loss_fn(params, rest, graphdef, batch, rng, denominator):
+  def loss_fn(params, probe, rest, graphdef, batch, rng, denominator):
     """Σ token losses / denominator (the whole batch's target count) and Σ losses.
 
     Dividing the scalar loss, not the gradients, keeps the mean out of the per-parameter
     passes (a divide over every gradient would be one more read and write of each).
+    `probe` (a zero scalar) collects the hypernetworks' Σ‖dP‖² as its gradient.
     """
     model = nnx.merge(graphdef, params, rest)
-    loss_sum, _, _ = _forward_sums(model, batch, rng if use_dropout else None)
+    loss_sum, _, _ = _forward_sums(model, batch, rng if use_dropout else None, probe)
     return loss_sum / denominator, loss_sum
 
-  def apply_update(state, grads):
+  def apply_update(state, grads, grad_norm):
     model, optimizer = nnx.merge(ts.graphdef, state)
-    optimizer.update(model, grads)
+    # The norm goes to `optimizer.clip_by_global_norm` (chains take extra arguments).
+    extra = ({"global_norm": grad_norm}
+             if isinstance(optimizer.tx, optax.GradientTransformationExtraArgs) else {})
+    optimizer.update(model, grads, **extra)
     return nnx.state((model, optimizer))
 
   def step(state, batch, rng):
     model, optimizer = nnx.merge(ts.graphdef, state)
     lr = schedule(optimizer.step[...])
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+    probe = jnp.zeros((), jnp.float32)
 
     # The gradient is of the mean over all target tokens of the global batch (exact
     # under accumulation: every microbatch divides by the whole batch's count).
     weight_sum = jnp.sum(batch["weights"].astype(jnp.float32))
     denominator = jnp.maximum(weight_sum, 1.0)
     if grad_accum_steps == 1:
-      (_, loss_sum), grads = grad_fn(params, rest, graphdef, batch, rng, denominator)
+      (_, loss_sum), (grads, proj_sq_norm) = grad_fn(params, probe, rest, graphdef, batch,
+                                                     rng, denominator)
+      grad_norm = _global_norm(grads, proj_sq_norm)
     else:
       micro = _microbatches(batch, grad_accum_steps, batch_spec)
 
       def body(carry, xs):
         g_acc, l_acc = carry
         mb, j = xs
-        (_, l), g = grad_fn(params, rest, graphdef, mb, jax.random.fold_in(rng, j),
-                            denominator)
+        (_, l), (g, _) = grad_fn(params, probe, rest, graphdef, mb,
+                                 jax.random.fold_in(rng, j), denominator)
         return (jax.tree.map(jnp.add, g_acc, g), l_acc + l), None
 
       zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
       (grads, loss_sum), _ = jax.lax.scan(
           body, (zeros, jnp.float32(0)), (micro, jnp.arange(grad_accum_steps)))
-
-    grad_norm = optax.global_norm(grads)
+      grad_norm = optax.global_norm(grads)   # a norm of the sum: the probe does not apply
     # Neither the updates nor the new parameters are reduced to norms here: each would be
     # one more pass over every parameter per step (the updates would also stay in memory
     # beside the new parameters). `make_param_norm` measures the parameters when a log
@@ -255,12 +274,13 @@ def make_train_step(ts: TrainState, schedule: Callable, rules, *, grad_accum_ste
     applied = jnp.float32(1.0)
     if skip_nonfinite:
       ok = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
-      new_state = jax.lax.cond(ok, apply_update, lambda state, grads: state, state, grads)
+      new_state = jax.lax.cond(ok, apply_update, lambda state, *_: state, state, grads,
+                               grad_norm)
       loss_sum, weight_sum, grad_norm = (jnp.where(ok, x, 0.0)
                                          for x in (loss_sum, weight_sum, grad_norm))
       applied = ok.astype(jnp.float32)
     else:
-      new_state = apply_update(state, grads)
+      new_state = apply_update(state, grads, grad_norm)
     out = metrics_lib.TrainMetrics.single_from_model_output(
         loss_sum=loss_sum, weight_sum=weight_sum, grad_norm=grad_norm, learning_rate=lr,
         applied=applied)

@@ -394,17 +394,26 @@ def test_discrete_model_rejects_other_depth():
     model(tokens(), num_steps=TINY.num_steps + 1)
 
 
-def test_generate_weights_custom_gradient_matches_autodiff():
-  from odetransformer.hypernet import generate_weights
-  h = jax.random.normal(jax.random.key(0), (5, 7))
+@pytest.mark.parametrize("k", [5, 9])
+def test_generate_weights_custom_gradient_matches_autodiff(k):
+  """Both ways of forming P's gradient (outer products up to OUTER_SUM_MAX_TIMES rows,
+  a GEMM above) equal autodiff of h @ P + P0; the probe's gradient is exactly ‖dP‖²."""
+  from odetransformer.hypernet import OUTER_SUM_MAX_TIMES, generate_weights
+  assert 5 <= OUTER_SUM_MAX_TIMES < 9
+  h = jax.random.normal(jax.random.key(0), (k, 7))
   p = jax.random.normal(jax.random.key(1), (7, 33))
   base = jax.random.normal(jax.random.key(3), (33,))
-  g = jax.random.normal(jax.random.key(2), (5, 33))
-  custom = jax.vjp(lambda a, b, c: generate_weights(a, b, c, jnp.float32), h, p, base)
+  g = jax.random.normal(jax.random.key(2), (k, 33))
+  probe = jnp.zeros((), jnp.float32)
+  custom = jax.vjp(lambda a, b, c, z: generate_weights(a, b, c, z, jnp.float32),
+                   h, p, base, probe)
   plain = jax.vjp(lambda a, b, c: a @ b + c, h, p, base)
   np.testing.assert_allclose(custom[0], plain[0], rtol=1e-6, atol=1e-6)
-  for c, r in zip(custom[1](g), plain[1](g)):
+  *grads, d_probe = custom[1](g)
+  for c, r in zip(grads, plain[1](g)):
     np.testing.assert_allclose(c, r, rtol=1e-5, atol=1e-5)
+  d_p = np.asarray(h, np.float64).T @ np.asarray(g, np.float64)
+  np.testing.assert_allclose(float(d_probe), np.sum(d_p ** 2), rtol=1e-5)
 
 
 def test_param_count_matches_allocated_model_and_gpt2():

@@ -182,6 +182,63 @@ def test_grad_accumulation_matches_one_big_batch():
     np.testing.assert_allclose(after[key], before[key] - g, rtol=1e-4, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.parametrize("overrides", [
+    {},                                             # Euler, K = 2: dP fused into AdamW
+    {"solver": "rk4", "num_steps": 3},              # 12 times: dP from a GEMM
+    {"flavour": "llama", "shared_time_mlp": True},
+    {"kind": "gpt"},                                # no hypernetwork: no probe
+])
+def test_step_grad_norm_and_clipping_use_the_true_gradient_norm(overrides):
+  """The step takes the hypernetworks' share of ‖g‖ from the backward pass (a probe's
+  gradient, never reading P's gradient). It must equal the norm of the gradient taken
+  directly, and clipping must use it: with SGD at lr 1 behind a clip well below ‖g‖,
+  the parameters move by exactly -g·c/‖g‖ (SGD's rate 100 makes that move large
+  against float32's spacing of the parameters)."""
+  c = tiny_config("/unused")
+  for key, value in overrides.items():
+    c.model[key] = value
+  cfg = train.model_config(c, 64)
+  max_norm = 1e-3
+  lr = 100.0
+  tx = optax.chain(optimizer_lib.clip_by_global_norm(max_norm), optax.sgd(lr))
+  mesh = sharding_lib.make_mesh(c.mesh)
+  rules = sharding_lib.logical_axis_rules(c.mesh)
+  rng = np.random.default_rng(1)
+  batch = {"inputs": rng.integers(0, 64, (2, 16)).astype(np.int32),
+           "targets": rng.integers(0, 64, (2, 16)).astype(np.int32),
+           "weights": np.ones((2, 16), np.float32)}
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    ts, state = train.init_train_state(cfg, tx, 0, mesh)
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(state[0]))
+    step = train.make_train_step(ts, lambda step: 1.0, rules)
+    state, m = step(state, batch, jax.random.key(0))
+    after = jax.tree.map(np.asarray, nnx.to_pure_dict(state[0]))
+
+  def mean_loss(model):
+    logits = model(jnp.asarray(batch["inputs"]))
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    return -jnp.mean(jnp.take_along_axis(logp, jnp.asarray(batch["targets"])[..., None], -1))
+
+  graphdef, model_state = nnx.split(create_model(cfg, seed=0))
+  nnx.replace_by_pure_dict(model_state, before)
+  grads = nnx.grad(mean_loss)(nnx.merge(graphdef, model_state))
+  flat = lambda tree: {jax.tree_util.keystr(k): np.asarray(v, np.float64)
+                       for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  grads = flat(nnx.to_pure_dict(nnx.state(grads, nnx.Param)))
+  norm = math.sqrt(sum(np.sum(g ** 2) for g in grads.values()))
+  assert any(key.endswith("['proj']") for key in grads) == (cfg.kind != "gpt")
+  np.testing.assert_allclose(float(m.grad_norm.compute()), norm, rtol=1e-4)
+  assert norm > 10 * max_norm
+  before, after = flat(before), flat(after)
+  scale = lr * max_norm / norm
+  largest = max(np.max(np.abs(g)) for g in grads.values()) * scale
+  for key, g in grads.items():   # f32 gradients, and the rounding of `after` to f32
+    moved, want = before[key] - after[key], g * scale
+    bound = (1e-3 * np.abs(want) + 1e-6 * largest
+             + np.spacing(np.abs(after[key]).astype(np.float32)))
+    assert np.all(np.abs(moved - want) <= bound), (key, np.max(np.abs(moved - want) - bound))
+
+
 def test_skipped_nonfinite_step_leaves_the_state_exactly_as_it_was():
   """With skipping on, batches [a, bad, b] end in exactly the state of [a, b] (parameters,
   Adam moments, every step counter), the bad step is counted and left out of the loss;
