@@ -66,8 +66,10 @@ class TimeMLP(nnx.Module):
 
 
 # Solver grids up to this many times (K·stages) write P's gradient as a sum of outer
-# products rather than a GEMM (see `generate_weights`); larger grids use the GEMM, so the
-# program stays the same size for any K.
+# products rather than a GEMM (see `generate_weights`); larger grids use the GEMM. The
+# sum is unrolled, so the bound keeps the program's size flat in K, and beyond it the
+# fused form stops paying (AdamW on a 64 MB group, standalone: 22 vs 26–43 ms for the
+# GEMM at 6 times, 28–29 vs 26–29 ms at 12).
 OUTER_SUM_MAX_TIMES = 8
 
 
@@ -127,7 +129,7 @@ def _generate_bwd(acc_dtype, residuals, g_kn):
   d_base = jnp.dot(ones, g_kn, preferred_element_type=acc_dtype).astype(base_n.dtype)
   gram_h = jnp.dot(h_kd, h_kd.T, preferred_element_type=jnp.float32)
   gram_g = jnp.dot(g, g.T, preferred_element_type=jnp.float32)
-  # ≥ 0 exactly; rounding in the K×K sum must not make the global norm's sqrt a NaN.
+  # ≥ 0 in exact arithmetic; rounding in the K×K sum must not make the norm's sqrt NaN.
   d_probe = jnp.maximum(jnp.sum(gram_h * gram_g), 0.0).astype(norm_probe.dtype)
   return d_h, d_proj.astype(proj_dn.dtype), d_base, d_probe
 
