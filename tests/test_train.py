@@ -275,9 +275,18 @@ def test_skipped_nonfinite_step_leaves_the_state_exactly_as_it_was():
   applied, applied_m = run([a, bad], skip=False)
   assert any("count" in k for k in clean) and any("step" in k for k in clean)
   assert clean.keys() == skipped.keys() == plain.keys()
+  lr = float(c.optim.learning_rate)
   for key in clean:
     np.testing.assert_array_equal(skipped[key], clean[key], err_msg=key)
-    # Another compiled program (the update inside a lax.cond): equal up to rounding.
+    # Another compiled program (the update inside a lax.cond): equal up to rounding. Not
+    # so the key bias: its gradient is zero in exact arithmetic (softmax ignores a shift
+    # along the keys), so its Adam moments and steps are rounding noise normalised by
+    # Adam, different in any other program. Its parameters can only be bounded: two
+    # steps of at most ~lr each.
+    if "['bk']" in key:
+      if "opt_state" not in key:
+        assert np.max(np.abs(plain[key] - clean[key])) <= 4 * lr, key
+      continue
     np.testing.assert_allclose(plain[key], clean[key], rtol=1e-5, atol=1e-9, err_msg=key)
   assert (skipped_m["skipped_steps"], clean_m["skipped_steps"]) == (1, 0)
   assert skipped_m["loss"] == clean_m["loss"]
