@@ -131,6 +131,29 @@ def test_finetune_lora_starts_at_the_pretrained_model(runs, tmp_path):
   assert saved["model"]["lora_rank"] == 4 and saved["model"]["kind"] == "parallel"
 
 
+def _flat(tree, dtype=None):
+  """A pytree as {keystr: numpy array}."""
+  return {jax.tree_util.keystr(k): np.asarray(v, dtype)
+          for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _direct_gradients(cfg, params, batch):
+  """(loss, {keystr: gradient}) of the token-weighted mean cross-entropy of `batch`,
+  taken with plain `nnx.value_and_grad` on a model holding `params` (a pure dict): the
+  independent reference for the train step."""
+  def mean_loss(model):
+    logits = model(jnp.asarray(batch["inputs"]))
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    nll = -jnp.take_along_axis(logp, jnp.asarray(batch["targets"])[..., None], -1)[..., 0]
+    w = jnp.asarray(batch["weights"])
+    return jnp.sum(nll * w) / jnp.sum(w)
+
+  graphdef, model_state = nnx.split(create_model(cfg, seed=0))
+  nnx.replace_by_pure_dict(model_state, params)
+  loss, grads = nnx.value_and_grad(mean_loss)(nnx.merge(graphdef, model_state))
+  return loss, _flat(nnx.to_pure_dict(nnx.state(grads, nnx.Param)))
+
+
 def test_grad_accumulation_matches_one_big_batch():
   """Two microbatches give the same update as the whole batch (sums, then one divide)."""
   c = tiny_config("/unused")
@@ -160,20 +183,8 @@ def test_grad_accumulation_matches_one_big_batch():
                out[0][2], out[1][2])
 
   # Independent reference: the gradient of the token-weighted mean loss, taken directly.
-  def mean_loss(model):
-    logits = model(jnp.asarray(batch["inputs"]))
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
-    nll = -jnp.take_along_axis(logp, jnp.asarray(batch["targets"])[..., None], -1)[..., 0]
-    w = jnp.asarray(batch["weights"])
-    return jnp.sum(nll * w) / jnp.sum(w)
-
-  graphdef, model_state = nnx.split(create_model(cfg, seed=0))
-  nnx.replace_by_pure_dict(model_state, initial)
-  loss, grads = nnx.value_and_grad(mean_loss)(nnx.merge(graphdef, model_state))
-  flat = lambda tree: {jax.tree_util.keystr(k): np.asarray(v)
-                       for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
-  grads = flat(nnx.to_pure_dict(nnx.state(grads, nnx.Param)))
-  before, after = flat(initial), flat(out[0][2][0])
+  loss, grads = _direct_gradients(cfg, initial, batch)
+  before, after = _flat(initial), _flat(out[0][2][0])
   np.testing.assert_allclose(out[0][0], float(loss), rtol=1e-5)
   np.testing.assert_allclose(out[0][1], math.sqrt(sum(np.sum(g.astype(np.float64) ** 2)
                                                       for g in grads.values())), rtol=1e-4)
@@ -191,8 +202,8 @@ def test_grad_accumulation_matches_one_big_batch():
 def test_step_grad_norm_and_clipping_use_the_true_gradient_norm(overrides):
   """The step takes the hypernetworks' share of ‖g‖ from the backward pass (a probe's
   gradient, never reading P's gradient). It must equal the norm of the gradient taken
-  directly, and clipping must use it: with SGD at lr 1 behind a clip well below ‖g‖,
-  the parameters move by exactly -g·c/‖g‖ (SGD's rate 100 makes that move large
+  directly, and clipping must use it: with SGD at rate lr behind a clip c well below
+  ‖g‖, the parameters move by exactly -lr·g·c/‖g‖ (lr = 100 makes that move large
   against float32's spacing of the parameters)."""
   c = tiny_config("/unused")
   for key, value in overrides.items():
@@ -214,22 +225,13 @@ def test_step_grad_norm_and_clipping_use_the_true_gradient_norm(overrides):
     state, m = step(state, batch, jax.random.key(0))
     after = jax.tree.map(np.asarray, nnx.to_pure_dict(state[0]))
 
-  def mean_loss(model):
-    logits = model(jnp.asarray(batch["inputs"]))
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
-    return -jnp.mean(jnp.take_along_axis(logp, jnp.asarray(batch["targets"])[..., None], -1))
-
-  graphdef, model_state = nnx.split(create_model(cfg, seed=0))
-  nnx.replace_by_pure_dict(model_state, before)
-  grads = nnx.grad(mean_loss)(nnx.merge(graphdef, model_state))
-  flat = lambda tree: {jax.tree_util.keystr(k): np.asarray(v, np.float64)
-                       for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
-  grads = flat(nnx.to_pure_dict(nnx.state(grads, nnx.Param)))
+  _, grads = _direct_gradients(cfg, before, batch)
+  grads = {key: g.astype(np.float64) for key, g in grads.items()}
   norm = math.sqrt(sum(np.sum(g ** 2) for g in grads.values()))
   assert any(key.endswith("['proj']") for key in grads) == (cfg.kind != "gpt")
   np.testing.assert_allclose(float(m.grad_norm.compute()), norm, rtol=1e-4)
   assert norm > 10 * max_norm
-  before, after = flat(before), flat(after)
+  before, after = _flat(before, np.float64), _flat(after, np.float64)
   scale = lr * max_norm / norm
   largest = max(np.max(np.abs(g)) for g in grads.values()) * scale
   for key, g in grads.items():   # f32 gradients, and the rounding of `after` to f32
@@ -265,9 +267,7 @@ def test_skipped_nonfinite_step_leaves_the_state_exactly_as_it_was():
       for i, batch in enumerate(batches):
         state, m = step(state, batch, jax.random.key(i))
         merged = m if merged is None else merged.merge(m)
-    flat = {jax.tree_util.keystr(k): np.asarray(v)
-            for k, v in jax.tree_util.tree_flatten_with_path(state)[0]}
-    return flat, metrics_lib.summarize(merged.compute())
+    return _flat(state), metrics_lib.summarize(merged.compute())
 
   clean, clean_m = run([a, b], skip=True)
   skipped, skipped_m = run([a, bad, b], skip=True)
