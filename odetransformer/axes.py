@@ -15,7 +15,7 @@ LOGICAL_AXES = (
     "kv",          # per-head width
     "mlp",         # feed-forward hidden width
     "vocab",       # vocabulary
-    "time_embed",  # hypernetwork code width d_t (leading axis of weight generators)
+    "time_embed",  # hypernetwork code width d_t (last axis of weight generators)
     "layers",      # stacked discrete layers
 )
 

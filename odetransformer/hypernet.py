@@ -3,9 +3,20 @@
 For each group of layer params (a linear layer's weight and bias, or a norm's scale and
 shift) one MLP maps the time embedding to a code, h(t) = MLP(e(t)) ∈ R^{d_t}
 (Linear(2S+1→H), SiLU, Linear(H→d_t)); each param is then W(t) = P·h(t) + P0, with
-P stored as [d_t, *weight_shape] so it carries (and shards along) the weight's own
-logical axes. Generating all K (times stages) weights is one GEMM per param,
-h[K, d_t] @ P[d_t, in·out], done once per forward pass before the solver's scan.
+P stored as [*weight_shape, d_t] — every weight entry has its own d_t coefficients,
+W[i, o](t) = P[i, o, :]·h(t) + P0[i, o] — so it carries (and shards along) the weight's
+own logical axes. Generating all K (times stages) weights is one GEMM per param,
+P[in·out, d_t] @ h[K, d_t]ᵀ, done once per forward pass before the solver's scan.
+
+Why d_t is the minor axis: AdamW's moment updates over P compute P's gradient
+dP = Σ_k dW_k ⊗ h_k inside their own loops (`generate_weights`), and with d_t minor the
+inner loop multiplies one scalar of dW by the d_t-vector h_k, which stays in registers;
+with d_t major the inner loop streams K rows of dW again for each of the d_t rows of P.
+On a 2-core CPU at bench-small, per 64 MB weight generator: AdamW 17–20 → 13 ms, the
+code gradient dW @ P 7.5 → 3.9 ms, the generating GEMM 5.3 → 4.8 ms (jax 0.10; the
+whole train step takes a median 0.92 of its d_t-major time, paired over 25 rounds).
+On TPU a minor axis is tiled to 128 lanes, so d_t = 128 (or a multiple) keeps P, μ
+and ν unpadded there.
 
 Initialisation (why a fresh model is well scaled at any K):
 - Each generated matrix W(t) has, at every t, the variance of a fan-in ("LeCun")
@@ -67,15 +78,15 @@ class TimeMLP(nnx.Module):
 
 # Solver grids up to this many times (K·stages) write P's gradient as a sum of outer
 # products rather than a GEMM (see `generate_weights`); larger grids use the GEMM. The
-# sum is unrolled, so the bound keeps the program's size flat in K, and beyond it the
-# fused form stops paying (AdamW on a 64 MB group, standalone: 22 vs 26–43 ms for the
-# GEMM at 6 times, 28–29 vs 26–29 ms at 12).
+# sum is unrolled, so the bound keeps the program's size flat in K, and the fused form
+# stops paying not far above it (AdamW on a 64 MB group, standalone: 12–14 vs 24–25 ms
+# for the GEMM at 6–8 times, 18–24 vs 26–30 ms at 12, 165–177 vs 27–32 ms at 16).
 OUTER_SUM_MAX_TIMES = 8
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def generate_weights(h_kd, proj_dn, base_n, norm_probe, acc_dtype):
-  """h[K, d_t] @ P[d_t, N] + P0[N] -> [K, N] (in `acc_dtype`): all K steps' weights.
+def generate_weights(h_kd, proj_nd, base_n, norm_probe, acc_dtype):
+  """(P[N, d_t] @ h[K, d_t]ᵀ)ᵀ + P0[N] -> [K, N] (in `acc_dtype`): all K steps' weights.
 
   `norm_probe` is a float32 scalar the forward pass ignores; its gradient is ‖dP‖²,
   the squared norm of P's gradient ("ghost norm", as DP-SGD's ghost clipping takes
@@ -83,55 +94,52 @@ def generate_weights(h_kd, proj_dn, base_n, norm_probe, acc_dtype):
   probe through every generator and so gets the hypernetworks' share of the global
   gradient norm without any reduction reading dP (see `train._global_norm`).
 
-  Same math as `h @ P + P0`, with a backward written for XLA:CPU (on GPU every form
+  Same math as `h @ Pᵀ + P0`, with a backward written for XLA:CPU (on GPU every form
   is the same cuBLAS call), each measured at 54 M hypernetwork weights (jax 0.10):
-  - the code gradient as (P @ dWᵀ)ᵀ rather than autodiff's dW @ Pᵀ: both read P once,
-    but the GEMM with a tiny [K, d_t] output and a contraction over all N weights ran
-    ~6× slower. An optimization barrier keeps XLA from folding the transpose back in
-    (136 ms → 24 ms);
+  - the code gradient dW[K, N] @ P[N, d_t] streams P once (3.9 ms per 64 MB; with P
+    stored d_t-major the same product needed an optimization barrier to run at 7.5 ms);
   - P0's gradient Σ_k dW_k as a dot with ones rather than a reduction over the leading
     axis, which XLA:CPU ran ~30× slower (6.8 ms vs 0.2 ms for a [6, 256, 1024] slab);
-  - dP = Σ_k h_k ⊗ dW_k, for up to `OUTER_SUM_MAX_TIMES` times, as elementwise products
+  - dP = Σ_k dW_k ⊗ h_k, for up to `OUTER_SUM_MAX_TIMES` times, as elementwise products
     XLA fuses into AdamW's two moment updates: dP is never written out or read back
     (a GEMM's output is always written). Its norm then comes from K×K Gram matrices,
-    ‖hᵀdW‖² = Σ (hhᵀ) ∘ (dW dWᵀ), since any reduction over dP would write it out.
+    ‖dWᵀh‖² = Σ (hhᵀ) ∘ (dW dWᵀ), since any reduction over dP would write it out.
   """
   del norm_probe
-  w = jnp.dot(h_kd, proj_dn, preferred_element_type=acc_dtype)
+  w = jnp.dot(proj_nd, h_kd.T, preferred_element_type=acc_dtype).T
   return w + base_n.astype(acc_dtype)
 
 
 @jax.jit
-def _outer_sum(h_kd, g_kn):
-  """Σ_k h_k ⊗ g_k as K slices of one broadcast product, added in an unrolled sum: the
-  form XLA fuses into consumers (a reduce over k, or a GEMM, is written out). Jitted,
-  so the program holds one copy per shape rather than one per generator, and it is
-  three ops per k: the program stays within a few percent of its size at large K."""
-  prod = h_kd[:, :, None] * g_kn[:, None, :]
+def _outer_sum(g_kn, h_kd):
+  """Σ_k g_k ⊗ h_k ([N, d_t]) as K slices of one broadcast product, added in an unrolled
+  sum: the form XLA fuses into consumers (a reduce over k, or a GEMM, is written out).
+  Jitted, so the program holds one copy per shape rather than one per generator, and
+  it is three ops per k: the program stays within a few percent of its size at large K."""
+  prod = g_kn[:, :, None] * h_kd[:, None, :]
   return functools.reduce(jnp.add, [prod[k] for k in range(h_kd.shape[0])])
 
 
-def _generate_fwd(h_kd, proj_dn, base_n, norm_probe, acc_dtype):
-  return (generate_weights(h_kd, proj_dn, base_n, norm_probe, acc_dtype),
-          (h_kd, proj_dn, base_n, norm_probe))
+def _generate_fwd(h_kd, proj_nd, base_n, norm_probe, acc_dtype):
+  return (generate_weights(h_kd, proj_nd, base_n, norm_probe, acc_dtype),
+          (h_kd, proj_nd, base_n, norm_probe))
 
 
 def _generate_bwd(acc_dtype, residuals, g_kn):
-  h_kd, proj_dn, base_n, norm_probe = residuals
-  g = g_kn.astype(proj_dn.dtype)
-  d_h = jax.lax.optimization_barrier(
-      jnp.dot(proj_dn, g.T, preferred_element_type=acc_dtype)).T.astype(h_kd.dtype)
+  h_kd, proj_nd, base_n, norm_probe = residuals
+  g = g_kn.astype(proj_nd.dtype)
+  d_h = jnp.dot(g, proj_nd, preferred_element_type=acc_dtype).astype(h_kd.dtype)
   if h_kd.shape[0] <= OUTER_SUM_MAX_TIMES:
-    d_proj = _outer_sum(h_kd.astype(acc_dtype), g.astype(acc_dtype))
+    d_proj = _outer_sum(g.astype(acc_dtype), h_kd.astype(acc_dtype))
   else:
-    d_proj = jnp.dot(h_kd.T, g, preferred_element_type=acc_dtype)
+    d_proj = jnp.dot(g.T, h_kd, preferred_element_type=acc_dtype)
   ones = jnp.ones((g_kn.shape[0],), g_kn.dtype)
   d_base = jnp.dot(ones, g_kn, preferred_element_type=acc_dtype).astype(base_n.dtype)
   gram_h = jnp.dot(h_kd, h_kd.T, preferred_element_type=jnp.float32)
   gram_g = jnp.dot(g, g.T, preferred_element_type=jnp.float32)
   # ≥ 0 in exact arithmetic; rounding in the K×K sum must not make the norm's sqrt NaN.
   d_probe = jnp.maximum(jnp.sum(gram_h * gram_g), 0.0).astype(norm_probe.dtype)
-  return d_h, d_proj.astype(proj_dn.dtype), d_base, d_probe
+  return d_h, d_proj.astype(proj_nd.dtype), d_base, d_probe
 
 
 generate_weights.defvjp(_generate_fwd, _generate_bwd)
@@ -147,33 +155,34 @@ def is_projection(path) -> bool:
 
 
 class WeightGenerator(nnx.Module):
-  """W(t) = P·h(t) + P0 for one layer param; P is [d_t, *shape]."""
+  """W(t) = P·h(t) + P0 for one layer param; P is [*shape, d_t]."""
 
   def __init__(self, spec: ParamSpec, cfg: ModelConfig, h_rms, *, rngs: nnx.Rngs):
     d_t, dtype = cfg.time_embed_dim, jnp.dtype(cfg.param_dtype)
-    shape = (d_t,) + spec.shape
+    shape = spec.shape + (d_t,)
     if spec.role in ("in", "out"):
       sigma = 1.0 / math.sqrt(spec.fan_in)
-      proj = jax.random.normal(rngs.params(), shape, dtype) * (
-          sigma / math.sqrt(2.0) / (math.sqrt(d_t) * h_rms))
+      # Drawn d_t-major and moved: the same values P had when it was stored [d_t, *shape].
+      proj = jnp.moveaxis(jax.random.normal(rngs.params(), (d_t,) + spec.shape, dtype), 0, -1)
+      proj = proj * (sigma / math.sqrt(2.0) / (math.sqrt(d_t) * h_rms))
       base = jax.random.normal(rngs.params(), spec.shape, dtype) * (sigma / math.sqrt(2.0))
     else:  # biases, norm Γ/Β: zero-initialised; a norm's scale is 1 + Γ·h(t)
       proj = jnp.zeros(shape, dtype)
       base = (jnp.ones if spec.role == "norm_scale" else jnp.zeros)(spec.shape, dtype)
-    self.proj = nnx.Param(proj.astype(dtype), out_sharding=("time_embed",) + spec.axes)
+    self.proj = nnx.Param(proj.astype(dtype), out_sharding=spec.axes + ("time_embed",))
     self.base = nnx.Param(base.astype(dtype), out_sharding=spec.axes)
 
   def __call__(self, h_kd, dtype, norm_probe=None):
     """[K, d_t] codes -> [K, *shape] weights: one GEMM, f32 accumulation. The gradient
     of `norm_probe` (a float32 scalar) is ‖∂L/∂P‖²; see `generate_weights`."""
     proj = self.proj[...]
-    d_t = proj.shape[0]
+    d_t = proj.shape[-1]
     if norm_probe is None:
       norm_probe = jnp.zeros((), jnp.float32)
-    w = generate_weights(h_kd.astype(dtype), proj.reshape(d_t, -1).astype(dtype),
+    w = generate_weights(h_kd.astype(dtype), proj.reshape(-1, d_t).astype(dtype),
                          self.base[...].reshape(-1), norm_probe,
                          jnp.promote_types(dtype, jnp.float32))
-    return w.reshape((h_kd.shape[0],) + proj.shape[1:]).astype(dtype)
+    return w.reshape((h_kd.shape[0],) + proj.shape[:-1]).astype(dtype)
 
 
 class HyperNetwork(nnx.Module):

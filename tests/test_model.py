@@ -15,6 +15,7 @@ from odetransformer.config import ModelConfig, default_model_config
 from odetransformer.losses import token_cross_entropy
 from odetransformer.materialize import materialize
 from odetransformer.model import create_model
+from odetransformer.time_embedding import time_embedding
 
 TINY = ModelConfig(vocab_size=97, d_model=32, num_heads=4, mlp_dim=64, num_steps=4,
                    max_len=32, time_embed_dim=8, time_sinusoids=6, time_hidden=16,
@@ -31,23 +32,41 @@ def _np(x):
 
 
 def ref_time_embedding(t, s):
+  """e(t) = [t, sin(1000·t·ω_i), cos(1000·t·ω_i)], ω_i = 10000^(-i/S), in float64."""
   omega = np.exp(-math.log(10000.0) * np.arange(s) / s)
   ang = 1000.0 * t * omega
   return np.concatenate([[t], np.sin(ang), np.cos(ang)])
 
 
+def test_time_embedding_matches_closed_form():
+  # The model forms its angles 1000·t·ω (up to 1000 rad) in float32: each of the ~4
+  # roundings that make an angle moves it by ≤ 2⁻²⁴ of itself, and sin/cos move by as
+  # much; the embedding must be the closed form up to that and float32 sin/cos.
+  s = 64
+  for t in (0.0, 1 / 3, 0.5, 0.8125, 1.0):
+    got = np.asarray(time_embedding(jnp.float32(t), s), np.float64)
+    want = ref_time_embedding(np.float64(np.float32(t)), s)
+    ang = 1000.0 * t * np.exp(-math.log(10000.0) * np.arange(s) / s)
+    bound = np.concatenate([[0.0], ang, ang]) * 4 * 2.0 ** -24 + 1e-6
+    assert got.shape == (2 * s + 1,)
+    assert np.all(np.abs(got - want) <= bound), (t, np.max(np.abs(got - want) - bound))
+
+
 def ref_weights(model, t):
-  """W(t) for every layer param, from the hypernetwork's raw params, in float64."""
+  """W(t) for every layer param, from the hypernetwork's raw params, in float64, at the
+  model's own float32 time embedding e(t) (checked against the closed form above: its
+  float32 angles differ from exact ones by up to ~1e-4 rad, which moves f32 logits by
+  ~1e-5, the tolerance of the comparisons that use this)."""
   hyper, cfg = model.stack, model.config
-  e = ref_time_embedding(t, cfg.time_sinusoids)
+  e = np.asarray(time_embedding(jnp.float32(t), cfg.time_sinusoids), np.float64)
   out = {}
   for name, spec in hyper.specs.items():
     mlp = hyper.mlp if hyper.shared else hyper.mlps[spec.group]
     hidden = e @ _np(mlp.fc1.kernel[...]) + _np(mlp.fc1.bias[...])
     hidden = hidden / (1.0 + np.exp(-hidden))
     code = hidden @ _np(mlp.fc2.kernel[...]) + _np(mlp.fc2.bias[...])
-    proj = _np(hyper.gens[name].proj[...])
-    out[name] = np.tensordot(code, proj, axes=1) + _np(hyper.gens[name].base[...])
+    proj = _np(hyper.gens[name].proj[...])   # [*shape, d_t]
+    out[name] = proj @ code + _np(hyper.gens[name].base[...])
   return out
 
 
@@ -113,7 +132,8 @@ def ref_logits(model, toks, num_steps, seg=None, pos=None):
     x = x * math.sqrt(cfg.d_model)
     dt = 1.0 / num_steps
     for step in range(num_steps):  # plain Python loop over solver steps
-      x = x + dt * ref_field(x, ref_weights(model, step * dt), cfg, sb, p)
+      t = np.float32(step) * np.float32(dt)   # the model's float32 time grid
+      x = x + dt * ref_field(x, ref_weights(model, t), cfg, sb, p)
     shift = _np(model.final_norm_shift[...]) if cfg.flavour == "gpt" else None
     x = ref_norm(x, _np(model.final_norm_scale[...]), shift, cfg.norm_eps)
     out.append(x @ emb.T)
@@ -401,13 +421,13 @@ def test_generate_weights_custom_gradient_matches_autodiff(k):
   from odetransformer.hypernet import OUTER_SUM_MAX_TIMES, generate_weights
   assert 5 <= OUTER_SUM_MAX_TIMES < 9
   h = jax.random.normal(jax.random.key(0), (k, 7))
-  p = jax.random.normal(jax.random.key(1), (7, 33))
+  p = jax.random.normal(jax.random.key(1), (33, 7))   # P: [N, d_t]
   base = jax.random.normal(jax.random.key(3), (33,))
   g = jax.random.normal(jax.random.key(2), (k, 33))
   probe = jnp.zeros((), jnp.float32)
   custom = jax.vjp(lambda a, b, c, z: generate_weights(a, b, c, z, jnp.float32),
                    h, p, base, probe)
-  plain = jax.vjp(lambda a, b, c: a @ b + c, h, p, base)
+  plain = jax.vjp(lambda a, b, c: a @ b.T + c, h, p, base)
   np.testing.assert_allclose(custom[0], plain[0], rtol=1e-6, atol=1e-6)
   *grads, d_probe = custom[1](g)
   for c, r in zip(grads, plain[1](g)):

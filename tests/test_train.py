@@ -287,7 +287,10 @@ def test_skipped_nonfinite_step_leaves_the_state_exactly_as_it_was():
       if "opt_state" not in key:
         assert np.max(np.abs(plain[key] - clean[key])) <= 4 * lr, key
       continue
-    np.testing.assert_allclose(plain[key], clean[key], rtol=1e-5, atol=1e-9, err_msg=key)
+    # The absolute floor is a few float32 ulps of the array's largest element: an element
+    # that is a cancellation of larger terms (a moment near zero) carries their rounding.
+    floor = 1e-6 * float(np.max(np.abs(clean[key]), initial=0.0))
+    np.testing.assert_allclose(plain[key], clean[key], rtol=1e-5, atol=floor, err_msg=key)
   assert (skipped_m["skipped_steps"], clean_m["skipped_steps"]) == (1, 0)
   assert skipped_m["loss"] == clean_m["loss"]
   np.testing.assert_allclose(plain_m["loss"], clean_m["loss"], rtol=1e-6)
