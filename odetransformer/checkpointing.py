@@ -42,6 +42,14 @@ CORRUPT_DIR = "corrupt_checkpoints"
 CONFIG_FILE = "config.json"
 
 
+# Array layouts that changed in the code (not the config) and what to do about them.
+SHAPE_CHANGE_HINT = (
+    "its arrays' shapes differ from this model's under the same config: it was written "
+    "by an odetransformer whose arrays were laid out differently (before 2026-11-22 the "
+    "hypernetworks' P was stored [d_t, *weight axes], now [*weight axes, d_t]); resume "
+    "it with that version, or use a new --workdir")
+
+
 class CheckpointError(RuntimeError):
   """No checkpoint in the workdir can be restored (reported as one line by main.py)."""
 
@@ -219,9 +227,15 @@ class Checkpointer:
     if not failed:
       return None
     step, reason = failed[0]
+    hint = ""
+    if "not compatible with the stored shape" in reason:
+      # The config was checked against the run's config.json before this (train.py), so
+      # the shapes differ because the code stores them differently, not the model.
+      hint = (f"; {SHAPE_CHANGE_HINT} (orbax's advice to pad or truncate would "
+              "corrupt the weights)")
     raise CheckpointError(
         f"no checkpoint in {self.directory} restores (steps {[s for s, _ in failed]}; "
-        f"nothing was changed); step {step}: {reason}")
+        f"nothing was changed){hint}; step {step}: {reason}")
 
   def set_aside(self, steps):
     """Moves the (corrupt) step directories to `<workdir>/corrupt_checkpoints/`."""

@@ -333,6 +333,31 @@ def test_corrupt_checkpoint_falls_back_or_stops(cache, tmp_path):
 # --------------------------------------------------------------------------------------
 # 6. Bad input: one line, non-zero exit, nothing written
 # --------------------------------------------------------------------------------------
+def test_checkpoint_of_another_array_layout_stops_with_what_to_do(trained, cache, tmp_path,
+                                                                 monkeypatch):
+  """A checkpoint whose arrays the code lays out differently (P d_t-major, as before
+  2026-11-22) under the same config: one error that says so, and nothing moved."""
+  from flax import nnx
+  from odetransformer import hypernet
+  wd = tmp_path / "run"
+  shutil.copytree(trained, wd)
+  init = hypernet.WeightGenerator.__init__
+
+  def d_t_major_init(self, spec, *args, **kwargs):
+    init(self, spec, *args, **kwargs)
+    self.proj = nnx.Param(jax.numpy.moveaxis(self.proj[...], -1, 0),
+                          out_sharding=("time_embed",) + spec.axes)
+
+  monkeypatch.setattr(hypernet.WeightGenerator, "__init__", d_t_major_init)
+  before = snapshot(wd / "checkpoints")
+  with pytest.raises(checkpointing.CheckpointError) as raised:
+    train.train_and_evaluate(config(cache, 4), str(wd))
+  message = str(raised.value)
+  assert "\n" not in message and "[d_t, *weight axes]" in message, message
+  assert "laid out differently" in message and "not compatible" in message, message
+  assert snapshot(wd / "checkpoints") == before                  # nothing moved or written
+
+
 @pytest.fixture(scope="module")
 def trained(cache, tmp_path_factory):
   """A 2-step run's workdir (checkpoint at 2), to be copied by tests."""
