@@ -35,6 +35,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 from flax import nnx
 
 CHECKPOINT_DIR = "checkpoints"
@@ -180,6 +181,8 @@ class Checkpointer:
     """
     model_target = nnx.to_pure_dict(abstract_model_state)
     opt_target = nnx.to_pure_dict(abstract_opt_state)
+    self._check_shapes(step, "model", model_target)
+    self._check_shapes(step, "opt", opt_target)
     restored = self._manager.restore(int(step), args=ocp.args.Composite(
         model=ocp.args.StandardRestore(model_target),
         opt=ocp.args.StandardRestore(opt_target),
@@ -198,6 +201,28 @@ class Checkpointer:
       else:
         data_state = data["states"][jax.process_index()]
     return model_state, opt_state, restored["meta"], data_state
+
+  def _check_shapes(self, step: int, item: str, target):
+    """ValueError naming the first array whose stored shape differs from `target`'s.
+
+    Checked from the item's metadata before restoring: orbax finds a mismatch only
+    while reading, and leaves its other reads pending, which print "Event loop is
+    closed" tracebacks when the process exits. Metadata that cannot be read (a
+    corrupt checkpoint) is left for the restore to report.
+    """
+    try:
+      metadata = ocp.PyTreeCheckpointHandler().metadata(
+          epath.Path(self.directory) / str(int(step)) / item)
+    except Exception:  # pylint: disable=broad-except
+      return
+    leaves = jax.tree_util.tree_flatten_with_path(getattr(metadata, "tree", metadata))[0]
+    stored = {jax.tree_util.keystr(path): tuple(m.shape) for path, m in leaves
+              if getattr(m, "shape", None) is not None}
+    for path, x in jax.tree_util.tree_flatten_with_path(target)[0]:
+      key = jax.tree_util.keystr(path)
+      if key in stored and tuple(x.shape) != stored[key]:
+        raise ValueError(f"{item}{key}: requested shape {tuple(x.shape)} is not compatible "
+                         f"with the stored shape {stored[key]}")
 
   def restore_latest(self, abstract_model_state, abstract_opt_state):
     """`restore` of the newest checkpoint that restores; None when there is none.
@@ -231,8 +256,7 @@ class Checkpointer:
     if "not compatible with the stored shape" in reason:
       # The config was checked against the run's config.json before this (train.py), so
       # the shapes differ because the code stores them differently, not the model.
-      hint = (f"; {SHAPE_CHANGE_HINT} (orbax's advice to pad or truncate would "
-              "corrupt the weights)")
+      hint = f"; {SHAPE_CHANGE_HINT}"
     raise CheckpointError(
         f"no checkpoint in {self.directory} restores (steps {[s for s, _ in failed]}; "
         f"nothing was changed){hint}; step {step}: {reason}")
