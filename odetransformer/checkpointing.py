@@ -47,8 +47,12 @@ CONFIG_FILE = "config.json"
 SHAPE_CHANGE_HINT = (
     "its arrays' shapes differ from this model's under the same config: it was written "
     "by an odetransformer whose arrays were laid out differently (before 2026-11-22 the "
-    "hypernetworks' P was stored [d_t, *weight axes], now [*weight axes, d_t]); resume "
-    "it with that version, or use a new --workdir")
+    "hypernetworks' P was stored [d_t, *weight axes], now [*weight axes, d_t]); use "
+    "it with that version, or start a new --workdir")
+
+
+class LayoutMismatchError(ValueError):
+  """A stored array's shape differs from the model's (see `SHAPE_CHANGE_HINT`)."""
 
 
 class CheckpointError(RuntimeError):
@@ -181,8 +185,8 @@ class Checkpointer:
     """
     model_target = nnx.to_pure_dict(abstract_model_state)
     opt_target = nnx.to_pure_dict(abstract_opt_state)
-    self._check_shapes(step, "model", model_target)
-    self._check_shapes(step, "opt", opt_target)
+    _check_stored_shapes(self.directory, step, "model", model_target)
+    _check_stored_shapes(self.directory, step, "opt", opt_target)
     restored = self._manager.restore(int(step), args=ocp.args.Composite(
         model=ocp.args.StandardRestore(model_target),
         opt=ocp.args.StandardRestore(opt_target),
@@ -202,28 +206,6 @@ class Checkpointer:
         data_state = data["states"][jax.process_index()]
     return model_state, opt_state, restored["meta"], data_state
 
-  def _check_shapes(self, step: int, item: str, target):
-    """ValueError naming the first array whose stored shape differs from `target`'s.
-
-    Checked from the item's metadata before restoring: orbax finds a mismatch only
-    while reading, and leaves its other reads pending, which print "Event loop is
-    closed" tracebacks when the process exits. Metadata that cannot be read (a
-    corrupt checkpoint) is left for the restore to report.
-    """
-    try:
-      metadata = ocp.PyTreeCheckpointHandler().metadata(
-          epath.Path(self.directory) / str(int(step)) / item)
-    except Exception:  # pylint: disable=broad-except
-      return
-    leaves = jax.tree_util.tree_flatten_with_path(getattr(metadata, "tree", metadata))[0]
-    stored = {jax.tree_util.keystr(path): tuple(m.shape) for path, m in leaves
-              if getattr(m, "shape", None) is not None}
-    for path, x in jax.tree_util.tree_flatten_with_path(target)[0]:
-      key = jax.tree_util.keystr(path)
-      if key in stored and tuple(x.shape) != stored[key]:
-        raise ValueError(f"{item}{key}: requested shape {tuple(x.shape)} is not compatible "
-                         f"with the stored shape {stored[key]}")
-
   def restore_latest(self, abstract_model_state, abstract_opt_state):
     """`restore` of the newest checkpoint that restores; None when there is none.
 
@@ -241,9 +223,9 @@ class Checkpointer:
       try:
         restored = self.restore(step, abstract_model_state, abstract_opt_state)
       except Exception as e:  # pylint: disable=broad-except
-        failed.append((step, _one_line(e)))
+        failed.append((step, e))
         logging.warning("checkpoint at step %d in %s does not restore (%s)", step,
-                        self.directory, failed[-1][1])
+                        self.directory, _one_line(e))
         continue
       if failed:
         logging.warning("resuming from step %d, the newest checkpoint that restores", step)
@@ -251,15 +233,13 @@ class Checkpointer:
       return (step,) + restored
     if not failed:
       return None
-    step, reason = failed[0]
-    hint = ""
-    if "not compatible with the stored shape" in reason:
-      # The config was checked against the run's config.json before this (train.py), so
-      # the shapes differ because the code stores them differently, not the model.
-      hint = f"; {SHAPE_CHANGE_HINT}"
+    step, error = failed[0]
+    # The config was checked against the run's config.json before this (train.py), so
+    # shapes differ because the code stores them differently, not the model.
+    hint = f"; {SHAPE_CHANGE_HINT}" if isinstance(error, LayoutMismatchError) else ""
     raise CheckpointError(
         f"no checkpoint in {self.directory} restores (steps {[s for s, _ in failed]}; "
-        f"nothing was changed){hint}; step {step}: {reason}")
+        f"nothing was changed){hint}; step {step}: {_one_line(error)}")
 
   def set_aside(self, steps):
     """Moves the (corrupt) step directories to `<workdir>/corrupt_checkpoints/`."""
@@ -294,6 +274,30 @@ def _as_state(x):
   return x if isinstance(x, nnx.State) else nnx.state(x)
 
 
+def _check_stored_shapes(directory, step: int, item: str, target):
+  """LayoutMismatchError naming the first array whose stored shape differs from
+  `target`'s.
+
+  Checked from the item's metadata before restoring: orbax finds a mismatch only
+  while reading, and leaves its other reads pending, which print "Event loop is
+  closed" tracebacks when the process exits. Metadata that cannot be read (a
+  corrupt checkpoint) is left for the restore to report.
+  """
+  try:
+    metadata = ocp.PyTreeCheckpointHandler().metadata(
+        epath.Path(directory) / str(int(step)) / item)
+  except Exception:  # pylint: disable=broad-except
+    return
+  leaves = jax.tree_util.tree_flatten_with_path(getattr(metadata, "tree", metadata))[0]
+  stored = {jax.tree_util.keystr(path): tuple(m.shape) for path, m in leaves
+            if getattr(m, "shape", None) is not None}
+  for path, x in jax.tree_util.tree_flatten_with_path(target)[0]:
+    key = jax.tree_util.keystr(path)
+    if key in stored and tuple(x.shape) != stored[key]:
+      raise LayoutMismatchError(f"{item}{key}: requested shape {tuple(x.shape)} is not "
+                                f"compatible with the stored shape {stored[key]}")
+
+
 def _fill(abstract_state, pure_dict):
   """An nnx.State shaped like `abstract_state` holding the restored arrays."""
   state = jax.tree.map(lambda x: x, abstract_state)   # do not mutate the caller's copy
@@ -318,8 +322,14 @@ def restore_model_state(workdir: str, abstract_model_state, step: Optional[int] 
     step = manager.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {checkpoint_dir(workdir)}")
+    target = nnx.to_pure_dict(abstract_model_state)
+    try:
+      _check_stored_shapes(checkpoint_dir(workdir), step, "model", target)
+    except LayoutMismatchError as e:
+      raise LayoutMismatchError(f"the checkpoint of step {step} in {checkpoint_dir(workdir)} "
+                                f"does not restore: {SHAPE_CHANGE_HINT}; {e}") from e
     restored = manager.restore(step, args=ocp.args.Composite(
-        model=ocp.args.StandardRestore(nnx.to_pure_dict(abstract_model_state))))
+        model=ocp.args.StandardRestore(target)))
     return _fill(abstract_model_state, restored["model"]), step
   finally:
     manager.close()

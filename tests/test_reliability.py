@@ -356,6 +356,11 @@ def test_checkpoint_of_another_array_layout_stops_with_what_to_do(trained, cache
   assert "\n" not in message and "[d_t, *weight axes]" in message, message
   assert "laid out differently" in message and "not compatible" in message, message
   assert snapshot(wd / "checkpoints") == before                  # nothing moved or written
+  # Evaluation, generation and fine-tuning load the model alone: the same error there.
+  from odetransformer import loading
+  with pytest.raises(ValueError, match=r"laid out differently .*\[d_t, \*weight axes\]"):
+    loading.load_model(str(wd))
+  assert snapshot(wd / "checkpoints") == before
 
 
 @pytest.fixture(scope="module")
