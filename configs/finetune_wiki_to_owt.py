@@ -1,7 +1,13 @@
 """Paper Fig. 5 (right): pre-train on WikiText-103 with 18 steps at GPT-medium width,
 fine-tune on OpenWebText with N ∈ {9, 12, 18, 24} steps, each method.
 
-  python main.py --config=configs/wikitext103_medium.py --config.model.num_steps=18 --workdir=$PRE
+From the authors' config/finetune/wiki_owt.yaml (SDML-KU/qkvflow): the same settings
+as finetune_owt_to_wiki.py with the two corpora swapped.
+
+  python main.py --config=configs/wikitext103_medium.py --workdir=$PRE --config.data.data_dir=$DATA \
+      --config.model.num_steps=18 --config.model.time_embed_dim=100 --config.model.time_sinusoids=256
+  python main.py --config=configs/wikitext103_medium.py --workdir=$PRE_GPT --config.data.data_dir=$DATA \
+      --config.model.kind=gpt --config.model.num_steps=24
   python main.py --config=configs/finetune_wiki_to_owt.py --workdir=$W_${METHOD}_$N \
       --config.init_from=$PRE --config.finetune.method=$METHOD \
       --config.finetune.num_steps=$N --config.data.data_dir=$DATA
@@ -18,4 +24,6 @@ def get_config():
   config.finetune = source.finetune
   config.num_train_steps = source.num_train_steps
   config.optim.learning_rate = source.optim.learning_rate
+  for key in ("time_embed_dim", "time_sinusoids"):
+    config.model[key] = source.model[key]
   return config

@@ -1,6 +1,7 @@
 """Paper: DiffEqFormer at GPT-medium shape on WikiText-103 (Table 1 / App. C.4).
 
-Differs from wikitext103_small: 24 steps/layers, d 1024, 16 heads, MLP 4096.
+From the authors' config/wikitext_103/medium.yaml (SDML-KU/qkvflow). Differs from
+wikitext103_small: 24 steps/layers, d 1024, 16 heads, MLP 4096, d_t 48, peak lr 3e-4.
 
   python main.py --config=configs/wikitext103_medium.py --workdir=$W --config.data.data_dir=$DATA
   python main.py --config=configs/wikitext103_medium.py --config.model.kind=gpt --workdir=$W_gpt --config.data.data_dir=$DATA
@@ -17,4 +18,6 @@ def get_config():
   config.model.num_heads = 16
   config.model.mlp_dim = 4096
   config.model.num_steps = 24
+  config.model.time_embed_dim = 48
+  config.optim.learning_rate = 3e-4
   return config
