@@ -1,18 +1,21 @@
-"""Quality: DiffEqFormer vs GPT at the same width, depth, tokens and schedule.
+"""Quality: DiffEqFormer vs a discrete baseline at the same width, depth, tokens and schedule.
 
-Both models train on WikiText-2 validation (../shared/data/wikitext-2/valid.txt) with
-the same SentencePiece tokenizer, data order, batch, steps and AdamW schedule, and are
-evaluated on every token of WikiText-2 test. The last line is the key ratio:
+For each seed, both models train on the same text with the same SentencePiece tokenizer,
+data order (the seed), batch, steps and AdamW schedule, and are evaluated on every token
+of the evaluation text. The baseline has the same flavour: GPT-2 for `--flavour=gpt`,
+Llama for `--flavour=llama`. The last line is the key ratio (< 1: DiffEqFormer is better):
 
-  diffeqformer/gpt test perplexity ratio: X        (< 1: DiffEqFormer is better)
+  diffeqformer/gpt test perplexity ratio: R (mean of N seeds, steps S)
 
-  python benchmarks/quality.py                      # ~10 min on a 2-core CPU
-  python benchmarks/quality.py --steps=20 --eval_batches=2   # smoke run, ~2 min
+  python -m benchmarks.quality --data_dir=DIR        # WikiText-2 in DIR; 3 seeds × 2 models
+  python -m benchmarks.quality --train_text=a.txt --eval_text=b.txt   # any UTF-8 text
+  python -m benchmarks.quality --steps=20 --seeds=1 --eval_batches=2  # smoke run
 
 Defaults (d 256, 4 heads, 6 steps/layers, seq 128, batch 16, 600 steps, vocab 4096,
-d_t 64, lr 1e-3, β2 0.95) are sized to fit the 20-minute budget on the reference CPU;
-DESIGN.md §8 quotes a prototype at seq 256 / 500 steps / vocab 8192 (GPT 133.5,
-naive DiffEqFormer 145.6), which takes about twice as long here.
+d_t 64, lr 1e-3, β2 0.95) are sized for a 2-core CPU: one seed (both models) takes
+about 20 minutes there. A `--workdir` that already holds finished runs is reused: each
+finished run is only evaluated again, so an interrupted benchmark continues where it
+stopped.
 """
 import argparse
 import os
@@ -20,27 +23,30 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script: make the repository importable
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import logging  # pylint: disable=g-import-not-at-top
 
 from configs import default  # pylint: disable=g-import-not-at-top
 from odetransformer import train  # pylint: disable=g-import-not-at-top
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
-                    "shared", "data", "wikitext-2")
+# WikiText-2 as a sibling checkout lays it out; any directory with valid.txt/test.txt works.
+DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "..", "shared", "data", "wikitext-2")
 
 
-def make_config(args, kind: str, cache_dir: str):
+def make_config(args, kind: str, seed: int, cache_dir: str):
   c = default.get_config()
+  c.seed = seed
   c.model.kind = kind
+  c.model.flavour = args.flavour
   c.model.d_model = args.d_model
   c.model.num_heads = args.num_heads
   c.model.mlp_dim = 4 * args.d_model
   c.model.num_steps = args.num_steps
   c.model.max_len = args.seq_len
   c.model.time_embed_dim = args.time_embed_dim
-  c.model.time_sinusoids = 32
   c.seq_len = args.seq_len
   c.global_batch_size = args.batch
   c.eval_batch_size = args.batch
@@ -51,51 +57,75 @@ def make_config(args, kind: str, cache_dir: str):
   c.optim.learning_rate = args.lr
   c.optim.b2 = args.b2
   c.data.source = "local"
-  c.data.train_files = os.path.join(args.data, "valid.txt")
-  c.data.eval_files = os.path.join(args.data, "test.txt")
+  c.data.train_files = args.train_text
+  c.data.eval_files = args.eval_text
   c.data.vocab_size = args.vocab
   c.data.eval_max_batches = args.eval_batches
-  c.data.cache_dir = cache_dir                # one tokenizer for both models
+  c.data.cache_dir = cache_dir                # one tokenizer for every run
   return c
 
 
-def main():
+def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--steps", type=int, default=300)
+  p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1, both models each")
+  p.add_argument("--steps", type=int, default=600)
+  p.add_argument("--flavour", choices=("gpt", "llama"), default="gpt")
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--seq_len", type=int, default=128)
   p.add_argument("--d_model", type=int, default=256)
   p.add_argument("--num_heads", type=int, default=4)
-  p.add_argument("--num_steps", type=int, default=6, help="ODE steps = GPT layers")
+  p.add_argument("--num_steps", type=int, default=6, help="ODE steps = baseline layers")
   p.add_argument("--time_embed_dim", type=int, default=64)
   p.add_argument("--vocab", type=int, default=4096)
   p.add_argument("--lr", type=float, default=1e-3)
   p.add_argument("--b2", type=float, default=0.95)
-  p.add_argument("--eval_batches", type=int, default=0, help="0 = all of test.txt")
-  p.add_argument("--data", default=DATA)
+  p.add_argument("--eval_batches", type=int, default=0, help="0 = all of the eval text")
+  p.add_argument("--data_dir", default=DEFAULT_DATA_DIR,
+                 help="directory with WikiText-2's valid.txt and test.txt (the defaults of "
+                      "--train_text and --eval_text)")
+  p.add_argument("--train_text", default="", help="UTF-8 text to train on (default: "
+                 "DATA_DIR/valid.txt)")
+  p.add_argument("--eval_text", default="", help="UTF-8 text to evaluate on (default: "
+                 "DATA_DIR/test.txt)")
   p.add_argument("--workdir", default="", help="default: a fresh temporary directory")
-  args = p.parse_args()
-  for split in ("valid.txt", "test.txt"):
-    if not os.path.exists(os.path.join(args.data, split)):
-      sys.exit(f"error: {os.path.join(args.data, split)} not found (see ../shared/data)")
-  logging.set_verbosity(logging.WARNING)
+  args = p.parse_args(argv)
+  args.train_text = args.train_text or os.path.join(args.data_dir, "valid.txt")
+  args.eval_text = args.eval_text or os.path.join(args.data_dir, "test.txt")
+  for flag in ("train_text", "eval_text"):
+    if not os.path.isfile(getattr(args, flag)):
+      p.error(f"--{flag}={getattr(args, flag)} is not a file; pass a UTF-8 text file "
+              "(or --data_dir with WikiText-2's valid.txt and test.txt)")
+  if args.seeds < 1:
+    p.error(f"--seeds={args.seeds} must be at least 1")
+  return args
 
+
+def main(argv=None):
+  args = parse_args(argv)
+  logging.set_verbosity(logging.WARNING)
   root = args.workdir or tempfile.mkdtemp(prefix="odet_quality_")
-  results = {}
-  for kind in ("diffeqformer", "gpt"):
-    workdir = os.path.join(root, kind)
-    if os.path.exists(os.path.join(workdir, "checkpoints")):
-      sys.exit(f"error: {workdir} already holds a run; pass a fresh --workdir")
-    t = time.perf_counter()
-    r = train.train_and_evaluate(make_config(args, kind, os.path.join(root, "cache")), workdir)
-    results[kind] = r
-    hist = r["loss_history"]
-    print(f"{kind:13s} params {r['num_params']:>12,} | train loss {hist[0][1]:.3f} -> "
-          f"{hist[-1][1]:.3f} | test loss {r['eval']['loss']:.4f} | test ppl "
-          f"{r['eval']['perplexity']:.2f} | test tokens {int(r['eval']['num_tokens']):,} | "
-          f"{time.perf_counter() - t:.0f}s", flush=True)
-  ratio = results["diffeqformer"]["eval"]["perplexity"] / results["gpt"]["eval"]["perplexity"]
-  print(f"diffeqformer/gpt test perplexity ratio: {ratio:.3f}")
+  print(f"workdir {root}", flush=True)
+  ratios = []
+  for seed in range(args.seeds):
+    ppl = {}
+    for kind in ("diffeqformer", "gpt"):
+      workdir = os.path.join(root, f"{kind}_{args.flavour}_seed{seed}")
+      t = time.perf_counter()
+      r = train.train_and_evaluate(
+          make_config(args, kind, seed, os.path.join(root, "cache")), workdir)
+      ppl[kind] = r["eval"]["perplexity"]
+      hist = r["loss_history"]
+      trained = (f"train loss {hist[0][1]:.3f} -> {hist[-1][1]:.3f}" if hist
+                 else f"trained earlier ({r['step']} steps)")
+      print(f"seed {seed} {kind:13s} {args.flavour:5s} params {r['num_params']:>12,} | "
+            f"{trained} | test loss {r['eval']['loss']:.4f} | test ppl {ppl[kind]:.2f} | "
+            f"test tokens {int(r['eval']['num_tokens']):,} | "
+            f"{time.perf_counter() - t:.0f}s", flush=True)
+    ratios.append(ppl["diffeqformer"] / ppl["gpt"])
+    print(f"seed {seed} diffeqformer/gpt test perplexity ratio: {ratios[-1]:.3f}", flush=True)
+  mean = sum(ratios) / len(ratios)
+  print(f"diffeqformer/gpt test perplexity ratio: {mean:.3f} "
+        f"(mean of {len(ratios)} seeds, steps {args.steps})")
 
 
 if __name__ == "__main__":

@@ -70,7 +70,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.optim.b1 = 0.9
   config.optim.b2 = 0.95                # paper App. C.5: 0.95 helps the ODE
   config.optim.eps = 1e-8
-  config.optim.weight_decay = 0.1       # decoupled; masked off norms and biases
+  config.optim.weight_decay = 0.1       # decoupled
+  # Decayed group: 'auto' = embeddings only for ODE kinds (as the authors' code), weight
+  # matrices and embeddings (not norms, biases) for discrete ones; or 'embeddings' | 'matrices'.
+  config.optim.weight_decay_on = "auto"
   config.optim.grad_clip_norm = 1.0     # global-norm clipping (0 = off)
   config.optim.grad_accum_steps = 1     # microbatches per optimizer step
   # Steps with a NaN/inf loss or gradient to skip in a row (state left unchanged, batch

@@ -32,8 +32,8 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.num_steps = 6              # K solver steps (ODE) or L layers (discrete)
   c.max_len = 256              # position table size (gpt flavour); RoPE has no limit
   c.time_embed_dim = 32        # d_t: hypernetwork code width (paper: 20…144)
-  c.time_sinusoids = 32        # S: sinusoid pairs in e(t) (size 2S+1)
-  c.time_hidden = 0            # H: hypernetwork MLP hidden width (0 = d_model, as in the paper)
+  c.time_sinusoids = 128       # S: sinusoid pairs in e(t) (size 2S+1); the authors' configs use 128
+  c.time_hidden = 0            # H: hypernetwork MLP hidden width; 0 = d_t, as the authors' code
   c.shared_time_mlp = False    # App. D.2 ablation: one MLP shared by all weights
   c.solver = "euler"           # 'euler' | 'midpoint' | 'rk4' (ODE kinds only)
   c.remat_policy = "full"      # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
@@ -43,7 +43,11 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.dropout_rate = 0.0         # on embeddings and on attention / FFN outputs
   c.rope_base = 10000.0        # llama flavour
   c.norm_eps = 1e-5
-  c.embed_scale = 0.0          # multiplier on input embeddings; 0 = √d for ODE kinds, 1 otherwise
+  c.embed_scale = 1.0          # multiplier on input embeddings; 1 as the authors' code (no √d)
+  # DiffEqFormer initialisation, as the authors' code (SDML-KU/qkvflow) does it:
+  c.hyper_init_std = 0.02      # std of P (weights' generators) and of the time MLPs' kernels;
+                               # static parts P0 and all MLP biases start at 0 (haliax Linear init)
+  c.hyper_bias_init_std = 1e-4 # std of P of the bias generators (qkvflow TemporalLinear f_b)
   # LoRA on a discrete model's stacked layers (fine-tuning; odetransformer/finetune.py):
   c.lora_rank = 0              # 0 = no adapters; > 0 freezes the layers and trains A·B
   c.lora_alpha = 16.0          # adapter scale alpha / rank
@@ -64,7 +68,7 @@ class ModelConfig:
   num_steps: int = 6
   max_len: int = 256
   time_embed_dim: int = 32
-  time_sinusoids: int = 32
+  time_sinusoids: int = 128
   time_hidden: int = 0
   shared_time_mlp: bool = False
   solver: str = "euler"
@@ -75,7 +79,9 @@ class ModelConfig:
   dropout_rate: float = 0.0
   rope_base: float = 10000.0
   norm_eps: float = 1e-5
-  embed_scale: float = 0.0
+  embed_scale: float = 1.0
+  hyper_init_std: float = 0.02
+  hyper_bias_init_std: float = 1e-4
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: tuple = ("wq", "wk", "wv", "wo")
@@ -116,7 +122,12 @@ class ModelConfig:
       raise ValueError(f"model.lora_targets has {bad}, not layer weights of this model; "
                        f"choose from {sorted(weights)}")
     if self.time_hidden < 0:
-      raise ValueError(f"model.time_hidden={self.time_hidden} must be >= 0 (0 = d_model)")
+      raise ValueError(f"model.time_hidden={self.time_hidden} must be >= 0 (0 = d_t)")
+    if self.embed_scale <= 0:
+      raise ValueError(f"model.embed_scale={self.embed_scale} must be > 0 (1 = unscaled)")
+    for name in ("hyper_init_std", "hyper_bias_init_std"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"model.{name}={getattr(self, name)} must be >= 0")
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "ModelConfig":
@@ -139,14 +150,7 @@ class ModelConfig:
 
   @property
   def hyper_hidden(self) -> int:
-    return self.time_hidden or self.d_model
-
-  @property
-  def input_scale(self) -> float:
-    """Multiplier on input embeddings (see hypernet.py on why ODEs use √d)."""
-    if self.embed_scale:
-      return float(self.embed_scale)
-    return float(self.d_model) ** 0.5 if self.is_ode else 1.0
+    return self.time_hidden or self.time_embed_dim
 
   @property
   def is_ode(self) -> bool:

@@ -103,18 +103,30 @@ def test_input_pipeline():
 
 
 def test_quality(tmp_path):
-  shared_data_path("wikitext-2", "test.txt")
-  out = _run("quality.py", "--steps=2", "--eval_batches=1", "--batch=2", "--seq_len=32",
-             "--d_model=32", "--num_heads=2", "--num_steps=2", "--time_embed_dim=8",
-             "--vocab=512", f"--workdir={tmp_path}")
-  ppl = {}
-  for kind in ("diffeqformer", "gpt"):
-    m = _find(rf"^{kind}\s+params\s+{NUM} \| train loss {NUM} -> {NUM} \| test loss {NUM} \| "
-              rf"test ppl {NUM} \|", out)
-    loss, ppl[kind] = _num(m.group(4)), _num(m.group(5))
-    assert ppl[kind] == pytest.approx(math.exp(loss), rel=1e-3)
-  ratio = _num(_find(rf"^diffeqformer/gpt test perplexity ratio: {NUM}$", out).group(1))
-  assert ratio == pytest.approx(ppl["diffeqformer"] / ppl["gpt"], abs=0.002)
+  """Two seeds of both models on a user's own text files: each seed's ratio is its two
+  perplexities' ratio, and the last line is their mean."""
+  text = pathlib.Path(shared_data_path("wikitext-2", "test.txt")).read_text(encoding="utf-8")
+  (tmp_path / "train.txt").write_text(text[:400_000], encoding="utf-8")
+  (tmp_path / "eval.txt").write_text(text[400_000:480_000], encoding="utf-8")
+  out = _run("quality.py", "--seeds=2", "--steps=2", "--eval_batches=1", "--batch=2",
+             "--seq_len=32", "--d_model=32", "--num_heads=2", "--num_steps=2",
+             "--time_embed_dim=8", "--vocab=512", f"--train_text={tmp_path / 'train.txt'}",
+             f"--eval_text={tmp_path / 'eval.txt'}", f"--workdir={tmp_path / 'runs'}")
+  ratios = []
+  for seed in (0, 1):
+    ppl = {}
+    for kind in ("diffeqformer", "gpt"):
+      m = _find(rf"^seed {seed} {kind}\s+gpt\s+params\s+{NUM} \| train loss {NUM} -> {NUM} \| "
+                rf"test loss {NUM} \| test ppl {NUM} \|", out)
+      loss, ppl[kind] = _num(m.group(4)), _num(m.group(5))
+      assert ppl[kind] == pytest.approx(math.exp(loss), rel=1e-3)
+    ratio = _num(_find(rf"^seed {seed} diffeqformer/gpt test perplexity ratio: {NUM}$",
+                       out).group(1))
+    assert ratio == pytest.approx(ppl["diffeqformer"] / ppl["gpt"], abs=0.002)
+    ratios.append(ratio)
+  last = re.fullmatch(rf"diffeqformer/gpt test perplexity ratio: {NUM} \(mean of 2 seeds, "
+                      r"steps 2\)", out.strip().splitlines()[-1])
+  assert last and _num(last.group(1)) == pytest.approx(sum(ratios) / 2, abs=0.002)
 
 
 def test_adaptive_finetune(tmp_path):
