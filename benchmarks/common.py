@@ -76,7 +76,7 @@ class Trainer:
     self.cfg = cfg
     self.mesh = sharding.make_mesh(config.mesh)
     self.rules = sharding.logical_axis_rules(config.mesh)
-    tx = optimizer.create_optimizer(config.optim, num_train_steps)
+    tx = optimizer.create_optimizer(config.optim, num_train_steps, ode=cfg.is_ode)
     schedule = optimizer.learning_rate_schedule(config.optim, num_train_steps)
     with nnx.logical_axis_rules(self.rules):
       self.ts, self.state = train.init_train_state(cfg, tx, seed, self.mesh)

@@ -10,8 +10,7 @@ Last line: `ode temp growth per step / scan carry: X`, that growth net of the ge
 weights and their gradient (target ≤ 1; ≫ 1 would mean activations stored per step).
 Whether the generated weights show at all depends on where the peak is: in the
 activation-heavy backward pass, or in the optimizer update. The growth is the slope
-between the two largest K: up to `hypernet.OUTER_SUM_MAX_TIMES` solver times the
-gradient of P is fused into AdamW and never held, so a small K sits below the line.
+between the two largest K.
 
   python benchmarks/memory.py [--remat=full] [--steps=6,12,24]
 """

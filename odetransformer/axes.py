@@ -3,7 +3,16 @@
 Parameters carry `out_sharding` metadata made of these names; the training code maps
 them to mesh axes with `nnx.logical_axis_rules(rules)` (MaxText's logical axis rules).
 Every rule set must name all of `LOGICAL_AXES` (map an axis to None to replicate it).
+
+Steps are traced under activation rules (`sharding.activation_rules`), in which a
+weight axis such as 'embed' is not split (its mesh axis already splits the batch).
+Weights that are computed inside a step — DiffEqFormer's W(t) — must instead live where
+their parameters do; `weight_rules` says which rules those are and `constrain_weight`
+applies them.
 """
+import contextlib
+import contextvars
+
 import jax
 from flax.core import spmd as core_spmd
 
@@ -40,4 +49,31 @@ def constrain(x, names):
   if mesh.empty:
     return x
   spec = core_spmd.apply_rules(jax.sharding.PartitionSpec(*names), None)
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
+_WEIGHT_RULES = contextvars.ContextVar("odetransformer_weight_rules", default=None)
+
+
+@contextlib.contextmanager
+def weight_rules(rules):
+  """Within the block, `constrain_weight` maps names by `rules` (the parameter rules)."""
+  token = _WEIGHT_RULES.set(tuple(rules))
+  try:
+    yield
+  finally:
+    _WEIGHT_RULES.reset(token)
+
+
+def constrain_weight(x, names):
+  """Sharding constraint for a weight computed in a step (a generated W(t)): by the
+  `weight_rules` in force, so it is sharded as a parameter with those logical axes is;
+  outside them, as `constrain` (the current rules). A no-op outside a mesh context."""
+  rules = _WEIGHT_RULES.get()
+  if rules is None:
+    return constrain(x, names)
+  if jax.sharding.get_abstract_mesh().empty:
+    return x
+  table = dict(rules)
+  spec = jax.sharding.PartitionSpec(*(None if n is None else table[n] for n in names))
   return jax.lax.with_sharding_constraint(x, spec)

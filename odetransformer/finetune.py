@@ -66,8 +66,7 @@ def finetune_model_config(config) -> ModelConfig:
                           f"pre-trained model is kind={pre.kind!r} (use 'full' or 'lora')")
     return dataclasses.replace(pre, num_steps=n, **keep)
   if pre.is_ode:
-    disc = dataclasses.replace(pre, kind="parallel", num_steps=n,
-                               embed_scale=pre.input_scale, **keep)
+    disc = dataclasses.replace(pre, kind="parallel", num_steps=n, **keep)
   else:
     if n != pre.num_steps:
       raise FinetuneError(f"a discrete {pre.kind!r} model has {pre.num_steps} layers; "

@@ -33,6 +33,5 @@ def materialize(model: LanguageModel, num_steps: int) -> LanguageModel:
   specs = model.stack.specs
   layers = {n: (w * dt if specs[n].role in _DT_ROLES else w) for n, w in layers.items()}
 
-  new_cfg = dataclasses.replace(cfg, kind="parallel", num_steps=num_steps,
-                                embed_scale=cfg.input_scale)
+  new_cfg = dataclasses.replace(cfg, kind="parallel", num_steps=num_steps)
   return build_from_values(new_cfg, layers, model)

@@ -170,7 +170,7 @@ def memory_report(config, *, compile_step: Optional[bool] = None,
     raise train.ConfigError(str(e)) from e
   train._check_config(config, mesh, rules)  # pylint: disable=protected-access
   cfg = train.model_config(config, config.data.vocab_size)
-  tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps)
+  tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps, ode=cfg.is_ode)
   schedule = optimizer_lib.learning_rate_schedule(config.optim, config.num_train_steps)
 
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
@@ -194,23 +194,8 @@ def memory_report(config, *, compile_step: Optional[bool] = None,
   if not compile_step:
     return report
 
-  step = train.make_train_step(ts, schedule, rules,
-                               grad_accum_steps=int(config.optim.grad_accum_steps),
-                               use_dropout=cfg.dropout_rate > 0)
-  batch_sharding = sharding_lib.batch_sharding(mesh, rules)
-  shape = (config.global_batch_size, config.seq_len)
-  batch = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding),
-           "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding),
-           "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding),
-           "positions": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding),
-           "weights": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=batch_sharding)}
-  rng = jax.eval_shape(lambda: jax.random.key(0))
   t0 = time.perf_counter()
-  # make_train_step's wrapper applies the activation rules when called; lowering
-  # bypasses it, so apply them here.
-  jitted = getattr(step, "__wrapped__", step)
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding_lib.activation_rules(rules)):
-    compiled = jitted.lower(ts.abstract, batch, rng).compile()
+  compiled = compile_train_step(config, cfg, ts, mesh, rules)
   stats = compiled.memory_analysis()
   fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
             "temp_size_in_bytes", "generated_code_size_in_bytes")
@@ -219,6 +204,30 @@ def memory_report(config, *, compile_step: Optional[bool] = None,
   report.compiled = True
   report.compile_seconds = time.perf_counter() - t0
   return report
+
+
+def abstract_batch(config, mesh, rules) -> dict:
+  """The train step's batch as ShapeDtypeStructs in the batch sharding (no data)."""
+  batch_sharding = sharding_lib.batch_sharding(mesh, rules)
+  shape = (config.global_batch_size, config.seq_len)
+  dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32,
+            "positions": jnp.int32, "weights": jnp.float32}
+  return {k: jax.ShapeDtypeStruct(shape, d, sharding=batch_sharding) for k, d in dtypes.items()}
+
+
+def compile_train_step(config, cfg, ts, mesh, rules):
+  """The real train step (`train.make_train_step`) compiled for `mesh` on abstract inputs
+  (`ts.abstract`, `abstract_batch`): nothing is allocated."""
+  schedule = optimizer_lib.learning_rate_schedule(config.optim, config.num_train_steps)
+  step = train.make_train_step(ts, schedule, rules,
+                               grad_accum_steps=int(config.optim.grad_accum_steps),
+                               use_dropout=cfg.dropout_rate > 0)
+  rng = jax.eval_shape(lambda: jax.random.key(0))
+  # make_train_step's wrapper applies the activation rules when called; lowering
+  # bypasses it, so apply them here.
+  jitted = getattr(step, "__wrapped__", step)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding_lib.activation_rules(rules)):
+    return jitted.lower(ts.abstract, abstract_batch(config, mesh, rules), rng).compile()
 
 
 def format_report(r: MemoryReport) -> str:

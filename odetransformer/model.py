@@ -130,13 +130,12 @@ class LanguageModel(nnx.Module):
                             * EMBED_STD, out_sharding=("embed", "vocab"))
 
   # ---------------------------------------------------------------------------------
-  def step_params(self, num_steps: int, grad_norm_probe=None):
+  def step_params(self, num_steps: int):
     """Per-step layer params and step size for the solver: ([K, S, …] dict, dt)."""
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     if cfg.kind == "diffeqformer":
-      return (self.stack(stage_times(num_steps, cfg.solver), dtype, grad_norm_probe),
-              1.0 / num_steps)
+      return self.stack(stage_times(num_steps, cfg.solver), dtype), 1.0 / num_steps
     layers = self.stack.layers()
     return {k: v.astype(dtype)[:, None] for k, v in layers.items()}, 1.0
 
@@ -146,7 +145,7 @@ class LanguageModel(nnx.Module):
     x = jnp.take(constrain(self.embed[...], ("vocab", "embed")), tokens_bt, axis=0)
     if cfg.flavour == "gpt":
       x = x + jnp.take(constrain(self.pos_embed[...], ("length", "embed")), positions_bt, axis=0)
-    return (x * cfg.input_scale).astype(dtype)
+    return (x * cfg.embed_scale).astype(dtype)
 
   def logits(self, x_btd):
     cfg = self.config
@@ -171,7 +170,7 @@ class LanguageModel(nnx.Module):
 
   def __call__(self, tokens_bl, *, segment_ids_bl=None, positions_bl=None,
                num_steps: Optional[int] = None, deterministic: bool = True,
-               dropout_rng=None, return_trajectory: bool = False, grad_norm_probe=None):
+               dropout_rng=None, return_trajectory: bool = False):
     """Logits [b, l, vocab] in the compute dtype.
 
     Args:
@@ -183,10 +182,6 @@ class LanguageModel(nnx.Module):
       deterministic: no dropout when True.
       dropout_rng: PRNG key for dropout when not deterministic.
       return_trajectory: also return the hidden states before each step [K, b, l, d].
-      grad_norm_probe: optional float32 scalar (zero) that the logits do not depend on;
-        its gradient is Σ‖∂L/∂P‖² over the hypernetworks' projections P, so the train
-        step takes the global gradient norm without reading P's gradient (see
-        `hypernet.generate_weights`). Discrete and weight-sharing kinds ignore it.
     """
     cfg = self.config
     k = self.resolve_num_steps(num_steps)
@@ -214,7 +209,7 @@ class LanguageModel(nnx.Module):
       dt = 1.0 / k
       get = lambda inp: shared
     else:
-      weights, dt = self.step_params(k, grad_norm_probe)
+      weights, dt = self.step_params(k)
       inputs = {"w": weights}
       get = lambda inp: inp["w"]
     n_stages = jax.tree.leaves(inputs)[0].shape[1]

@@ -4,17 +4,16 @@ Schedule (paper App. C.4): linear warm-up over `optim.warmup_frac` of the run (1
 then cosine decay to `optim.min_lr_ratio` × peak (0.1) at `num_train_steps`.
 
 Weight decay (decoupled, PyTorch-AdamW style: the decay is scaled by the learning rate)
-applies to every parameter except:
-  * norms and biases, by path name (`odetransformer.axes.is_decayed`: a path part
-    containing 'norm', or named 'bias'/'bq'/'bk'/'bv'/'bo'/'b1'/'b2' or '<that>_...').
-    For DiffEqFormer this also spares the generators of time-dependent biases and
-    norm scales/shifts (`gens/bq/...`, `gens/norm1_scale/...`) and the hypernetwork
-    MLPs that feed a norm group (`mlps/norm1/...`).
-  * any parameter with fewer than 2 dimensions (a scale or bias under another name).
-Embeddings (token and position), the LM head, the weight-matrix generators
-(P and P0 of W_Q … W_2) and the kernels of the hypernetwork MLPs of linear layers are
-decayed, as in GPT-2/nanoGPT, where the tied embedding is a weight matrix like the others.
+applies to one of two groups, chosen by `optim.weight_decay_on`:
+  * 'embeddings': the token and position embeddings and an untied LM head only. The
+    authors' code (SDML-KU/qkvflow train_lm.py) decays exactly this group for its ODE
+    models: the hypernetworks' generators are not decayed.
+  * 'matrices': every parameter with ≥ 2 dimensions except norms and biases (by path
+    name, `odetransformer.axes.is_decayed`), as GPT-2/nanoGPT and the authors' GPT
+    baselines do.
+  * 'auto' (default): 'embeddings' for ODE kinds, 'matrices' for discrete ones.
 """
+import functools
 import math
 
 import jax
@@ -51,37 +50,27 @@ def learning_rate_schedule(optim_config, num_train_steps: int):
   return schedule
 
 
-def weight_decay_mask(params):
-  """Tree of bools (True = decayed) matching `params`; see the module docstring."""
+# Top-level model attributes that hold embeddings (odetransformer.model.LanguageModel).
+EMBEDDINGS = ("embed", "pos_embed", "head")
+DECAY_GROUPS = ("auto", "embeddings", "matrices")
+
+
+def weight_decay_mask(params, on: str = "matrices"):
+  """Tree of bools (True = decayed) matching `params`: the group `on` ('embeddings' or
+  'matrices', see the module docstring)."""
   def decide(path, x):
+    if on == "embeddings":
+      return str(getattr(path[0], "key", path[0])) in EMBEDDINGS
     return bool(is_decayed(path)) and getattr(x, "ndim", 0) >= 2
   return jax.tree_util.tree_map_with_path(decide, params)
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-  """`optax.clip_by_global_norm`, applied as one scalar factor min(1, max_norm/‖g‖).
+def create_optimizer(optim_config, num_train_steps: int, *,
+                     ode: bool = False) -> optax.GradientTransformation:
+  """The optax transformation: clip by global norm, then AdamW with the schedule.
 
-  optax divides every element by ‖g‖; XLA counts a divide as expensive and will not
-  duplicate it into AdamW's two consumers (μ and ν), so the clipped gradient is
-  written out and read back: one extra pass over every parameter-sized array
-  (a multiply is fused into the consumers instead). Equal to optax's result up to
-  rounding; bit-identical when no clipping happens.
-
-  The train step passes the norm it has already taken as the extra argument
-  `global_norm` (its hypernetwork part comes from the backward pass, so that no
-  reduction reads the hypernetworks' gradients); without it the norm is computed here.
+  `ode` says whether the model is an ODE kind; it resolves `weight_decay_on='auto'`.
   """
-  def update_fn(updates, state, params=None, *, global_norm=None, **extra_args):
-    del params, extra_args
-    norm = optax.global_norm(updates) if global_norm is None else global_norm
-    scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
-    return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
-
-  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
-
-
-def create_optimizer(optim_config, num_train_steps: int) -> optax.GradientTransformation:
-  """The optax transformation: clip by global norm, then AdamW with the schedule."""
   if optim_config.name != "adamw":
     raise OptimConfigError(f"optim.name={optim_config.name!r} is unknown; only 'adamw'")
   for key in ("b1", "b2"):
@@ -89,16 +78,23 @@ def create_optimizer(optim_config, num_train_steps: int) -> optax.GradientTransf
       raise OptimConfigError(f"optim.{key}={optim_config[key]} must be in [0, 1)")
   if float(optim_config.learning_rate) <= 0:
     raise OptimConfigError(f"optim.learning_rate={optim_config.learning_rate} must be > 0")
+  on = optim_config.get("weight_decay_on", "auto")
+  if on not in DECAY_GROUPS:
+    raise OptimConfigError(f"optim.weight_decay_on={on!r} is unknown; choose one of "
+                           f"{list(DECAY_GROUPS)}")
+  if on == "auto":
+    on = "embeddings" if ode else "matrices"
   schedule = learning_rate_schedule(optim_config, num_train_steps)
   parts = []
   if float(optim_config.grad_clip_norm) > 0:
-    parts.append(clip_by_global_norm(float(optim_config.grad_clip_norm)))
+    # Clips the gradient the train step hands over: under accumulation, the sum.
+    parts.append(optax.clip_by_global_norm(float(optim_config.grad_clip_norm)))
   parts.append(optax.adamw(
       learning_rate=schedule,
       b1=float(optim_config.b1),
       b2=float(optim_config.b2),
       eps=float(optim_config.eps),
       weight_decay=float(optim_config.weight_decay),
-      mask=weight_decay_mask,
+      mask=functools.partial(weight_decay_mask, on=on),
   ))
   return optax.chain(*parts)

@@ -31,8 +31,8 @@ from absl import logging
 from clu import parameter_overview
 from flax import nnx
 
+from odetransformer import axes as axes_lib
 from odetransformer import checkpointing
-from odetransformer import hypernet
 from odetransformer import metrics as metrics_lib
 from odetransformer import optimizer as optimizer_lib
 from odetransformer import sharding as sharding_lib
@@ -168,12 +168,13 @@ def _with_rules(rules, fn):
   return wrapped
 
 
-def _forward_sums(model, batch, dropout_rng, grad_norm_probe=None):
-  """(loss_sum, weight_sum, logits) for one (micro)batch; the loss in float32."""
+def _forward_sums(model, batch, dropout_rng, time_grid=None):
+  """(loss_sum, weight_sum, logits) for one (micro)batch; the loss in float32.
+  `time_grid`: the solver's [K+1] grid (None: uniform)."""
   deterministic = dropout_rng is None
   logits = model(batch["inputs"], segment_ids_bl=batch.get("segment_ids"),
                  positions_bl=batch.get("positions"), deterministic=deterministic,
-                 dropout_rng=dropout_rng, grad_norm_probe=grad_norm_probe)
+                 dropout_rng=dropout_rng, time_grid=time_grid)
   loss_sum, weight_sum = token_cross_entropy(logits.astype(jnp.float32), batch["targets"],
                                              batch["weights"])
   return loss_sum, weight_sum, logits
@@ -186,18 +187,6 @@ def _microbatches(batch, num: int, batch_spec):
     spec = jax.sharding.PartitionSpec(None, *batch_spec)
     return jax.lax.with_sharding_constraint(y, spec)
   return jax.tree.map(split, batch)
-
-
-def _global_norm(grads, proj_sq_norm):
-  """‖grads‖ with the hypernetworks' P taken from the probe's Σ‖dP‖² (the gradient of
-  the model's `grad_norm_probe`), so that no reduction reads dP: XLA then fuses dP
-  into AdamW and never writes it out. Models without hypernetworks have no P and a
-  zero probe gradient."""
-  leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
-  dense = [g for path, g in leaves if not hypernet.is_projection(path)]
-  if len(dense) == len(leaves):   # no trainable P (a frozen one would still report)
-    return optax.global_norm(grads)
-  return jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in dense) + proj_sq_norm)
 
 
 def make_train_step(ts: TrainState, schedule: Callable, rules, *, grad_accum_steps: int = 1,
@@ -218,75 +207,77 @@ def make_train_step(ts: TrainState, schedule: Callable, rules, *, grad_accum_ste
   """
   batch_spec = sharding_lib.logical_to_spec(("batch", None), rules)
 
-  def loss_fn(params, probe, rest, graphdef, batch, rng, denominator):
+  def loss_fn(params, rest, graphdef, batch, rng, denominator):
     """Σ token losses / denominator (the whole batch's target count) and Σ losses.
 
     Dividing the scalar loss, not the gradients, keeps the mean out of the per-parameter
     passes (a divide over every gradient would be one more read and write of each).
-    `probe` (a zero scalar) collects the hypernetworks' Σ‖dP‖² as its gradient.
     """
     model = nnx.merge(graphdef, params, rest)
-    loss_sum, _, _ = _forward_sums(model, batch, rng if use_dropout else None, probe)
+    # model.train_time_grid: this batch's solver grid (None = uniform), its own stream.
+    grid = time_grid_lib.train_time_grid(model.config, jax.random.fold_in(rng, _GRID_STREAM))
+    loss_sum, _, _ = _forward_sums(model, batch, rng if use_dropout else None, grid)
     return loss_sum / denominator, loss_sum
 
-  def apply_update(state, grads, grad_norm):
+  def apply_update(state, grads):
     model, optimizer = nnx.merge(ts.graphdef, state)
-    # The norm goes to `optimizer.clip_by_global_norm` (chains take extra arguments).
-    extra = ({"global_norm": grad_norm}
-             if isinstance(optimizer.tx, optax.GradientTransformationExtraArgs) else {})
-    optimizer.update(model, grads, **extra)
+    optimizer.update(model, grads)   # clips by the global norm first (create_optimizer)
     return nnx.state((model, optimizer))
 
   def step(state, batch, rng):
     model, optimizer = nnx.merge(ts.graphdef, state)
     lr = schedule(optimizer.step[...])
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
-    probe = jnp.zeros((), jnp.float32)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     # The gradient is of the mean over all target tokens of the global batch (exact
     # under accumulation: every microbatch divides by the whole batch's count).
     weight_sum = jnp.sum(batch["weights"].astype(jnp.float32))
     denominator = jnp.maximum(weight_sum, 1.0)
     if grad_accum_steps == 1:
-      (_, loss_sum), (grads, proj_sq_norm) = grad_fn(params, probe, rest, graphdef, batch,
-                                                     rng, denominator)
-      grad_norm = _global_norm(grads, proj_sq_norm)
+      (_, loss_sum), grads = grad_fn(params, rest, graphdef, batch, rng, denominator)
     else:
       micro = _microbatches(batch, grad_accum_steps, batch_spec)
 
       def body(carry, xs):
         g_acc, l_acc = carry
         mb, j = xs
-        (_, l), (g, _) = grad_fn(params, probe, rest, graphdef, mb,
-                                 jax.random.fold_in(rng, j), denominator)
+        (_, l), g = grad_fn(params, rest, graphdef, mb, jax.random.fold_in(rng, j),
+                            denominator)
         return (jax.tree.map(jnp.add, g_acc, g), l_acc + l), None
 
       zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
       (grads, loss_sum), _ = jax.lax.scan(
           body, (zeros, jnp.float32(0)), (micro, jnp.arange(grad_accum_steps)))
-      grad_norm = optax.global_norm(grads)   # a norm of the sum: the probe does not apply
-    # Neither the updates nor the new parameters are reduced to norms here: each would be
-    # one more pass over every parameter per step (the updates would also stay in memory
-    # beside the new parameters). `make_param_norm` measures the parameters when a log
-    # line or a checkpoint needs them; a non-finite update shows there, and in the next
-    # step's loss.
+    # The norm of the whole (accumulated) gradient: the one the optimizer's clipping
+    # takes too. Neither the updates nor the new parameters are reduced to norms here:
+    # each would be one more pass over every parameter per step (the updates would also
+    # stay in memory beside the new parameters). `make_param_norm` measures the
+    # parameters when a log line or a checkpoint needs them; a non-finite update shows
+    # there, and in the next step's loss.
+    grad_norm = optax.global_norm(grads)
     applied = jnp.float32(1.0)
     if skip_nonfinite:
       ok = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
-      new_state = jax.lax.cond(ok, apply_update, lambda state, *_: state, state, grads,
-                               grad_norm)
+      new_state = jax.lax.cond(ok, apply_update, lambda state, _: state, state, grads)
       loss_sum, weight_sum, grad_norm = (jnp.where(ok, x, 0.0)
                                          for x in (loss_sum, weight_sum, grad_norm))
       applied = ok.astype(jnp.float32)
     else:
-      new_state = apply_update(state, grads, grad_norm)
+      new_state = apply_update(state, grads)
     out = metrics_lib.TrainMetrics.single_from_model_output(
         loss_sum=loss_sum, weight_sum=weight_sum, grad_norm=grad_norm, learning_rate=lr,
         applied=applied)
     return ts.constrain(new_state), out
 
-  return _with_rules(sharding_lib.activation_rules(rules), jax.jit(step, donate_argnums=(0,)))
+  def traced_step(state, batch, rng):
+    # Generated weights (DiffEqFormer's W(t)) are sharded as parameters, by `rules`;
+    # set here, in the traced function, so that it holds however the step is lowered.
+    with axes_lib.weight_rules(rules):
+      return step(state, batch, rng)
+
+  return _with_rules(sharding_lib.activation_rules(rules),
+                    jax.jit(traced_step, donate_argnums=(0,)))
 
 
 def make_param_norm(ts: TrainState) -> Callable:
@@ -392,7 +383,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   _check_config(config, mesh, rules)
   model_config(config)  # fail on a bad model config before the data is prepared
   try:
-    tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps)
+    tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps,
+                                        ode=model_config(config).is_ode)
     schedule = optimizer_lib.learning_rate_schedule(config.optim, config.num_train_steps)
   except optimizer_lib.OptimConfigError as e:
     raise ConfigError(str(e)) from e

@@ -1,4 +1,5 @@
 """Learning-rate schedule, weight-decay mask and clipping."""
+import math
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,7 +81,7 @@ def test_weight_decay_mask_discrete_baseline(flavour):
     assert m["['stack']['params']['w3']"]
 
 
-def test_decay_applies_only_to_masked_leaves_and_clipping_bounds_the_update():
+def test_decay_applies_only_to_masked_leaves():
   c = _optim(learning_rate=0.1, warmup_frac=0.0, weight_decay=0.5, grad_clip_norm=1.0,
              schedule="constant")
   tx = optimizer.create_optimizer(c, 10)
@@ -90,24 +91,35 @@ def test_decay_applies_only_to_masked_leaves_and_clipping_bounds_the_update():
   upd, _ = tx.update(zero, state, params)
   np.testing.assert_allclose(upd["w"], -0.1 * 0.5 * np.ones((2, 2)), rtol=1e-6)
   np.testing.assert_allclose(upd["norm_scale"], 0.0)
-  clipped = optimizer.clip_by_global_norm(1.0)
-  g, _ = clipped.update({"w": jnp.full((2, 2), 100.0)}, clipped.init(None))
-  assert float(optax.global_norm(g)) == pytest.approx(1.0, rel=1e-6)
 
 
-def test_clip_by_global_norm_matches_optax():
-  ours, ref = optimizer.clip_by_global_norm(2.0), optax.clip_by_global_norm(2.0)
+def test_gradients_above_the_clip_norm_are_scaled_down_to_it():
+  """With eps = 1 Adam's first update, -lr·g/(|g| + eps), depends on g's scale; clipping
+  at c makes every gradient above c act as g·c/‖g‖ (closed form), one below c as itself."""
+  lr, clip = 0.1, 2.0
+  c = _optim(learning_rate=lr, warmup_frac=0.0, weight_decay=0.0, grad_clip_norm=clip,
+             eps=1.0, schedule="constant")
+  tx = optimizer.create_optimizer(c, 10)
+  params = {"w": jnp.ones((2, 3)), "v": jnp.ones((4,))}
   rng = np.random.default_rng(0)
-  for scale in (0.01, 10.0):           # below the threshold (untouched), above (scaled)
-    g = {"a": jnp.asarray(rng.normal(size=(3, 5)) * scale, jnp.float32),
-         "b": jnp.asarray(rng.normal(size=(7,)) * scale, jnp.float32)}
-    got, _ = ours.update(g, ours.init(g))
-    want, _ = ref.update(g, ref.init(g))
-    for k in g:
-      if scale < 1:
-        np.testing.assert_array_equal(got[k], want[k])
-      else:
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-6)
+  g = {k: rng.normal(size=x.shape) for k, x in params.items()}
+  norm = math.sqrt(sum(np.sum(x ** 2) for x in g.values()))
+
+  def first_update(scale):
+    grads = {k: jnp.asarray(x * scale, jnp.float32) for k, x in g.items()}
+    upd, _ = tx.update(grads, tx.init(params), params)
+    return upd
+
+  for scale in (10.0, 1000.0):          # ‖g‖·scale > clip: clipped to norm `clip`
+    upd = first_update(scale)
+    for k, x in g.items():
+      gc = x * clip / norm
+      np.testing.assert_allclose(upd[k], -lr * gc / (np.abs(gc) + 1.0), rtol=1e-5)
+  small = 0.5 / norm                     # ‖g‖·small = 0.5 < clip: untouched
+  upd = first_update(small)
+  for k, x in g.items():
+    np.testing.assert_allclose(upd[k], -lr * x * small / (np.abs(x * small) + 1.0),
+                               rtol=1e-5)
 
 
 def test_optimizer_equals_float64_adamw_reference():
@@ -138,3 +150,28 @@ def test_optimizer_equals_float64_adamw_reference():
       ref[k] = ref[k] - lr * (step + wd * decay[k] * ref[k])
     for k in ref:
       np.testing.assert_allclose(np.asarray(p[k]), ref[k], rtol=2e-5, atol=1e-6)
+
+
+def test_weight_decay_on_embeddings_decays_only_the_embeddings():
+  """The authors' ODE group: token/position embeddings decay, nothing else does."""
+  cfg = ModelConfig(vocab_size=64, d_model=16, num_heads=2, mlp_dim=32, num_steps=2,
+                    max_len=16, time_embed_dim=4, time_sinusoids=4, tie_embeddings=False)
+  params = nnx.state(nnx.eval_shape(lambda: create_model(cfg, seed=0)), nnx.Param)
+  mask = optimizer.weight_decay_mask(params, on="embeddings")
+  decayed = {jax.tree_util.keystr(p).replace(".value", "")
+             for p, m in jax.tree_util.tree_flatten_with_path(mask)[0] if m}
+  assert decayed == {"['embed']", "['pos_embed']", "['head']"}
+
+
+@pytest.mark.parametrize("ode,decays_w", [(True, False), (False, True)])
+def test_weight_decay_auto_follows_the_model_kind(ode, decays_w):
+  """'auto': an ODE's weight generators are not decayed, a discrete model's weights are."""
+  c = _optim(learning_rate=0.1, warmup_frac=0.0, weight_decay=0.5, grad_clip_norm=0.0,
+             schedule="constant")
+  tx = optimizer.create_optimizer(c, 10, ode=ode)
+  params = {"embed": jnp.ones((2, 2)), "w": jnp.ones((2, 2))}
+  upd, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  np.testing.assert_allclose(upd["embed"], -0.05 * np.ones((2, 2)), rtol=1e-6)
+  np.testing.assert_allclose(upd["w"], -0.05 * np.ones((2, 2)) * decays_w, rtol=1e-6)
+  with pytest.raises(optimizer.OptimConfigError, match="weight_decay_on"):
+    optimizer.create_optimizer(_optim(weight_decay_on="all"), 10)

@@ -193,25 +193,26 @@ def test_grad_accumulation_matches_one_big_batch():
     np.testing.assert_allclose(after[key], before[key] - g, rtol=1e-4, atol=1e-6, err_msg=key)
 
 
-@pytest.mark.parametrize("overrides", [
-    {},                                             # Euler, K = 2: dP fused into AdamW
-    {"solver": "rk4", "num_steps": 3},              # 12 times: dP from a GEMM
-    {"flavour": "llama", "shared_time_mlp": True},
-    {"kind": "gpt"},                                # no hypernetwork: no probe
+@pytest.mark.parametrize("overrides, accum", [
+    ({}, 1),                                        # Euler, K = 2
+    ({"solver": "rk4", "num_steps": 3}, 1),         # 12 solver times in one GEMM
+    ({"flavour": "llama", "shared_time_mlp": True}, 1),
+    ({"kind": "gpt"}, 1),
+    ({}, 2),                                        # the accumulated gradient is clipped
 ])
-def test_step_grad_norm_and_clipping_use_the_true_gradient_norm(overrides):
-  """The step takes the hypernetworks' share of ‖g‖ from the backward pass (a probe's
-  gradient, never reading P's gradient). It must equal the norm of the gradient taken
-  directly, and clipping must use it: with SGD at rate lr behind a clip c well below
-  ‖g‖, the parameters move by exactly -lr·g·c/‖g‖ (lr = 100 makes that move large
-  against float32's spacing of the parameters)."""
+def test_step_grad_norm_and_clipping_use_the_true_gradient_norm(overrides, accum):
+  """The reported gradient norm equals the norm of the gradient taken directly (of the
+  whole batch, also when it is accumulated over microbatches), and the optimizer's
+  clipping (optax.clip_by_global_norm in the chain) uses it: with SGD at rate lr behind a
+  clip c well below ‖g‖, the parameters move by exactly -lr·g·c/‖g‖ (lr = 100 makes that
+  move large against float32's spacing of the parameters)."""
   c = tiny_config("/unused")
   for key, value in overrides.items():
     c.model[key] = value
   cfg = train.model_config(c, 64)
   max_norm = 1e-3
   lr = 100.0
-  tx = optax.chain(optimizer_lib.clip_by_global_norm(max_norm), optax.sgd(lr))
+  tx = optax.chain(optax.clip_by_global_norm(max_norm), optax.sgd(lr))
   mesh = sharding_lib.make_mesh(c.mesh)
   rules = sharding_lib.logical_axis_rules(c.mesh)
   rng = np.random.default_rng(1)
@@ -221,7 +222,7 @@ def test_step_grad_norm_and_clipping_use_the_true_gradient_norm(overrides):
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     ts, state = train.init_train_state(cfg, tx, 0, mesh)
     before = jax.tree.map(np.asarray, nnx.to_pure_dict(state[0]))
-    step = train.make_train_step(ts, lambda step: 1.0, rules)
+    step = train.make_train_step(ts, lambda step: 1.0, rules, grad_accum_steps=accum)
     state, m = step(state, batch, jax.random.key(0))
     after = jax.tree.map(np.asarray, nnx.to_pure_dict(state[0]))
 
