@@ -168,13 +168,12 @@ def _with_rules(rules, fn):
   return wrapped
 
 
-def _forward_sums(model, batch, dropout_rng, time_grid=None):
-  """(loss_sum, weight_sum, logits) for one (micro)batch; the loss in float32.
-  `time_grid`: the solver's [K+1] grid (None: uniform)."""
+def _forward_sums(model, batch, dropout_rng):
+  """(loss_sum, weight_sum, logits) for one (micro)batch; the loss in float32."""
   deterministic = dropout_rng is None
   logits = model(batch["inputs"], segment_ids_bl=batch.get("segment_ids"),
                  positions_bl=batch.get("positions"), deterministic=deterministic,
-                 dropout_rng=dropout_rng, time_grid=time_grid)
+                 dropout_rng=dropout_rng)
   loss_sum, weight_sum = token_cross_entropy(logits.astype(jnp.float32), batch["targets"],
                                              batch["weights"])
   return loss_sum, weight_sum, logits
@@ -214,9 +213,7 @@ def make_train_step(ts: TrainState, schedule: Callable, rules, *, grad_accum_ste
     passes (a divide over every gradient would be one more read and write of each).
     """
     model = nnx.merge(graphdef, params, rest)
-    # model.train_time_grid: this batch's solver grid (None = uniform), its own stream.
-    grid = time_grid_lib.train_time_grid(model.config, jax.random.fold_in(rng, _GRID_STREAM))
-    loss_sum, _, _ = _forward_sums(model, batch, rng if use_dropout else None, grid)
+    loss_sum, _, _ = _forward_sums(model, batch, rng if use_dropout else None)
     return loss_sum / denominator, loss_sum
 
   def apply_update(state, grads):
