@@ -3,12 +3,14 @@
   python main.py --config=configs/default.py --workdir=/tmp/odet_default \
       [--config.model.num_steps=12 ...] [--verbose]
 
-A bad config or bad data settings, a workdir holding checkpoints of a different model,
-checkpoints none of which restores, or a diverged (NaN/inf) run print one line to stderr
-and exit with status 2 (add --verbose for the traceback); config errors are found before
-anything is written to the workdir. SIGTERM saves a checkpoint at the current step and
-exits 0; a run killed outright resumes from its newest complete checkpoint when started
-again with the same command. On Linux with transparent huge pages in `madvise` mode the
+Every mistake of the user's (`odetransformer.errors.UserError`) — a bad flag, config file
+or value, bad data settings, a workdir that is a file, read-only, in use by another run or
+holding checkpoints of another model, tokenizer or data, checkpoints none of which
+restores, a failed save, a diverged (NaN/inf) run — prints one line to stderr and exits
+with status 2 (add --verbose for the traceback); such errors are found before anything
+is written to the workdir. SIGTERM or Ctrl-C saves a checkpoint at the current step and
+exits 0 (a second Ctrl-C exits at once); a run killed outright resumes from its newest
+complete checkpoint when started again with the same command. On Linux with transparent huge pages in `madvise` mode the
 process first re-executes itself once with GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 (odetransformer/hugepages.py: ~20% faster on CPU; set GLIBC_TUNABLES to opt out).
 Multi-host runs call `jax.distributed.initialize()` when the environment says there are
@@ -19,19 +21,20 @@ A hand-made launch on N hosts:
 """
 import logging as logging_std
 import os
-import sys
 
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from odetransformer import errors
 from odetransformer import hugepages
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file (configs/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and the tokenizer.")
-_VERBOSE = flags.DEFINE_bool("verbose", False, "Show full tracebacks for config and data errors.")
+flags.DEFINE_bool("verbose", False, "Show the traceback of a user error (bad flag, config, "
+                  "data or workdir) as well as its one-line message.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -70,9 +73,11 @@ class _QuietLibraries(logging_std.Filter):
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    raise errors.UserError(f"unexpected arguments {argv[1:]}; flags take the form "
+                           "--name=value (see --helpshort)")
+  config = errors.load_config_flag(_CONFIG)
   logging.get_absl_handler().addFilter(_QuietLibraries())
-  # Imported after flag parsing: grain workers need parsed absl flags (STACK.md §4).
+  # Imported after flag parsing: grain workers read absl flags, which must be parsed.
   import jax  # pylint: disable=g-import-not-at-top
   if _multi_process_env():
     jax.distributed.initialize(**_distributed_args())
@@ -82,20 +87,10 @@ def main(argv):
   if os.environ.get("GLIBC_TUNABLES") == hugepages.TUNABLE:
     logging.info("GLIBC_TUNABLES=%s: host buffers use transparent huge pages", hugepages.TUNABLE)
 
-  from input_pipeline import DataError  # pylint: disable=g-import-not-at-top
-  from odetransformer import checkpointing  # pylint: disable=g-import-not-at-top
   from odetransformer import train  # pylint: disable=g-import-not-at-top
-  try:
-    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except (train.ConfigError, train.DivergenceError, checkpointing.CheckpointError,
-          DataError) as e:
-    if _VERBOSE.value:
-      raise
-    message = " ".join(str(e).split())     # always one line
-    print(f"error: {type(e).__name__}: {message}", file=sys.stderr)
-    sys.exit(2)
+  train.train_and_evaluate(config, _WORKDIR.value)   # a UserError: one line (run_cli)
 
 
 if __name__ == "__main__":
   hugepages.reexec_with_huge_pages()   # before jax is imported; see hugepages.py
-  app.run(main)
+  errors.run_cli(lambda: app.run(main, flags_parser=errors.parse_absl_flags))

@@ -15,18 +15,30 @@ by `input_pipeline.restore_iterator_state`, not grain's own orbax handler (which
 the packing remainder, ../shared/STACK.md §4). Restore targets come from
 `nnx.get_abstract_model` so they carry concrete-mesh shardings (STACK §7).
 
+    checksums.json             sha256 of every file above, written once the save is
+                               complete (process 0), checked before every restore
+
 Reliability: orbax writes each step under `<step>.orbax-checkpoint-tmp-<ts>` and renames
 it when complete, so a run killed mid-save leaves only such a temporary directory:
 `latest_step()` never lists it, and the manager deletes it at start
-(`cleanup_tmp_directories`). A finalised checkpoint that fails to restore (truncated
-or corrupted files) is moved to `<workdir>/corrupt_checkpoints/` with a warning and the
-previous one is used; when none restores, `CheckpointError` stops the run and nothing
-is moved or overwritten.
+(`cleanup_tmp_directories`). Orbax 0.12.8 checksums only the shard indices of its zarr
+arrays, not the data: flipped bits in a weight file restore without a word. Hence
+`checksums.json`; a checkpoint whose files do not match it (or that fails to restore
+otherwise: truncated files) is moved to `<workdir>/corrupt_checkpoints/` with a warning
+and the previous one is used; when none restores, `CheckpointError` stops the run and
+nothing is moved or overwritten. A save that fails (disk full, directory gone) is a
+one-line CheckpointError too. Each checkpoint's `meta` records the run's fingerprint
+(`fingerprint`): what its arrays mean — the model config, the data source and split,
+the tokenizer file's hash — so that a resume with other settings is refused before
+anything is written (`fingerprint_diffs`).
 """
+import hashlib
 import json
+import logging as std_logging
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from typing import Any, Optional
@@ -38,9 +50,12 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
+from odetransformer.errors import UserError
+
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
 CONFIG_FILE = "config.json"
+CHECKSUM_FILE = "checksums.json"
 
 
 # Array layouts that changed in the code (not the config) and what to do about them.
@@ -51,12 +66,192 @@ SHAPE_CHANGE_HINT = (
     "it with that version, or start a new --workdir")
 
 
-class LayoutMismatchError(ValueError):
+class LayoutMismatchError(UserError, ValueError):
   """A stored array's shape differs from the model's (see `SHAPE_CHANGE_HINT`)."""
 
 
-class CheckpointError(RuntimeError):
-  """No checkpoint in the workdir can be restored (reported as one line by main.py)."""
+class CheckpointError(UserError, RuntimeError):
+  """A workdir's checkpoints cannot be used or written (reported in one line)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+  """A checkpoint's files differ from the checksums written when it was saved."""
+
+
+# --------------------------------------------------------------------------------------
+# What a checkpoint depends on
+# --------------------------------------------------------------------------------------
+# Model fields that may change between a run and its resumption: no effect on the
+# checkpointed arrays or on what they mean (vocab_size is the tokenizer's, compared as
+# data.vocab_size).
+RESUMABLE_MODEL_FIELDS = ("vocab_size", "remat_policy", "dtype")
+# The data settings that decide what the run trains on and with which tokenizer.
+FINGERPRINT_DATA_FIELDS = ("source", "train_split", "train_files", "text_key", "vocab_size",
+                           "tokenizer_sample_bytes")
+
+
+def file_sha256(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      h.update(block)
+  return h.hexdigest()
+
+
+def fingerprint(config, tokenizer_sha256: Optional[str] = None) -> dict:
+  """What a run's checkpoints depend on, as plain JSON values.
+
+  The model config (less `RESUMABLE_MODEL_FIELDS`), the data source and split and the
+  settings that train its tokenizer, and the tokenizer file's sha256 (None before the
+  tokenizer is known).
+  """
+  plain = json.loads(config.to_json_best_effort())
+  model = {k: v for k, v in plain.get("model", {}).items() if k not in RESUMABLE_MODEL_FIELDS}
+  data = {k: plain.get("data", {}).get(k) for k in FINGERPRINT_DATA_FIELDS}
+  return {"model": model, "data": data, "tokenizer_sha256": tokenizer_sha256}
+
+
+def fingerprint_diffs(old: dict, new: dict) -> list:
+  """'section.key old -> new' for each difference between two fingerprints.
+
+  A None tokenizer hash (not known yet, or a checkpoint written before hashes) matches
+  any. When the new run names its tokenizer file, the hash decides and the settings that
+  would train one (tokenizer_sample_bytes) do not matter. A key only one side has is a
+  field added to (or dropped from) the code since: its default keeps the old meaning.
+  """
+  diffs = []
+  for section in ("model", "data"):
+    a, b = old.get(section) or {}, new.get(section) or {}
+    for key in sorted(set(a) & set(b)):
+      if section == "model" and key in RESUMABLE_MODEL_FIELDS:
+        continue
+      if key == "tokenizer_sample_bytes" and new.get("tokenizer_sha256"):
+        continue
+      if a.get(key) != b.get(key):
+        diffs.append(f"{section}.{key} {a.get(key)!r} -> {b.get(key)!r}")
+  a, b = old.get("tokenizer_sha256"), new.get("tokenizer_sha256")
+  if a and b and a != b:
+    diffs.append(f"tokenizer file sha256 {a[:12]}… -> {b[:12]}…")
+  return diffs
+
+
+def stored_fingerprint(workdir: str) -> Optional[tuple]:
+  """(step, fingerprint) of the newest checkpoint whose meta reads; None if none.
+
+  Checkpoints written before fingerprints were recorded give one made from the config
+  their meta holds (no tokenizer hash).
+  """
+  directory = checkpoint_dir(workdir)
+  for step in reversed(finalized_steps(workdir)):
+    try:
+      with open(os.path.join(directory, str(step), "meta", "metadata")) as f:
+        meta = json.load(f)
+    except (OSError, ValueError):
+      continue
+    if isinstance(meta.get("fingerprint"), dict):
+      return step, meta["fingerprint"]
+    if isinstance(meta.get("config"), dict):
+      import ml_collections  # pylint: disable=g-import-not-at-top
+      return step, fingerprint(ml_collections.ConfigDict(meta["config"]))
+  return None
+
+
+def validate_options(config):
+  """UserError for checkpoint settings that would lose work (checked before any write)."""
+  keep = config.get("checkpoint_max_to_keep", 3)
+  if keep is not None and (not isinstance(keep, int) or keep < 1):
+    raise UserError(f"checkpoint_max_to_keep={keep!r} would keep no checkpoint (not even "
+                    "the final one); use a positive count, e.g. 3")
+
+
+# --------------------------------------------------------------------------------------
+# Checksums of the files of a checkpoint
+# --------------------------------------------------------------------------------------
+def _files_under(root: str) -> list:
+  out = []
+  for base, _, files in os.walk(root):
+    for name in files:
+      rel = os.path.relpath(os.path.join(base, name), root)
+      if rel != CHECKSUM_FILE:
+        out.append(rel)
+  return sorted(out)
+
+
+def write_checksums(step_dir: str):
+  """Writes `<step_dir>/checksums.json` (sha256 of every file) atomically."""
+  sums = {rel: file_sha256(os.path.join(step_dir, rel)) for rel in _files_under(step_dir)}
+  tmp = os.path.join(step_dir, CHECKSUM_FILE + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump({"sha256": sums}, f, indent=0, sort_keys=True)
+  os.replace(tmp, os.path.join(step_dir, CHECKSUM_FILE))
+
+
+def verify_checksums(step_dir: str, items: Optional[tuple] = None) -> bool:
+  """Checks the files of `step_dir` (only those under `items`, if given) against its
+  checksums.json. False when there is none (a checkpoint of an older version, or one
+  whose run was killed before hashing it); CorruptCheckpointError on a mismatch."""
+  path = os.path.join(step_dir, CHECKSUM_FILE)
+  if not os.path.exists(path):
+    return False
+  try:
+    with open(path) as f:
+      sums = json.load(f)["sha256"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise CorruptCheckpointError(f"{path} is unreadable ({type(e).__name__})") from e
+  for rel, expected in sorted(sums.items()):
+    if items is not None and rel.split(os.sep)[0] not in items:
+      continue
+    full = os.path.join(step_dir, rel)
+    try:
+      actual = file_sha256(full)
+    except OSError as e:
+      raise CorruptCheckpointError(f"{full} is missing or unreadable ({e.strerror})") from e
+    if actual != expected:
+      raise CorruptCheckpointError(
+          f"{full} is corrupt: its sha256 differs from the one written when it was saved")
+  return True
+
+
+class _OrbaxTracebacks(std_logging.Filter):
+  """Orbax logs a failed background save with a traceback per thread (~200 lines);
+  the CheckpointError that follows says it in one line. Keeps orbax's error message
+  lines, drops their tracebacks (all of it with --verbose)."""
+
+  def filter(self, record):
+    if record.levelno >= std_logging.ERROR and "/orbax/" in record.pathname:
+      from odetransformer import errors  # pylint: disable=g-import-not-at-top
+      if not errors.verbose_requested():
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
+def _closed_loop_callback(exc_type, exc, tb) -> bool:
+  """A tensorstore completion callback that found orbax's event loop closed: what each
+  read or write still pending prints (through sys.excepthook) when a save or restore
+  has failed; the failure itself is reported once, elsewhere."""
+  if exc_type is not RuntimeError or str(exc) != "Event loop is closed":
+    return False
+  while tb is not None and tb.tb_next is not None:
+    tb = tb.tb_next
+  return tb is not None and "asyncio" in tb.tb_frame.f_code.co_filename
+
+
+def _quiet_orbax_tracebacks():
+  """Orbax's tracebacks of a failed save or restore as single lines (not with
+  --verbose); installed once."""
+  logger = std_logging.getLogger("absl")
+  if not any(isinstance(f, _OrbaxTracebacks) for f in logger.filters):
+    logger.addFilter(_OrbaxTracebacks())
+  from odetransformer import errors  # pylint: disable=g-import-not-at-top
+  hook = sys.excepthook
+  if getattr(hook, "_odet_quiet", False) or errors.verbose_requested():
+    return
+
+  def excepthook(exc_type, exc, tb):
+    if not _closed_loop_callback(exc_type, exc, tb):
+      hook(exc_type, exc, tb)
+  excepthook._odet_quiet = True  # pylint: disable=protected-access
+  sys.excepthook = excepthook
 
 
 def finalized_steps(workdir: str) -> list:
@@ -110,23 +305,30 @@ class Checkpointer:
 
   Args:
     workdir: the run's directory; checkpoints go to `<workdir>/checkpoints`.
-    max_to_keep: how many recent checkpoints survive.
+    max_to_keep: how many recent checkpoints survive (>= 1; `validate_options`).
     async_save: write in a background thread (training continues meanwhile).
+    fingerprint: recorded in every checkpoint's meta (`fingerprint()`).
   """
 
-  def __init__(self, workdir: str, *, max_to_keep: int = 3, async_save: bool = True):
+  def __init__(self, workdir: str, *, max_to_keep: int = 3, async_save: bool = True,
+               fingerprint: Optional[dict] = None):
     self.workdir = os.fspath(workdir)
     self.directory = checkpoint_dir(workdir)
+    self.fingerprint = fingerprint
+    _quiet_orbax_tracebacks()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True)   # a kill mid-save leaves <step>.orbax-checkpoint-tmp-*
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._preempted = threading.Event()
-    self._old_handler = None
+    self._old_handlers = {}
+    self._pending_step = None     # the step of a save that may still be in flight
 
   # -- preemption ---------------------------------------------------------------------
   def install_sigterm_handler(self):
-    """On SIGTERM, ask the loop to save and stop (single-process runs).
+    """On SIGTERM or SIGINT (Ctrl-C), ask the loop to save and stop (single-process
+    runs); a second SIGINT exits at once (status 130; the run resumes from its newest
+    complete checkpoint).
 
     Multi-process runs rely on orbax's `reached_preemption`, which uses JAX's
     preemption-sync service so that all processes stop at the same step; that
@@ -136,14 +338,21 @@ class Checkpointer:
     if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
       return
     def handler(signum, frame):  # pylint: disable=unused-argument
-      logging.warning("SIGTERM received: saving a checkpoint and stopping.")
+      name = signal.Signals(signum).name
+      if signum == signal.SIGINT and self._preempted.is_set():
+        print(f"{name} again: exiting now without saving; the newest complete checkpoint "
+              f"in {self.directory} is kept", file=sys.stderr, flush=True)
+        os._exit(130)  # pylint: disable=protected-access
+      logging.warning("%s received: saving a checkpoint and stopping%s.", name,
+                      " (Ctrl-C again to exit at once)" if signum == signal.SIGINT else "")
       self._preempted.set()
-    self._old_handler = signal.signal(signal.SIGTERM, handler)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      self._old_handlers[sig] = signal.signal(sig, handler)
 
   def uninstall_sigterm_handler(self):
-    if self._old_handler is not None:
-      signal.signal(signal.SIGTERM, self._old_handler)
-      self._old_handler = None
+    for sig, old in self._old_handlers.items():
+      signal.signal(sig, old)
+    self._old_handlers = {}
 
   def reached_preemption(self, step: int) -> bool:
     if jax.process_count() > 1:
@@ -168,13 +377,41 @@ class Checkpointer:
     states = _allgather_strings(json.dumps(data_state))
     data = {"process_count": jax.process_count(), "states": [json.loads(s) for s in states]}
     meta = dict(meta, step=int(step), process_count=jax.process_count())
+    if self.fingerprint is not None:
+      meta["fingerprint"] = self.fingerprint
     args = ocp.args.Composite(
         model=ocp.args.StandardSave(nnx.to_pure_dict(_as_state(model))),
         opt=ocp.args.StandardSave(nnx.to_pure_dict(_as_state(optimizer))),
         meta=ocp.args.JsonSave(meta),
         data=ocp.args.JsonSave(data),
     )
-    return bool(self._manager.save(int(step), args=args, force=force))
+    self.wait_until_finished()    # orbax waits for the previous save anyway
+    try:
+      saved = bool(self._manager.save(int(step), args=args, force=force))
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._save_error(int(step), e) from e
+    if saved:
+      self._pending_step = int(step)
+    return saved
+
+  def _save_error(self, step: int, e: BaseException) -> CheckpointError:
+    kept = [s for s in finalized_steps(self.workdir) if s != step]
+    resume = (f"it resumes from step {kept[-1]}" if kept
+              else "no checkpoint was written yet")
+    return CheckpointError(
+        f"saving the checkpoint of step {step} in {self.directory} failed "
+        f"({_one_line(e)}); free disk space or restore the directory, then run the same "
+        f"command again ({resume})")
+
+  def _hash_finished_saves(self):
+    """checksums.json for each complete checkpoint without one (process 0; nothing in
+    flight: called after waiting)."""
+    if jax.process_index() != 0:
+      return
+    for step in finalized_steps(self.workdir):
+      step_dir = os.path.join(self.directory, str(step))
+      if not os.path.exists(os.path.join(step_dir, CHECKSUM_FILE)):
+        write_checksums(step_dir)
 
   def restore(self, step: int, abstract_model_state, abstract_opt_state):
     """Restores into abstract states (from `nnx.get_abstract_model`).
@@ -185,6 +422,7 @@ class Checkpointer:
     """
     model_target = nnx.to_pure_dict(abstract_model_state)
     opt_target = nnx.to_pure_dict(abstract_opt_state)
+    _verify_on_process_0(os.path.join(self.directory, str(int(step))))
     _check_stored_shapes(self.directory, step, "model", model_target)
     _check_stored_shapes(self.directory, step, "opt", opt_target)
     restored = self._manager.restore(int(step), args=ocp.args.Composite(
@@ -234,8 +472,8 @@ class Checkpointer:
     if not failed:
       return None
     step, error = failed[0]
-    # The config was checked against the run's config.json before this (train.py), so
-    # shapes differ because the code stores them differently, not the model.
+    # The config was checked against the checkpoints' fingerprint before this
+    # (train.py), so shapes differ because the code stores them differently.
     hint = f"; {SHAPE_CHANGE_HINT}" if isinstance(error, LayoutMismatchError) else ""
     raise CheckpointError(
         f"no checkpoint in {self.directory} restores (steps {[s for s, _ in failed]}; "
@@ -256,12 +494,29 @@ class Checkpointer:
     self._manager.reload()
 
   def wait_until_finished(self):
-    self._manager.wait_until_finished()
+    """Waits for a save in flight, then hashes it; a failed save is a CheckpointError."""
+    try:
+      self._manager.wait_until_finished()
+      self._manager.check_for_errors()
+    except Exception as e:  # pylint: disable=broad-except
+      step, self._pending_step = self._pending_step, None
+      raise self._save_error(step if step is not None else -1, e) from e
+    if self._pending_step is not None:
+      step, self._pending_step = self._pending_step, None
+      try:
+        self._hash_finished_saves()
+      except OSError as e:
+        raise self._save_error(step, e) from e
 
   def close(self):
-    self._manager.wait_until_finished()
-    self._manager.close()
-    self.uninstall_sigterm_handler()
+    try:
+      self.wait_until_finished()
+    finally:
+      self.uninstall_sigterm_handler()
+      try:
+        self._manager.close()
+      except Exception:  # pylint: disable=broad-except
+        pass   # the save's own error (above) is the one to report
 
 
 def _one_line(e: BaseException) -> str:
@@ -272,6 +527,19 @@ def _one_line(e: BaseException) -> str:
 
 def _as_state(x):
   return x if isinstance(x, nnx.State) else nnx.state(x)
+
+
+def _verify_on_process_0(step_dir: str, items: Optional[tuple] = None):
+  """`verify_checksums` on process 0 (files on shared storage), its verdict on all."""
+  error = ""
+  if jax.process_index() == 0:
+    try:
+      verify_checksums(step_dir, items)
+    except CorruptCheckpointError as e:
+      error = str(e)
+  error = _allgather_strings(error)[0]
+  if error:
+    raise CorruptCheckpointError(error)
 
 
 def _check_stored_shapes(directory, step: int, item: str, target):
@@ -308,28 +576,56 @@ def _fill(abstract_state, pure_dict):
 def restore_model_state(workdir: str, abstract_model_state, step: Optional[int] = None):
   """Just the model item (for evaluation, generation, materialisation).
 
+  The latest checkpoint whose model restores: a corrupt one (files that do not match
+  its checksums, or that orbax cannot read) is skipped with a warning and left where
+  it is (a tool only reads). CheckpointError (one line) when there is none or none
+  restores.
+
   Args:
     workdir: a training workdir.
     abstract_model_state: from `nnx.get_abstract_model(lambda: create_model(cfg), mesh)`.
-    step: which checkpoint; the latest when None.
+    step: which checkpoint; the latest that restores when None.
 
   Returns:
     (model_state, step).
   """
-  manager = ocp.CheckpointManager(checkpoint_dir(workdir),
+  directory = checkpoint_dir(workdir)
+  _quiet_orbax_tracebacks()
+  manager = ocp.CheckpointManager(directory,
                                   options=ocp.CheckpointManagerOptions(read_only=True))
   try:
-    step = manager.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint in {checkpoint_dir(workdir)}")
+    steps = sorted(manager.all_steps(), reverse=True) if step is None else [int(step)]
+    if not steps:
+      raise CheckpointError(f"{directory} holds no complete checkpoint; train first "
+                            "(python main.py --workdir=...) or pass the --workdir of a run")
+    if step is not None and not os.path.isdir(os.path.join(directory, str(int(step)))):
+      raise CheckpointError(f"{directory} has no checkpoint of step {step}; choose one of "
+                            f"{finalized_steps(workdir)} or leave the step out (the latest)")
     target = nnx.to_pure_dict(abstract_model_state)
-    try:
-      _check_stored_shapes(checkpoint_dir(workdir), step, "model", target)
-    except LayoutMismatchError as e:
-      raise LayoutMismatchError(f"the checkpoint of step {step} in {checkpoint_dir(workdir)} "
-                                f"does not restore: {SHAPE_CHANGE_HINT}; {e}") from e
-    restored = manager.restore(step, args=ocp.args.Composite(
-        model=ocp.args.StandardRestore(target)))
-    return _fill(abstract_model_state, restored["model"]), step
+    failed, last_error = [], None
+    for s in steps:
+      try:
+        _check_stored_shapes(directory, s, "model", target)
+      except LayoutMismatchError as e:
+        raise LayoutMismatchError(f"the checkpoint of step {s} in {directory} does not "
+                                  f"restore: {SHAPE_CHANGE_HINT}; {e}") from e
+      try:
+        _verify_on_process_0(os.path.join(directory, str(s)), items=("model",))
+        restored = manager.restore(s, args=ocp.args.Composite(
+            model=ocp.args.StandardRestore(target)))
+      except Exception as e:  # pylint: disable=broad-except
+        failed.append(s)
+        logging.warning("the checkpoint of step %d in %s does not restore (%s)%s", s,
+                        directory, _one_line(e),
+                        "; trying the previous one" if s != steps[-1] else "")
+        last_error = e
+        continue
+      if failed:
+        logging.warning("using step %d, the newest checkpoint that restores", s)
+      return _fill(abstract_model_state, restored["model"]), s
+    raise CheckpointError(
+        f"no checkpoint in {directory} restores (steps {failed}): their files are corrupt "
+        "or truncated; restore them from a backup or train again in a new --workdir "
+        f"(step {failed[-1]}: {_one_line(last_error)})")
   finally:
     manager.close()

@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import logging as std_logging
 import math
-import sys
 import time
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
@@ -30,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from odetransformer import loading
+from odetransformer.errors import UserError
 from odetransformer.model import LanguageModel
 
 _LOCAL_PREFIX = "local:"
@@ -97,7 +97,8 @@ def evaluate_model(model: LanguageModel, batches: Iterable[dict],
     s_nll, s_w, s_c = jax.device_get(score(state, batch))
     nll, count, correct = nll + float(s_nll), count + float(s_w), correct + float(s_c)
   if count == 0:
-    raise ValueError("the evaluation data holds no scored tokens")
+    raise UserError("the evaluation data holds no scored tokens; fix: evaluate on a split "
+                    "with at least seq_len + 1 tokens of text")
   loss = nll / count
   return Result(num_steps=k, num_tokens=int(round(count)), loss=loss,
                 perplexity=math.exp(min(loss, 700.0)), accuracy=correct / count,
@@ -138,7 +139,7 @@ def eval_data(workdir: str, config: ml_collections.ConfigDict, *, data: str = ""
     d.source = data
   if split:
     if d.source in ("embedded", "local"):
-      raise ValueError(f"--split applies to TFDS-style sources, not {d.source!r}; "
+      raise UserError(f"--split applies to TFDS-style sources, not {d.source!r}; "
                        "evaluate other text with --data=local:<glob>")
     d.eval_split = split
   if data_dir:
@@ -181,7 +182,7 @@ def parse_num_steps(text: str) -> list:
   try:
     return [int(v) for v in text.split(",") if v.strip()]
   except ValueError as e:
-    raise ValueError(f"--num_steps={text!r}: expected comma-separated integers") from e
+    raise UserError(f"--num_steps={text!r}: expected comma-separated integers") from e
 
 
 def format_table(results: Sequence[Result], trained_k: int) -> str:
@@ -195,24 +196,24 @@ def format_table(results: Sequence[Result], trained_k: int) -> str:
 
 def main(argv, flag_values=None):
   """The command line (flags: `define_flags`); `flag_values` defaults to absl's FLAGS."""
-  del argv
-  from input_pipeline import DataError  # pylint: disable=g-import-not-at-top
+  if len(argv) > 1:
+    raise UserError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
   from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS if flag_values is None else flag_values
   quiet_orbax(cli=True)
-  try:
-    steps = parse_num_steps(f.num_steps)
-    loaded = load_model(f.workdir, step=f.step)
-    cfg = loaded.model_config
-    for n in steps:
+  # Every mistake in the flags is a UserError: one line and exit 2 (errors.run_cli).
+  steps = parse_num_steps(f.num_steps)
+  loaded = load_model(f.workdir, step=f.step)
+  cfg = loaded.model_config
+  for n in steps:
+    try:
       loaded.model.resolve_num_steps(n)
-    data = eval_data(f.workdir, loaded.config, data=f.data, split=f.split,
-                     data_dir=f.data_dir, seq_len=f.seq_len, batch_size=f.batch_size,
-                     max_batches=f.max_batches)
-  except (FileNotFoundError, ValueError, DataError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    except ValueError as e:
+      raise UserError(f"--num_steps={n}: {e}") from e
+  data = eval_data(f.workdir, loaded.config, data=f.data, split=f.split,
+                   data_dir=f.data_dir, seq_len=f.seq_len, batch_size=f.batch_size,
+                   max_batches=f.max_batches)
   print(f"checkpoint step {loaded.step} of {f.workdir}: {cfg.kind}/{cfg.flavour}"
         + (f", {cfg.solver} solver" if cfg.is_ode else "") + f", trained at K={cfg.num_steps}")
   print(f"data: {data.description}" + (f", first {f.max_batches} batches" if f.max_batches
@@ -240,11 +241,13 @@ def define_flags(flag_values=None):
   define("integer", "seq_len", 0, "Tokens per row (0 = the run's seq_len).")
   define("integer", "batch_size", 0, "Rows per batch (0 = the run's eval_batch_size).")
   define("integer", "max_batches", 0, "Stop after this many batches (0 = the whole split).")
+  define("bool", "verbose", False, "Show the traceback of a user error as well.")
   flags.mark_flag_as_required("workdir", flag_values=fv)
   return fv
 
 
 if __name__ == "__main__":
   from absl import app  # pylint: disable=g-import-not-at-top
+  from odetransformer import errors  # pylint: disable=g-import-not-at-top
   define_flags()
-  app.run(main)
+  errors.run_cli(lambda: app.run(main, flags_parser=errors.parse_absl_flags))

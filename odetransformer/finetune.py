@@ -19,6 +19,7 @@ from flax import nnx
 
 from odetransformer import checkpointing, loading, train
 from odetransformer.config import ModelConfig
+from odetransformer.errors import UserError
 from odetransformer.materialize import materialize
 
 METHODS = ("continuous", "full", "lora")
@@ -28,7 +29,7 @@ _SHAPE_FIELDS = ("flavour", "d_model", "num_heads", "mlp_dim", "time_embed_dim",
                  "max_len")
 
 
-class FinetuneError(ValueError):
+class FinetuneError(UserError, ValueError):
   """A fine-tuning config that cannot start from its `init_from` run."""
 
 

@@ -12,7 +12,6 @@ the (right-padded) prompts, then one `jax.lax.while_loop` over new tokens with a
 values, so changing them does not recompile; temperature 0 is greedy decoding.
 """
 import functools
-import sys
 import time
 from typing import Optional, Sequence
 
@@ -21,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from odetransformer import loading
+from odetransformer.errors import UserError
 from odetransformer.decode import Decoder, KVCache
 
 PAD_ID = 0
@@ -161,21 +161,22 @@ def strip_after_eos(ids: Sequence[int], eos_id: int) -> list:
 # --------------------------------------------------------------------------------------
 def main(argv, flag_values=None):
   """The command line (flags: `define_flags`); `flag_values` defaults to absl's FLAGS."""
-  del argv
+  if len(argv) > 1:
+    raise UserError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
   from odetransformer import evaluate  # pylint: disable=g-import-not-at-top
   from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   flags_ = flags.FLAGS if flag_values is None else flag_values
   evaluate.quiet_orbax(cli=True)
+  # Every mistake in the flags is a UserError: one line and exit 2 (errors.run_cli).
+  loaded = load_model(flags_.workdir, step=flags_.step)
+  sp = loading.load_tokenizer(flags_.workdir, loaded.config)
+  cfg = loaded.model_config
+  t0 = time.perf_counter()
   try:
-    loaded = load_model(flags_.workdir, step=flags_.step)
-    sp = loading.load_tokenizer(flags_.workdir, loaded.config)
-    cfg = loaded.model_config
-    t0 = time.perf_counter()
     decoder = Decoder(loaded.model, flags_.num_steps)
-  except (FileNotFoundError, ValueError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+  except ValueError as e:
+    raise UserError(f"--num_steps={flags_.num_steps}: {e}") from e
   how = (f"materialised at N={decoder.num_steps} layers" if cfg.is_ode and cfg.solver == "euler"
          else f"{cfg.solver} solver at N={decoder.num_steps} steps" if cfg.is_ode
          else f"{decoder.num_steps} layers")
@@ -189,9 +190,8 @@ def main(argv, flag_values=None):
   limit = decoder.max_positions()
   if limit is not None and len(prompt_ids) + max_new > limit:
     if len(prompt_ids) >= limit:
-      print(f"error: the prompt has {len(prompt_ids)} tokens; the model embeds at most "
-            f"{limit} positions", file=sys.stderr)
-      sys.exit(2)
+      raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model embeds at most "
+                      f"{limit} positions: shorten --prompt")
     max_new = limit - len(prompt_ids)
     print(f"note: max_new_tokens lowered to {max_new} (model.max_len={limit})")
 
@@ -231,11 +231,13 @@ def define_flags(flag_values=None):
   define("float", "top_p", 1.0, "Nucleus sampling: smallest set of this much mass (1 = off).")
   define("integer", "seed", 0, "Sampling seed.")
   define("integer", "num_samples", 1, "Continuations of the prompt, sampled as one batch.")
+  define("bool", "verbose", False, "Show the traceback of a user error as well.")
   flags.mark_flag_as_required("workdir", flag_values=fv)
   return fv
 
 
 if __name__ == "__main__":
   from absl import app  # pylint: disable=g-import-not-at-top
+  from odetransformer import errors  # pylint: disable=g-import-not-at-top
   define_flags()
-  app.run(main)
+  errors.run_cli(lambda: app.run(main, flags_parser=errors.parse_absl_flags))

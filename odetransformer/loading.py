@@ -14,6 +14,7 @@ from flax import nnx
 
 from odetransformer import checkpointing, sharding, train
 from odetransformer.config import ModelConfig
+from odetransformer.errors import UserError
 from odetransformer.model import LanguageModel, create_model
 
 TOKENIZER_FILE = "tokenizer.model"
@@ -28,14 +29,19 @@ class Loaded:
 
 
 def load_model(workdir: str, step: Optional[int] = None, mesh=None) -> Loaded:
-  """The model of the latest (or given) checkpoint in `workdir`.
+  """The model of the latest (or given) checkpoint in `workdir` that restores.
 
-  Raises FileNotFoundError with a one-line message when there is no run or checkpoint.
+  Raises a one-line UserError when there is no run, no checkpoint or none restores.
   """
   if not os.path.exists(os.path.join(workdir, checkpointing.CONFIG_FILE)):
-    raise FileNotFoundError(f"{workdir} holds no training run ({checkpointing.CONFIG_FILE} "
-                            "missing); pass the --workdir of a main.py run")
-  config = checkpointing.load_config(workdir)
+    raise UserError(f"{workdir} holds no training run ({checkpointing.CONFIG_FILE} "
+                    "missing); pass the --workdir of a main.py run")
+  try:
+    config = checkpointing.load_config(workdir)
+  except (OSError, ValueError) as e:
+    raise UserError(f"{os.path.join(workdir, checkpointing.CONFIG_FILE)} is unreadable "
+                    f"({type(e).__name__}: {e}); it describes the run's checkpoints: "
+                    "restore it, or resume the run with main.py to rewrite it") from e
   cfg = train.model_config(config, vocab_size=config.data.get("vocab_size"))
   if mesh is None:
     mesh = jax.make_mesh((1, 1, 1), sharding.MESH_AXES, devices=jax.devices()[:1],

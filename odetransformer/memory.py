@@ -266,21 +266,22 @@ def format_report(r: MemoryReport) -> str:
 
 
 def main(argv):
+  """A bad flag or config is a UserError: one line and exit 2 (`errors.run_cli`)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
+  from odetransformer import errors  # pylint: disable=g-import-not-at-top
   flag_values = flags.FLAGS
   if len(argv) > 1:
-    raise SystemExit(f"unexpected arguments: {argv[1:]}")
+    raise errors.UserError(f"unexpected arguments {argv[1:]}; flags take the form "
+                           "--name=value")
   if flag_values.num_devices and jax.device_count() != flag_values.num_devices:
-    raise SystemExit(f"asked for {flag_values.num_devices} devices but jax has "
-                     f"{jax.device_count()} ({jax.devices()[0].platform}); run as "
-                     "`python -m odetransformer.memory` so XLA_FLAGS is set before jax loads")
-  try:
-    report = memory_report(flag_values.config, compile_step=flag_values.compile,
-                           compile_max_params=flag_values.compile_max_params,
-                           device_memory_gib=flag_values.device_memory_gib)
-  except (train.ConfigError, optimizer_lib.OptimConfigError) as e:
-    print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-    sys.exit(2)
+    raise errors.UserError(
+        f"asked for {flag_values.num_devices} devices but jax has {jax.device_count()} "
+        f"({jax.devices()[0].platform}); run as `python -m odetransformer.memory` so "
+        "XLA_FLAGS is set before jax loads")
+  config = errors.load_config_flag(flags.FLAGS["config"])
+  report = memory_report(config, compile_step=flag_values.compile,
+                         compile_max_params=flag_values.compile_max_params,
+                         device_memory_gib=flag_values.device_memory_gib)
   print(format_report(report))
   if flag_values.json:
     with open(flag_values.json, "w") as f:
@@ -299,10 +300,12 @@ def _define_flags():
   flags.DEFINE_integer("compile_max_params", DEFAULT_COMPILE_MAX_PARAMS,
                        "Auto mode compiles only models smaller than this.")
   flags.DEFINE_string("json", "", "Also write the report as JSON to this path.")
+  flags.DEFINE_bool("verbose", False, "Show the traceback of a user error as well.")
   flags.mark_flags_as_required(["config"])
 
 
 if __name__ == "__main__":
   from absl import app  # pylint: disable=g-import-not-at-top
+  from odetransformer import errors  # pylint: disable=g-import-not-at-top
   _define_flags()
-  app.run(main)
+  errors.run_cli(lambda: app.run(main, flags_parser=errors.parse_absl_flags))

@@ -21,9 +21,10 @@ import jax.numpy as jnp
 import optax
 
 from odetransformer.axes import is_decayed
+from odetransformer.errors import UserError
 
 
-class OptimConfigError(ValueError):
+class OptimConfigError(UserError, ValueError):
   """An optimizer setting that cannot work."""
 
 

@@ -17,6 +17,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from odetransformer.errors import UserError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical name -> mesh axis (a name, a tuple of names, or None = replicated).
@@ -33,7 +35,7 @@ DEFAULT_RULES = (
 )
 
 
-class MeshError(ValueError):
+class MeshError(UserError, ValueError):
   """A mesh or rule setting that cannot work on the devices at hand."""
 
 

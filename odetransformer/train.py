@@ -15,7 +15,6 @@ params would otherwise get whatever the compiler picks, ../shared/STACK.md §6).
 """
 import dataclasses
 import functools
-import json
 import math
 import os
 import shutil
@@ -33,6 +32,8 @@ from flax import nnx
 
 from odetransformer import axes as axes_lib
 from odetransformer import checkpointing
+from odetransformer.errors import UserError
+from odetransformer.workdir_lock import WorkdirLock
 from odetransformer import metrics as metrics_lib
 from odetransformer import optimizer as optimizer_lib
 from odetransformer import sharding as sharding_lib
@@ -41,12 +42,12 @@ from odetransformer.losses import token_cross_entropy
 from odetransformer.model import create_model
 
 
-class ConfigError(ValueError):
-  """A config value that cannot work (reported as one line by main.py)."""
+class ConfigError(UserError, ValueError):
+  """A config value that cannot work (reported in one line: `errors.run_cli`)."""
 
 
-class DivergenceError(RuntimeError):
-  """The loss became NaN or infinite."""
+class DivergenceError(UserError, RuntimeError):
+  """The loss became NaN or infinite (the settings are at fault: one line, exit 2)."""
 
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
@@ -385,7 +386,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     schedule = optimizer_lib.learning_rate_schedule(config.optim, config.num_train_steps)
   except optimizer_lib.OptimConfigError as e:
     raise ConfigError(str(e)) from e
-  _check_resumable(config, workdir)
+  checkpointing.validate_options(config)
+  stored = _check_resumable(config, workdir)
+  # The first write of a run: one process per workdir (process 0 of a multi-host run).
+  lock = WorkdirLock(workdir, enabled=process_index == 0).acquire()
+  try:
+    return _prepare_and_run(config, workdir, mesh, rules, tx, schedule, stored,
+                            input_pipeline)
+  finally:
+    lock.release()
+
+
+def _prepare_and_run(config, workdir, mesh, rules, tx, schedule, stored, input_pipeline):
+  """`train_and_evaluate` from the data on, the workdir locked; `stored` is the
+  fingerprint of the checkpoints there (None: none)."""
+  process_index, process_count = jax.process_index(), jax.process_count()
   metrics_lib.log(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} "
                   f"devices, {process_count} process(es)")
 
@@ -395,6 +410,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       eval_batch_size=config.eval_batch_size, seed=config.seed, workdir=workdir,
       process_index=process_index, process_count=process_count)
 
+  fingerprint = _check_tokenizer(config, ds, workdir, stored)
   os.makedirs(workdir, exist_ok=True)
   _save_tokenizer(ds, workdir)
 
@@ -410,8 +426,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   writer = metrics_lib.MetricWriter(os.path.join(workdir, "tensorboard"))
   ckpt = checkpointing.Checkpointer(workdir, max_to_keep=config.checkpoint_max_to_keep,
-                                    async_save=config.checkpoint_async)
-  ckpt.install_sigterm_handler()
+                                    async_save=config.checkpoint_async,
+                                    fingerprint=fingerprint)
+  ckpt.install_sigterm_handler()   # SIGTERM and Ctrl-C: save at the current step, stop
   try:
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
       return _run(config, mesh, rules, ds, cfg, tx, schedule, saved_config, writer, ckpt,
@@ -421,44 +438,47 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     writer.close()
 
 
-# Model fields that may change between a run and its resumption (no effect on the
-# checkpointed arrays or on what they mean); vocab_size comes from the tokenizer and is
-# compared through data.vocab_size.
-RESUMABLE_MODEL_FIELDS = ("vocab_size", "remat_policy", "dtype")
+def _tokenizer_sha256(path: str) -> Optional[str]:
+  return checkpointing.file_sha256(path) if path and os.path.isfile(path) else None
 
 
-def _check_resumable(config, workdir: str):
-  """ConfigError when `workdir` holds checkpoints of a different model.
+def _check_resumable(config, workdir: str) -> Optional[dict]:
+  """ConfigError when `workdir` holds checkpoints of another model, data or tokenizer.
 
-  Compares the model section of `<workdir>/config.json` (what the checkpoints were
-  written with) with this config, field by field, before anything is written, so the
-  saved config.json and the checkpoints stay as they are.
+  Compares this config with the fingerprint the newest checkpoint records
+  (`checkpointing.fingerprint`): model fields, data source and split, and — when
+  `data.tokenizer_path` names a file — its hash; otherwise the settings that would train
+  the tokenizer. Runs before anything is written (no tokenizer trained, no config.json
+  rewritten), so a refused workdir stays exactly as it was.
+
+  Returns:
+    The stored fingerprint (None: no checkpoint).
   """
-  if not checkpointing.finalized_steps(workdir):
-    return
-  path = os.path.join(workdir, checkpointing.CONFIG_FILE)
-  if not os.path.exists(path):
-    return
-  try:
-    with open(path) as f:
-      saved = json.load(f)
-  except (OSError, ValueError) as e:
-    raise ConfigError(f"{path} is unreadable ({type(e).__name__}: {e}); it describes the "
-                      "checkpoints in this workdir") from e
-  new = json.loads(config.to_json_best_effort())
-  diffs = []
-  old_model, new_model = saved.get("model", {}), new.get("model", {})
-  for key in sorted(set(old_model) | set(new_model)):
-    if key not in RESUMABLE_MODEL_FIELDS and old_model.get(key) != new_model.get(key):
-      diffs.append(f"model.{key} {old_model.get(key)!r} -> {new_model.get(key)!r}")
-  old_vocab = saved.get("data", {}).get("vocab_size")
-  new_vocab = new.get("data", {}).get("vocab_size")
-  if old_vocab != new_vocab:
-    diffs.append(f"data.vocab_size {old_vocab!r} -> {new_vocab!r}")
+  found = checkpointing.stored_fingerprint(workdir)
+  if found is None:
+    return None
+  step, stored = found
+  new = checkpointing.fingerprint(config, _tokenizer_sha256(config.data.get("tokenizer_path")))
+  _refuse_if_different(workdir, step, stored, new)
+  return stored
+
+
+def _refuse_if_different(workdir: str, step: int, stored: dict, new: dict):
+  diffs = checkpointing.fingerprint_diffs(stored, new)
   if diffs:
     raise ConfigError(
-        f"{workdir} holds checkpoints of a different model ({'; '.join(diffs)}); "
-        "resume with the same model settings or use a new --workdir")
+        f"{workdir} holds checkpoints (step {step}) of a different model, data or "
+        f"tokenizer ({'; '.join(diffs)}); resume with the same settings, start a new "
+        "--workdir, or fine-tune from this run with --config.init_from")
+
+
+def _check_tokenizer(config, ds, workdir: str, stored: Optional[dict]) -> dict:
+  """The run's fingerprint, with its tokenizer's hash; ConfigError when a resumed run's
+  tokenizer file differs from the checkpoints' (before it is copied into the workdir)."""
+  new = checkpointing.fingerprint(config, _tokenizer_sha256(getattr(ds, "tokenizer_path", "")))
+  if stored is not None:
+    _refuse_if_different(workdir, checkpointing.finalized_steps(workdir)[-1], stored, new)
+  return new
 
 
 def _prepare_finetuning(config):
@@ -510,6 +530,8 @@ def _save_tokenizer(ds, workdir: str):
   src = getattr(ds, "tokenizer_path", "")
   if jax.process_index() != 0 or not src or os.path.abspath(src) == os.path.abspath(path):
     return
+  if os.path.isfile(path) and _tokenizer_sha256(path) == _tokenizer_sha256(src):
+    return                 # a resumed run's own tokenizer: left as it is
   shutil.copyfile(src, path + ".tmp")
   os.replace(path + ".tmp", path)
 

@@ -28,7 +28,6 @@ gives the median over draws, because with random W0 the outcome depends on the d
 writes DIR/clustering.json, DIR/clustering.npz, DIR/clustering.png (3-D trajectories)
 and DIR/clustering_dispersion.png (dispersion vs t).
 """
-import argparse
 import dataclasses
 import json
 import os
@@ -283,7 +282,8 @@ def write_outputs(results: dict, out_dir: str, settings: dict) -> dict:
 
 # -------------------------------------------------------------------------------- CLI
 def parse_args(argv):
-  p = argparse.ArgumentParser(
+  from odetransformer import errors  # pylint: disable=g-import-not-at-top
+  p = errors.ArgumentParser(
       prog="python -m odetransformer.analysis.clustering",
       description="App. C.8: attention-only token dynamics on the sphere, weights β(t)·W0.")
   p.add_argument("--out", required=True, help="output directory")
@@ -299,8 +299,20 @@ def parse_args(argv):
 
 
 def main(argv: Optional[list] = None) -> dict:
+  """The command line; a bad flag is a UserError (one line: errors.run_cli)."""
   args = parse_args(sys.argv[1:] if argv is None else argv)
+  from odetransformer import errors  # pylint: disable=g-import-not-at-top
   cases = [c for c in args.cases.split(",") if c]
+  unknown = [c for c in cases if c not in CASES and not (c.startswith("poly") and
+                                                         c[4:].isdigit())]
+  if unknown or not cases:
+    raise errors.UserError(f"--cases={args.cases!r}: unknown {unknown or 'none given'}; "
+                           f"choose from {list(CASES)} (or polyN)")
+  for name in ("num_steps", "num_tokens", "num_draws"):
+    if getattr(args, name) <= 0:
+      raise errors.UserError(f"--{name}={getattr(args, name)} must be positive")
+  if not args.horizon > 0:
+    raise errors.UserError(f"--horizon={args.horizon} must be positive")
   settings = {"num_tokens": args.num_tokens, "dim": DIM, "num_steps": args.num_steps,
               "horizon": args.horizon, "dt": args.horizon / args.num_steps,
               "beta_end": args.beta_end, "seed": args.seed, "num_draws": args.num_draws,
@@ -315,4 +327,5 @@ def main(argv: Optional[list] = None) -> dict:
 
 
 if __name__ == "__main__":
-  main()
+  from odetransformer import errors  # pylint: disable=g-import-not-at-top
+  errors.run_cli(main)

@@ -25,7 +25,6 @@ and steps (the usual attention-based explanation).
 writes DIR/lyapunov.json (scores), DIR/lyapunov.npz (full spectra), DIR/lyapunov.html
 and DIR/lyapunov.png (the text coloured by each map, side by side).
 """
-import argparse
 import dataclasses
 import html
 import json
@@ -362,7 +361,8 @@ def summary_line(res: Sensitivity, pieces: Sequence[str], top: int = 5) -> str:
 
 # -------------------------------------------------------------------------------- CLI
 def parse_args(argv):
-  p = argparse.ArgumentParser(
+  from odetransformer import errors  # pylint: disable=g-import-not-at-top
+  p = errors.ArgumentParser(
       prog="python -m odetransformer.analysis.lyapunov",
       description="Token sensitivity of one output position by Lyapunov exponents, "
                   "beside the attention map.")
@@ -383,8 +383,15 @@ def parse_args(argv):
 
 
 def main(argv: Optional[list] = None) -> Sensitivity:
+  """The command line; a bad flag or workdir is a UserError (one line: errors.run_cli)."""
   args = parse_args(sys.argv[1:] if argv is None else argv)
+  from odetransformer import errors  # pylint: disable=g-import-not-at-top
   from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
+  if args.num_steps is not None and args.num_steps <= 0:
+    raise errors.UserError(f"--num_steps={args.num_steps} must be a positive number of "
+                           "Euler steps (or left out: the trained K)")
+  if args.jacobian_chunk is not None and args.jacobian_chunk <= 0:
+    raise errors.UserError(f"--jacobian_chunk={args.jacobian_chunk} must be positive")
   loaded = load_model(args.workdir, step=args.step)
   cfg = loaded.model_config
   sp = load_tokenizer(args.workdir, args.tokenizer)
@@ -394,10 +401,13 @@ def main(argv: Optional[list] = None) -> Sensitivity:
   if args.prepend_eos:
     ids = [sp.eos_id()] + ids
   if not ids:
-    raise SystemExit("--text encodes to no tokens")
+    raise errors.UserError("--text encodes to no tokens; pass some text (or --prepend_eos)")
   if cfg.flavour == "gpt" and len(ids) > cfg.max_len:
     logging.warning("text is %d tokens; keeping the last model.max_len=%d", len(ids), cfg.max_len)
     ids = ids[-cfg.max_len:]
+  if not -len(ids) <= args.position < len(ids):
+    raise errors.UserError(f"--position={args.position} is outside the text's {len(ids)} "
+                           f"tokens; pass one in [{-len(ids)}, {len(ids) - 1}]")
   res = sensitivity(loaded.model, ids, args.position, args.num_steps, args.jacobian_chunk)
   pieces = [piece_text(sp, i) for i in ids]
   title = f"{cfg.kind} ({os.path.basename(os.path.normpath(args.workdir))}, step {loaded.step})"
@@ -408,4 +418,5 @@ def main(argv: Optional[list] = None) -> Sensitivity:
 
 
 if __name__ == "__main__":
-  main()
+  from odetransformer import errors  # pylint: disable=g-import-not-at-top
+  errors.run_cli(main)

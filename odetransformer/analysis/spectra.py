@@ -17,7 +17,6 @@ folded into W_O and W_2). For the Llama flavour W_FF ignores the gate W_3.
 
 writes DIR/spectra.npz, DIR/spectra_{qk,ov,ff}.png and prints one summary line.
 """
-import argparse
 import dataclasses
 import json
 import os
@@ -224,7 +223,8 @@ def write_outputs(spectra: Spectra, out_dir: str) -> dict:
 
 # -------------------------------------------------------------------------------- CLI
 def parse_args(argv):
-  p = argparse.ArgumentParser(
+  from odetransformer import errors  # pylint: disable=g-import-not-at-top
+  p = errors.ArgumentParser(
       prog="python -m odetransformer.analysis.spectra",
       description="Eigenvalues of W_QK, W_OV per head and of W_1 W_2, along t or per layer.")
   p.add_argument("--workdir", required=True, help="training run directory (main.py --workdir)")
@@ -236,8 +236,13 @@ def parse_args(argv):
 
 
 def main(argv: Optional[list] = None) -> Spectra:
+  """The command line; a bad flag or workdir is a UserError (one line: errors.run_cli)."""
   args = parse_args(sys.argv[1:] if argv is None else argv)
+  from odetransformer import errors  # pylint: disable=g-import-not-at-top
   from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
+  if args.grid < 2:
+    raise errors.UserError(f"--grid={args.grid}: an ODE's spectra need at least 2 points "
+                           "t in [0, 1]; pass --grid=2 or more (default 64)")
   loaded = load_model(args.workdir, step=args.step)
   spectra = compute_spectra(loaded.model, args.grid)
   paths = write_outputs(spectra, args.out)
@@ -247,4 +252,5 @@ def main(argv: Optional[list] = None) -> Spectra:
 
 
 if __name__ == "__main__":
-  main()
+  from odetransformer import errors  # pylint: disable=g-import-not-at-top
+  errors.run_cli(main)

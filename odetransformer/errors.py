@@ -1,0 +1,151 @@
+"""The user's mistakes: one exception base, reported in one line by every entry point.
+
+`UserError` is raised wherever a user's input is at fault — a flag, a config value or
+file, a data file, a workdir — with a message that names the problem and the fix.
+Every command (main.py, evaluate, generate, memory, lm_eval, the analysis tools) runs
+its main function through `run_cli`, the one place that turns a UserError into
+
+    error: <what is wrong>; <what to do>
+
+on stderr and exit status 2. `--verbose` on the command line shows the traceback
+instead. Anything else is a bug and keeps its traceback.
+
+    from odetransformer import errors
+    if __name__ == "__main__":
+      errors.run_cli(lambda: app.run(main, flags_parser=errors.parse_absl_flags))
+"""
+import argparse
+import sys
+import traceback
+from typing import Callable, Optional, Sequence
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130    # 128 + SIGINT, as a shell reports a Ctrl-C
+
+
+class UserError(Exception):
+  """Bad input from the user; the message names the problem and the fix.
+
+  Subclasses exist only where callers (or tests) match on a narrower type; they add
+  no behaviour.
+  """
+
+
+def one_line(text) -> str:
+  """`text` with every run of whitespace (newlines included) as one space."""
+  return " ".join(str(text).split())
+
+
+def describe(e: BaseException) -> str:
+  """The error line's text: `<Subclass>: message`, or the bare message of a UserError."""
+  message = one_line(e) or type(e).__name__
+  return message if type(e) is UserError else f"{type(e).__name__}: {message}"
+
+
+def verbose_requested(argv: Optional[Sequence[str]] = None) -> bool:
+  """Whether the command line asks for tracebacks (`--verbose`, absl or argparse style).
+
+  Read from argv itself so that it also works when parsing the flags is what failed.
+  """
+  verbose = False
+  for arg in (sys.argv if argv is None else argv)[1:]:
+    if arg == "--":
+      break
+    if arg in ("--verbose", "-verbose") or arg.lower() in ("--verbose=true", "--verbose=1"):
+      verbose = True
+    elif arg in ("--noverbose", "-noverbose") or arg.lower() in ("--verbose=false",
+                                                                  "--verbose=0"):
+      verbose = False
+  return verbose
+
+
+def run_cli(main: Callable[[], object], argv: Optional[Sequence[str]] = None):
+  """Runs an entry point: a UserError becomes one stderr line and exit status 2.
+
+  `main` takes no arguments (wrap `app.run(...)` or an argparse main in a lambda).
+  With `--verbose` in `argv` (default `sys.argv`) the traceback is printed as well.
+  """
+  try:
+    return main()
+  except UserError as e:
+    if verbose_requested(argv):
+      traceback.print_exc()
+    print(f"error: {describe(e)}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_USER_ERROR)
+  except KeyboardInterrupt:
+    # Ctrl-C where no handler of ours saves anything (main.py's loop has one): stop
+    # without a traceback.
+    if verbose_requested(argv):
+      traceback.print_exc()
+    print("interrupted", file=sys.stderr, flush=True)
+    sys.exit(EXIT_INTERRUPTED)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse whose usage errors are UserErrors (one line through `run_cli`, not the
+  usage text plus a line), with `--verbose` for tracebacks."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.add_argument("--verbose", action="store_true",
+                      help="show the traceback of a user error as well")
+
+  def error(self, message):
+    raise UserError(f"{message}; see --help")
+
+
+def _unknown_override(argv: Sequence[str], key: str) -> str:
+  """The `--<config>.a.b=value` arguments of `argv` whose path holds `key`."""
+  found = [a for a in argv[1:] if a.startswith("--") and key in a.split("=")[0].split(".")[1:]]
+  return ", ".join(found) or "a --config.* override"
+
+
+def parse_absl_flags(argv: list) -> list:
+  """absl's flag parsing with its errors, and config files' ones, as UserErrors.
+
+  For `app.run(main, flags_parser=parse_absl_flags)`. An ml_collections config flag
+  loads its file while the flags are parsed, so a missing file, a syntax error in it
+  or an override of a key the config lacks surface here.
+  """
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    raise UserError(f"{one_line(e)}; see --helpshort for the flags") from e
+  except SyntaxError as e:
+    raise UserError(f"config file {e.filename} line {e.lineno} has a syntax error "
+                    f"({e.msg}); fix the file") from e
+  except (AttributeError, KeyError) as e:
+    key = one_line(e).strip("\"'")
+    raise UserError(f"unknown config key {key!r} in {_unknown_override(argv, key)}; fix "
+                    "its spelling (the config file lists every key)") from e
+  except OSError as e:
+    raise UserError(f"the config file does not load ({_first_line(e)}); pass an "
+                    "existing --config=configs/<name>.py") from e
+  except (TypeError, ValueError) as e:
+    raise UserError(f"the config does not load ({_first_line(e, last=True)}); fix the "
+                    "config file or the --config.* override") from e
+
+
+def _first_line(e: BaseException, last: bool = False) -> str:
+  """A multi-line library message as one line: its first (or last) non-empty line,
+  plus the file it names when it says which."""
+  lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+  if not lines:
+    return type(e).__name__
+  detail = [l for l in lines if "Errno" in l]
+  return one_line(detail[-1] if detail else lines[-1] if last else lines[0])
+
+
+def load_config_flag(config_flag) -> object:
+  """`config_flag.value` (an ml_collections config flag), a failed load as a UserError.
+
+  A config file that does not exist loads lazily: the error comes at first access.
+  """
+  try:
+    config = config_flag.value
+    config.get("seed")             # an unloadable file raises on first access
+    return config
+  except OSError as e:
+    raise UserError(f"the config file does not load ({_first_line(e)}); pass an "
+                    "existing --config=configs/<name>.py") from e
