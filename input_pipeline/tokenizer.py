@@ -12,6 +12,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import tempfile
 
 from absl import logging
@@ -81,9 +82,51 @@ def train(docs: Sequence[str], vocab_size: int) -> bytes:
         split_digits=True, allow_whitespace_only_pieces=True, num_threads=1,
         minloglevel=2)
   except RuntimeError as e:
-    raise DataError(f"SentencePiece training failed ({str(e).strip().splitlines()[-1]}); fix: lower "
-                    "data.vocab_size, raise data.tokenizer_sample_bytes or use a larger corpus") from e
+    raise DataError(_training_failure(str(e), vocab_size)) from e
   return model.getvalue()
+
+
+def _training_failure(message: str, vocab_size: int) -> str:
+  """SentencePiece's error as one line with the fix that applies to it."""
+  detail = message.strip().splitlines()[-1] if message.strip() else "no message"
+  detail = re.sub(r"^\w+: src/\S+ \[[^]]*\] ", "", detail)   # drop the C++ location
+  if "smaller than required_chars" in detail:
+    # More distinct characters than pieces (character_coverage=1.0 keeps them all).
+    fix = ("raise data.vocab_size above that count, or check that the training files are "
+           "text (binary data has many distinct characters)")
+  elif "too high" in detail:
+    fix = "lower data.vocab_size, raise data.tokenizer_sample_bytes or use a larger corpus"
+  else:
+    fix = ("check data.vocab_size against the corpus, raise data.tokenizer_sample_bytes or "
+           "use a larger corpus")
+  return (f"SentencePiece training of a {vocab_size}-piece tokenizer failed ({detail}); "
+          f"fix: {fix}")
+
+
+# Characters that do not occur in text: U+FFFD stands for bytes that are not UTF-8
+# (sources decode with errors='replace'); C0 controls other than whitespace, and NUL,
+# are what binary files are made of.
+_NON_TEXT = re.compile("[\ufffd\x00-\x08\x0e-\x1f\x7f]")
+MAX_NON_TEXT_FRACTION = 0.001   # web text has a few U+FFFD; Latin-1 or binary has many
+
+
+def check_text(docs: Sequence[str], where: str) -> None:
+  """DataError when the sampled training text is not UTF-8 text.
+
+  More than MAX_NON_TEXT_FRACTION of its characters are U+FFFD (undecodable bytes: a
+  Latin-1 or other non-UTF-8 file) or control characters (a binary file).
+  """
+  total = sum(len(d) for d in docs)
+  bad = sum(len(_NON_TEXT.findall(d)) for d in docs)
+  if total and bad > MAX_NON_TEXT_FRACTION * total:
+    example = next(d for d in docs if _NON_TEXT.search(d))
+    at = _NON_TEXT.search(example).start()
+    snippet = example[max(0, at - 20):at + 20].encode("unicode_escape").decode("ascii")
+    raise DataError(
+        f"the training text ({where}) is not UTF-8 text: {bad:,} of {total:,} sampled "
+        f"characters are undecodable bytes or control characters (e.g. '{snippet}'); fix: "
+        "convert the files to UTF-8 (e.g. iconv -f latin1 -t utf-8) or leave binary files "
+        "out of data.train_files")
 
 
 def load(path: str, vocab_size: int) -> spm.SentencePieceProcessor:
@@ -144,6 +187,7 @@ def get_tokenizer(*, tokenizer_path: str, vocab_size: int, cache_dir: str, finge
   if path.exists():
     return load(str(path), vocab_size), str(path)
   docs = sample_text(source, text_key, sample_bytes)
+  check_text(docs, fingerprint)
   n_bytes = sum(len(d.encode("utf-8")) for d in docs)
   logging.info("training a %d-piece SentencePiece BPE on %d bytes of %s", vocab_size, n_bytes,
                fingerprint)
