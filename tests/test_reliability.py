@@ -1,7 +1,11 @@
 """Issue 5, "a run never loses work": SIGKILL + restart is bit-exact, SIGTERM saves and
 exits 0, divergence stops with the last good checkpoint intact, checkpoints move
 between 8 and 1 devices, corrupt checkpoints are skipped, and bad input is one line
-with nothing written."""
+with nothing written.
+
+Issue 23, "no silent data loss, no hang, one line for every bad input" (section 7):
+each misuse case runs the real command in a subprocess and checks its exit status,
+its single `error:` line (no traceback) and that the workdir is exactly as it was."""
 import os
 import pathlib
 import shutil
@@ -399,7 +403,7 @@ def test_incompatible_workdir_is_refused_untouched(trained, cache, tmp_path):
   with pytest.raises(train.ConfigError) as err:
     train.train_and_evaluate(c, str(wd))
   msg = str(err.value)
-  assert "holds checkpoints of a different model" in msg
+  assert "holds checkpoints (step 2) of a different model, data or tokenizer" in msg
   assert "model.mlp_dim 64 -> 128" in msg and "model.num_heads 2 -> 4" in msg
   assert "remat_policy" not in msg
   assert snapshot(wd) == before
@@ -424,3 +428,282 @@ def test_main_subprocess_one_line_exit_2_nothing_written(trained, cache, tmp_pat
   assert [l for l in proc.stderr.splitlines() if l.startswith("error:")] == [
       "error: ConfigError: model.num_steps=0 must be a positive integer"]
   assert not fresh.exists()
+
+
+# --------------------------------------------------------------------------------------
+# 7. Issue 23: every misuse ends in the right behaviour or one line, exit 2, nothing
+#    written. Most cases stop before any compilation: a few seconds each.
+# --------------------------------------------------------------------------------------
+def run_command(args, timeout=120):
+  """`python <args>` from the repo root (CPU); returns (CompletedProcess, seconds)."""
+  t = time.monotonic()
+  proc = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=subprocess_env(),
+                        capture_output=True, text=True, timeout=timeout)
+  return proc, time.monotonic() - t
+
+
+def assert_one_line_error(proc, *needles, status=2):
+  """Exit `status`, exactly one stderr line `error: ...` holding every needle, and no
+  traceback."""
+  assert proc.returncode == status, proc.stderr[-3000:]
+  errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+  assert len(errors) == 1, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  for needle in needles:
+    assert needle in errors[0], errors[0]
+  return errors[0]
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path):
+  """A copy of the trained 2-step workdir (checkpoint 2, config.json, tokenizer)."""
+  wd = tmp_path / "run"
+  shutil.copytree(trained, wd)
+  return wd
+
+
+@pytest.mark.parametrize("keep", [0, -1])
+def test_max_to_keep_that_keeps_nothing_is_refused(cache, tmp_path, keep):
+  """0 used to train and then delete every checkpoint, the final one too."""
+  wd = tmp_path / "wd"
+  proc, _ = run_command(main_cmd(wd, cache, 2, f"--config.checkpoint_max_to_keep={keep}")[1:])
+  assert_one_line_error(proc, f"checkpoint_max_to_keep={keep}", "positive count")
+  assert not wd.exists()
+
+
+def _flip_a_bit(step_dir):
+  """Flips one bit in the middle of the largest file of the model's arrays."""
+  files = [p for p in (step_dir / "model").rglob("*") if p.is_file()]
+  largest = max(files, key=lambda p: p.stat().st_size)
+  data = bytearray(largest.read_bytes())
+  data[len(data) // 2] ^= 0x10
+  largest.write_bytes(bytes(data))
+  return largest
+
+
+@pytest.mark.parametrize("case", [
+    "unknown_key", "missing_config", "syntax_error", "workdir_is_file", "other_data",
+    "no_config_json_other_model", "spectra_grid_0", "spectra_empty", "lyapunov_empty",
+    "generate_all_corrupt", "binary_text", "latin1_text"])
+def test_misuse_is_one_line_and_changes_nothing(case, run_copy, cache, tmp_path):
+  wd, empty = run_copy, tmp_path / "empty"
+  empty.mkdir()
+  main = lambda *flags: main_cmd(wd, cache, 4, *flags)[1:]
+  needles = ()
+  if case == "unknown_key":
+    args, needles = main("--config.model.nosuch=1"), ("'nosuch'", "--config.model.nosuch=1")
+  elif case == "missing_config":
+    args = [a if not a.startswith("--config=") else "--config=configs/nosuch.py"
+            for a in main()]
+    needles = ("No such file", "configs/nosuch.py")
+  elif case == "syntax_error":
+    bad = tmp_path / "bad_config.py"
+    bad.write_text("def get_config(:\n")
+    args = [a if not a.startswith("--config=") else f"--config={bad}" for a in main()]
+    needles = ("syntax error", str(bad))
+  elif case == "workdir_is_file":
+    wd = tmp_path / "a_file"
+    wd.write_text("not a directory")
+    args, needles = main_cmd(wd, cache, 4)[1:], ("is a file",)
+  elif case == "other_data":
+    # Used to retrain the tokenizer and overwrite tokenizer.model.
+    args = main("--config.data.tokenizer_sample_bytes=200000")
+    needles = ("data.tokenizer_sample_bytes 300000 -> 200000", "new --workdir")
+  elif case == "no_config_json_other_model":
+    # Used to rewrite config.json and then blame "a different code version".
+    (wd / "config.json").unlink()
+    args, needles = main("--config.model.num_steps=3"), ("model.num_steps 2 -> 3",)
+  elif case == "spectra_grid_0":
+    args = ["-m", "odetransformer.analysis.spectra", f"--workdir={wd}",
+            f"--out={tmp_path / 'out'}", "--grid=0"]
+    needles = ("--grid=0", "--grid=2 or more")
+  elif case in ("spectra_empty", "lyapunov_empty"):
+    wd = empty
+    args = ["-m", f"odetransformer.analysis.{case.split('_')[0]}", f"--workdir={wd}",
+            f"--out={tmp_path / 'out'}", "--text=def f(x):"]
+    args = [a for a in args if case == "lyapunov_empty" or not a.startswith("--text")]
+    needles = ("holds no training run",)
+  elif case == "generate_all_corrupt":
+    _flip_a_bit(wd / "checkpoints" / "2")
+    args = ["-m", "odetransformer.generate", f"--workdir={wd}", "--prompt=def"]
+    needles = ("no checkpoint in", "corrupt", "sha256")
+  elif case in ("binary_text", "latin1_text"):
+    wd = tmp_path / "fresh"
+    rng = np.random.default_rng(0)
+    if case == "binary_text":
+      data = rng.integers(0, 256, 100_000, dtype=np.uint8).tobytes()
+    else:
+      words = "été café naïve garçon déjà élève très à ça the and of to in is".split()
+      data = "\n".join(" ".join(rng.choice(words, 12)) for _ in range(3000)).encode("latin-1")
+    (tmp_path / "train.txt").write_bytes(data)
+    (tmp_path / "valid.txt").write_text("def f(x):\n  return x\n" * 200)
+    args = main_cmd(wd, cache, 4, "--config.data.source=local",
+                    f"--config.data.train_files={tmp_path / 'train.txt'}",
+                    f"--config.data.eval_files={tmp_path / 'valid.txt'}")[1:]
+    needles = ("DataError", "not UTF-8 text", "convert the files to UTF-8")
+  before = snapshot(wd)
+  tokenizers = snapshot(pathlib.Path(cache) / "tokenizers")
+  proc, seconds = run_command(args)
+  assert_one_line_error(proc, *needles)
+  assert snapshot(wd) == before                 # nothing written, moved or created
+  assert snapshot(pathlib.Path(cache) / "tokenizers") == tokenizers   # none retrained
+  assert seconds < 90, seconds                  # a loaded 2-core machine: jax import
+
+
+def test_verbose_shows_the_traceback(cache, tmp_path):
+  proc, _ = run_command(main_cmd(tmp_path / "wd", cache, 2, "--config.model.nosuch=1",
+                                 "--verbose")[1:])
+  assert proc.returncode == 2 and "Traceback" in proc.stderr, proc.stderr[-3000:]
+  assert [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_workdir_is_one_line(cache, tmp_path):
+  wd = tmp_path / "ro"
+  wd.mkdir()
+  wd.chmod(0o555)
+  try:
+    proc, _ = run_command(main_cmd(wd, cache, 2)[1:])
+    assert_one_line_error(proc, "not writable")
+    assert list(wd.iterdir()) == []
+  finally:
+    wd.chmod(0o755)
+
+
+def test_read_only_mount_is_one_line(cache, tmp_path):
+  """The same as root, on a read-only tmpfs (skipped where mounting is not allowed)."""
+  wd = tmp_path / "ro"
+  wd.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(wd)],
+                    capture_output=True).returncode:
+    pytest.skip("cannot mount a read-only tmpfs here")
+  try:
+    proc, _ = run_command(main_cmd(wd, cache, 2)[1:])
+    assert_one_line_error(proc, "not writable", "Read-only file system")
+  finally:
+    subprocess.run(["umount", str(wd)], check=True)
+
+
+def test_workdir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, caplog):
+  """flock semantics: a second open of the lock (here in this process) is refused
+  naming the holder; once the holder is gone the next run takes over with a warning."""
+  from odetransformer import workdir_lock
+  wd = tmp_path / "wd"
+  first = workdir_lock.WorkdirLock(str(wd)).acquire()
+  holder = (wd / ".lock").read_text()
+  with pytest.raises(workdir_lock.WorkdirInUseError) as err:
+    workdir_lock.WorkdirLock(str(wd)).acquire()
+  assert f"is in use by PID {os.getpid()} on host " in str(err.value)
+  assert (wd / ".lock").read_text() == holder                 # the refused one wrote nothing
+  # A holder that died: its flock went with it, its PID is still in the file.
+  first._fd, fd = None, first._fd                             # pylint: disable=protected-access
+  os.close(fd)
+  (wd / ".lock").write_text('{"pid": 999999, "host": "gone", "started": 0}\n')
+  with caplog.at_level("WARNING"):
+    second = workdir_lock.WorkdirLock(str(wd)).acquire()
+  assert "took over the workdir lock of PID 999999 on host gone" in caplog.text
+  second.release()
+  assert (wd / ".lock").read_text() == ""                     # a clean end: no holder
+
+
+def test_second_run_on_a_live_workdir_exits_at_once(run_copy, cache):
+  """Used to hang forever at 0% CPU. The holder is a process that holds the lock as
+  main.py does; the second is the real command."""
+  holder = subprocess.Popen(
+      [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+       "from odetransformer.workdir_lock import WorkdirLock; "
+       "WorkdirLock(sys.argv[2]).acquire(); print('locked', flush=True); time.sleep(600)",
+       str(ROOT), str(run_copy)], cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
+      text=True)
+  try:
+    assert holder.stdout.readline().strip() == "locked"
+    before = snapshot(run_copy)
+    proc, seconds = run_command(main_cmd(run_copy, cache, 4)[1:])
+    assert_one_line_error(proc, "WorkdirInUseError", f"PID {holder.pid} on host ",
+                          "another --workdir")
+    assert snapshot(run_copy) == before
+    assert seconds < 90, seconds
+  finally:
+    holder.kill()
+    holder.wait()
+
+
+def test_flipped_bits_are_reported_as_corruption_and_fall_back(reference, cache, tmp_path):
+  """Used to restore without a word (orbax checks no data checksum) and diverge."""
+  from odetransformer import loading
+  wd = tmp_path / "wd"
+  shutil.copytree(reference["workdir"], wd)
+  assert checkpointing.finalized_steps(str(wd)) == [6, 7, 8]
+  _flip_a_bit(wd / "checkpoints" / "8")
+  with pytest.raises(checkpointing.CheckpointError, match=r"8/model/.* is corrupt: its sha256"):
+    loading.load_model(str(wd), step=8)
+  assert loading.load_model(str(wd)).step == 7               # tools: the previous one
+  r = train.train_and_evaluate(config(cache, 8, checkpoint_every_steps=1), str(wd))
+  assert (r["start_step"], r["step"]) == (7, 8)
+  assert [p.name.split("-")[0] for p in (wd / "corrupt_checkpoints").iterdir()] == ["8"]
+  step, params = _final_params(wd)
+  assert step == 8
+  params_equal(params, reference["params"][1])               # bit-exact after the detour
+
+
+def test_failed_save_is_one_line(run_copy, cache):
+  """The checkpoint directory replaced by a file mid-run (as when a disk is gone): one
+  line naming the step, exit 2; orbax's ~200 traceback lines are not printed."""
+  proc = start_and_wait_for_checkpoint(
+      main_cmd(run_copy, cache, 400, "--config.checkpoint_every_steps=1"), run_copy,
+      min_step=3)
+  shutil.rmtree(run_copy / "checkpoints", ignore_errors=True)
+  (run_copy / "checkpoints").write_text("")
+  _, err = proc.communicate(timeout=120)
+  assert_one_line_error(subprocess.CompletedProcess([], proc.returncode, "", err),
+                        "CheckpointError", "saving the checkpoint of step", "failed")
+
+
+def test_ctrl_c_saves_like_sigterm_and_twice_exits_at_once(run_copy, cache, tmp_path):
+  wd2 = tmp_path / "second"
+  shutil.copytree(run_copy, wd2)
+  proc = start_and_wait_for_checkpoint(
+      main_cmd(run_copy, cache, 400, "--config.checkpoint_every_steps=1"), run_copy,
+      min_step=3)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=60)
+  assert proc.returncode == 0, err[-3000:]
+  line = [l for l in err.splitlines() if "after preemption; checkpoint saved" in l]
+  assert len(line) == 1, err[-3000:]
+  step = int(line[0].split("stopping at step ")[1].split()[0])
+  assert checkpointing.finalized_steps(str(run_copy))[-1] == step
+  assert "Traceback" not in err
+
+  # Two signals sent together would merge into one: the second goes once the first
+  # was seen. It finds the save under way (or just done): exit 130 at once either way.
+  proc = start_and_wait_for_checkpoint(
+      main_cmd(wd2, cache, 400, "--config.checkpoint_every_steps=1"), wd2, min_step=3)
+  proc.send_signal(signal.SIGINT)
+  seen = []
+  for line in proc.stderr:
+    seen.append(line)
+    if "SIGINT received" in line:
+      break
+  proc.send_signal(signal.SIGINT)
+  t = time.monotonic()
+  _, err = proc.communicate(timeout=60)
+  err = "".join(seen) + err
+  assert proc.returncode == 130, err[-3000:]
+  assert time.monotonic() - t < 10
+  assert "exiting now without saving" in err or "interrupted" in err, err[-3000:]
+
+
+def test_tokenizer_vocabulary_too_small_says_raise():
+  """More distinct characters than pieces: the fix is a larger vocab_size (it said
+  "lower"); the opposite failure still says lower."""
+  from input_pipeline import tokenizer
+  rng = np.random.default_rng(0)
+  docs = ["".join(chr(c) for c in rng.integers(0x4E00, 0x4E00 + 3000, 60)) + "\n"
+          for _ in range(1500)]
+  with pytest.raises(DataError) as err:
+    tokenizer.train(docs, 300)
+  msg = str(err.value)
+  assert "smaller than required_chars" in msg and "raise data.vocab_size" in msg, msg
+  assert "lower" not in msg and "\n" not in msg
+  with pytest.raises(DataError, match="too high.*fix: lower data.vocab_size"):
+    tokenizer.train(["def f(x):\n  return x\n"] * 50, 5000)
