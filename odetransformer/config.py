@@ -53,6 +53,10 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.lora_alpha = 16.0          # adapter scale alpha / rank
   c.lora_targets = "wq,wk,wv,wo"   # comma-separated layer weights to adapt (wq wk wv wo w1 w2 w3)
   c.lora_train_embeddings = False  # also train embeddings, positions, final norm, head
+  # Discrete kinds: factor on each layer's W_O, W_2 and their biases (LoRA updates
+  # included). A materialised ODE being fine-tuned keeps dt = 1/N here rather than in
+  # its stored weights, so its residual update is x + dt·layer(x) as in the authors' code.
+  c.out_proj_scale = 1.0
   return c
 
 
@@ -86,6 +90,7 @@ class ModelConfig:
   lora_alpha: float = 16.0
   lora_targets: tuple = ("wq", "wk", "wv", "wo")
   lora_train_embeddings: bool = False
+  out_proj_scale: float = 1.0
 
   def __post_init__(self):
     def choice(name, options):
@@ -121,6 +126,9 @@ class ModelConfig:
     if self.lora_rank and bad:
       raise ValueError(f"model.lora_targets has {bad}, not layer weights of this model; "
                        f"choose from {sorted(weights)}")
+    if self.out_proj_scale <= 0 or (self.is_ode and self.out_proj_scale != 1.0):
+      raise ValueError(f"model.out_proj_scale={self.out_proj_scale} must be > 0, and 1 for "
+                       "ODE kinds (their step size is 1/num_steps)")
     if self.time_hidden < 0:
       raise ValueError(f"model.time_hidden={self.time_hidden} must be >= 0 (0 = d_t)")
     if self.embed_scale <= 0:

@@ -6,27 +6,39 @@ A fine-tuning config names the pre-training workdir (`init_from`) and `finetune.
 - `full`: materialise N discrete layers (ODE) — or keep a discrete model — and train
   all weights;
 - `lora`: as `full`, then freeze the layers and train low-rank adapters (rank, alpha,
-  targets; B = 0 so step 0 is the base model), optionally the embeddings too.
+  targets), optionally the embeddings too. `finetune.lora_init`: 'zero_b' (Hu et al.:
+  A ~ N(0, 1/in), B = 0) or 'small' (A, B ~ 1e-6·N(0, 1), as the authors' lora.py);
+  either way step 0 is the base model (to ~1e-10 with 'small').
+
+A materialised ODE keeps its step size dt = 1/N out of the stored weights
+(`materialize(..., fold_dt=False)`, `model.out_proj_scale = dt`), as the authors' code
+(SDML-KU/qkvflow) does: full fine-tuning updates W_O, W_2 at the same scale at every N,
+and a LoRA update of W_O or W_2 is scaled by dt like the weight it adapts.
 
 The fine-tuning run is an ordinary run: its model config (derived here) is saved with
 its checkpoints, so it resumes, evaluates and generates like any other. Only its first
 start reads `init_from`. The tokenizer is the pre-training run's.
 """
 import dataclasses
+import math
 import os
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from odetransformer import checkpointing, loading, train
+from odetransformer import blocks, checkpointing, loading, train
 from odetransformer.config import ModelConfig
 from odetransformer.errors import UserError
 from odetransformer.materialize import materialize
 
 METHODS = ("continuous", "full", "lora")
-# Fields that must agree with the pre-trained model (the weights are reused).
-_SHAPE_FIELDS = ("flavour", "d_model", "num_heads", "mlp_dim", "time_embed_dim",
-                 "time_sinusoids", "time_hidden", "shared_time_mlp", "tie_embeddings",
-                 "max_len")
+LORA_INITS = ("zero_b", "small")
+SMALL_LORA_STD = 1e-6       # the authors' lora.py: both factors 1e-6·N(0, 1)
+# Fields that must agree with the pre-trained model (the weights are reused); the time
+# fields only where the pre-trained model has hypernetworks.
+_SHAPE_FIELDS = ("flavour", "d_model", "num_heads", "mlp_dim", "tie_embeddings", "max_len")
+_TIME_FIELDS = ("time_embed_dim", "time_sinusoids", "time_hidden", "shared_time_mlp")
 
 
 class FinetuneError(UserError, ValueError):
@@ -50,7 +62,11 @@ def finetune_model_config(config) -> ModelConfig:
   method = ft.method
   if method not in METHODS:
     raise FinetuneError(f"finetune.method={method!r} is unknown; choose one of {list(METHODS)}")
-  for field in _SHAPE_FIELDS:
+  if ft.get("lora_init", "zero_b") not in LORA_INITS:
+    raise FinetuneError(f"finetune.lora_init={ft.lora_init!r} is unknown; choose one of "
+                        f"{list(LORA_INITS)}")
+  fields = _SHAPE_FIELDS + (_TIME_FIELDS if pre.kind == "diffeqformer" else ())
+  for field in fields:
     if field in config.model and config.model[field] != getattr(pre, field):
       raise FinetuneError(
           f"model.{field}={config.model[field]!r} differs from the pre-trained model's "
@@ -67,7 +83,8 @@ def finetune_model_config(config) -> ModelConfig:
                           f"pre-trained model is kind={pre.kind!r} (use 'full' or 'lora')")
     return dataclasses.replace(pre, num_steps=n, **keep)
   if pre.is_ode:
-    disc = dataclasses.replace(pre, kind="parallel", num_steps=n, **keep)
+    disc = dataclasses.replace(pre, kind="parallel", num_steps=n, out_proj_scale=1.0 / n,
+                               **keep)
   else:
     if n != pre.num_steps:
       raise FinetuneError(f"a discrete {pre.kind!r} model has {pre.num_steps} layers; "
@@ -100,9 +117,36 @@ def prepare_config(config):
 
 
 def initial_model_state(config, cfg: ModelConfig) -> nnx.State:
-  """The pre-trained weights transformed for this method (values for `nnx.update`)."""
+  """The pre-trained weights transformed for this method (values for `nnx.update`).
+
+  Leaves it lacks (LoRA factors with 'zero_b') keep the new model's initialisation.
+  """
   loaded = loading.load_model(config.init_from)
   model = loaded.model
   if config.finetune.method != "continuous" and model.config.is_ode:
-    model = materialize(model, cfg.num_steps)
-  return nnx.state(model)
+    model = materialize(model, cfg.num_steps, fold_dt=False)
+  state = nnx.state(model)
+  if cfg.lora_rank and config.finetune.get("lora_init", "zero_b") == "small":
+    state = nnx.State({**nnx.to_pure_dict(state), "stack": {
+        **nnx.to_pure_dict(state)["stack"], "lora": small_lora_factors(cfg, config.seed)}})
+  return state
+
+
+def small_lora_factors(cfg: ModelConfig, seed: int) -> dict:
+  """{target: {'a': [L, in, r], 'b': [L, r, out]}}, every entry 1e-6·N(0, 1).
+
+  With both factors this small, A·B ≈ 0 at step 0, yet both get gradients from the first
+  step (with B = 0, A's gradient is 0 until B moves).
+  """
+  specs = blocks.layer_param_specs(cfg)
+  key = jax.random.key(seed)
+  dtype = jnp.dtype(cfg.param_dtype)
+  out = {}
+  for i, name in enumerate(cfg.lora_targets):
+    spec = specs[name]
+    n_in, n_out = math.prod(spec.shape[:spec.n_in]), math.prod(spec.shape[spec.n_in:])
+    ka, kb = jax.random.split(jax.random.fold_in(key, i))
+    out[name] = {
+        "a": SMALL_LORA_STD * jax.random.normal(ka, (cfg.num_steps, n_in, cfg.lora_rank), dtype),
+        "b": SMALL_LORA_STD * jax.random.normal(kb, (cfg.num_steps, cfg.lora_rank, n_out), dtype)}
+  return out

@@ -1,10 +1,18 @@
 """Materialisation: an ODE model at N Euler steps as an ordinary N-layer transformer.
 
-W(t_k) is evaluated for k < N, and dt = 1/N is folded into the output projections
-(W_O, W_2) and their biases, so x_{k+1} = x_k + layer_k(x_k) of the resulting discrete
-parallel-block model equals x_k + dt·F(x_k, t_k) of the ODE. The result is a plain
-`kind='parallel'` LanguageModel: the fast inference model, and the starting point for
-fine-tuning with any method.
+W(t_k) is evaluated for k < N and the step size dt = 1/N goes onto the output
+projections (W_O, W_2) and their biases, so x_{k+1} = x_k + layer_k(x_k) of the
+resulting discrete parallel-block model equals x_k + dt·F(x_k, t_k) of the ODE. The
+result is a plain `kind='parallel'` LanguageModel, in one of two parameterisations of
+the same function:
+
+- `fold_dt=True` (inference): dt is multiplied into the stored W_O, W_2, b_O, b_2.
+- `fold_dt=False` (fine-tuning): the stored weights are W(t_k) themselves and the model
+  config's `out_proj_scale = dt` applies the step size in the forward pass. This is how
+  the authors' code (SDML-KU/qkvflow, `evaluate_at`) fine-tunes: its layers' outputs are
+  multiplied by dt. Training then means the same thing at every N: AdamW moves W_O by
+  the same amounts whatever N is (with dt folded in, a step on dt·W_O is a step N times
+  larger on W_O), and a LoRA update ΔW of W_O or W_2 lies under dt like W itself.
 """
 import dataclasses
 
@@ -16,8 +24,15 @@ from odetransformer.solvers import stage_times
 _DT_ROLES = ("out", "out_bias")
 
 
-def materialize(model: LanguageModel, num_steps: int) -> LanguageModel:
-  """Returns the `num_steps`-layer discrete parallel model equal to the N-step Euler solve."""
+def materialize(model: LanguageModel, num_steps: int, fold_dt: bool = True) -> LanguageModel:
+  """Returns the `num_steps`-layer discrete parallel model equal to the N-step Euler solve.
+
+  Args:
+    model: a DiffEqFormer or weight-sharing ODE.
+    num_steps: N, the number of layers (dt = 1/N).
+    fold_dt: multiply dt into the stored output projections (True), or store W(t_k)
+      and set `out_proj_scale = dt` (False; see the module docstring).
+  """
   cfg = model.config
   if not cfg.is_ode:
     raise ValueError(f"only ODE models materialise; this model is kind={cfg.kind!r}")
@@ -30,8 +45,10 @@ def materialize(model: LanguageModel, num_steps: int) -> LanguageModel:
   else:
     layers = {n: jnp.broadcast_to(v, (num_steps,) + v.shape)
               for n, v in model.stack.layer().items()}
-  specs = model.stack.specs
-  layers = {n: (w * dt if specs[n].role in _DT_ROLES else w) for n, w in layers.items()}
+  if fold_dt:
+    specs = model.stack.specs
+    layers = {n: (w * dt if specs[n].role in _DT_ROLES else w) for n, w in layers.items()}
 
-  new_cfg = dataclasses.replace(cfg, kind="parallel", num_steps=num_steps)
+  new_cfg = dataclasses.replace(cfg, kind="parallel", num_steps=num_steps,
+                                out_proj_scale=1.0 if fold_dt else dt)
   return build_from_values(new_cfg, layers, model)

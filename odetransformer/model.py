@@ -54,6 +54,7 @@ class DiscreteStack(nnx.Module):
     dtype = jnp.dtype(cfg.param_dtype)
     self.specs = blocks.layer_param_specs(cfg)
     self.lora_scale = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
+    self.out_proj_scale = cfg.out_proj_scale
     var = Frozen if cfg.lora_rank else nnx.Param
     params = {}
     for name, spec in self.specs.items():
@@ -83,6 +84,9 @@ class DiscreteStack(nnx.Module):
         w = out[name]
         delta = jnp.einsum("lir,lro->lio", ab["a"][...], ab["b"][...])
         out[name] = w + (self.lora_scale * delta).reshape(w.shape).astype(w.dtype)
+    if self.out_proj_scale != 1.0:   # a materialised ODE's dt, over W and its LoRA update
+      out = {name: (w * self.out_proj_scale if self.specs[name].role in ("out", "out_bias")
+                    else w) for name, w in out.items()}
     return out
 
 

@@ -1,12 +1,20 @@
-"""Fine-tuning through the real entry point (train.train_and_evaluate with init_from)."""
+"""Fine-tuning through the real entry point (train.train_and_evaluate with init_from),
+and what a fine-tuning update of a materialised ODE means at each N."""
+import dataclasses
 import json
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from flax import nnx
 
 from odetransformer import finetune, loading, metrics as metrics_lib, train
+from odetransformer.config import ModelConfig
 from odetransformer.materialize import materialize
+from odetransformer.model import create_model
+from odetransformer.solvers import stage_times
 from test_train import fast_compiles, tiny_config  # noqa: F401  (fixture: compile cache)
 
 
@@ -22,7 +30,7 @@ def ft_config(pretrained, method, num_steps, steps=2, **finetune_kw):
   c = tiny_config(base / "cache", steps)
   c.init_from = str(base / "run")
   fields = dict(method=method, num_steps=num_steps, lora_rank=2, lora_alpha=4.0,
-                targets="wq,wo", train_embeddings=False)
+                targets="wq,wo", train_embeddings=False, lora_init="zero_b")
   fields.update(finetune_kw)
   c.finetune = ml_collections.ConfigDict(fields)
   return c
@@ -52,14 +60,104 @@ def test_full_at_training_k_starts_at_the_ode_loss(pretrained, tmp_path):
 
 def test_lora_with_embeddings_changes_only_adapters_and_embeddings(pretrained, tmp_path):
   base, _ = pretrained
-  train.train_and_evaluate(ft_config(pretrained, "lora", 3, train_embeddings=True), tmp_path)
+  c = ft_config(pretrained, "lora", 3, train_embeddings=True, lora_init="small")
+  start = finetune.initial_model_state(c, finetune.finetune_model_config(c))
+  b0 = np.asarray(nnx.to_pure_dict(start)["stack"]["lora"]["wq"]["b"])
+  assert b0.shape == (3, 2, 32) and 0 < np.abs(b0).max() < 1e-5   # 1e-6·N(0, 1)
+  train.train_and_evaluate(c, tmp_path)
   tuned = loading.load_model(str(tmp_path)).model
-  reference = materialize(loading.load_model(str(base / "run")).model, 3)
+  assert tuned.config.out_proj_scale == pytest.approx(1 / 3)
+  reference = materialize(loading.load_model(str(base / "run")).model, 3, fold_dt=False)
   for name, w in reference.stack.params.items():   # frozen layers: bit for bit
     np.testing.assert_array_equal(np.asarray(tuned.stack.params[name][...]), np.asarray(w[...]))
   assert not np.array_equal(np.asarray(tuned.embed[...]), np.asarray(reference.embed[...]))
   b = np.asarray(tuned.stack.lora["wq"]["b"][...])
-  assert np.abs(b).max() > 0   # adapters moved away from B = 0
+  # Trained, though slowly: gradients of 1e-6-sized factors sit below Adam's ε (1e-8).
+  assert np.abs(b - b0).max() > 0
+
+
+ODE = ModelConfig(vocab_size=61, d_model=16, num_heads=2, mlp_dim=32, num_steps=4,
+                  max_len=16, time_embed_dim=4, time_sinusoids=4, remat_policy="none")
+
+
+def _ode_and_tokens(seed=0):
+  model = create_model(ODE, seed=seed)
+  # The reference init makes W(t) tiny; give P0 unit-scale values so that every layer,
+  # and a wrong factor of N on one of its updates, shows in the logits.
+  for name, gen in model.stack.gens.items():
+    gen.base[...] = 0.3 * jax.random.normal(jax.random.key(len(name)), gen.base.shape)
+  toks = jax.random.randint(jax.random.key(seed + 1), (2, 12), 0, ODE.vocab_size)
+  return model, toks
+
+
+def test_unfolded_materialisation_stores_w_of_t_and_keeps_dt_as_a_scale():
+  """fold_dt=False stores W(t_k) itself (what full fine-tuning updates, as the authors'
+  evaluate_at does) and computes the same function as the folded model and the ODE."""
+  model, toks = _ode_and_tokens()
+  for n in (2, 5):
+    unfolded, folded = materialize(model, n, fold_dt=False), materialize(model, n)
+    assert (unfolded.config.out_proj_scale, folded.config.out_proj_scale) == (1 / n, 1.0)
+    w_t = model.stack(stage_times(n, "euler")[:, 0], jnp.float32)
+    for name, w in unfolded.stack.params.items():
+      np.testing.assert_array_equal(np.asarray(w[...]), np.asarray(w_t[name]))
+    np.testing.assert_allclose(np.asarray(folded.stack.params["wo"][...]),
+                               np.asarray(w_t["wo"]) / n, rtol=1e-6)
+    ode = np.asarray(model(toks, num_steps=n))
+    np.testing.assert_allclose(np.asarray(unfolded(toks)), ode, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(folded(toks)), ode, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("target", ["wo", "w2", "wq"])
+def test_lora_update_means_the_same_at_every_n(target):
+  """A LoRA update ΔW at every layer of the N-layer model equals the ODE with ΔW added
+  to W(t) at every t, solved with N steps: ΔW lies under dt like W (the authors' code
+  multiplies each materialised layer's output by dt). Adding ΔW after dt was folded into
+  W_O / W_2 (scale 1 instead of dt) fails this for the output projections."""
+  model, toks = _ode_and_tokens()
+  spec = model.stack.specs[target]
+  n_in = int(np.prod(spec.shape[:spec.n_in]))
+  n_out = int(np.prod(spec.shape[spec.n_in:]))
+  rank, alpha = 3, 6.0
+  a = 0.5 * jax.random.normal(jax.random.key(7), (n_in, rank))
+  b = 0.5 * jax.random.normal(jax.random.key(8), (rank, n_out))
+  delta = ((alpha / rank) * a @ b).reshape(spec.shape)
+  shifted = create_model(ODE, seed=0)
+  nnx.update(shifted, nnx.state(model))
+  shifted.stack.gens[target].base[...] = model.stack.gens[target].base[...] + delta
+  def with_adapter(base, n):
+    cfg = dataclasses.replace(base.config, lora_rank=rank, lora_alpha=alpha,
+                              lora_targets=(target,))
+    lora = create_model(cfg, seed=1)
+    nnx.update(lora, nnx.state(base))
+    lora.stack.lora[target]["a"][...] = jnp.broadcast_to(a, (n, n_in, rank))
+    lora.stack.lora[target]["b"][...] = jnp.broadcast_to(b, (n, rank, n_out))
+    return np.asarray(lora(toks))
+
+  for n in (2, 3, 6):
+    expected = np.asarray(shifted(toks, num_steps=n))
+    np.testing.assert_allclose(with_adapter(materialize(model, n, fold_dt=False), n),
+                               expected, atol=2e-5, rtol=2e-5)
+    # The same adapter on the dt-folded model is off by a factor N on W_O / W_2 only.
+    folded = with_adapter(materialize(model, n), n)
+    if target == "wq":
+      np.testing.assert_allclose(folded, expected, atol=2e-5, rtol=2e-5)
+    else:
+      assert np.abs(folded - expected).max() > 1e-2
+
+
+def test_full_finetuning_updates_w_not_dt_times_w():
+  """The gradient full fine-tuning takes w.r.t. a stored W_O is dt × the gradient w.r.t.
+  the effective dt·W_O (chain rule), i.e. the authors' parameterisation; the folded
+  model's gradient is w.r.t. dt·W_O itself, N times larger relative to its weight."""
+  model, toks = _ode_and_tokens()
+  n = 4
+  unfolded, folded = materialize(model, n, fold_dt=False), materialize(model, n)
+
+  def grad_wo(m):
+    loss = lambda m: jnp.mean(m(toks) ** 2)
+    return np.asarray(nnx.grad(loss)(m).stack.params["wo"][...])
+
+  np.testing.assert_allclose(grad_wo(unfolded), grad_wo(folded) / n, rtol=1e-4, atol=1e-9)
 
 
 def test_mismatched_width_is_a_clear_error(pretrained, tmp_path):
