@@ -1,0 +1,283 @@
+"""Bytes moved between devices and per-device memory: DiffEqFormer vs GPT, same shape.
+
+Compiles the product's real train step (`train.make_train_step` on a real TrainState,
+AdamW with clipping, donated state) for both models and both flavours on 8 host CPU
+devices, on the meshes (data, fsdp, tensor) = (1,8,1), (2,4,1) and (1,2,4). Nothing is
+run: the optimised HLO of each step is parsed and the bytes of every all-gather,
+reduce-scatter, all-reduce, all-to-all and collective-permute are summed by kind, once
+as written in the program (static) and once weighted by the trip counts of the while
+loops they sit in (the solver's scan: what a step really moves). Each collective counts
+the bytes of its full (unsharded) buffer: an all-gather's result, a reduce-scatter's
+operand, the others' result. Per-device memory is XLA's `memory_analysis()` of the same
+compiled step: arguments + outputs − aliased + temporaries.
+
+Last line: `diffeqformer/gpt collective bytes: max ratio R over meshes` (weighted bytes;
+target ≤ 1.10), and the memory target is DiffEqFormer ≤ 1.10 × GPT + the ODE's own
+hypernetwork shard: the per-device training state of its weight generators (P and P0,
+their float32 gradient and Adam moments), which a GPT of the same shape does not have.
+
+  python -m benchmarks.collectives                 # bench-small (vocab 8192, d 256, K 6)
+  python benchmarks/collectives.py --tiny          # seconds-sized, for the tests
+  python benchmarks/collectives.py --meshes=1,8,1 --flavours=llama
+"""
+import os
+import pathlib
+import re
+import sys
+
+NUM_DEVICES = 8
+if __name__ == "__main__":
+  # Before jax is imported: 8 fake CPU devices.
+  _flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                  os.environ.get("XLA_FLAGS", "")).strip()
+  os.environ["XLA_FLAGS"] = (
+      f"{_flags} --xla_force_host_platform_device_count={NUM_DEVICES}").strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+_HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+sys.path.insert(0, str(_HERE.parent))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import argparse
+import collections
+import math
+
+import common  # noqa: E402  (sets sys.path, presets)
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from configs import default as default_config  # noqa: E402
+from odetransformer import memory  # noqa: E402
+from odetransformer import optimizer as optimizer_lib  # noqa: E402
+from odetransformer import sharding as sharding_lib  # noqa: E402
+from odetransformer import train  # noqa: E402
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+MESHES = ((1, 8, 1), (2, 4, 1), (1, 2, 4))
+MiB = 2 ** 20
+
+# A seconds-sized shape whose heads and batch still split over every mesh above.
+TINY = dict(model=dict(vocab_size=512, d_model=64, num_heads=4, mlp_dim=128, num_steps=2,
+                       max_len=64, time_embed_dim=8, time_sinusoids=8),
+            seq_len=32, batch=8)
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+                "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "token": 0}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+# `%name = <shape> <op>(<operands>), attrs` (the shape may be a tuple).
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
+
+
+def shape_bytes(text: str) -> int:
+  """Bytes of an HLO shape (an array `f32[4,8]{1,0}` or a tuple of them)."""
+  total = 0
+  for dtype, dims in _ARRAY.findall(text):
+    if dtype not in _DTYPE_BYTES:
+      continue
+    total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+  return total
+
+
+def _collective_kind(op: str):
+  """'all-gather' for all-gather / all-gather-start; None for -done and other ops."""
+  for kind in KINDS:
+    if op == kind or op == kind + "-start":
+      return kind
+  return None
+
+
+def parse_collectives(hlo_text: str) -> dict:
+  """Collective bytes of an optimised HLO module, by kind.
+
+  Returns {'static': {kind: bytes}, 'weighted': {kind: bytes}, 'unknown_trip_counts': n}:
+  static counts each instruction once; weighted multiplies it by the trip counts of the
+  while loops around it (XLA's `known_trip_count`; a loop without one counts once and
+  is reported in `unknown_trip_counts`).
+  """
+  comps = {}            # name -> {'bytes': Counter, 'calls': [(callee, multiplier)]}
+  entry, current, shapes = None, None, {}
+  unknown = 0
+  for line in hlo_text.splitlines():
+    m = _COMP.match(line)
+    if m:
+      current = m.group(1)
+      comps[current] = {"bytes": collections.Counter(), "calls": []}
+      shapes = {}
+      if line.startswith("ENTRY"):
+        entry = current
+      continue
+    if current is None:
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    name, shape, op, rest = m.groups()
+    shapes[name] = shape
+    kind = _collective_kind(op)
+    if kind is not None:
+      if kind == "reduce-scatter":   # the full buffer is the operand
+        operand = rest.split(")", 1)[0].split(",")[0].strip().lstrip("%")
+        nbytes = shape_bytes(shapes.get(operand, "")) or shape_bytes(shape)
+      elif op.endswith("-start"):   # (operands..., results...): the result half
+        parts = _ARRAY.findall(shape)
+        half = parts[len(parts) // 2:]
+        nbytes = sum(_DTYPE_BYTES.get(t, 0) * math.prod(int(d) for d in dims.split(",") if d)
+                     for t, dims in half)
+      else:
+        nbytes = shape_bytes(shape)
+      comps[current]["bytes"][kind] += nbytes
+    trips = 1
+    if op == "while":
+      t = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+      if t:
+        trips = int(t.group(1))
+      else:
+        unknown += 1
+    for attr in ("body", "condition", "calls", "to_apply"):
+      for callee in re.findall(rf"\b{attr}=%?([\w.\-]+)", rest):
+        comps[current]["calls"].append((callee, trips if attr == "body" else 1))
+    branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+    if branches:
+      for callee in branches.group(1).split(","):
+        comps[current]["calls"].append((callee.strip().lstrip("%"), 1))
+
+  def total(name, weighted, seen=()):
+    if name not in comps or name in seen:
+      return collections.Counter()
+    out = collections.Counter(comps[name]["bytes"])
+    for callee, mult in comps[name]["calls"]:
+      sub = total(callee, weighted, seen + (name,))
+      for k, v in sub.items():
+        out[k] += v * (mult if weighted else 1)
+    return out
+
+  if entry is None:
+    raise ValueError("no ENTRY computation in the HLO text")
+  static, weighted = total(entry, False), total(entry, True)
+  return {"static": {k: static.get(k, 0) for k in KINDS},
+          "weighted": {k: weighted.get(k, 0) for k in KINDS},
+          "unknown_trip_counts": unknown}
+
+
+def make_config(preset: dict, kind: str, flavour: str, mesh_shape, remat: str):
+  """configs/default.py with the preset's model and batch on `mesh_shape`."""
+  c = default_config.get_config()
+  for key, value in preset["model"].items():
+    if key == "vocab_size":
+      c.data.vocab_size = value
+    else:
+      c.model[key] = value
+  c.model.kind, c.model.flavour, c.model.remat_policy = kind, flavour, remat
+  c.seq_len, c.global_batch_size = preset["seq_len"], preset["batch"]
+  c.mesh.shape = tuple(mesh_shape)
+  return c
+
+
+def hypernet_bytes(ts) -> int:
+  """Per-device bytes of the hypernetworks' weight generators' training state: P and P0,
+  their Adam moments, and their float32 gradient (the state a GPT of the same shape
+  does not have; its layers' own state is the GPT's too)."""
+  total = 0
+  for part, tree in enumerate(ts.split_abstract()):     # (model, optimizer) state
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      if "'gens'" not in jax.tree_util.keystr(path):
+        continue
+      n = math.prod(x.sharding.shard_shape(x.shape))
+      total += n * np.dtype(x.dtype).itemsize
+      if part == 0:
+        total += n * 4          # its gradient, in float32
+  return total
+
+
+def measure(config, devices) -> dict:
+  """Collective bytes and memory of one compiled train step."""
+  mesh = sharding_lib.make_mesh(config.mesh, devices)
+  rules = sharding_lib.logical_axis_rules(config.mesh)
+  cfg = train.model_config(config, config.data.vocab_size)
+  tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps, ode=cfg.is_ode)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    ts = train.abstract_train_state(cfg, tx, config.seed, mesh)
+    compiled = memory.compile_train_step(config, cfg, ts, mesh, rules)
+  stats = compiled.memory_analysis()
+  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+  out = parse_collectives(compiled.as_text())
+  out.update(peak=peak, temp=stats.temp_size_in_bytes, hyper=hypernet_bytes(ts))
+  return out
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--tiny", action="store_true", help="seconds-sized shapes (tests)")
+  parser.add_argument("--meshes", default=";".join(",".join(map(str, m)) for m in MESHES),
+                      help="';'-separated data,fsdp,tensor shapes of 8 devices")
+  parser.add_argument("--flavours", default="gpt,llama")
+  parser.add_argument("--remat", default="dots_saveable", help="remat policy (both models)")
+  args = parser.parse_args(argv)
+  if jax.device_count() != NUM_DEVICES:
+    sys.exit(f"error: jax has {jax.device_count()} devices, not {NUM_DEVICES}: run as a "
+             "program (`python -m benchmarks.collectives`) so XLA_FLAGS is set before jax")
+  try:
+    meshes = [tuple(int(v) for v in m.split(",")) for m in args.meshes.split(";") if m]
+    for m in meshes:
+      sharding_lib.resolve_mesh_shape(m, NUM_DEVICES)
+  except (ValueError, sharding_lib.MeshError) as e:
+    sys.exit(f"error: --meshes={args.meshes!r}: {e}; e.g. --meshes='1,8,1;2,4,1'")
+  flavours = [f for f in args.flavours.split(",") if f]
+  bad = [f for f in flavours if f not in ("gpt", "llama")]
+  if bad or not flavours:
+    sys.exit(f"error: --flavours={args.flavours!r}: choose from gpt,llama")
+  preset = TINY if args.tiny else common.PRESETS["bench-small"]
+  m = preset["model"]
+  print(f"{'tiny' if args.tiny else 'bench-small'}: vocab {m['vocab_size']}, d {m['d_model']}, "
+        f"{m['num_heads']} heads, {m['num_steps']} steps, seq {preset['seq_len']}, "
+        f"batch {preset['batch']}, d_t {m['time_embed_dim']}, f32, remat {args.remat}; "
+        f"{NUM_DEVICES} host devices")
+  short = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR",
+           "all-to-all": "A2A", "collective-permute": "CP"}
+  print("collective MiB per step (static in the program / weighted by loop trip counts); "
+        "memory MiB per device")
+  print(f"{'mesh':9s} {'flavour':7s} {'model':12s} "
+        + " ".join(f"{short[k]:>13s}" for k in KINDS)
+        + f" {'total':>15s} {'peak mem':>9s} {'temp':>8s} {'hyper':>7s}")
+  devices = jax.devices()
+  ratios, mem_ok = [], True
+  for mesh_shape in meshes:
+    for flavour in flavours:
+      res = {}
+      for kind in ("gpt", "diffeqformer"):
+        res[kind] = r = measure(make_config(preset, kind, flavour, mesh_shape, args.remat),
+                                devices)
+        cells = " ".join(f"{r['static'][k] / MiB:6.2f}/{r['weighted'][k] / MiB:6.2f}"
+                         for k in KINDS)
+        s, w = sum(r["static"].values()), sum(r["weighted"].values())
+        print(f"{str(mesh_shape):9s} {flavour:7s} {kind:12s} {cells} "
+              f"{s / MiB:7.2f}/{w / MiB:7.2f} {r['peak'] / MiB:9.1f} {r['temp'] / MiB:8.1f} "
+              f"{r['hyper'] / MiB:7.1f}", flush=True)
+        if r["unknown_trip_counts"]:
+          print(f"  note: {r['unknown_trip_counts']} while loop(s) without a known trip "
+                "count, counted once")
+      gpt, ode = res["gpt"], res["diffeqformer"]
+      w_gpt, w_ode = sum(gpt["weighted"].values()), sum(ode["weighted"].values())
+      ratio = w_ode / w_gpt if w_gpt else (1.0 if not w_ode else math.inf)
+      ratios.append(ratio)
+      budget = 1.10 * gpt["peak"] + ode["hyper"]
+      mem_ok &= ode["peak"] <= budget
+      print(f"{'':9s} {flavour:7s} ratio ode/gpt: collective bytes {ratio:.2f} (static "
+            f"{sum(ode['static'].values()) / max(1, sum(gpt['static'].values())):.2f}); "
+            f"peak memory {ode['peak'] / gpt['peak']:.2f} × gpt, "
+            f"{ode['peak'] / budget:.2f} of 1.10 × gpt + hypernetwork shard")
+  print(f"memory target (ode ≤ 1.10 × gpt + its hypernetwork shard) "
+        f"{'met' if mem_ok else 'NOT met'} on every mesh")
+  print(f"diffeqformer/gpt collective bytes: max ratio {max(ratios):.2f} over meshes")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,94 @@
+"""benchmarks/collectives.py: its HLO parser against hand-built programs, and its run.
+
+Both run in subprocesses with 8 host devices (XLA_FLAGS must be set before jax loads).
+"""
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _env():
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+_PARSER_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    sys.path.insert(0, sys.argv[1])
+    import jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from benchmarks.collectives import parse_collectives
+
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    split, whole = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+
+    # One all-gather of a [64, 32] f32 array split over 8 devices.
+    gather = jax.jit(lambda a: jax.lax.with_sharding_constraint(a * 2, whole),
+                     in_shardings=split)
+    once = gather.lower(jax.ShapeDtypeStruct((64, 32), jnp.float32)).compile().as_text()
+
+    # The same gather of a [16, 8] slice, inside a loop of 5 trips.
+    def looped(a):
+      def body(i, acc):
+        row = jax.lax.dynamic_slice_in_dim(a, i * 16, 16)       # [16, 8], split over x
+        row = jax.lax.with_sharding_constraint(row * 1.5, split)
+        return acc + jax.lax.with_sharding_constraint(row, whole)
+      return jax.lax.fori_loop(0, 5, body, jnp.zeros((16, 8), a.dtype))
+    loop = jax.jit(looped, in_shardings=NamedSharding(mesh, P(None, None)))
+    text = loop.lower(jax.ShapeDtypeStruct((80, 8), jnp.float32)).compile().as_text()
+    print(json.dumps({"once": parse_collectives(once), "loop": parse_collectives(text),
+                      "loop_gathers": text.count(" all-gather(")}))
+""")
+
+
+def test_parser_counts_a_known_all_gather_exactly_and_weights_loops():
+  proc = subprocess.run([sys.executable, "-c", _PARSER_SCRIPT, str(ROOT)], env=_env(),
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  import json  # pylint: disable=g-import-not-at-top
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  once = out["once"]
+  assert once["static"]["all-gather"] == 64 * 32 * 4          # the gathered f32[64, 32]
+  assert once["weighted"] == once["static"]                   # no loop
+  assert sum(once["static"].values()) == 64 * 32 * 4          # nothing else moves
+  loop = out["loop"]
+  assert out["loop_gathers"] >= 1 and loop["unknown_trip_counts"] == 0
+  per_trip = 16 * 8 * 4
+  assert loop["static"]["all-gather"] == out["loop_gathers"] * per_trip
+  assert loop["weighted"]["all-gather"] == 5 * loop["static"]["all-gather"]
+
+
+def test_collectives_benchmark_at_tiny_shape():
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.collectives", "--tiny"],
+                        env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  out = proc.stdout
+  rows = re.findall(r"^\((\d), (\d), (\d)\)\s+(gpt|llama)\s+(gpt|diffeqformer)\s", out,
+                    re.MULTILINE)
+  assert len(rows) == 3 * 2 * 2, out                          # meshes × flavours × models
+  ratios = [float(r) for r in re.findall(r"ratio ode/gpt: collective bytes ([0-9.]+)", out)]
+  assert len(ratios) == 6
+  last = out.strip().splitlines()[-1]
+  m = re.fullmatch(r"diffeqformer/gpt collective bytes: max ratio ([0-9.]+|inf) over meshes",
+                   last)
+  assert m, last
+  r = float(m.group(1))
+  assert math.isfinite(r) and r == max(ratios)
+  assert r <= 1.10, out   # the ODE moves what GPT moves (its generated W, not its P)
+
+
+def test_collectives_benchmark_rejects_a_bad_mesh():
+  proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "collectives.py"),
+                         "--tiny", "--meshes=3,3,1"], env=_env(), cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and "--meshes" in lines[0], proc.stderr
