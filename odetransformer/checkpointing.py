@@ -323,6 +323,7 @@ class Checkpointer:
     self._preempted = threading.Event()
     self._old_handlers = {}
     self._pending_step = None     # the step of a save that may still be in flight
+    self._unhashed = set()        # steps this run saved that have no checksums.json yet
 
   # -- preemption ---------------------------------------------------------------------
   def install_sigterm_handler(self):
@@ -392,6 +393,7 @@ class Checkpointer:
       raise self._save_error(int(step), e) from e
     if saved:
       self._pending_step = int(step)
+      self._unhashed.add(int(step))
     return saved
 
   def _save_error(self, step: int, e: BaseException) -> CheckpointError:
@@ -404,14 +406,15 @@ class Checkpointer:
         f"command again ({resume})")
 
   def _hash_finished_saves(self):
-    """checksums.json for each complete checkpoint without one (process 0; nothing in
-    flight: called after waiting)."""
+    """checksums.json for the complete checkpoints this run saved (process 0; nothing in
+    flight: called after waiting). Older ones without (a run killed before hashing, an
+    older version) are not hashed now: their files were never checked."""
     if jax.process_index() != 0:
+      self._unhashed.clear()
       return
-    for step in finalized_steps(self.workdir):
-      step_dir = os.path.join(self.directory, str(step))
-      if not os.path.exists(os.path.join(step_dir, CHECKSUM_FILE)):
-        write_checksums(step_dir)
+    for step in sorted(self._unhashed & set(finalized_steps(self.workdir))):
+      write_checksums(os.path.join(self.directory, str(step)))
+    self._unhashed.clear()      # the rest were deleted (max_to_keep) or never completed
 
   def restore(self, step: int, abstract_model_state, abstract_opt_state):
     """Restores into abstract states (from `nnx.get_abstract_model`).
