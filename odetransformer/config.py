@@ -8,6 +8,8 @@ import dataclasses
 
 import ml_collections
 
+from odetransformer.time_grid import TRAIN_TIME_GRIDS
+
 KINDS = ("diffeqformer", "gpt", "parallel", "shared")
 FLAVOURS = ("gpt", "llama")
 SOLVERS = ("euler", "midpoint", "rk4")
@@ -36,6 +38,9 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.time_hidden = 0            # H: hypernetwork MLP hidden width; 0 = d_t, as the authors' code
   c.shared_time_mlp = False    # App. D.2 ablation: one MLP shared by all weights
   c.solver = "euler"           # 'euler' | 'midpoint' | 'rk4' (ODE kinds only)
+  # Training time grid per batch (ODE kinds; odetransformer/time_grid.py): 'fixed' = k/K;
+  # 'random_offset' = interior times shifted by dt0 ~ U(0, 1/K), so all t are trained.
+  c.train_time_grid = "fixed"
   c.remat_policy = "full"      # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
   c.dtype = "float32"          # compute dtype: 'float32' | 'bfloat16' (params stay param_dtype)
   c.param_dtype = "float32"
@@ -76,6 +81,7 @@ class ModelConfig:
   time_hidden: int = 0
   shared_time_mlp: bool = False
   solver: str = "euler"
+  train_time_grid: str = "fixed"
   remat_policy: str = "full"
   dtype: str = "float32"
   param_dtype: str = "float32"
@@ -101,6 +107,7 @@ class ModelConfig:
     choice("kind", KINDS)
     choice("flavour", FLAVOURS)
     choice("solver", SOLVERS)
+    choice("train_time_grid", TRAIN_TIME_GRIDS)
     choice("remat_policy", REMAT)
     choice("dtype", DTYPES)
     choice("param_dtype", DTYPES)

@@ -8,7 +8,11 @@ weights W(t) generated beforehand; for a test: the scalar t). Stage times of ste
 its time-dependent inputs at `stage_times(K, method)` — for the hypernetwork that is
 one batched GEMM — and the scan slices them per step. Nothing is unrolled: program size
 and compile time do not grow with K.
+
+A non-uniform grid 0 = g_0 < g_1 < … < g_K = 1 (`grid_stage_times`) has a step size
+per step, dt_k = g_{k+1} - g_k; the solver then scans the step sizes beside the inputs.
 """
+import functools
 from typing import Any, Callable
 
 import jax
@@ -38,19 +42,28 @@ def stage_times(num_steps: int, method: str, t0: float = 0.0, t1: float = 1.0):
   return tk[:, None] + dt * nodes[None, :]
 
 
-def _step(field, method, dt):
-  """One step x_k -> x_{k+1}; `inp` has a leading stage axis of size S."""
+def grid_stage_times(grid, method: str):
+  """Stage times [K, S] (g_k + c_s·dt_k) and step sizes [K] (dt_k = g_{k+1} - g_k) of a
+  time grid [K+1]."""
+  grid = jnp.asarray(grid, jnp.float32)
+  tk, dts = grid[:-1], jnp.diff(grid)
+  nodes = jnp.asarray(STAGE_NODES[method], jnp.float32)
+  return tk[:, None] + dts[:, None] * nodes[None, :], dts
+
+
+def _step(field, method):
+  """One step (x_k, inputs, dt) -> x_{k+1}; `inp` has a leading stage axis of size S."""
   def at(inp, s):
     return jax.tree.map(lambda a: a[s], inp)
 
-  def euler(x, inp):
+  def euler(x, inp, dt):
     return x + dt * field(x, at(inp, 0))
 
-  def midpoint(x, inp):
+  def midpoint(x, inp, dt):
     k1 = field(x, at(inp, 0))
     return x + dt * field(x + (0.5 * dt) * k1, at(inp, 1))
 
-  def rk4(x, inp):
+  def rk4(x, inp, dt):
     k1 = field(x, at(inp, 0))
     k2 = field(x + (0.5 * dt) * k1, at(inp, 1))
     k3 = field(x + (0.5 * dt) * k2, at(inp, 1))
@@ -67,10 +80,13 @@ def fixed_step_solve(field: Callable[[Any, Any], Any], x0, stage_inputs, dt,
 
   Args:
     field: vector field `field(x, inputs_at_one_time) -> dx/dt` (same shape as x).
-    x0: initial state (array or pytree of arrays matching field's output).
+    x0: initial state (an array).
     stage_inputs: pytree whose leaves are [K, S, ...]: the field's inputs at
-      `stage_times(K, method)`; K is read from the leading axis.
-    dt: step size (python float or scalar array).
+      `stage_times(K, method)` (or `grid_stage_times(grid, method)`); K is read from the
+      leading axis.
+    dt: step size: a python float (uniform steps), or a [K] array of per-step sizes
+      (a non-uniform grid; scanned with the inputs and cast to x0's dtype, so a
+      bfloat16 state stays bfloat16 as it does with a python float).
     method: 'euler' | 'midpoint' | 'rk4'.
     remat_policy: key of `REMAT_POLICIES`; anything but 'none' rematerialises each
       step in the backward pass, keeping only the carry (and saved dots).
@@ -83,13 +99,25 @@ def fixed_step_solve(field: Callable[[Any, Any], Any], x0, stage_inputs, dt,
   if remat_policy not in REMAT_POLICIES:
     raise ValueError(f"unknown remat_policy {remat_policy!r}; "
                      f"choose one of {sorted(REMAT_POLICIES)}")
-  step = _step(field, method, dt)
+  step = _step(field, method)
+  per_step = not isinstance(dt, (int, float))
+  if per_step:
+    dt = jnp.asarray(dt).astype(x0.dtype)
+    num_steps = jax.tree.leaves(stage_inputs)[0].shape[0]
+    if dt.shape != (num_steps,):
+      raise ValueError(f"dt has shape {dt.shape}; expected a float or ({num_steps},), "
+                       "one step size per step")
+    xs = (stage_inputs, dt)
+  else:
+    # A uniform dt stays a constant of the program (closed over, not traced).
+    step = functools.partial(step, dt=dt)
+    xs = stage_inputs
   if remat_policy != "none":
     step = jax.checkpoint(step, policy=REMAT_POLICIES[remat_policy])
 
-  def body(x, inp):
-    x_next = step(x, inp)
+  def body(x, xs_k):
+    x_next = step(x, *xs_k) if per_step else step(x, xs_k)
     return x_next, (x if return_trajectory else None)
 
-  x, traj = jax.lax.scan(body, x0, stage_inputs)
+  x, traj = jax.lax.scan(body, x0, xs)
   return (x, traj) if return_trajectory else x

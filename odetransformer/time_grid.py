@@ -1,0 +1,73 @@
+"""Time grids of the ODE solve: the uniform one, and the random ones drawn in training.
+
+A grid is [K+1] increasing times 0 = g_0 < g_1 < … < g_K = 1; step k goes from g_k to
+g_{k+1}. Evaluation, materialisation and generation use the uniform grid g_k = k/K.
+
+Trained on the uniform grid alone, a DiffEqFormer learns a K-step map at the times k/K,
+not a vector field: W(t) between those times is never trained, and a finer solve walks
+away from the trained one (the trap of Ott et al., "ResNet After All?", ICLR 2021).
+`model.train_time_grid` names how the train step draws a grid per batch instead:
+
+- 'fixed': the uniform grid.
+- 'random_offset': the authors' reference scheme (SDML-KU/qkvflow `generate_t`, where
+  it is left switched off): the interior times are shifted by one offset
+  dt0 ~ U(0, dt) per batch, g = [0, dt0, dt0 + dt, …, dt0 + (K-2)·dt, 1] with
+  dt = 1/K, so every t in [0, 1] is trained and the first and last steps vary in size
+  (dt0 and 2·dt - dt0). Same K, so the same cost per step.
+- 'random_uniform': the K-1 interior times are sorted draws of U(0, 1) per batch (the
+  reference code's other, commented-out scheme): step sizes from ~0 to several dt, so
+  the K-step solve is trained at many step sizes, not only at dt. Same cost per step.
+"""
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+TRAIN_TIME_GRIDS = ("fixed", "random_offset", "random_uniform")
+
+
+def uniform_grid(num_steps: int):
+  """[K+1] times k/K."""
+  return jnp.arange(num_steps + 1, dtype=jnp.float32) / num_steps
+
+
+def random_offset_grid(key, num_steps: int):
+  """[K+1] grid [0, dt0, dt0 + dt, …, dt0 + (K-2)·dt, 1], dt0 ~ U(0, 1/K)."""
+  dt = 1.0 / num_steps
+  dt0 = jax.random.uniform(key, (), jnp.float32, 0.0, dt)
+  interior = dt0 + dt * jnp.arange(num_steps - 1, dtype=jnp.float32)
+  return jnp.concatenate([jnp.zeros((1,), jnp.float32), interior,
+                          jnp.ones((1,), jnp.float32)])
+
+
+def random_uniform_grid(key, num_steps: int):
+  """[K+1] grid [0, sorted K-1 draws of U(0, 1), 1]."""
+  interior = jnp.sort(jax.random.uniform(key, (num_steps - 1,), jnp.float32))
+  return jnp.concatenate([jnp.zeros((1,), jnp.float32), interior,
+                          jnp.ones((1,), jnp.float32)])
+
+
+def train_time_grid(cfg, key) -> Optional[jax.Array]:
+  """The grid of one training batch for `cfg.train_time_grid`; None = the uniform grid
+  of `cfg.num_steps` (also for discrete kinds, whose depth has no time)."""
+  if not cfg.is_ode or cfg.train_time_grid == "fixed":
+    return None
+  if cfg.train_time_grid == "random_offset":
+    return random_offset_grid(key, cfg.num_steps)
+  if cfg.train_time_grid == "random_uniform":
+    return random_uniform_grid(key, cfg.num_steps)
+  raise ValueError(f"model.train_time_grid={cfg.train_time_grid!r} is unknown; "
+                   f"choose one of {list(TRAIN_TIME_GRIDS)}")
+
+
+def check_time_grid(grid) -> int:
+  """K of a [K+1] grid; a concrete grid must also run from 0 to 1, increasing."""
+  shape = jnp.shape(grid)
+  if len(shape) != 1 or shape[0] < 2:
+    raise ValueError(f"time_grid has shape {shape}; expected [K+1] times with K >= 1")
+  if not isinstance(grid, jax.core.Tracer):
+    g = jax.device_get(grid)
+    if not (g[0] == 0.0 and g[-1] == 1.0 and (g[1:] > g[:-1]).all()):
+      raise ValueError(f"time_grid {list(map(float, g))} must increase from 0 to 1; "
+                       "pass [K+1] times 0 = g_0 < … < g_K = 1")
+  return shape[0] - 1
