@@ -21,7 +21,8 @@ from odetransformer import blocks
 from odetransformer.axes import constrain
 from odetransformer.config import ModelConfig
 from odetransformer.hypernet import HyperNetwork
-from odetransformer.solvers import fixed_step_solve, stage_times
+from odetransformer.solvers import fixed_step_solve, grid_stage_times, stage_times
+from odetransformer.time_grid import check_time_grid
 
 EMBED_STD = 0.02
 
@@ -134,11 +135,15 @@ class LanguageModel(nnx.Module):
                             * EMBED_STD, out_sharding=("embed", "vocab"))
 
   # ---------------------------------------------------------------------------------
-  def step_params(self, num_steps: int):
-    """Per-step layer params and step size for the solver: ([K, S, …] dict, dt)."""
+  def step_params(self, num_steps: int, time_grid=None):
+    """Per-step layer params and step size for the solver: ([K, S, …] dict, dt); on a
+    `time_grid` [K+1] (DiffEqFormer) dt is the [K] steps of the grid."""
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     if cfg.kind == "diffeqformer":
+      if time_grid is not None:
+        ts, dts = grid_stage_times(time_grid, cfg.solver)
+        return self.stack(ts, dtype), dts
       return self.stack(stage_times(num_steps, cfg.solver), dtype), 1.0 / num_steps
     layers = self.stack.layers()
     return {k: v.astype(dtype)[:, None] for k, v in layers.items()}, 1.0
@@ -174,7 +179,7 @@ class LanguageModel(nnx.Module):
 
   def __call__(self, tokens_bl, *, segment_ids_bl=None, positions_bl=None,
                num_steps: Optional[int] = None, deterministic: bool = True,
-               dropout_rng=None, return_trajectory: bool = False):
+               dropout_rng=None, return_trajectory: bool = False, time_grid=None):
     """Logits [b, l, vocab] in the compute dtype.
 
     Args:
@@ -186,8 +191,20 @@ class LanguageModel(nnx.Module):
       deterministic: no dropout when True.
       dropout_rng: PRNG key for dropout when not deterministic.
       return_trajectory: also return the hidden states before each step [K, b, l, d].
+      time_grid: optional [K+1] increasing times from 0 to 1 (ODE kinds): step k goes
+        from time_grid[k] to time_grid[k+1]; default the uniform grid of `num_steps`
+        steps. Training draws random grids with `model.train_time_grid`.
     """
     cfg = self.config
+    if time_grid is not None:
+      if not cfg.is_ode:
+        raise ValueError(f"a discrete '{cfg.kind}' model has no time; time_grid needs "
+                         "an ODE model")
+      grid_k = check_time_grid(time_grid)
+      if num_steps is not None and int(num_steps) != grid_k:
+        raise ValueError(f"num_steps={num_steps} and a time_grid of {grid_k} steps "
+                         "disagree; pass one of them")
+      num_steps = grid_k
     k = self.resolve_num_steps(num_steps)
     b, length = tokens_bl.shape
     if cfg.flavour == "gpt" and length > cfg.max_len:
@@ -209,11 +226,14 @@ class LanguageModel(nnx.Module):
 
     if cfg.kind == "shared":
       shared = {n: v.astype(jnp.dtype(cfg.dtype)) for n, v in self.stack.layer().items()}
-      inputs = {"t": stage_times(k, cfg.solver)}
-      dt = 1.0 / k
+      if time_grid is None:
+        inputs, dt = {"t": stage_times(k, cfg.solver)}, 1.0 / k
+      else:
+        ts, dt = grid_stage_times(time_grid, cfg.solver)
+        inputs = {"t": ts}
       get = lambda inp: shared
     else:
-      weights, dt = self.step_params(k)
+      weights, dt = self.step_params(k, time_grid)
       inputs = {"w": weights}
       get = lambda inp: inp["w"]
     n_stages = jax.tree.leaves(inputs)[0].shape[1]

@@ -37,6 +37,7 @@ from odetransformer.workdir_lock import WorkdirLock
 from odetransformer import metrics as metrics_lib
 from odetransformer import optimizer as optimizer_lib
 from odetransformer import sharding as sharding_lib
+from odetransformer import time_grid as time_grid_lib
 from odetransformer.config import ModelConfig
 from odetransformer.losses import token_cross_entropy
 from odetransformer.model import create_model
@@ -169,12 +170,16 @@ def _with_rules(rules, fn):
   return wrapped
 
 
-def _forward_sums(model, batch, dropout_rng):
-  """(loss_sum, weight_sum, logits) for one (micro)batch; the loss in float32."""
+_GRID_STREAM = 0x71D   # folded into a step's rng for its time grid (apart from dropout's)
+
+
+def _forward_sums(model, batch, dropout_rng, time_grid=None):
+  """(loss_sum, weight_sum, logits) for one (micro)batch; the loss in float32.
+  `time_grid`: the solver's [K+1] grid (None: uniform)."""
   deterministic = dropout_rng is None
   logits = model(batch["inputs"], segment_ids_bl=batch.get("segment_ids"),
                  positions_bl=batch.get("positions"), deterministic=deterministic,
-                 dropout_rng=dropout_rng)
+                 dropout_rng=dropout_rng, time_grid=time_grid)
   loss_sum, weight_sum = token_cross_entropy(logits.astype(jnp.float32), batch["targets"],
                                              batch["weights"])
   return loss_sum, weight_sum, logits
@@ -214,7 +219,9 @@ def make_train_step(ts: TrainState, schedule: Callable, rules, *, grad_accum_ste
     passes (a divide over every gradient would be one more read and write of each).
     """
     model = nnx.merge(graphdef, params, rest)
-    loss_sum, _, _ = _forward_sums(model, batch, rng if use_dropout else None)
+    # model.train_time_grid: this batch's solver grid (None = uniform), its own stream.
+    grid = time_grid_lib.train_time_grid(model.config, jax.random.fold_in(rng, _GRID_STREAM))
+    loss_sum, _, _ = _forward_sums(model, batch, rng if use_dropout else None, grid)
     return loss_sum / denominator, loss_sum
 
   def apply_update(state, grads):
@@ -379,10 +386,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   except sharding_lib.MeshError as e:
     raise ConfigError(str(e)) from e
   _check_config(config, mesh, rules)
-  model_config(config)  # fail on a bad model config before the data is prepared
+  ode = model_config(config).is_ode  # fail on a bad model config before the data is prepared
   try:
-    tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps,
-                                        ode=model_config(config).is_ode)
+    tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps, ode=ode)
     schedule = optimizer_lib.learning_rate_schedule(config.optim, config.num_train_steps)
   except optimizer_lib.OptimConfigError as e:
     raise ConfigError(str(e)) from e
