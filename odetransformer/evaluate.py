@@ -2,7 +2,7 @@ r"""Perplexity of a trained model over a whole split, at one or several solver s
 
   python -m odetransformer.evaluate --workdir=W [--num_steps=6,9,12,18,24] \
       [--data=SOURCE | --data=local:GLOB] [--split=SPLIT] [--data_dir=DIR] \
-      [--seq_len=L] [--batch_size=B] [--max_batches=0] [--step=S]
+      [--seq_len=L] [--batch_size=B] [--max_batches=0] [--step=S] [--plot=PATH.png]
 
 The data is the run's own `config.data` eval split unless `--data` names another
 source (any `data.source` string: 'embedded', 'tfds:<name>', 'wikitext103', …, or
@@ -13,12 +13,14 @@ and masked. Text is always tokenized with the run's own tokenizer.
 
 ODE checkpoints are evaluated at each N of `--num_steps` (default: the training K) by
 the model's own N-step solve; discrete models only at their own depth. One compiled
-scorer per N; every batch has the same shape.
+scorer per N; every batch has the same shape. `--plot=PATH` also draws the table
+(perplexity against N, the training K marked) as a PNG.
 """
 import dataclasses
 import functools
 import logging as std_logging
 import math
+import os
 import time
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
@@ -194,6 +196,24 @@ def format_table(results: Sequence[Result], trained_k: int) -> str:
   return "\n".join(lines)
 
 
+def plot_table(results: Sequence[Result], trained_k: int, title: str = ""):
+  """Perplexity against N (log-2 axis, the training K marked) as a matplotlib Figure,
+  made without pyplot, so no global figure state or display backend is touched."""
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  fig = Figure(figsize=(6, 4), layout="constrained")
+  ax = fig.add_subplot()
+  ns = [r.num_steps for r in results]
+  ax.plot(ns, [r.perplexity for r in results], "o-", label="perplexity")
+  ax.axvline(trained_k, color="gray", linestyle="--", label=f"training K = {trained_k}")
+  ax.set_xscale("log", base=2)
+  ax.set_xticks(ns, [str(n) for n in ns])
+  ax.set_xlabel("solver steps N")
+  ax.set_ylabel("perplexity")
+  ax.set_title(title, fontsize=9)
+  ax.legend()
+  return fig
+
+
 def main(argv, flag_values=None):
   """The command line (flags: `define_flags`); `flag_values` defaults to absl's FLAGS."""
   if len(argv) > 1:
@@ -204,6 +224,9 @@ def main(argv, flag_values=None):
   quiet_orbax(cli=True)
   # Every mistake in the flags is a UserError: one line and exit 2 (errors.run_cli).
   steps = parse_num_steps(f.num_steps)
+  if f.plot and not os.path.isdir(os.path.dirname(os.path.abspath(f.plot))):
+    raise UserError(f"--plot={f.plot}: its directory does not exist; create it or pick "
+                    "another path")
   loaded = load_model(f.workdir, step=f.step)
   cfg = loaded.model_config
   for n in steps:
@@ -222,6 +245,10 @@ def main(argv, flag_values=None):
   for n in steps:
     results.append(evaluate_model(loaded.model, data.batches(), n))
   print(format_table(results, cfg.num_steps))
+  if f.plot:
+    plot_table(results, cfg.num_steps, title=f"{f.workdir} (step {loaded.step})").savefig(
+        f.plot, format="png", dpi=120)
+    print(f"plot: {f.plot}")
 
 
 def define_flags(flag_values=None):
@@ -241,6 +268,7 @@ def define_flags(flag_values=None):
   define("integer", "seq_len", 0, "Tokens per row (0 = the run's seq_len).")
   define("integer", "batch_size", 0, "Rows per batch (0 = the run's eval_batch_size).")
   define("integer", "max_batches", 0, "Stop after this many batches (0 = the whole split).")
+  define("string", "plot", "", "Also write perplexity against N as a PNG to this path.")
   define("bool", "verbose", False, "Show the traceback of a user error as well.")
   flags.mark_flag_as_required("workdir", flag_values=fv)
   return fv

@@ -13,7 +13,7 @@ from absl import flags
 from flax import nnx
 
 from input_pipeline import local_text
-from odetransformer import evaluate, generate, train
+from odetransformer import errors, evaluate, generate, train
 from odetransformer.config import ModelConfig
 from odetransformer import loading
 from odetransformer.loading import load_model
@@ -158,3 +158,26 @@ def test_command_lines_report_a_missing_run(module, tmp_path):
                      text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert r.returncode == 2, r.stderr[-2000:]
   assert "holds no training run" in r.stderr.splitlines()[-1]
+
+
+def test_evaluate_command_line_plots_the_printed_table(run, eval_file, tmp_path, capsys,
+                                                        monkeypatch):
+  """--plot writes a PNG whose one curve is the printed perplexities against N."""
+  figures = []
+  plot_table = evaluate.plot_table
+  monkeypatch.setattr(evaluate, "plot_table",
+                      lambda *a, **k: figures.append(plot_table(*a, **k)) or figures[-1])
+  path = tmp_path / "ppl.png"
+  fv = evaluate.define_flags(flags.FlagValues())
+  fv(["evaluate", f"--workdir={run[0]}", "--num_steps=1,3,6", f"--data=local:{eval_file}",
+      "--batch_size=4", f"--plot={path}"])
+  evaluate.main([], fv)
+  out = capsys.readouterr().out
+  rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot: {path}" in out
+  (curve,) = [line for line in figures[0].axes[0].lines if line.get_marker() == "o"]
+  assert list(curve.get_xdata()) == [int(r[0]) for r in rows] == [1, 3, 6]
+  np.testing.assert_allclose(curve.get_ydata(), [float(r[3]) for r in rows], atol=5e-4)
+  fv(["evaluate", f"--workdir={run[0]}", f"--plot={tmp_path / 'missing' / 'ppl.png'}"])
+  with pytest.raises(errors.UserError, match="directory does not exist"):
+    evaluate.main([], fv)
