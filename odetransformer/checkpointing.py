@@ -280,9 +280,25 @@ def save_config(config, workdir: str):
 
 
 def load_config(workdir: str):
-  """The ConfigDict a run in `workdir` was started with."""
+  """The ConfigDict a run in `workdir` was started with.
+
+  From `<workdir>/config.json`; when that is gone, from the newest checkpoint's meta
+  (which holds the same config), with a warning. FileNotFoundError when neither exists.
+  """
   import ml_collections  # pylint: disable=g-import-not-at-top
-  with open(os.path.join(workdir, CONFIG_FILE)) as f:
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    for step in reversed(finalized_steps(workdir)):
+      try:
+        with open(os.path.join(checkpoint_dir(workdir), str(step), "meta", "metadata")) as f:
+          config = json.load(f).get("config")
+      except (OSError, ValueError):
+        continue
+      if isinstance(config, dict):
+        logging.warning("%s is missing: using the config recorded in checkpoint %d",
+                        path, step)
+        return ml_collections.ConfigDict(config)
+  with open(path) as f:
     return ml_collections.ConfigDict(json.load(f))
 
 

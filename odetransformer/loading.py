@@ -33,11 +33,11 @@ def load_model(workdir: str, step: Optional[int] = None, mesh=None) -> Loaded:
 
   Raises a one-line UserError when there is no run, no checkpoint or none restores.
   """
-  if not os.path.exists(os.path.join(workdir, checkpointing.CONFIG_FILE)):
-    raise UserError(f"{workdir} holds no training run ({checkpointing.CONFIG_FILE} "
-                    "missing); pass the --workdir of a main.py run")
   try:
     config = checkpointing.load_config(workdir)
+  except (FileNotFoundError, NotADirectoryError) as e:
+    raise UserError(f"{workdir} holds no training run ({checkpointing.CONFIG_FILE} "
+                    "missing, no checkpoint); pass the --workdir of a main.py run") from e
   except (OSError, ValueError) as e:
     raise UserError(f"{os.path.join(workdir, checkpointing.CONFIG_FILE)} is unreadable "
                     f"({type(e).__name__}: {e}); it describes the run's checkpoints: "

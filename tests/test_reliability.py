@@ -550,6 +550,14 @@ def test_misuse_is_one_line_and_changes_nothing(case, run_copy, cache, tmp_path)
   assert seconds < 90, seconds                  # a loaded 2-core machine: jax import
 
 
+def test_tools_read_the_config_from_the_checkpoint_without_config_json(run_copy):
+  from odetransformer import loading
+  (run_copy / "config.json").unlink()
+  loaded = loading.load_model(str(run_copy))
+  assert loaded.step == 2 and loaded.model_config.d_model == 32
+  assert not (run_copy / "config.json").exists()
+
+
 def test_verbose_shows_the_traceback(cache, tmp_path):
   proc, _ = run_command(main_cmd(tmp_path / "wd", cache, 2, "--config.model.nosuch=1",
                                  "--verbose")[1:])
