@@ -309,7 +309,7 @@ def _allgather_strings(text: str) -> list:
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   data = np.frombuffer(text.encode("utf-8"), np.uint8)
   lengths = multihost_utils.process_allgather(np.array([data.size], np.int32))
-  padded = np.zeros(int(np.max(lengths)), np.uint8)
+  padded = np.zeros(max(1, int(np.max(lengths))), np.uint8)   # never a 0-size array
   padded[:data.size] = data
   gathered = np.asarray(multihost_utils.process_allgather(padded))
   return [bytes(gathered[i, :int(lengths[i][0])]).decode("utf-8")
