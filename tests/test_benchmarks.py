@@ -130,23 +130,33 @@ def test_quality(tmp_path):
 
 
 def test_adaptive_finetune(tmp_path):
-  shared_data_path("tinyshakespeare", "input.txt")
+  data = shared_data_path("tinyshakespeare", "input.txt").parents[1]
   shared_data_path("wikitext-2", "test.txt")
-  out = _run("adaptive_finetune.py", f"--out={tmp_path}", "--k=2", "--steps=1,2",
-             "--d_model=32", "--seq_len=32", "--batch=2", "--vocab=512",
-             "--pretrain_steps=2", "--finetune_steps=2", "--eval_batches=1",
-             "--methods=continuous,full,lora")
+  out = _run("adaptive_finetune.py", f"--data_dir={data}", f"--out={tmp_path}", "--seeds=1",
+             "--k=2", "--steps=1,2", "--d_model=32", "--seq_len=32", "--batch=2",
+             "--vocab=512", "--pretrain_steps=2", "--finetune_steps=2", "--eval_batches=1")
   table = (tmp_path / "adaptive_finetune.md").read_text()
   assert (tmp_path / "adaptive_finetune.png").stat().st_size > 0
-  ode = [_num(v) for m in re.finditer(r"^\| DiffEqFormer \S+ \| (.*) \|$", table, re.MULTILINE)
-         for v in m.group(1).split(" | ")]
-  gpt = [_num(m.group(1)) for m in re.finditer(rf"^\| GPT \(2 layers\) \S+ \| – \| {NUM} \|$",
-                                               table, re.MULTILINE)]
-  assert len(ode) == 6 and len(gpt) == 2, table
-  assert all(math.isfinite(v) and v > 1 for v in ode + gpt)
-  ratio = _num(_find(rf"^best diffeqformer/gpt fine-tuned perplexity ratio: {NUM}$",
-                     out).group(1))
-  assert ratio == pytest.approx(min(ode) / min(gpt), abs=0.002)
+  assert "GPT 3 layers" in table and "LoRA r 6 alpha 8" in table   # round(4K/3), 200·d/1024
+  ode = {m.group(1): [_num(v) for v in m.group(2).split(" | ")] for m in re.finditer(
+      r"^\| DiffEqFormer (\S+) \| (.*) \|$", table, re.MULTILINE)}
+  gpt = {m.group(1): _num(m.group(2)) for m in re.finditer(
+      rf"^\| GPT \(3 layers\) (\S+) \| {NUM} \| {NUM} \|$", table, re.MULTILINE)}
+  assert sorted(ode) == ["continuous", "full", "lora"] and sorted(gpt) == ["full", "lora"]
+  assert all(len(v) == 2 for v in ode.values()), table
+  assert all(math.isfinite(v) and v > 1 for v in sum(ode.values(), []) + list(gpt.values()))
+  m = _find(rf"^diffeqformer/gpt fine-tuned perplexity ratio at N=2: full {NUM}, "
+            rf"lora {NUM} \(mean of 1 seeds\)$", out)
+  for i, method in ((1, "full"), (2, "lora")):   # N=K is the table's second column
+    assert _num(m.group(i)) == pytest.approx(ode[method][1] / gpt[method], abs=0.002)
+
+
+def test_adaptive_finetune_needs_its_texts(tmp_path):
+  r = _launch("adaptive_finetune.py", f"--out={tmp_path}", timeout=120)
+  assert r.returncode == 2
+  assert r.stderr.strip().splitlines()[-1].endswith(
+      "error: --pretrain_train='' is not a file; pass it, or --data_dir=DIR with "
+      "wikitext-2/valid.txt in DIR")
 
 
 def test_throughput_rejects_an_unknown_kind():
