@@ -164,3 +164,35 @@ def test_throughput_rejects_an_unknown_kind():
   assert r.returncode == 2
   assert r.stderr.strip().splitlines()[-1].endswith(
       "error: --also=gtp: choose from parallel, shared")
+
+
+def test_any_n(tmp_path):
+  """One tiny seed of both training modes: the mean table is the seed's rows, each mode's
+  ratio and the last line's R are what the table implies, and both modes were timed."""
+  out = _run("any_n.py", "--seeds=1", "--steps=2", "--num_steps=2", "--d_model=32",
+             "--num_heads=2", "--time_embed_dim=8", "--time_sinusoids=8", "--seq_len=32",
+             "--batch=2", "--vocab=512", "--tokenizer_sample_bytes=300000",
+             "--eval_batches=1", "--rounds=1", f"--workdir={tmp_path}",
+             timeout=1200)   # two trainings and ten compiled scorers: minutes on a busy CPU
+  counts = (1, 2, 3, 4, 8)   # K/2, K, 3K/2, 2K, 4K for K = 2
+  ratio = {}
+  for mode in ("fixed", "random_offset"):
+    m = _find(rf"^seed 0 {mode}\s+train loss {NUM} -> {NUM} \| ppl "
+              + r" \| ".join(rf"N={n} {NUM}" for n in counts) + rf" \| max ratio {NUM} \|", out)
+    seed_row = [_num(m.group(i)) for i in range(3, 8)]
+    m = _find(rf"^{mode}\s+" + r"\s+".join([NUM] * 5) + rf"\s+{NUM}$", out)
+    row = [_num(m.group(i)) for i in range(1, 6)]
+    assert row == pytest.approx(seed_row, abs=0.006)          # one seed: its own mean
+    ratio[mode] = _num(m.group(6))
+    assert ratio[mode] == pytest.approx(max(row[i] / row[1] for i in (2, 3, 4)), abs=2e-3)
+    assert all(math.isfinite(v) and v > 1 for v in row)
+  at_k = _num(_find(rf"^random_offset/fixed perplexity at K: {NUM}$", out).group(1))
+  table_k = {mode: _num(_find(rf"^{mode}\s+{NUM}\s+{NUM}", out).group(2))
+             for mode in ("fixed", "random_offset")}
+  assert at_k == pytest.approx(table_k["random_offset"] / table_k["fixed"], abs=2e-4)
+  m = _find(rf"^train tokens/s: fixed {NUM}, random_offset {NUM} \(random_offset/fixed time "
+            rf"per step {NUM}; median of 1 interleaved rounds\)$", out)
+  assert _num(m.group(3)) == pytest.approx(_num(m.group(1)) / _num(m.group(2)), abs=0.01)
+  last = re.fullmatch(rf"any-N: max ppl\(N\)/ppl\(K\) over N in \{{3K/2, 2K, 4K\}}: {NUM}",
+                      out.strip().splitlines()[-1])
+  assert last and _num(last.group(1)) == pytest.approx(ratio["random_offset"], abs=6e-4)

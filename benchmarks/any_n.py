@@ -1,0 +1,192 @@
+"""Any N: does a pre-trained DiffEqFormer hold its quality at another solver step count?
+
+Trains the same model twice per seed — on the uniform time grid (`fixed`) and with a
+training time-grid option (`--option`, a `model.train_time_grid` value) — at equal
+tokens (same init, data order, batch, steps and schedule), then evaluates both on the
+same tokens with N ∈ {K/2, K, 3K/2, 2K, 4K} Euler steps of the uniform grid. It also
+times both train steps side by side (interleaved rounds of the product's train step).
+The last line is the option's solver robustness, on the seed-mean perplexities:
+
+  any-N: max ppl(N)/ppl(K) over N in {3K/2, 2K, 4K}: R
+
+  python -m benchmarks.any_n                   # configs/default.py, 3 seeds × 2 modes
+  python benchmarks/any_n.py --seeds=1 --steps=100 --option=random_offset
+
+Defaults are configs/default.py's (K = 4, 500 steps, the embedded corpus, so no data
+is needed); one seed (both modes) takes about 10 minutes on a 2-core CPU. A `--workdir`
+that holds finished runs is reused: those are only evaluated again.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import logging  # pylint: disable=g-import-not-at-top
+
+from benchmarks import common  # pylint: disable=g-import-not-at-top
+from configs import default  # pylint: disable=g-import-not-at-top
+from odetransformer import evaluate, train  # pylint: disable=g-import-not-at-top
+from odetransformer.time_grid import TRAIN_TIME_GRIDS  # pylint: disable=g-import-not-at-top
+
+ROBUST_N = ("3K/2", "2K", "4K")
+
+
+def step_counts(k: int) -> dict:
+  """Label -> N for the evaluated step counts."""
+  return {"K/2": k // 2, "K": k, "3K/2": 3 * k // 2, "2K": 2 * k, "4K": 4 * k}
+
+
+def make_config(args, mode: str, seed: int, cache_dir: str):
+  c = default.get_config()
+  c.seed = seed
+  c.model.train_time_grid = mode
+  c.num_train_steps = args.steps
+  c.log_every_steps = max(1, args.steps // 5)
+  c.eval_every_steps = 0                      # evaluated below, at every N
+  c.checkpoint_every_steps = 0                # only at the end
+  c.data.cache_dir = cache_dir                # one tokenizer for every run
+  # Only what a flag sets differs from configs/default.py (0 = keep the config's).
+  for node, key, value in ((c.model, "num_steps", args.num_steps),
+                           (c.model, "d_model", args.d_model),
+                           (c.model, "mlp_dim", 4 * args.d_model),
+                           (c.model, "num_heads", args.num_heads),
+                           (c.model, "time_embed_dim", args.time_embed_dim),
+                           (c.model, "time_sinusoids", args.time_sinusoids),
+                           (c.model, "max_len", args.seq_len),
+                           (c, "seq_len", args.seq_len), (c, "global_batch_size", args.batch),
+                           (c.data, "vocab_size", args.vocab),
+                           (c.data, "tokenizer_sample_bytes", args.tokenizer_sample_bytes)):
+    if value:
+      setattr(node, key, value)
+  c.eval_batch_size = c.global_batch_size
+  c.data.eval_max_batches = args.eval_batches
+  return c
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--seeds", type=int, default=3, help="number of seeds, both modes each")
+  p.add_argument("--first_seed", type=int, default=0,
+                 help="seeds first_seed … first_seed + seeds - 1 (split runs over processes)")
+  p.add_argument("--option", default="random_offset",
+                 help=f"the model.train_time_grid to compare with 'fixed' "
+                      f"({', '.join(g for g in TRAIN_TIME_GRIDS if g != 'fixed')})")
+  p.add_argument("--steps", type=int, default=0, help="train steps (0 = the config's)")
+  p.add_argument("--num_steps", type=int, default=0, help="K, even (0 = the config's)")
+  p.add_argument("--d_model", type=int, default=0, help="0 = the config's (mlp = 4·d)")
+  p.add_argument("--num_heads", type=int, default=0, help="0 = the config's")
+  p.add_argument("--time_embed_dim", type=int, default=0, help="d_t (0 = the config's)")
+  p.add_argument("--time_sinusoids", type=int, default=0, help="S (0 = the config's)")
+  p.add_argument("--seq_len", type=int, default=0, help="0 = the config's")
+  p.add_argument("--batch", type=int, default=0, help="0 = the config's")
+  p.add_argument("--vocab", type=int, default=0, help="0 = the config's")
+  p.add_argument("--tokenizer_sample_bytes", type=int, default=0, help="0 = the config's")
+  p.add_argument("--eval_batches", type=int, default=16,
+                 help="evaluation batches per N (0 = the whole eval split)")
+  p.add_argument("--rounds", type=int, default=20,
+                 help="interleaved timing rounds (0 = no timing)")
+  p.add_argument("--workdir", default="", help="default: a fresh temporary directory")
+  args = p.parse_args(argv)
+  if args.option not in TRAIN_TIME_GRIDS or args.option == "fixed":
+    p.error(f"--option={args.option!r}: choose one of "
+            f"{[g for g in TRAIN_TIME_GRIDS if g != 'fixed']}")
+  if args.seeds < 1:
+    p.error(f"--seeds={args.seeds} must be at least 1")
+  if args.rounds < 0 or args.first_seed < 0:
+    p.error("--rounds and --first_seed must be >= 0")
+  args.steps = args.steps or default.get_config().num_train_steps
+  k = args.num_steps or default.get_config().model.num_steps
+  if k < 2 or k % 2:
+    p.error(f"--num_steps={k}: K must be even and >= 2 (K/2 and 3K/2 are evaluated)")
+  return args
+
+
+def train_tokens_per_second(config, rounds: int) -> dict:
+  """Mode -> train tokens/s of the product's train step, both timed in turn."""
+  modes = ("fixed", config.model.train_time_grid)
+  cfg = train.model_config(config, config.data.vocab_size)
+  trainers = {m: common.Trainer(common.replace(cfg, train_time_grid=m), seed=0) for m in modes}
+  b, length = config.global_batch_size, config.seq_len
+  batch = trainers["fixed"].batch(b, length)
+  seconds = common.time_alternating({m: (lambda t=t: t.step(batch)) for m, t in
+                                     trainers.items()}, rounds)
+  return {m: b * length / s for m, s in seconds.items()}
+
+
+def train_and_score(config, workdir: str, eval_batches: int):
+  """Trains (or reuses) one run and scores it at every N: (label -> perplexity, a line).
+  The scores are kept in the run's workdir, so a rerun only reads them."""
+  counts = step_counts(config.model.num_steps)
+  scores = os.path.join(workdir, "any_n_scores.json")
+  t = time.perf_counter()
+  r = train.train_and_evaluate(config, workdir)
+  trained = time.perf_counter() - t
+  hist = r["loss_history"]
+  loss = (f"train loss {hist[0][1]:.3f} -> {hist[-1][1]:.3f}" if hist
+          else f"trained earlier ({r['step']} steps)")
+  key = {"step": int(r["step"]), "eval_batches": eval_batches, "counts": counts}
+  stored = {}
+  if os.path.exists(scores):
+    with open(scores) as f:
+      stored = json.load(f)
+  if stored.get("key") != key:
+    results = evaluate.evaluate(workdir, list(counts.values()), max_batches=eval_batches)
+    stored = {"key": key, "perplexity": {label: res.perplexity for label, res in
+                                         zip(counts, results)},
+              "tokens": results[0].num_tokens}
+    with open(scores, "w") as f:
+      json.dump(stored, f)
+  row = stored["perplexity"]
+  cells = " | ".join(f"N={counts[label]} {row[label]:.2f}" for label in counts)
+  worst = max(row[label] / row["K"] for label in ROBUST_N)
+  return row, (f"{loss} | ppl {cells} | max ratio {worst:.3f} | "
+               f"eval tokens {stored['tokens']:,} | {trained:.0f}s")
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  logging.set_verbosity(logging.WARNING)
+  evaluate.quiet_orbax()
+  root = args.workdir or tempfile.mkdtemp(prefix="odet_any_n_")
+  print(f"workdir {root}", flush=True)
+  modes = ("fixed", args.option)
+  ppl = {m: [] for m in modes}   # per seed: label -> perplexity
+  config = None
+  seeds = range(args.first_seed, args.first_seed + args.seeds)
+  for seed in seeds:
+    for mode in (args.option, "fixed"):
+      config = make_config(args, mode, seed, os.path.join(root, "cache"))
+      workdir = os.path.join(root, f"{mode}_seed{seed}")
+      row, line = train_and_score(config, workdir, args.eval_batches)
+      ppl[mode].append(row)
+      print(f"seed {seed} {mode:14s} {line}", flush=True)
+
+  k = config.model.num_steps
+  counts = step_counts(k)
+  mean = {m: {label: sum(row[label] for row in ppl[m]) / len(ppl[m]) for label in counts}
+          for m in modes}
+  print(f"mean perplexity of seed(s) {', '.join(map(str, seeds))}, {args.steps} steps, "
+        f"K = {k}:")
+  print(f"{'mode':14s} " + " ".join(f"{f'N={n}':>9s}" for n in counts.values())
+        + "   max ppl(N)/ppl(K) over N in {3K/2, 2K, 4K}")
+  ratios = {}
+  for m in modes:
+    ratios[m] = max(mean[m][label] / mean[m]["K"] for label in ROBUST_N)
+    print(f"{m:14s} " + " ".join(f"{mean[m][label]:9.2f}" for label in counts)
+          + f"   {ratios[m]:.3f}")
+  print(f"{args.option}/fixed perplexity at K: {mean[args.option]['K'] / mean['fixed']['K']:.4f}")
+  if args.rounds:
+    tps = train_tokens_per_second(config, args.rounds)
+    print(f"train tokens/s: fixed {tps['fixed']:,.0f}, {args.option} {tps[args.option]:,.0f} "
+          f"({args.option}/fixed time per step {tps['fixed'] / tps[args.option]:.3f}; "
+          f"median of {args.rounds} interleaved rounds)")
+  print(f"any-N: max ppl(N)/ppl(K) over N in {{3K/2, 2K, 4K}}: {ratios[args.option]:.3f}")
+
+
+if __name__ == "__main__":
+  main()
