@@ -227,8 +227,9 @@ class _OrbaxTracebacks(std_logging.Filter):
 
 def _closed_loop_callback(exc_type, exc, tb) -> bool:
   """A tensorstore completion callback that found orbax's event loop closed: what each
-  read or write still pending prints (through sys.excepthook) when a save or restore
-  has failed; the failure itself is reported once, elsewhere."""
+  read or write still pending prints (as an unraisable exception, or through
+  sys.excepthook) when a save or restore has failed; the failure itself is reported
+  once, elsewhere."""
   if exc_type is not RuntimeError or str(exc) != "Event loop is closed":
     return False
   while tb is not None and tb.tb_next is not None:
@@ -252,6 +253,12 @@ def _quiet_orbax_tracebacks():
       hook(exc_type, exc, tb)
   excepthook._odet_quiet = True  # pylint: disable=protected-access
   sys.excepthook = excepthook
+  unraisable = sys.unraisablehook
+
+  def unraisablehook(args):
+    if not _closed_loop_callback(args.exc_type, args.exc_value, args.exc_traceback):
+      unraisable(args)
+  sys.unraisablehook = unraisablehook
 
 
 def finalized_steps(workdir: str) -> list:

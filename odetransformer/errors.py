@@ -15,6 +15,8 @@ instead. Anything else is a bug and keeps its traceback.
       errors.run_cli(lambda: app.run(main, flags_parser=errors.parse_absl_flags))
 """
 import argparse
+import logging
+import os
 import sys
 import traceback
 from typing import Callable, Optional, Sequence
@@ -64,6 +66,11 @@ def run_cli(main: Callable[[], object], argv: Optional[Sequence[str]] = None):
 
   `main` takes no arguments (wrap `app.run(...)` or an argparse main in a lambda).
   With `--verbose` in `argv` (default `sys.argv`) the traceback is printed as well.
+
+  The process ends with `os._exit` once the streams are flushed: the error has passed
+  every `finally` on its way here, and what is left may not end by itself — after a
+  failed save orbax's signalling threads wait forever for signals that never come, and
+  a normal exit joins them.
   """
   try:
     return main()
@@ -71,7 +78,9 @@ def run_cli(main: Callable[[], object], argv: Optional[Sequence[str]] = None):
     if verbose_requested(argv):
       traceback.print_exc()
     print(f"error: {describe(e)}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_USER_ERROR)
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(EXIT_USER_ERROR)  # pylint: disable=protected-access
   except KeyboardInterrupt:
     # Ctrl-C where no handler of ours saves anything (main.py's loop has one): stop
     # without a traceback.

@@ -660,9 +660,13 @@ def test_failed_save_is_one_line(run_copy, cache):
   proc = start_and_wait_for_checkpoint(
       main_cmd(run_copy, cache, 400, "--config.checkpoint_every_steps=1"), run_copy,
       min_step=3)
-  shutil.rmtree(run_copy / "checkpoints", ignore_errors=True)
-  (run_copy / "checkpoints").write_text("")
-  _, err = proc.communicate(timeout=120)
+  try:
+    # A rename is atomic (an rmtree races with orbax writing into the directory).
+    (run_copy / "checkpoints").rename(run_copy / "checkpoints_gone")
+    (run_copy / "checkpoints").write_text("")
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
   assert_one_line_error(subprocess.CompletedProcess([], proc.returncode, "", err),
                         "CheckpointError", "saving the checkpoint of step", "failed")
 
