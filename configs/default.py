@@ -10,12 +10,12 @@ Command:
 GPT baseline (same width, depth, data and schedule):
   python main.py --config=configs/default.py --config.model.kind=gpt --workdir=/tmp/odet_default_gpt
 
-Expect on the 2-core reference CPU: 3-5 minutes wall (3m14s measured on a quiet
-machine, 4m41s while other jobs shared it; the first step, with compilation, ~6 s);
-training loss 7.65 (≈ ln 2048) at step 1, 4.82 at step 250, 4.43 at step 500;
-evaluation perplexity 123.7 at step 250 and 95.9 at step 500 (repeat runs on one machine
-give the same numbers; another CPU type may differ in the last digits). A second run on the same workdir resumes
-at step 500 and only evaluates.
+Expect on a 2-core CPU: about 3 minutes of CPU time (2 m 54 s user; 8 m 21 s wall when
+measured, while other jobs shared the cores); the first step, with compilation, takes
+seconds; training loss 7.65 (≈ ln 2048) at step 1, 4.97 at step 250, 4.63 at step 500;
+evaluation perplexity 143.4 at step 250 and 114.9 at step 500 (repeat runs on one machine
+give the same numbers; another CPU type may differ in the last digits). A second run on
+the same workdir resumes at step 500 and only evaluates.
 """
 import ml_collections
 
