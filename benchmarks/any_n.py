@@ -106,9 +106,10 @@ def parse_args(argv=None):
   return args
 
 
-def train_tokens_per_second(config, rounds: int) -> dict:
-  """Mode -> train tokens/s of the product's train step, both timed in turn."""
-  modes = ("fixed", config.model.train_time_grid)
+def train_tokens_per_second(config, rounds: int, option: str) -> dict:
+  """Mode -> train tokens/s of the product's train step for 'fixed' and `option` (the
+  model of `config` under either training grid), both timed in turn."""
+  modes = ("fixed", option)
   cfg = train.model_config(config, config.data.vocab_size)
   trainers = {m: common.Trainer(common.replace(cfg, train_time_grid=m), seed=0) for m in modes}
   b, length = config.global_batch_size, config.seq_len
@@ -181,7 +182,7 @@ def main(argv=None):
           + f"   {ratios[m]:.3f}")
   print(f"{args.option}/fixed perplexity at K: {mean[args.option]['K'] / mean['fixed']['K']:.4f}")
   if args.rounds:
-    tps = train_tokens_per_second(config, args.rounds)
+    tps = train_tokens_per_second(config, args.rounds, args.option)
     print(f"train tokens/s: fixed {tps['fixed']:,.0f}, {args.option} {tps[args.option]:,.0f} "
           f"({args.option}/fixed time per step {tps['fixed'] / tps[args.option]:.3f}; "
           f"median of {args.rounds} interleaved rounds)")
