@@ -16,7 +16,7 @@ def fix_grain_state(state: Any) -> Any:
 
   ConcatThenSplitIterDataset keeps `remainder_slices` as tuples and compares them with
   the sentinel `(-1, -1)`; after JSON they are lists, the comparison fails and the
-  restored iterator resumes from the wrong place (see ../shared/STACK.md §4). The
+  restored iterator resumes from the wrong place. The
   interleave behind worker processes keys `future_states` by int; JSON makes them str.
   """
   if isinstance(state, dict):

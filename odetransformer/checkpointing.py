@@ -12,8 +12,8 @@ Layout under `<workdir>`:
 Model and optimizer are separate items so that evaluation, generation and
 materialisation restore only `model`. The data-iterator state is plain JSON restored
 by `input_pipeline.restore_iterator_state`, not grain's own orbax handler (which loses
-the packing remainder, ../shared/STACK.md §4). Restore targets come from
-`nnx.get_abstract_model` so they carry concrete-mesh shardings (STACK §7).
+the packing remainder). Restore targets come from `nnx.get_abstract_model` so they
+carry concrete-mesh shardings (an `nnx.eval_shape` target carries an AbstractMesh).
 
     checksums.json             sha256 of every file above, written once the save is
                                complete (process 0), checked before every restore

@@ -1,7 +1,7 @@
 """Training and evaluation metrics (clu.metrics), TensorBoard events and log lines.
 
 TensorBoard events are written with tensorboardX, not clu.metric_writers: the latter
-imports TensorFlow at import time (../shared/STACK.md §8), and TF would more than double
+imports TensorFlow at import time, and TF would more than double
 the virtualenv (1.1 GB -> 2.5 GB) for nothing else. `clu.metrics` itself needs no TF
 and is what the train and eval steps return.
 

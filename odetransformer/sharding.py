@@ -9,7 +9,7 @@ is split over (MaxText's `logical_axis_rules`). The mesh has three axes:
   tensor  tensor (model) parallelism over heads, MLP width and vocabulary
 
 Axes are `AxisType.Auto` (GSPMD style): jax 0.10 defaults to Explicit, which breaks the
-embedding gather in a pjit-style step (../shared/STACK.md §6).
+embedding gather in a pjit-style step.
 """
 from typing import Mapping, Optional, Sequence
 

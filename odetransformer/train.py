@@ -11,7 +11,7 @@ run (`odetransformer/finetune.py`): its model comes from that run, transformed b
 The train step is a pure function of (state, batch, rng): the state is
 `nnx.state((model, optimizer))`, merged back into modules inside the jit. Its output
 state is constrained to the shardings it was created with, so they never drift (unannotated
-params would otherwise get whatever the compiler picks, ../shared/STACK.md §6).
+params would otherwise get whatever the compiler picks).
 """
 import dataclasses
 import functools
