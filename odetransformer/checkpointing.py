@@ -367,9 +367,11 @@ class Checkpointer:
         print(f"{name} again: exiting now without saving; the newest complete checkpoint "
               f"in {self.directory} is kept", file=sys.stderr, flush=True)
         os._exit(130)  # pylint: disable=protected-access
+      # Set before logging: a second SIGINT can run this handler again as soon as the
+      # line is out, and must then find the first one seen.
+      self._preempted.set()
       logging.warning("%s received: saving a checkpoint and stopping%s.", name,
                       " (Ctrl-C again to exit at once)" if signum == signal.SIGINT else "")
-      self._preempted.set()
     for sig in (signal.SIGTERM, signal.SIGINT):
       self._old_handlers[sig] = signal.signal(sig, handler)
 
