@@ -211,15 +211,21 @@ def test_causality_and_segments(kind, flavour):
   np.testing.assert_allclose(a[0, 5:], alone[0], atol=1e-5, rtol=1e-5)
 
 
+def linear_ode_problem():
+  """dx/dt = cos(t)·A0 x (A(t) commutes with itself): (field, x0, x(1) = expm(sin(1)·A0) x0),
+  float64 (call under `jax.enable_x64`)."""
+  a0 = jnp.array([[-0.5, 2.0], [-2.0, -0.5]], jnp.float64)
+  x0 = jnp.array([1.0, 0.3], jnp.float64)
+  lam, vec = np.linalg.eig(np.asarray(a0))
+  exact = (vec @ np.diag(np.exp(np.sin(1.0) * lam)) @ np.linalg.inv(vec)).real @ np.asarray(x0)
+  return (lambda x, t: jnp.cos(t) * (a0 @ x)), x0, exact
+
+
 @pytest.mark.parametrize("method,order", [("euler", 1), ("midpoint", 2), ("rk4", 4)])
 def test_solver_order(method, order):
   """dx/dt = A(t) x with A(t) = cos(t)·A0 (commuting): x(1) = expm(sin(1)·A0) x0."""
   with jax.enable_x64(True):
-    a0 = jnp.array([[-0.5, 2.0], [-2.0, -0.5]], jnp.float64)
-    x0 = jnp.array([1.0, 0.3], jnp.float64)
-    lam, vec = np.linalg.eig(np.asarray(a0))
-    exact = (vec @ np.diag(np.exp(np.sin(1.0) * lam)) @ np.linalg.inv(vec)).real @ np.asarray(x0)
-    field = lambda x, t: jnp.cos(t) * (a0 @ x)
+    field, x0, exact = linear_ode_problem()
     errors = []
     for k in (8, 16, 32, 64):
       ts = solvers.stage_times(k, method).astype(jnp.float64)

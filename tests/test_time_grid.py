@@ -14,7 +14,8 @@ from odetransformer import solvers, time_grid, train
 from odetransformer.config import ModelConfig
 from odetransformer.losses import token_cross_entropy
 from odetransformer.model import create_model
-from test_model import TINY, _np, _perturb_hypernet, ref_field, ref_norm, ref_weights, tokens
+from test_model import (TINY, _np, _perturb_hypernet, linear_ode_problem, ref_field, ref_norm,
+                        ref_weights, tokens)
 from tiny import tiny_config
 
 
@@ -29,11 +30,7 @@ def test_solver_order_on_a_non_uniform_grid(method, order):
   """dx/dt = cos(t)·A0 x: x(1) = expm(sin(1)·A0) x0, reached at the method's order on a
   smoothly graded grid, with per-step step sizes scanned by the solver."""
   with jax.enable_x64(True):
-    a0 = jnp.array([[-0.5, 2.0], [-2.0, -0.5]], jnp.float64)
-    x0 = jnp.array([1.0, 0.3], jnp.float64)
-    lam, vec = np.linalg.eig(np.asarray(a0))
-    exact = (vec @ np.diag(np.exp(np.sin(1.0) * lam)) @ np.linalg.inv(vec)).real @ np.asarray(x0)
-    field = lambda x, t: jnp.cos(t) * (a0 @ x)
+    field, x0, exact = linear_ode_problem()
     errors = []
     for k in (8, 16, 32, 64):
       grid = _smooth_grid(k)
