@@ -36,11 +36,8 @@ from odetransformer import blocks
 from odetransformer.config import ModelConfig
 from odetransformer.materialize import materialize
 from odetransformer.model import LanguageModel
-from odetransformer.solvers import STAGE_NODES
+from odetransformer.solvers import STAGE_NODES, TABLEAUX, rk_step
 
-# For each solver: the stage (index into STAGE_NODES[method]) each field evaluation
-# of one step uses, in order (rk4's k2 and k3 both use the midpoint weights).
-_EVAL_STAGES = {"euler": (0,), "midpoint": (0, 1), "rk4": (0, 1, 1, 2)}
 
 
 class KVCache(NamedTuple):
@@ -103,7 +100,7 @@ class Decoder:
     self.model = model
     self.static = _Static(cfg=cfg, block="sequential" if cfg.kind == "gpt" else "parallel",
                           method=method, dt=float(dt), num_layers=n,
-                          evals=len(_EVAL_STAGES[method]), discrete=not cfg.is_ode)
+                          evals=len(TABLEAUX[method].stages), discrete=not cfg.is_ode)
     self.num_slots = n * self.static.evals
     # The decode step reads the layer weights from `layers` only; the stack's own
     # params are replaced by shapes when the model is merged inside it.
@@ -198,29 +195,18 @@ def _block(x_btd, p, static: _Static, k_bsnh, v_bsnh, index_b, positions_bt):
 
 
 def _solver_step(x, w_s, static: _Static, k_e, v_e, index_b, positions_bt):
-  """x_k -> x_{k+1} with one cache slot per field evaluation (as `solvers._step`)."""
-  dt = static.dt
+  """x_k -> x_{k+1} (the solvers' `rk_step`) with one cache slot per field evaluation."""
   new_k, new_v = [], []
 
   def field(x_in, e):
-    stage = _EVAL_STAGES[static.method][e]
+    stage = TABLEAUX[static.method].stages[e]
     p = jax.tree.map(lambda a: a[stage], w_s)
     out, k, v = _block(x_in, p, static, k_e[e], v_e[e], index_b, positions_bt)
     new_k.append(k)
     new_v.append(v)
     return out
 
-  if static.method == "euler":
-    x = x + dt * field(x, 0)
-  elif static.method == "midpoint":
-    k1 = field(x, 0)
-    x = x + dt * field(x + (0.5 * dt) * k1, 1)
-  else:  # rk4
-    k1 = field(x, 0)
-    k2 = field(x + (0.5 * dt) * k1, 1)
-    k3 = field(x + (0.5 * dt) * k2, 2)
-    k4 = field(x + dt * k3, 3)
-    x = x + (dt / 6.0) * (k1 + 2.0 * k2 + 2.0 * k3 + k4)
+  x = rk_step(field, static.method, x, static.dt)
   return x, jnp.stack(new_k), jnp.stack(new_v)
 
 

@@ -13,7 +13,7 @@ A non-uniform grid 0 = g_0 < g_1 < … < g_K = 1 (`grid_stage_times`) has a step
 per step, dt_k = g_{k+1} - g_k; the solver then scans the step sizes beside the inputs.
 """
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,42 @@ STAGE_NODES = {
     "midpoint": (0.0, 0.5),
     "rk4": (0.0, 0.5, 1.0),  # k2 and k3 share the midpoint node
 }
+
+
+class Tableau(NamedTuple):
+  """An explicit Runge–Kutta method: field evaluation e runs at node
+  STAGE_NODES[method][stages[e]] on x + dt·Σ_j a[e][j]·k_j, and the step is
+  x + dt·Σ_e b[e]·k_e."""
+  stages: tuple
+  a: tuple
+  b: tuple
+
+
+TABLEAUX = {
+    "euler": Tableau(stages=(0,), a=((),), b=(1.0,)),
+    "midpoint": Tableau(stages=(0, 1), a=((), (0.5,)), b=(0.0, 1.0)),
+    "rk4": Tableau(stages=(0, 1, 1, 2), a=((), (0.5,), (0.0, 0.5), (0.0, 0.0, 1.0)),
+                   b=(1 / 6, 1 / 3, 1 / 3, 1 / 6)),
+}
+
+
+def rk_step(field: Callable[[Any, int], Any], method: str, x, dt):
+  """One step x_k -> x_{k+1} of `method`; `field(x_in, e)` is its e-th field evaluation
+  (at stage TABLEAUX[method].stages[e]). Used by the solver and by cached decoding."""
+  tableau = TABLEAUX[method]
+  ks = []
+  for e, row in enumerate(tableau.a):
+    x_in = x
+    for a_ej, k in zip(row, ks):
+      if a_ej:
+        x_in = x_in + (a_ej * dt) * k
+    ks.append(field(x_in, e))
+  update = None
+  for b_e, k in zip(tableau.b, ks):
+    if b_e:
+      update = b_e * k if update is None else update + b_e * k
+  return x + dt * update
+
 
 REMAT_POLICIES = {
     "none": None,
@@ -53,24 +89,12 @@ def grid_stage_times(grid, method: str):
 
 def _step(field, method):
   """One step (x_k, inputs, dt) -> x_{k+1}; `inp` has a leading stage axis of size S."""
-  def at(inp, s):
-    return jax.tree.map(lambda a: a[s], inp)
+  stages = TABLEAUX[method].stages
 
-  def euler(x, inp, dt):
-    return x + dt * field(x, at(inp, 0))
-
-  def midpoint(x, inp, dt):
-    k1 = field(x, at(inp, 0))
-    return x + dt * field(x + (0.5 * dt) * k1, at(inp, 1))
-
-  def rk4(x, inp, dt):
-    k1 = field(x, at(inp, 0))
-    k2 = field(x + (0.5 * dt) * k1, at(inp, 1))
-    k3 = field(x + (0.5 * dt) * k2, at(inp, 1))
-    k4 = field(x + dt * k3, at(inp, 2))
-    return x + (dt / 6.0) * (k1 + 2.0 * k2 + 2.0 * k3 + k4)
-
-  return {"euler": euler, "midpoint": midpoint, "rk4": rk4}[method]
+  def step(x, inp, dt):
+    return rk_step(lambda x_in, e: field(x_in, jax.tree.map(lambda a: a[stages[e]], inp)),
+                   method, x, dt)
+  return step
 
 
 def fixed_step_solve(field: Callable[[Any, Any], Any], x0, stage_inputs, dt,
