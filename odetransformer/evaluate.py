@@ -30,18 +30,12 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from odetransformer import loading
+from odetransformer import checkpointing, loading
 from odetransformer.errors import UserError
+from odetransformer.losses import token_scores
 from odetransformer.model import LanguageModel
 
 _LOCAL_PREFIX = "local:"
-
-
-class _QuietOrbax(std_logging.Filter):
-  """Drops orbax's info and warning chatter about a read-only checkpoint load."""
-
-  def filter(self, record):
-    return record.levelno >= std_logging.ERROR or "/orbax/" not in record.pathname
 
 
 def quiet_orbax(cli: bool = False) -> None:
@@ -50,14 +44,9 @@ def quiet_orbax(cli: bool = False) -> None:
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   if cli and absl_logging.get_verbosity() >= absl_logging.INFO:
     absl_logging.set_verbosity(absl_logging.WARNING)
-  logger = std_logging.getLogger("absl")
-  if not any(isinstance(f, _QuietOrbax) for f in logger.filters):
-    logger.addFilter(_QuietOrbax())
+  checkpointing.quiet_orbax_logs(std_logging.ERROR)
 
 
-# --------------------------------------------------------------------------------------
-# Tokenizer of a run
-# --------------------------------------------------------------------------------------
 # --------------------------------------------------------------------------------------
 # Scoring
 # --------------------------------------------------------------------------------------
@@ -66,11 +55,8 @@ def _score_batch(graphdef, num_steps, state, batch):
   model = nnx.merge(graphdef, state)
   logits = model(batch["inputs"], segment_ids_bl=batch.get("segment_ids"),
                  positions_bl=batch.get("positions"), num_steps=num_steps)
-  logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), -1)
-  target_logp = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
-  w = batch["weights"].astype(target_logp.dtype)
-  correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(w.dtype)
-  return -jnp.sum(target_logp * w), jnp.sum(w), jnp.sum(correct * w)
+  scores = token_scores(logits, batch["targets"], batch["weights"])
+  return tuple(jnp.sum(scores[k]) for k in ("nll", "weight", "correct"))
 
 
 @dataclasses.dataclass

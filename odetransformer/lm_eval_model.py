@@ -29,7 +29,6 @@ import logging
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from lm_eval import utils as lm_utils
@@ -40,6 +39,7 @@ from tqdm import tqdm
 from odetransformer import loading
 from odetransformer.decode import Decoder
 from odetransformer.generate import Sampler, strip_after_eos
+from odetransformer.losses import token_scores
 
 _log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 8
@@ -48,11 +48,8 @@ DEFAULT_BATCH_SIZE = 8
 def _score(graphdef, num_steps, state, inputs_bl, targets_bl, weights_bl):
   """Per row: (sum of weighted target log-probs, all weighted targets are the argmax)."""
   model = nnx.merge(graphdef, state)
-  logits = model(inputs_bl, num_steps=num_steps)
-  logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), -1)
-  target_logp = jnp.take_along_axis(logp, targets_bl[..., None], axis=-1)[..., 0]
-  greedy = (jnp.argmax(logits, axis=-1) == targets_bl) | (weights_bl == 0)
-  return jnp.sum(target_logp * weights_bl, axis=-1), jnp.all(greedy, axis=-1)
+  scores = token_scores(model(inputs_bl, num_steps=num_steps), targets_bl, weights_bl)
+  return -scores["nll"], scores["greedy"]
 
 
 @register_model("odetransformer")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl import flags
@@ -181,3 +182,33 @@ def test_evaluate_command_line_plots_the_printed_table(run, eval_file, tmp_path,
   fv(["evaluate", f"--workdir={run[0]}", f"--plot={tmp_path / 'missing' / 'ppl.png'}"])
   with pytest.raises(errors.UserError, match="directory does not exist"):
     evaluate.main([], fv)
+
+
+def test_token_scores_equal_a_numpy_reference():
+  """The one scorer (train-loop eval, evaluate, lm-eval) against float64 numpy, with a
+  masked token, a bf16 input and a tie-free argmax."""
+  from odetransformer.losses import token_cross_entropy, token_scores
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(3, 5, 7)).astype(np.float32)
+  targets = rng.integers(0, 7, (3, 5)).astype(np.int32)
+  targets[1] = logits[1].argmax(-1)          # row 1: every target is the argmax
+  weights = np.ones((3, 5), np.float32)
+  weights[0, 2] = 0.0
+  targets[2, :4] = logits[2, :4].argmax(-1)  # row 2: greedy except the masked-in last token
+  targets[2, 4] = (logits[2, 4].argmax() + 1) % 7
+  lp = logits.astype(np.float64)
+  lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+  nll = -np.take_along_axis(lp, targets[..., None], -1)[..., 0]
+  hit = logits.argmax(-1) == targets
+  got = jax.device_get(token_scores(jnp.asarray(logits), jnp.asarray(targets),
+                                    jnp.asarray(weights)))
+  np.testing.assert_allclose(got["nll"], (nll * weights).sum(-1), rtol=1e-6)
+  np.testing.assert_array_equal(got["weight"], weights.sum(-1))
+  np.testing.assert_array_equal(got["correct"], (hit * weights).sum(-1))
+  np.testing.assert_array_equal(got["greedy"], [bool(hit[0][weights[0] > 0].all()), True,
+                                                False])
+  s, w = token_cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights))
+  np.testing.assert_allclose(float(s), (nll * weights).sum(), rtol=1e-6)
+  assert float(w) == weights.sum()
+  half = token_scores(jnp.asarray(logits, jnp.bfloat16), jnp.asarray(targets))
+  assert half["nll"].dtype == jnp.float32
