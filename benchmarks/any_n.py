@@ -31,6 +31,7 @@ from absl import logging  # pylint: disable=g-import-not-at-top
 from benchmarks import common  # pylint: disable=g-import-not-at-top
 from configs import default  # pylint: disable=g-import-not-at-top
 from odetransformer import evaluate, train  # pylint: disable=g-import-not-at-top
+from odetransformer import config as config_lib  # pylint: disable=g-import-not-at-top
 from odetransformer.time_grid import TRAIN_TIME_GRIDS  # pylint: disable=g-import-not-at-top
 
 ROBUST_N = ("3K/2", "2K", "4K")
@@ -110,7 +111,7 @@ def train_tokens_per_second(config, rounds: int, option: str) -> dict:
   """Mode -> train tokens/s of the product's train step for 'fixed' and `option` (the
   model of `config` under either training grid), both timed in turn."""
   modes = ("fixed", option)
-  cfg = train.model_config(config, config.data.vocab_size)
+  cfg = config_lib.model_config(config, config.data.vocab_size)
   trainers = {m: common.Trainer(common.replace(cfg, train_time_grid=m), seed=0) for m in modes}
   b, length = config.global_batch_size, config.seq_len
   batch = trainers["fixed"].batch(b, length)

@@ -1,6 +1,6 @@
 """Bytes moved between devices and per-device memory: DiffEqFormer vs GPT, same shape.
 
-Compiles the product's real train step (`train.make_train_step` on a real TrainState,
+Compiles the product's real train step (`steps.make_train_step` on a real TrainState,
 AdamW with clipping, donated state) for both models and both flavours on 8 host CPU
 devices, on the meshes (data, fsdp, tensor) = (1,8,1), (2,4,1) and (1,2,4). Nothing is
 run: the optimised HLO of each step is parsed and the bytes of every all-gather,
@@ -52,7 +52,8 @@ from configs import default as default_config  # noqa: E402
 from odetransformer import memory  # noqa: E402
 from odetransformer import optimizer as optimizer_lib  # noqa: E402
 from odetransformer import sharding as sharding_lib  # noqa: E402
-from odetransformer import train  # noqa: E402
+from odetransformer import steps  # noqa: E402
+from odetransformer import config as config_lib  # noqa: E402
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 MESHES = ((1, 8, 1), (2, 4, 1), (1, 2, 4))
@@ -185,7 +186,7 @@ def hypernet_bytes(ts) -> int:
   their Adam moments, and their float32 gradient (the state a GPT of the same shape
   does not have; its layers' own state is the GPT's too)."""
   total = 0
-  for part, tree in enumerate(ts.split_abstract()):     # (model, optimizer) state
+  for part, tree in enumerate((ts.abstract["model"], ts.abstract["optimizer"])):     # (model, optimizer) state
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
       if "'gens'" not in jax.tree_util.keystr(path):
         continue
@@ -200,10 +201,10 @@ def measure(config, devices) -> dict:
   """Collective bytes and memory of one compiled train step."""
   mesh = sharding_lib.make_mesh(config.mesh, devices)
   rules = sharding_lib.logical_axis_rules(config.mesh)
-  cfg = train.model_config(config, config.data.vocab_size)
+  cfg = config_lib.model_config(config, config.data.vocab_size)
   tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps, ode=cfg.is_ode)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    ts = train.abstract_train_state(cfg, tx, config.seed, mesh)
+    ts = steps.state_layout(cfg, tx, config.seed, mesh)
     compiled = memory.compile_train_step(config, cfg, ts, mesh, rules)
   stats = compiled.memory_analysis()
   peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes

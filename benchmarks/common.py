@@ -1,7 +1,7 @@
 """Shared set-up for benchmarks: presets, and the product's own train step on a mesh.
 
-Benchmarks time exactly what `main.py` runs: `train.init_train_state` and
-`train.make_train_step` (donated, sharding-constrained, AdamW with clipping), with the
+Benchmarks time exactly what `main.py` runs: `steps.init_train_state` and
+`steps.make_train_step` (donated, sharding-constrained, AdamW with clipping), with the
 optimizer and mesh settings of `configs/default.py`.
 """
 import dataclasses
@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import default as default_config  # noqa: E402
-from odetransformer import optimizer, sharding, train  # noqa: E402
+from odetransformer import optimizer, sharding, steps  # noqa: E402
 from odetransformer.config import ModelConfig  # noqa: E402
 
 PRESETS = {
@@ -79,8 +79,8 @@ class Trainer:
     tx = optimizer.create_optimizer(config.optim, num_train_steps, ode=cfg.is_ode)
     schedule = optimizer.learning_rate_schedule(config.optim, num_train_steps)
     with nnx.logical_axis_rules(self.rules):
-      self.ts, self.state = train.init_train_state(cfg, tx, seed, self.mesh)
-    self.step_fn = train.make_train_step(self.ts, schedule, self.rules)
+      self.ts, self.state = steps.init_train_state(cfg, tx, seed, self.mesh)
+    self.step_fn = steps.make_train_step(self.ts, schedule, self.rules)
     self.batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
     self.rng = jax.random.key(seed)
 

@@ -63,9 +63,8 @@ def main():
   print(f"(MFU against a measured/peak {peak / 1e12:.2f} TFLOP/s)")
 
   # Inference: the materialised DiffEqFormer (plain parallel layers) vs GPT, forward only.
-  ode_model = nnx.merge(trainers["diffeqformer"].ts.graphdef,
-                        trainers["diffeqformer"].state)[0]
-  gpt_model = nnx.merge(trainers["gpt"].ts.graphdef, trainers["gpt"].state)[0]
+  ode_model = trainers["diffeqformer"].ts.merge(trainers["diffeqformer"].state)[0]
+  gpt_model = trainers["gpt"].ts.merge(trainers["gpt"].state)[0]
   mat = materialize(ode_model, ode_model.config.num_steps)
   tokens_in = batches["gpt"]["inputs"]
   forward = nnx.jit(lambda m, x: m(x))

@@ -50,11 +50,12 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
-from odetransformer.errors import UserError
+from odetransformer.errors import ConfigError, UserError
 
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
 CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.model"   # the run's tokenizer, copied into its workdir
 CHECKSUM_FILE = "checksums.json"
 
 
@@ -66,12 +67,12 @@ SHAPE_CHANGE_HINT = (
     "it with that version, or start a new --workdir")
 
 
-class LayoutMismatchError(UserError, ValueError):
-  """A stored array's shape differs from the model's (see `SHAPE_CHANGE_HINT`)."""
-
-
 class CheckpointError(UserError, RuntimeError):
   """A workdir's checkpoints cannot be used or written (reported in one line)."""
+
+
+class LayoutMismatchError(CheckpointError, ValueError):
+  """A stored array's shape differs from the model's (see `SHAPE_CHANGE_HINT`)."""
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -156,6 +157,57 @@ def stored_fingerprint(workdir: str) -> Optional[tuple]:
   return None
 
 
+def tokenizer_sha256(path: Optional[str]) -> Optional[str]:
+  return file_sha256(path) if path and os.path.isfile(path) else None
+
+
+def check_resumable(config, workdir: str) -> Optional[dict]:
+  """ConfigError when `workdir` holds checkpoints of another model, data or tokenizer.
+
+  Compares this config with the fingerprint the newest checkpoint records: model
+  fields, data source and split, and — when `data.tokenizer_path` names a file — its
+  hash; otherwise the settings that would train the tokenizer. Runs before anything is
+  written (no tokenizer trained, no config.json rewritten), so a refused workdir stays
+  exactly as it was. Returns the stored fingerprint (None: no checkpoint).
+  """
+  found = stored_fingerprint(workdir)
+  if found is None:
+    return None
+  step, stored = found
+  _refuse_if_different(workdir, step, stored,
+                       fingerprint(config, tokenizer_sha256(config.data.get("tokenizer_path"))))
+  return stored
+
+
+def check_tokenizer(config, tokenizer_path: str, workdir: str, stored: Optional[dict]) -> dict:
+  """The run's fingerprint, with its tokenizer's hash; ConfigError when a resumed run's
+  tokenizer file differs from the checkpoints' (before it is copied into the workdir)."""
+  new = fingerprint(config, tokenizer_sha256(tokenizer_path))
+  if stored is not None:
+    _refuse_if_different(workdir, finalized_steps(workdir)[-1], stored, new)
+  return new
+
+
+def _refuse_if_different(workdir: str, step: int, stored: dict, new: dict):
+  diffs = fingerprint_diffs(stored, new)
+  if diffs:
+    raise ConfigError(
+        f"{workdir} holds checkpoints (step {step}) of a different model, data or "
+        f"tokenizer ({'; '.join(diffs)}); resume with the same settings, start a new "
+        "--workdir, or fine-tune from this run with --config.init_from")
+
+
+def save_tokenizer(src: str, workdir: str):
+  """Copies the tokenizer to `<workdir>/tokenizer.model` (what the tools load)."""
+  path = os.path.join(workdir, TOKENIZER_FILE)
+  if jax.process_index() != 0 or not src or os.path.abspath(src) == os.path.abspath(path):
+    return
+  if os.path.isfile(path) and tokenizer_sha256(path) == tokenizer_sha256(src):
+    return                 # a resumed run's own tokenizer: left as it is
+  shutil.copyfile(src, path + ".tmp")
+  os.replace(path + ".tmp", path)
+
+
 def validate_options(config):
   """UserError for checkpoint settings that would lose work (checked before any write)."""
   keep = config.get("checkpoint_max_to_keep", 3)
@@ -212,17 +264,39 @@ def verify_checksums(step_dir: str, items: Optional[tuple] = None) -> bool:
   return True
 
 
-class _OrbaxTracebacks(std_logging.Filter):
-  """Orbax logs a failed background save with a traceback per thread (~200 lines);
-  the CheckpointError that follows says it in one line. Keeps orbax's error message
-  lines, drops their tracebacks (all of it with --verbose)."""
+class _OrbaxLogs(std_logging.Filter):
+  """The one filter on orbax's log records (on the absl logger).
+
+  Drops orbax records below `min_level` (its INFO lines: dozens per checkpoint; tools
+  that only read a checkpoint raise it to ERROR). Orbax logs a failed background save
+  with a traceback per thread (~200 lines); the CheckpointError that follows says it in
+  one line: its error lines are kept, their tracebacks dropped (kept with --verbose).
+  """
+
+  def __init__(self, min_level: int):
+    super().__init__()
+    self.min_level = min_level
 
   def filter(self, record):
-    if record.levelno >= std_logging.ERROR and "/orbax/" in record.pathname:
+    if "/orbax/" not in record.pathname:
+      return True
+    if record.levelno >= std_logging.ERROR:
       from odetransformer import errors  # pylint: disable=g-import-not-at-top
       if not errors.verbose_requested():
         record.exc_info, record.exc_text = None, None
-    return True
+    return record.levelno >= self.min_level
+
+
+def quiet_orbax_logs(min_level: Optional[int] = None) -> None:
+  """Installs the orbax log filter once; `min_level` (default WARNING when installing)
+  sets the lowest level of orbax records shown."""
+  logger = std_logging.getLogger("absl")
+  found = [f for f in logger.filters if isinstance(f, _OrbaxLogs)]
+  if found:
+    if min_level is not None:
+      found[0].min_level = min_level
+    return
+  logger.addFilter(_OrbaxLogs(std_logging.WARNING if min_level is None else min_level))
 
 
 def _closed_loop_callback(exc_type, exc, tb) -> bool:
@@ -240,9 +314,7 @@ def _closed_loop_callback(exc_type, exc, tb) -> bool:
 def _quiet_orbax_tracebacks():
   """Orbax's tracebacks of a failed save or restore as single lines (not with
   --verbose); installed once."""
-  logger = std_logging.getLogger("absl")
-  if not any(isinstance(f, _OrbaxTracebacks) for f in logger.filters):
-    logger.addFilter(_OrbaxTracebacks())
+  quiet_orbax_logs()
   from odetransformer import errors  # pylint: disable=g-import-not-at-top
   hook = sys.excepthook
   if getattr(hook, "_odet_quiet", False) or errors.verbose_requested():
@@ -442,38 +514,18 @@ class Checkpointer:
     self._unhashed.clear()      # the rest were deleted (max_to_keep) or never completed
 
   def restore(self, step: int, abstract_model_state, abstract_opt_state):
-    """Restores into abstract states (from `nnx.get_abstract_model`).
+    """Restores one step into abstract states (from `nnx.get_abstract_model`).
 
     Returns:
       (model_state, opt_state, meta, data_state): nnx.States to `nnx.merge` or
       `nnx.update` with, the meta dict, and this process's iterator state.
     """
-    model_target = nnx.to_pure_dict(abstract_model_state)
-    opt_target = nnx.to_pure_dict(abstract_opt_state)
-    _verify_on_process_0(os.path.join(self.directory, str(int(step))))
-    _check_stored_shapes(self.directory, step, "model", model_target)
-    _check_stored_shapes(self.directory, step, "opt", opt_target)
-    restored = self._manager.restore(int(step), args=ocp.args.Composite(
-        model=ocp.args.StandardRestore(model_target),
-        opt=ocp.args.StandardRestore(opt_target),
-        meta=ocp.args.JsonRestore(),
-        data=ocp.args.JsonRestore(),
-    ))
-    model_state = _fill(abstract_model_state, restored["model"])
-    opt_state = _fill(abstract_opt_state, restored["opt"])
-    data = restored["data"]
-    data_state = None
-    if data is not None:
-      if int(data["process_count"]) != jax.process_count():
-        logging.warning("Checkpoint was written by %d processes, this run has %d: "
-                        "the data iterator restarts from its initial state.",
-                        data["process_count"], jax.process_count())
-      else:
-        data_state = data["states"][jax.process_index()]
-    return model_state, opt_state, restored["meta"], data_state
+    step, (model_state, opt_state, meta, data) = self._restore_newest(
+        [int(step)], abstract_model_state, abstract_opt_state)
+    return model_state, opt_state, meta, _this_process_data(data)
 
   def restore_latest(self, abstract_model_state, abstract_opt_state):
-    """`restore` of the newest checkpoint that restores; None when there is none.
+    """The newest checkpoint that restores; None when there is none.
 
     A checkpoint that fails while an older one restores is corrupt: it is moved to
     `<workdir>/corrupt_checkpoints/` (so a later save of that step cannot collide with
@@ -484,28 +536,18 @@ class Checkpointer:
       None, or (step, model_state, opt_state, meta, data_state).
     """
     steps = sorted(self.all_steps(), reverse=True)
-    failed = []
-    for step in steps:
-      try:
-        restored = self.restore(step, abstract_model_state, abstract_opt_state)
-      except Exception as e:  # pylint: disable=broad-except
-        failed.append((step, e))
-        logging.warning("checkpoint at step %d in %s does not restore (%s)", step,
-                        self.directory, _one_line(e))
-        continue
-      if failed:
-        logging.warning("resuming from step %d, the newest checkpoint that restores", step)
-        self.set_aside([s for s, _ in failed])
-      return (step,) + restored
-    if not failed:
+    if not steps:
       return None
-    step, error = failed[0]
-    # The config was checked against the checkpoints' fingerprint before this
-    # (train.py), so shapes differ because the code stores them differently.
-    hint = f"; {SHAPE_CHANGE_HINT}" if isinstance(error, LayoutMismatchError) else ""
-    raise CheckpointError(
-        f"no checkpoint in {self.directory} restores (steps {[s for s, _ in failed]}; "
-        f"nothing was changed){hint}; step {step}: {_one_line(error)}")
+    step, restored = self._restore_newest(steps, abstract_model_state, abstract_opt_state)
+    failed = [s for s in steps if s > step]
+    if failed:
+      self.set_aside(failed)
+    model_state, opt_state, meta, data = restored
+    return step, model_state, opt_state, meta, _this_process_data(data)
+
+  def _restore_newest(self, steps, abstract_model_state, abstract_opt_state):
+    return restore_newest(self._manager, self.directory, steps, abstract_model_state,
+                          abstract_opt_state)
 
   def set_aside(self, steps):
     """Moves the (corrupt) step directories to `<workdir>/corrupt_checkpoints/`."""
@@ -545,6 +587,19 @@ class Checkpointer:
         self._manager.close()
       except Exception:  # pylint: disable=broad-except
         pass   # the save's own error (above) is the one to report
+
+
+def _this_process_data(data):
+  """This process's data-iterator state from a checkpoint's `data` item (None when the
+  checkpoint has none, or was written by another number of processes)."""
+  if data is None:
+    return None
+  if int(data["process_count"]) != jax.process_count():
+    logging.warning("Checkpoint was written by %d processes, this run has %d: "
+                    "the data iterator restarts from its initial state.",
+                    data["process_count"], jax.process_count())
+    return None
+  return data["states"][jax.process_index()]
 
 
 def _one_line(e: BaseException) -> str:
@@ -601,13 +656,60 @@ def _fill(abstract_state, pure_dict):
   return state
 
 
+def restore_newest(manager, directory: str, steps, abstract_model_state,
+                   abstract_opt_state=None) -> tuple:
+  """The one restore path: the first of `steps` (newest first) whose files match their
+  checksums and restore, as (step, (model_state, opt_state, meta, data)).
+
+  With `abstract_opt_state` None only the model item is read (opt_state, meta and data
+  are None). A checkpoint whose arrays have other shapes than the model's stops at once
+  (LayoutMismatchError: the code, not the files, differs); a corrupt or unreadable one
+  is skipped with a warning, and CheckpointError (one line) names the newest when none
+  restores. Nothing is moved here.
+  """
+  targets = {"model": nnx.to_pure_dict(abstract_model_state)}
+  if abstract_opt_state is not None:
+    targets["opt"] = nnx.to_pure_dict(abstract_opt_state)
+  failed = []
+  for step in steps:
+    for item, target in targets.items():
+      try:
+        _check_stored_shapes(directory, step, item, target)
+      except LayoutMismatchError as e:
+        raise LayoutMismatchError(f"the checkpoint of step {step} in {directory} does not "
+                                  f"restore: {SHAPE_CHANGE_HINT}; {e}") from e
+    args = {item: ocp.args.StandardRestore(target) for item, target in targets.items()}
+    if abstract_opt_state is not None:
+      args.update(meta=ocp.args.JsonRestore(), data=ocp.args.JsonRestore())
+    try:
+      _verify_on_process_0(os.path.join(directory, str(step)),
+                           items=None if abstract_opt_state is not None else ("model",))
+      restored = manager.restore(step, args=ocp.args.Composite(**args))
+    except Exception as e:  # pylint: disable=broad-except
+      failed.append((step, e))
+      logging.warning("the checkpoint of step %d in %s does not restore (%s)%s", step,
+                      directory, _one_line(e),
+                      "; trying the previous one" if step != steps[-1] else "")
+      continue
+    if failed:
+      logging.warning("using step %d, the newest checkpoint that restores", step)
+    model_state = _fill(abstract_model_state, restored["model"])
+    if abstract_opt_state is None:
+      return step, (model_state, None, None, None)
+    return step, (model_state, _fill(abstract_opt_state, restored["opt"]),
+                  restored["meta"], restored["data"])
+  newest, error = failed[0]
+  raise CheckpointError(
+      f"no checkpoint in {directory} restores (steps {[s for s, _ in failed]}; nothing was "
+      "changed): their files are corrupt or truncated; restore them from a backup or "
+      f"train again in a new --workdir (step {newest}: {_one_line(error)})")
+
+
 def restore_model_state(workdir: str, abstract_model_state, step: Optional[int] = None):
   """Just the model item (for evaluation, generation, materialisation).
 
-  The latest checkpoint whose model restores: a corrupt one (files that do not match
-  its checksums, or that orbax cannot read) is skipped with a warning and left where
-  it is (a tool only reads). CheckpointError (one line) when there is none or none
-  restores.
+  The latest checkpoint whose model restores (`restore_newest`); a corrupt one is
+  skipped with a warning and left where it is (a tool only reads).
 
   Args:
     workdir: a training workdir.
@@ -629,31 +731,7 @@ def restore_model_state(workdir: str, abstract_model_state, step: Optional[int] 
     if step is not None and not os.path.isdir(os.path.join(directory, str(int(step)))):
       raise CheckpointError(f"{directory} has no checkpoint of step {step}; choose one of "
                             f"{finalized_steps(workdir)} or leave the step out (the latest)")
-    target = nnx.to_pure_dict(abstract_model_state)
-    failed, last_error = [], None
-    for s in steps:
-      try:
-        _check_stored_shapes(directory, s, "model", target)
-      except LayoutMismatchError as e:
-        raise LayoutMismatchError(f"the checkpoint of step {s} in {directory} does not "
-                                  f"restore: {SHAPE_CHANGE_HINT}; {e}") from e
-      try:
-        _verify_on_process_0(os.path.join(directory, str(s)), items=("model",))
-        restored = manager.restore(s, args=ocp.args.Composite(
-            model=ocp.args.StandardRestore(target)))
-      except Exception as e:  # pylint: disable=broad-except
-        failed.append(s)
-        logging.warning("the checkpoint of step %d in %s does not restore (%s)%s", s,
-                        directory, _one_line(e),
-                        "; trying the previous one" if s != steps[-1] else "")
-        last_error = e
-        continue
-      if failed:
-        logging.warning("using step %d, the newest checkpoint that restores", s)
-      return _fill(abstract_model_state, restored["model"]), s
-    raise CheckpointError(
-        f"no checkpoint in {directory} restores (steps {failed}): their files are corrupt "
-        "or truncated; restore them from a backup or train again in a new --workdir "
-        f"(step {failed[-1]}: {_one_line(last_error)})")
+    found, (state, _, _, _) = restore_newest(manager, directory, steps, abstract_model_state)
+    return state, found
   finally:
     manager.close()

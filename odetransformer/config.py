@@ -1,13 +1,15 @@
 """The model config: ConfigDict defaults and the one frozen, typed ModelConfig.
 
-`default_model_config()` is what `configs/*.py` start from; `ModelConfig.from_config`
-is the only place a ConfigDict becomes a model config (modules never read ConfigDicts).
-Every validation error is a one-line ValueError naming the field and the fix.
+`default_model_config()` is what `configs/*.py` start from; `model_config(config)` (over
+`ModelConfig.from_config`) is the only place a ConfigDict becomes a model config
+(modules never read ConfigDicts). Every validation error is one line naming the field
+and the fix.
 """
 import dataclasses
 
 import ml_collections
 
+from odetransformer.errors import ConfigError
 from odetransformer.time_grid import TRAIN_TIME_GRIDS
 
 KINDS = ("diffeqformer", "gpt", "parallel", "shared")
@@ -170,3 +172,15 @@ class ModelConfig:
   @property
   def is_ode(self) -> bool:
     return self.kind in ("diffeqformer", "shared")
+
+
+def model_config(config: ml_collections.ConfigDict, vocab_size=None) -> ModelConfig:
+  """The typed model config of a run's config; `vocab_size` (the tokenizer's) overrides
+  `model.vocab_size`. Raises ConfigError (one line) on a bad value."""
+  model = ml_collections.ConfigDict(config.model.to_dict())
+  if vocab_size is not None:
+    model.vocab_size = int(vocab_size)
+  try:
+    return ModelConfig.from_config(model)
+  except (ValueError, TypeError) as e:
+    raise ConfigError(str(e)) from e

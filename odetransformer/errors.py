@@ -33,6 +33,10 @@ class UserError(Exception):
   """
 
 
+class ConfigError(UserError, ValueError):
+  """A config value that cannot work, or values that cannot work together."""
+
+
 def one_line(text) -> str:
   """`text` with every run of whitespace (newlines included) as one space."""
   return " ".join(str(text).split())

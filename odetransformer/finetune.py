@@ -25,11 +25,12 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from odetransformer import blocks, checkpointing, loading, train
-from odetransformer.config import ModelConfig
-from odetransformer.errors import UserError
+from odetransformer import blocks, checkpointing, loading
+from odetransformer.config import ModelConfig, model_config
+from odetransformer.errors import ConfigError
 from odetransformer.materialize import materialize
 
 METHODS = ("continuous", "full", "lora")
@@ -41,7 +42,7 @@ _SHAPE_FIELDS = ("flavour", "d_model", "num_heads", "mlp_dim", "tie_embeddings",
 _TIME_FIELDS = ("time_embed_dim", "time_sinusoids", "time_hidden", "shared_time_mlp")
 
 
-class FinetuneError(UserError, ValueError):
+class FinetuneError(ConfigError):
   """A fine-tuning config that cannot start from its `init_from` run."""
 
 
@@ -52,7 +53,7 @@ def pretrained_config(config):
     raise FinetuneError(f"init_from={src!r} is not a training workdir "
                         f"({checkpointing.CONFIG_FILE} missing); point it at a main.py run")
   pre = checkpointing.load_config(src)
-  return pre, train.model_config(pre, vocab_size=pre.data.vocab_size)
+  return pre, model_config(pre, vocab_size=pre.data.vocab_size)
 
 
 def finetune_model_config(config) -> ModelConfig:
@@ -130,6 +131,38 @@ def initial_model_state(config, cfg: ModelConfig) -> nnx.State:
     state = nnx.State({**nnx.to_pure_dict(state), "stack": {
         **nnx.to_pure_dict(state)["stack"], "lora": small_lora_factors(cfg, config.seed)}})
   return state
+
+
+def place_initial_weights(config, cfg: ModelConfig, model_state: nnx.State) -> tuple:
+  """Fills `model_state` in place with the `init_from` run's (transformed) weights.
+
+  Every loaded leaf must exist in this model with the same shape; leaves the source
+  lacks (LoRA factors) keep their fresh initialisation. Values are placed straight
+  into this run's shardings (each process holds the full source on its host).
+  Returns (arrays loaded, arrays in the model).
+  """
+  source = nnx.to_pure_dict(initial_model_state(config, cfg))
+  target = nnx.to_pure_dict(model_state)
+  loaded = [0]
+
+  def place(dst, src, path):
+    for key, value in src.items():
+      where = f"{path}/{key}"
+      if key not in dst:
+        raise FinetuneError(f"init_from weight {where} has no place in this model")
+      if isinstance(value, dict):
+        place(dst[key], value, where)
+        continue
+      old = dst[key]
+      host = np.asarray(value).astype(old.dtype)
+      if host.shape != old.shape:
+        raise FinetuneError(f"init_from weight {where} has shape {host.shape}, "
+                            f"this model {old.shape}")
+      dst[key] = jax.make_array_from_callback(host.shape, old.sharding, lambda i, h=host: h[i])
+      loaded[0] += 1
+  place(target, source, "")
+  nnx.replace_by_pure_dict(model_state, target)
+  return loaded[0], len(jax.tree.leaves(target))
 
 
 def small_lora_factors(cfg: ModelConfig, seed: int) -> dict:

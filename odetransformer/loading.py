@@ -12,12 +12,11 @@ import jax
 from absl import logging
 from flax import nnx
 
-from odetransformer import checkpointing, sharding, train
-from odetransformer.config import ModelConfig
+from odetransformer import checkpointing, sharding
+from odetransformer.checkpointing import TOKENIZER_FILE
+from odetransformer.config import ModelConfig, model_config
 from odetransformer.errors import UserError
 from odetransformer.model import LanguageModel, create_model
-
-TOKENIZER_FILE = "tokenizer.model"
 
 
 @dataclasses.dataclass
@@ -42,7 +41,7 @@ def load_model(workdir: str, step: Optional[int] = None, mesh=None) -> Loaded:
     raise UserError(f"{os.path.join(workdir, checkpointing.CONFIG_FILE)} is unreadable "
                     f"({type(e).__name__}: {e}); it describes the run's checkpoints: "
                     "restore it, or resume the run with main.py to rewrite it") from e
-  cfg = train.model_config(config, vocab_size=config.data.get("vocab_size"))
+  cfg = model_config(config, vocab_size=config.data.get("vocab_size"))
   if mesh is None:
     mesh = jax.make_mesh((1, 1, 1), sharding.MESH_AXES, devices=jax.devices()[:1],
                          axis_types=(jax.sharding.AxisType.Auto,) * 3)

@@ -9,7 +9,7 @@ builds the config's ('data', 'fsdp', 'tensor') mesh and logical-axis rules on th
 same way `train.train_and_evaluate` does. Then either
 
 * compiled (`--compile`, or the default when the model has fewer than
-  `--compile_max_params` parameters): the real train step (`train.make_train_step`) is
+  `--compile_max_params` parameters): the real train step (`steps.make_train_step`) is
   lowered on abstract inputs and compiled for that mesh, and XLA's
   `memory_analysis()` gives per-device argument, output, temporary and generated-code
   bytes. Nothing is allocated. Compiling a large model for 64 fake devices on a CPU
@@ -73,7 +73,8 @@ from flax import nnx
 from odetransformer import blocks
 from odetransformer import optimizer as optimizer_lib
 from odetransformer import sharding as sharding_lib
-from odetransformer import train
+from odetransformer import config as config_lib
+from odetransformer import errors, steps, train
 
 GIB = 1024 ** 3
 DEFAULT_COMPILE_MAX_PARAMS = 50_000_000
@@ -225,15 +226,15 @@ def memory_report(config, *, compile_step: Optional[bool] = None,
     mesh = sharding_lib.make_mesh(config.mesh, devices)
     rules = sharding_lib.logical_axis_rules(config.mesh)
   except sharding_lib.MeshError as e:
-    raise train.ConfigError(str(e)) from e
-  train._check_config(config, mesh, rules)  # pylint: disable=protected-access
-  cfg = train.model_config(config, config.data.vocab_size)
+    raise errors.ConfigError(str(e)) from e
+  train.check_config(config, mesh, rules)
+  cfg = config_lib.model_config(config, config.data.vocab_size)
   tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps, ode=cfg.is_ode)
   schedule = optimizer_lib.learning_rate_schedule(config.optim, config.num_train_steps)
 
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    ts = train.abstract_train_state(cfg, tx, config.seed, mesh)
-  abs_model, abs_opt = ts.split_abstract()
+    ts = steps.state_layout(cfg, tx, config.seed, mesh)
+  abs_model, abs_opt = (ts.abstract["model"], ts.abstract["optimizer"])
   params = abs_model.filter(nnx.Param)
   num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   param_bytes = _per_device_bytes(params)
@@ -279,10 +280,10 @@ def abstract_batch(config, mesh, rules) -> dict:
 
 
 def compile_train_step(config, cfg, ts, mesh, rules):
-  """The real train step (`train.make_train_step`) compiled for `mesh` on abstract inputs
+  """The real train step (`steps.make_train_step`) compiled for `mesh` on abstract inputs
   (`ts.abstract`, `abstract_batch`): nothing is allocated."""
   schedule = optimizer_lib.learning_rate_schedule(config.optim, config.num_train_steps)
-  step = train.make_train_step(ts, schedule, rules,
+  step = steps.make_train_step(ts, schedule, rules,
                                grad_accum_steps=int(config.optim.grad_accum_steps),
                                use_dropout=cfg.dropout_rate > 0)
   rng = jax.eval_shape(lambda: jax.random.key(0))
@@ -332,7 +333,6 @@ def format_report(r: MemoryReport) -> str:
 def main(argv):
   """A bad flag or config is a UserError: one line and exit 2 (`errors.run_cli`)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from odetransformer import errors  # pylint: disable=g-import-not-at-top
   flag_values = flags.FLAGS
   if len(argv) > 1:
     raise errors.UserError(f"unexpected arguments {argv[1:]}; flags take the form "
@@ -370,6 +370,5 @@ def _define_flags():
 
 if __name__ == "__main__":
   from absl import app  # pylint: disable=g-import-not-at-top
-  from odetransformer import errors  # pylint: disable=g-import-not-at-top
   _define_flags()
   errors.run_cli(lambda: app.run(main, flags_parser=errors.parse_absl_flags))

@@ -209,6 +209,46 @@ class Progress:
     return out
 
 
+class ProfileWindow:
+  """`profile_steps='a,b'`: a jax.profiler trace of train steps a+1 … b.
+
+  Written under `<workdir>/tensorboard/plugins/profile/` (TensorBoard's Profile tab
+  with tensorboard-plugin-profile; the .trace.json.gz opens in Perfetto). '' = off.
+  """
+
+  def __init__(self, start: int = -1, stop: int = -1, logdir: str = ""):
+    self.start, self.stop, self.logdir = start, stop, logdir
+
+  @classmethod
+  def parse(cls, spec: str, logdir: str = "") -> "ProfileWindow":
+    """The window of `spec` ('' or 'a,b' with 0 <= a < b); a one-line error otherwise."""
+    from odetransformer.errors import ConfigError  # pylint: disable=g-import-not-at-top
+    spec = str(spec or "").strip()
+    if not spec:
+      return cls()
+    try:
+      start, stop = (int(p) for p in spec.split(","))
+    except ValueError:
+      start = stop = -1
+    if not 0 <= start < stop:
+      raise ConfigError(f"profile_steps={spec!r} must be 'a,b' with 0 <= a < b (trace the "
+                        "steps after step a up to step b), or '' for no trace")
+    return cls(start, stop, logdir)
+
+  def before(self, step: int):
+    """Call before running the step that follows `step`."""
+    if step == self.start:
+      jax.profiler.start_trace(self.logdir)
+      log(f"profiling steps {self.start + 1}-{self.stop} into {self.logdir}")
+
+  def after(self, step: int, outputs):
+    """Call after the step that made it `step`, with that step's outputs."""
+    if step == self.stop and self.start >= 0:
+      jax.block_until_ready(outputs)
+      jax.profiler.stop_trace()
+      log(f"profile written under {self.logdir}/plugins/profile")
+
+
 _TRAIN_FIELDS = (
     ("loss", lambda v: f"loss {v:.4f}"),
     ("perplexity", lambda v: f"ppl {v:.2f}"),

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from odetransformer import train
+from odetransformer import config as config_lib
 
 CONFIG_DIR = pathlib.Path(__file__).parents[1] / "configs"
 TOP_LEVEL = ("num_train_steps", "eval_every_steps", "checkpoint_every_steps", "log_every_steps",
@@ -50,7 +50,7 @@ def test_config_loads_and_model_validates(name, kind):
   for key in TOP_LEVEL:
     assert key in c, key
   c.model.kind = kind                                # the one baseline switch
-  cfg = train.model_config(c, c.data.vocab_size)
+  cfg = config_lib.model_config(c, c.data.vocab_size)
   assert cfg.kind == kind
   assert c.seq_len <= cfg.max_len
   doc = importlib.import_module(f"configs.{name}").__doc__

@@ -10,7 +10,7 @@ import pytest
 
 from configs import default
 from odetransformer import memory
-from odetransformer import train
+from odetransformer import config as config_lib
 from odetransformer.param_count import count_params
 from tiny import config_flags, tiny_config
 
@@ -51,7 +51,7 @@ def _cli(tmp_path, *args, timeout=150):
 
 def test_param_bytes_equal_eval_shape_count():
   config = small_config()
-  cfg = train.model_config(config, config.data.vocab_size)
+  cfg = config_lib.model_config(config, config.data.vocab_size)
   r = memory.memory_report(config, compile_step=False, devices=jax.devices()[:1])
   n = count_params(cfg)
   assert r.num_params == n
@@ -63,7 +63,7 @@ def test_param_bytes_equal_eval_shape_count():
 
 def test_analytic_cli_shards_params_over_fake_devices(tmp_path):
   config = small_config()
-  n = count_params(train.model_config(config, config.data.vocab_size))
+  n = count_params(config_lib.model_config(config, config.data.vocab_size))
   args = ["--config=configs/default.py", "--num_devices=4", "--nocompile",
           "--config.model.d_model=64", "--config.model.num_heads=4",
           "--config.model.mlp_dim=128", "--config.model.num_steps=3",

@@ -44,7 +44,7 @@ DRIVER = textwrap.dedent("""
     import main as main_lib
     if main_lib._multi_process_env():
       jax.distributed.initialize(**main_lib._distributed_args())
-    from odetransformer import checkpointing, train
+    from odetransformer import checkpointing, steps, train
     sys.path.insert(0, os.path.join(os.environ["ODET_ROOT"], "tests"))
     from tiny import tiny_config
 
@@ -59,16 +59,16 @@ DRIVER = textwrap.dedent("""
       checkpointing.Checkpointer.reached_preemption = lambda self, step: step == stop
 
     # Evaluation is not under test here; skipping it saves an eval-step compilation.
-    train.evaluate = lambda *args, **kwargs: {}
+    steps.evaluate = lambda *args, **kwargs: {}
 
     batches = []
-    local_batch = train._local_batch
+    local_batch = steps.local_batch
     def recording(batch, local_batch_size=None):
       out = local_batch(batch, local_batch_size)
       if local_batch_size is None:       # training batches only (eval passes a size)
         batches.append(out["inputs"].tolist())
       return out
-    train._local_batch = recording
+    steps.local_batch = recording
 
     result = train.train_and_evaluate(c, os.environ["ODET_WORKDIR"])
     out = {"process_index": jax.process_index(), "process_count": jax.process_count(),

@@ -23,7 +23,7 @@ from test_train import ROOT, TINY_FLAGS, _final_params, fast_compiles, tiny_conf
 from input_pipeline import DataError
 from odetransformer import checkpointing
 from odetransformer import metrics as metrics_lib
-from odetransformer import train
+from odetransformer import errors, health, steps, train
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +172,7 @@ def test_nonfinite_stops_and_keeps_last_good_checkpoint(trained, cache, tmp_path
   before = snapshot(tmp_path / "checkpoints")
   c = config(cache, 6, checkpoint_every_steps=1, log_every_steps=100)
   c.optim.learning_rate = 1e30
-  with pytest.raises(train.DivergenceError) as err:
+  with pytest.raises(health.DivergenceError) as err:
     train.train_and_evaluate(c, str(tmp_path))
   msg = str(err.value)
   assert msg.startswith("non-finite training values at step 3 (") and "\n" not in msg
@@ -187,7 +187,7 @@ def test_nonfinite_before_any_checkpoint(cache, tmp_path):
   c = config(cache, 3, checkpoint_every_steps=1)
   c.optim.learning_rate = 1e30
   c.optim.warmup_frac = 0.0
-  with pytest.raises(train.DivergenceError, match=r"at step 1 .*no checkpoint was written yet"):
+  with pytest.raises(health.DivergenceError, match=r"at step 1 .*no checkpoint was written yet"):
     train.train_and_evaluate(c, str(tmp_path))
   assert checkpointing.finalized_steps(str(tmp_path)) == []
 
@@ -195,7 +195,7 @@ def test_nonfinite_before_any_checkpoint(cache, tmp_path):
 def _poison_train_batches(monkeypatch, bad_steps):
   """The train batches of `bad_steps` (1-based) carry one NaN target weight: a stand-in
   for a batch whose loss overflows."""
-  original, calls = train._local_batch, [0]
+  original, calls = steps.local_batch, [0]
 
   def local_batch(batch, local_batch_size=None):
     out = original(batch, local_batch_size)
@@ -205,7 +205,7 @@ def _poison_train_batches(monkeypatch, bad_steps):
         out["weights"] = out["weights"].astype(np.float32)
         out["weights"][0, 0] = np.nan
     return out
-  monkeypatch.setattr(train, "_local_batch", local_batch)
+  monkeypatch.setattr(steps, "local_batch", local_batch)
 
 
 def test_skip_nonfinite_steps_skips_a_bad_batch_and_finishes(cache, tmp_path, monkeypatch):
@@ -226,7 +226,7 @@ def test_skip_nonfinite_steps_skips_a_bad_batch_and_finishes(cache, tmp_path, mo
 
   _poison_train_batches(monkeypatch, {3})
   c.optim.skip_nonfinite_steps = 0
-  with pytest.raises(train.DivergenceError, match=r"at step 3 \(loss nan, gradient norm nan"):
+  with pytest.raises(health.DivergenceError, match=r"at step 3 \(loss nan, gradient norm nan"):
     train.train_and_evaluate(c, str(tmp_path / "stop"))
   assert checkpointing.finalized_steps(str(tmp_path / "stop")) == [2]
 
@@ -238,7 +238,7 @@ def test_skip_nonfinite_steps_stops_after_too_many_in_a_row(cache, tmp_path, mon
   _poison_train_batches(monkeypatch, {3, 4, 5})
   c = config(cache, 8, checkpoint_every_steps=2, log_every_steps=100)
   c.optim.skip_nonfinite_steps = 2
-  with pytest.raises(train.DivergenceError) as err:
+  with pytest.raises(health.DivergenceError) as err:
     train.train_and_evaluate(c, str(tmp_path))
   msg = str(err.value)
   assert msg.startswith("non-finite training values at step 5 (3 steps in a row skipped "
@@ -376,12 +376,12 @@ def trained(cache, tmp_path_factory):
 
 
 @pytest.mark.parametrize("overrides,error,match", [
-    ({"model.num_heads": 5}, train.ConfigError, "does not divide"),
-    ({"model.kind": "lstm"}, train.ConfigError, "model.kind='lstm' is unknown"),
-    ({"model.solver": "heun"}, train.ConfigError, "model.solver='heun' is unknown"),
-    ({"model.num_steps": 0}, train.ConfigError, "model.num_steps=0 must be a positive"),
-    ({"model.num_steps": -2}, train.ConfigError, "model.num_steps=-2 must be a positive"),
-    ({"model.kind": "gpt", "seq_len": 64}, train.ConfigError, "seq_len=64 exceeds model.max_len=32"),
+    ({"model.num_heads": 5}, errors.ConfigError, "does not divide"),
+    ({"model.kind": "lstm"}, errors.ConfigError, "model.kind='lstm' is unknown"),
+    ({"model.solver": "heun"}, errors.ConfigError, "model.solver='heun' is unknown"),
+    ({"model.num_steps": 0}, errors.ConfigError, "model.num_steps=0 must be a positive"),
+    ({"model.num_steps": -2}, errors.ConfigError, "model.num_steps=-2 must be a positive"),
+    ({"model.kind": "gpt", "seq_len": 64}, errors.ConfigError, "seq_len=64 exceeds model.max_len=32"),
     ({"data.source": "local", "data.train_files": "/nonexistent/*.txt"}, DataError, "nonexistent"),
 ])
 def test_bad_config_is_one_error_and_writes_nothing(cache, tmp_path, overrides, error, match):
@@ -400,7 +400,7 @@ def test_incompatible_workdir_is_refused_untouched(trained, cache, tmp_path):
   c.model.num_heads = 4
   c.model.mlp_dim = 128
   c.model.remat_policy = "full"        # allowed to differ: not reported
-  with pytest.raises(train.ConfigError) as err:
+  with pytest.raises(errors.ConfigError) as err:
     train.train_and_evaluate(c, str(wd))
   msg = str(err.value)
   assert "holds checkpoints (step 2) of a different model, data or tokenizer" in msg

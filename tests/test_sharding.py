@@ -79,7 +79,8 @@ import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 from tiny import tiny_config
-from odetransformer import sharding, train
+from odetransformer import sharding, steps
+from odetransformer import config as config_lib
 assert jax.device_count() == 8, jax.devices()
 
 # A stand-in optimizer whose state is the gradient it was given (and no update): the
@@ -109,11 +110,11 @@ def run(name, shape, devices):
   for key, value in CASES[name].items():
     c.model[key] = value
   c.mesh.shape = shape
-  cfg = train.model_config(c, 64)
+  cfg = config_lib.model_config(c, 64)
   mesh = sharding.make_mesh(c.mesh, devices)
   rules = sharding.logical_axis_rules(c.mesh)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    ts, state = train.init_train_state(cfg, capture, 0, mesh)
+    ts, state = steps.init_train_state(cfg, capture, 0, mesh)
     # Move every parameter off its initial value (zero-initialised generators, LoRA's
     # B) by the same host-made noise on every mesh, so that every gradient is non-zero.
     noise = np.random.default_rng(1)
@@ -122,12 +123,12 @@ def run(name, shape, devices):
                              x.sharding) if jnp.issubdtype(x.dtype, jnp.floating) else x
               for x in leaves]
     state = jax.tree.unflatten(tree, leaves)
-    step = train.make_train_step(ts, lambda s: 1.0, rules)
+    step = steps.make_train_step(ts, lambda s: 1.0, rules)
     bsh = sharding.batch_sharding(mesh, rules)
     state, m = step(state, sharding.global_batch_from_local(batch, bsh), jax.random.key(0))
     grads = {jax.tree_util.keystr(p): np.asarray(x).tolist()
              for p, x in jax.tree_util.tree_flatten_with_path(
-                 nnx.to_pure_dict(state[1]))[0] if np.asarray(x).ndim > 0}
+                 nnx.to_pure_dict(state["optimizer"]))[0] if np.asarray(x).ndim > 0}
   return float(m.loss.compute()), float(m.grad_norm.compute()), grads
 
 out = {}

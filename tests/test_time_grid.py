@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from odetransformer import sharding as sharding_lib
-from odetransformer import solvers, time_grid, train
+from odetransformer import solvers, steps, time_grid
+from odetransformer import config as config_lib
 from odetransformer.config import ModelConfig
 from odetransformer.losses import token_cross_entropy
 from odetransformer.model import create_model
@@ -144,7 +145,7 @@ def test_train_step_solves_on_the_grid_drawn_from_its_rng():
   c = tiny_config("/unused")
   c.model.train_time_grid = "random_offset"
   c.model.num_steps = 3
-  cfg = train.model_config(c, 64)
+  cfg = config_lib.model_config(c, 64)
   mesh = sharding_lib.make_mesh(c.mesh)
   rules = sharding_lib.logical_axis_rules(c.mesh)
   rng = np.random.default_rng(2)
@@ -153,12 +154,12 @@ def test_train_step_solves_on_the_grid_drawn_from_its_rng():
            "weights": np.ones((2, 16), np.float32)}
   key = jax.random.key(7)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    ts, state = train.init_train_state(cfg, optax.sgd(0.0), 0, mesh)
-    model = nnx.merge(ts.graphdef, state)[0]
+    ts, state = steps.init_train_state(cfg, optax.sgd(0.0), 0, mesh)
+    model, optimizer = ts.merge(state)
     _perturb_hypernet(model, scale=3.0)   # a field that moves x, so grids differ in loss
-    state = nnx.state((model, nnx.merge(ts.graphdef, state)[1]))
-    params = jax.tree.map(np.asarray, nnx.to_pure_dict(state[0]))
-    step = train.make_train_step(ts, lambda s: 0.0, rules)
+    state = nnx.state({"model": model, "optimizer": optimizer})
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(state["model"]))
+    step = steps.make_train_step(ts, lambda s: 0.0, rules)
     _, m = step(state, batch, key)
   reference = create_model(cfg, seed=0)
   graphdef, ref_state = nnx.split(reference)
@@ -170,7 +171,7 @@ def test_train_step_solves_on_the_grid_drawn_from_its_rng():
     s, w = token_cross_entropy(logits.astype(jnp.float32), jnp.asarray(batch["targets"]))
     return float(s / w)
 
-  drawn = time_grid.random_offset_grid(jax.random.fold_in(key, train._GRID_STREAM), 3)
+  drawn = time_grid.random_offset_grid(jax.random.fold_in(key, steps._GRID_STREAM), 3)
   on_grid, uniform = loss(drawn), loss(time_grid.uniform_grid(3))
   got = float(m.loss.compute())
   assert abs(got - on_grid) <= 1e-5 * on_grid

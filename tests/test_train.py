@@ -21,7 +21,8 @@ from odetransformer import checkpointing
 from odetransformer import metrics as metrics_lib
 from odetransformer import optimizer as optimizer_lib
 from odetransformer import sharding as sharding_lib
-from odetransformer import train
+from odetransformer import steps, train
+from odetransformer import config as config_lib
 from odetransformer.model import create_model
 
 from tiny import config_flags, tiny_config  # noqa: E402  (re-exported for other test modules)
@@ -87,7 +88,7 @@ def test_second_run_resumes_and_continues(runs):
 
 
 def _final_params(workdir):
-  cfg = train.model_config(tiny_config("/unused"), 512)
+  cfg = config_lib.model_config(tiny_config("/unused"), 512)
   mesh = sharding_lib.make_mesh(default.get_config().mesh)
   with nnx.logical_axis_rules(sharding_lib.logical_axis_rules()):
     _, abstract = nnx.get_abstract_model(lambda: create_model(cfg, seed=0), mesh)
@@ -157,7 +158,7 @@ def _direct_gradients(cfg, params, batch):
 def test_grad_accumulation_matches_one_big_batch():
   """Two microbatches give the same update as the whole batch (sums, then one divide)."""
   c = tiny_config("/unused")
-  cfg = train.model_config(c, 64)
+  cfg = config_lib.model_config(c, 64)
   # Plain SGD with lr 1: the params after one step show the gradient itself (Adam's
   # first step, ~lr·sign(g), would amplify float noise in tiny gradients).
   tx = optax.sgd(1.0)
@@ -171,9 +172,9 @@ def test_grad_accumulation_matches_one_big_batch():
   out = []
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     for accum in (1, 2):
-      ts, state = train.init_train_state(cfg, tx, 0, mesh)
-      initial = jax.tree.map(np.asarray, nnx.to_pure_dict(state[0]))
-      step = train.make_train_step(ts, sched, rules, grad_accum_steps=accum)
+      ts, state = steps.init_train_state(cfg, tx, 0, mesh)
+      initial = jax.tree.map(np.asarray, nnx.to_pure_dict(state["model"]))
+      step = steps.make_train_step(ts, sched, rules, grad_accum_steps=accum)
       state, m = step(state, batch, jax.random.key(0))
       out.append((float(m.loss.compute()), float(m.grad_norm.compute()),
                   jax.tree.map(np.asarray, nnx.to_pure_dict(state))))
@@ -184,7 +185,7 @@ def test_grad_accumulation_matches_one_big_batch():
 
   # Independent reference: the gradient of the token-weighted mean loss, taken directly.
   loss, grads = _direct_gradients(cfg, initial, batch)
-  before, after = _flat(initial), _flat(out[0][2][0])
+  before, after = _flat(initial), _flat(out[0][2]["model"])
   np.testing.assert_allclose(out[0][0], float(loss), rtol=1e-5)
   np.testing.assert_allclose(out[0][1], math.sqrt(sum(np.sum(g.astype(np.float64) ** 2)
                                                       for g in grads.values())), rtol=1e-4)
@@ -209,7 +210,7 @@ def test_step_grad_norm_and_clipping_use_the_true_gradient_norm(overrides, accum
   c = tiny_config("/unused")
   for key, value in overrides.items():
     c.model[key] = value
-  cfg = train.model_config(c, 64)
+  cfg = config_lib.model_config(c, 64)
   max_norm = 1e-3
   lr = 100.0
   tx = optax.chain(optax.clip_by_global_norm(max_norm), optax.sgd(lr))
@@ -220,11 +221,11 @@ def test_step_grad_norm_and_clipping_use_the_true_gradient_norm(overrides, accum
            "targets": rng.integers(0, 64, (2, 16)).astype(np.int32),
            "weights": np.ones((2, 16), np.float32)}
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    ts, state = train.init_train_state(cfg, tx, 0, mesh)
-    before = jax.tree.map(np.asarray, nnx.to_pure_dict(state[0]))
-    step = train.make_train_step(ts, lambda step: 1.0, rules, grad_accum_steps=accum)
+    ts, state = steps.init_train_state(cfg, tx, 0, mesh)
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(state["model"]))
+    step = steps.make_train_step(ts, lambda step: 1.0, rules, grad_accum_steps=accum)
     state, m = step(state, batch, jax.random.key(0))
-    after = jax.tree.map(np.asarray, nnx.to_pure_dict(state[0]))
+    after = jax.tree.map(np.asarray, nnx.to_pure_dict(state["model"]))
 
   _, grads = _direct_gradients(cfg, before, batch)
   grads = {key: g.astype(np.float64) for key, g in grads.items()}
@@ -248,7 +249,7 @@ def test_skipped_nonfinite_step_leaves_the_state_exactly_as_it_was():
   and skipping changes nothing on finite steps: the same two steps without it agree."""
   c = tiny_config("/unused")
   c.optim.schedule, c.optim.warmup_frac = "constant", 0.0
-  cfg = train.model_config(c, 64)
+  cfg = config_lib.model_config(c, 64)
   tx = optimizer_lib.create_optimizer(c.optim, 10)
   sched = optimizer_lib.learning_rate_schedule(c.optim, 10)
   mesh = sharding_lib.make_mesh(c.mesh)
@@ -262,8 +263,8 @@ def test_skipped_nonfinite_step_leaves_the_state_exactly_as_it_was():
 
   def run(batches, skip):
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-      ts, state = train.init_train_state(cfg, tx, 0, mesh)
-      step = train.make_train_step(ts, sched, rules, skip_nonfinite=skip)
+      ts, state = steps.init_train_state(cfg, tx, 0, mesh)
+      step = steps.make_train_step(ts, sched, rules, skip_nonfinite=skip)
       merged = None
       for i, batch in enumerate(batches):
         state, m = step(state, batch, jax.random.key(i))
@@ -307,12 +308,12 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     from flax import nnx
     sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
     from test_train import tiny_config
-    from odetransformer import optimizer, sharding, train
+    from odetransformer import config as config_lib, optimizer, sharding, steps
     assert jax.device_count() == 8, jax.devices()
 
     c = tiny_config("/unused")
     c.model.num_heads = 4                       # split over tensor=2
-    cfg = train.model_config(c, 64)
+    cfg = config_lib.model_config(c, 64)
     tx = optimizer.create_optimizer(c.optim, 10)
     sched = optimizer.learning_rate_schedule(c.optim, 10)
     rng = np.random.default_rng(0)
@@ -327,8 +328,8 @@ _SHARDED_SCRIPT = textwrap.dedent("""
       mesh = sharding.make_mesh(c.mesh, devices)
       rules = sharding.logical_axis_rules(c.mesh)
       with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-        ts, state = train.init_train_state(cfg, tx, 0, mesh)
-        step = train.make_train_step(ts, sched, rules)
+        ts, state = steps.init_train_state(cfg, tx, 0, mesh)
+        step = steps.make_train_step(ts, sched, rules)
         bsh = sharding.batch_sharding(mesh, rules)
         losses = []
         for i, b in enumerate(batches):
@@ -362,7 +363,7 @@ def test_sharded_2x2x2_matches_one_device_and_keeps_shardings(tmp_path):
   assert "Involuntary full rematerialization" not in proc.stderr, proc.stderr[-3000:]
   specs = out["specs"]
   # Params really are split: embedding over (tensor, fsdp), Adam moments alike.
-  assert specs["[0]['embed'].value"] == "P('tensor', 'fsdp')"
+  assert specs["['model']['embed'].value"] == "P('tensor', 'fsdp')"
   mu = [v for k, v in specs.items() if "'mu'" in k and "'embed'" in k]
   assert mu == ["P('tensor', 'fsdp')"]
 

@@ -1,0 +1,278 @@
+"""The jitted functions of training: state creation, the train and eval steps, evaluation.
+
+The loop (`odetransformer/train.py`) carries one `TrainState`: an nnx.State with two
+named parts, `state["model"]` and `state["optimizer"]` (the AdamW moments and step
+count), created already sharded inside one jit (no full replica on any host). A
+`StateLayout` describes it without allocating: graphdef, abstract shapes and the
+sharding of every leaf.
+
+The train step is a pure function of (state, batch, rng) -> (state, metrics), the state
+donated; it merges the modules back inside the jit, and pins its output state to the
+shardings it was created with, so they never drift (unannotated params would otherwise
+get whatever the compiler picks).
+"""
+import dataclasses
+import functools
+from typing import Any, Callable, Iterable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from odetransformer import axes as axes_lib
+from odetransformer import metrics as metrics_lib
+from odetransformer import sharding as sharding_lib
+from odetransformer import time_grid as time_grid_lib
+from odetransformer.config import ModelConfig
+from odetransformer.losses import token_cross_entropy, token_scores
+from odetransformer.model import create_model
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
+
+# The training state: nnx.State {"model": model state, "optimizer": optimizer state}.
+TrainState = nnx.State
+
+
+# --------------------------------------------------------------------------------------
+# State creation (sharded from birth)
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class StateLayout:
+  """How a TrainState is built and sharded, allocating nothing."""
+  graphdef: Any              # nnx.GraphDef of {"model": …, "optimizer": …}
+  abstract: TrainState       # ShapeDtypeStructs with concrete shardings
+  shardings: list            # flat NamedShardings, in jax.tree.leaves(state) order
+
+  def constrain(self, state: TrainState) -> TrainState:
+    """Pins every leaf of `state` to the sharding it was created with."""
+    leaves, treedef = jax.tree.flatten(state)
+    if len(leaves) != len(self.shardings):
+      raise AssertionError(f"state has {len(leaves)} leaves, expected {len(self.shardings)}")
+    leaves = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, self.shardings)]
+    return jax.tree.unflatten(treedef, leaves)
+
+  def merge(self, state: TrainState):
+    """(model, optimizer) modules over `state`."""
+    parts = nnx.merge(self.graphdef, state)
+    return parts["model"], parts["optimizer"]
+
+
+def _init_fn(cfg: ModelConfig, tx, seed: int):
+  def init_fn():
+    model = create_model(cfg, seed=seed)
+    return {"model": model, "optimizer": nnx.Optimizer(model, tx, wrt=nnx.Param)}
+  return init_fn
+
+
+def state_layout(cfg: ModelConfig, tx, seed: int, mesh) -> StateLayout:
+  """The TrainState's layout — shapes and shardings — allocating nothing.
+
+  Must run under `nnx.logical_axis_rules(rules)`.
+  """
+  graphdef, abstract = nnx.get_abstract_model(_init_fn(cfg, tx, seed), mesh)
+  return StateLayout(graphdef=graphdef, abstract=abstract,
+                     shardings=[a.sharding for a in jax.tree.leaves(abstract)])
+
+
+def init_train_state(cfg: ModelConfig, tx, seed: int, mesh):
+  """Creates the TrainState directly in its shardings.
+
+  Must run under `nnx.logical_axis_rules(rules)`. Returns (StateLayout, TrainState).
+  """
+  layout = state_layout(cfg, tx, seed, mesh)
+  init_fn = _init_fn(cfg, tx, seed)
+
+  @jax.jit
+  def init():
+    return layout.constrain(nnx.state(init_fn()))
+
+  with jax.set_mesh(mesh):
+    state = init()
+  return layout, state
+
+
+# --------------------------------------------------------------------------------------
+# Steps
+# --------------------------------------------------------------------------------------
+def _with_rules(rules, fn):
+  """`fn` called under `nnx.logical_axis_rules(rules)` (which applies when it traces)."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with nnx.logical_axis_rules(rules):
+      return fn(*args, **kwargs)
+  return wrapped
+
+
+_GRID_STREAM = 0x71D   # folded into a step's rng for its time grid (apart from dropout's)
+
+
+def _logits(model, batch, dropout_rng=None, time_grid=None):
+  """The model's logits for a (micro)batch; `time_grid`: the solver's [K+1] grid
+  (None: uniform); dropout only with a `dropout_rng`."""
+  return model(batch["inputs"], segment_ids_bl=batch.get("segment_ids"),
+               positions_bl=batch.get("positions"), deterministic=dropout_rng is None,
+               dropout_rng=dropout_rng, time_grid=time_grid)
+
+
+def _microbatches(batch, num: int, batch_spec):
+  """[B, …] -> [num, B/num, …], microbatch j = rows j, j+num, … (balanced over shards)."""
+  def split(x):
+    y = x.reshape((x.shape[0] // num, num) + x.shape[1:]).swapaxes(0, 1)
+    spec = jax.sharding.PartitionSpec(None, *batch_spec)
+    return jax.lax.with_sharding_constraint(y, spec)
+  return jax.tree.map(split, batch)
+
+
+def make_train_step(layout: StateLayout, schedule: Callable, rules, *,
+                    grad_accum_steps: int = 1, use_dropout: bool = False,
+                    skip_nonfinite: bool = False) -> Callable:
+  """The jitted step: (state, batch, rng) -> (state, TrainMetrics); state donated.
+
+  `rules` are the (parameter) logical-axis rules; the step is traced under the
+  derived activation rules (`sharding.activation_rules`). Call it under
+  `jax.set_mesh(mesh)`.
+
+  With `skip_nonfinite`, a step whose loss or gradient norm is NaN/inf returns the state
+  it was given — parameters, Adam moments and every step counter (so the schedule does
+  not advance either): the batch is consumed, nothing else happens. Its metrics report
+  skipped=1 and leave the loss and gradient-norm means alone. The update sits in a
+  `lax.cond` (~1% of a bench-small step on CPU; a `where` over the new and old state cost
+  5% there: XLA kept both copies). Without it such a step is applied like any other and
+  the loop stops at the next check (`health.HealthCheck`).
+  """
+  batch_spec = sharding_lib.logical_to_spec(("batch", None), rules)
+
+  def loss_fn(params, rest, graphdef, batch, rng, denominator):
+    """Σ token losses / denominator (the whole batch's target count) and Σ losses.
+
+    Dividing the scalar loss, not the gradients, keeps the mean out of the per-parameter
+    passes (a divide over every gradient would be one more read and write of each).
+    """
+    model = nnx.merge(graphdef, params, rest)
+    # model.train_time_grid: this batch's solver grid (None = uniform), its own stream.
+    grid = time_grid_lib.train_time_grid(model.config, jax.random.fold_in(rng, _GRID_STREAM))
+    logits = _logits(model, batch, rng if use_dropout else None, grid)
+    loss_sum, _ = token_cross_entropy(logits, batch["targets"], batch["weights"])
+    return loss_sum / denominator, loss_sum
+
+  def apply_update(state, grads):
+    model, optimizer = layout.merge(state)
+    optimizer.update(model, grads)   # clips by the global norm first (create_optimizer)
+    return nnx.state({"model": model, "optimizer": optimizer})
+
+  def step(state, batch, rng):
+    model, optimizer = layout.merge(state)
+    lr = schedule(optimizer.step[...])
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    # The gradient is of the mean over all target tokens of the global batch (exact
+    # under accumulation: every microbatch divides by the whole batch's count).
+    weight_sum = jnp.sum(batch["weights"].astype(jnp.float32))
+    denominator = jnp.maximum(weight_sum, 1.0)
+    if grad_accum_steps == 1:
+      (_, loss_sum), grads = grad_fn(params, rest, graphdef, batch, rng, denominator)
+    else:
+      micro = _microbatches(batch, grad_accum_steps, batch_spec)
+
+      def body(carry, xs):
+        g_acc, l_acc = carry
+        mb, j = xs
+        (_, l), g = grad_fn(params, rest, graphdef, mb, jax.random.fold_in(rng, j),
+                            denominator)
+        return (jax.tree.map(jnp.add, g_acc, g), l_acc + l), None
+
+      zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+      (grads, loss_sum), _ = jax.lax.scan(
+          body, (zeros, jnp.float32(0)), (micro, jnp.arange(grad_accum_steps)))
+    # The norm of the whole (accumulated) gradient: the one the optimizer's clipping
+    # takes too. Neither the updates nor the new parameters are reduced to norms here:
+    # each would be one more pass over every parameter per step (the updates would also
+    # stay in memory beside the new parameters). `make_param_norm` measures the
+    # parameters when a log line or a checkpoint needs them; a non-finite update shows
+    # there, and in the next step's loss.
+    grad_norm = optax.global_norm(grads)
+    applied = jnp.float32(1.0)
+    if skip_nonfinite:
+      ok = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
+      new_state = jax.lax.cond(ok, apply_update, lambda state, _: state, state, grads)
+      loss_sum, weight_sum, grad_norm = (jnp.where(ok, x, 0.0)
+                                         for x in (loss_sum, weight_sum, grad_norm))
+      applied = ok.astype(jnp.float32)
+    else:
+      new_state = apply_update(state, grads)
+    out = metrics_lib.TrainMetrics.single_from_model_output(
+        loss_sum=loss_sum, weight_sum=weight_sum, grad_norm=grad_norm, learning_rate=lr,
+        applied=applied)
+    return layout.constrain(new_state), out
+
+  def traced_step(state, batch, rng):
+    # Generated weights (DiffEqFormer's W(t)) are sharded as parameters, by `rules`;
+    # set here, in the traced function, so that it holds however the step is lowered.
+    with axes_lib.weight_rules(rules):
+      return step(state, batch, rng)
+
+  return _with_rules(sharding_lib.activation_rules(rules),
+                    jax.jit(traced_step, donate_argnums=(0,)))
+
+
+def make_param_norm(layout: StateLayout) -> Callable:
+  """The jitted global L2 norm of the model's parameters in a TrainState."""
+  @jax.jit
+  def param_norm(state):
+    model, _ = layout.merge(state)
+    return optax.global_norm(nnx.state(model, nnx.Param))
+  return param_norm
+
+
+def make_eval_step(layout: StateLayout, rules) -> Callable:
+  """The jitted eval step: (state, batch) -> EvalMetrics (deterministic forward)."""
+
+  def step(state, batch):
+    model, _ = layout.merge(state)
+    scores = token_scores(_logits(model, batch), batch["targets"], batch["weights"])
+    return metrics_lib.EvalMetrics.single_from_model_output(
+        loss_sum=jnp.sum(scores["nll"]), weight_sum=jnp.sum(scores["weight"]),
+        correct_sum=jnp.sum(scores["correct"]))
+
+  return _with_rules(sharding_lib.activation_rules(rules), jax.jit(step))
+
+
+# --------------------------------------------------------------------------------------
+# Batches
+# --------------------------------------------------------------------------------------
+def local_batch(batch, local_batch_size: Optional[int] = None) -> dict:
+  """The model's keys as numpy; pads a short (last eval) batch with weight-0 rows."""
+  out = {}
+  for key in BATCH_KEYS:
+    if key not in batch:
+      continue
+    x = np.asarray(batch[key])
+    if local_batch_size is not None and x.shape[0] < local_batch_size:
+      pad = [(0, local_batch_size - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+      x = np.pad(x, pad)
+    out[key] = x
+  if "weights" not in out:
+    out["weights"] = np.ones(out["targets"].shape, np.float32)
+  return out
+
+
+def evaluate(eval_step, state, batches: Iterable, batch_sharding, local_batch_size: int,
+             num_eval_steps: int = -1) -> dict:
+  """Token-weighted loss, perplexity and accuracy over `batches` (at most num_eval_steps)."""
+  merged = None
+  for i, batch in enumerate(batches):
+    if 0 <= num_eval_steps <= i:
+      break
+    gbatch = sharding_lib.global_batch_from_local(
+        local_batch(batch, local_batch_size), batch_sharding,
+        local_batch_size * jax.process_count())
+    m = eval_step(state, gbatch)
+    merged = m if merged is None else merged.merge(m)
+  if merged is None:
+    return {}
+  out = metrics_lib.summarize(merged.compute())
+  out["num_tokens"] = float(merged.loss.count)
+  return out
