@@ -10,9 +10,12 @@ restores, a failed save, a diverged (NaN/inf) run — prints one line to stderr 
 with status 2 (add --verbose for the traceback); such errors are found before anything
 is written to the workdir. SIGTERM or Ctrl-C saves a checkpoint at the current step and
 exits 0 (a second Ctrl-C exits at once); a run killed outright resumes from its newest
-complete checkpoint when started again with the same command. On Linux with transparent huge pages in `madvise` mode the
-process first re-executes itself once with GLIBC_TUNABLES=glibc.malloc.hugetlb=1
-(odetransformer/hugepages.py: ~20% faster on CPU; set GLIBC_TUNABLES to opt out).
+complete checkpoint when started again with the same command.
+
+ODET_HUGEPAGES=1 makes a CPU run ~20% faster on Linux: the process re-executes itself
+once with glibc's huge-page tunable (odetransformer/hugepages.py says when; off by
+default, never on GPU/TPU hosts).
+
 Multi-host runs call `jax.distributed.initialize()` when the environment says there are
 several processes (see `_multi_process_env`); on a single host nothing is initialised.
 A hand-made launch on N hosts:
@@ -86,11 +89,17 @@ def main(argv):
                jax.devices()[0].device_kind)
   if os.environ.get("GLIBC_TUNABLES") == hugepages.TUNABLE:
     logging.info("GLIBC_TUNABLES=%s: host buffers use transparent huge pages", hugepages.TUNABLE)
+  elif hugepages.opted_in(os.environ):
+    logging.info("%s=1 has no effect here: %s", hugepages.SWITCH, hugepages.reason_not_here())
 
   from odetransformer import train  # pylint: disable=g-import-not-at-top
   train.train_and_evaluate(config, _WORKDIR.value)   # a UserError: one line (run_cli)
 
 
-if __name__ == "__main__":
+def _run():
   hugepages.reexec_with_huge_pages()   # before jax is imported; see hugepages.py
-  errors.run_cli(lambda: app.run(main, flags_parser=errors.parse_absl_flags))
+  app.run(main, flags_parser=errors.parse_absl_flags)
+
+
+if __name__ == "__main__":
+  errors.run_cli(_run)   # a bad ODET_HUGEPAGES value is a UserError too
