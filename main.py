@@ -1,24 +1,25 @@
 """Trains (or resumes) a model from a config file.
 
-  python main.py --config=configs/default.py --workdir=/tmp/odet_default \
+  python main.py --config=configs/default.py --workdir=/tmp/odet_default
       [--config.model.num_steps=12 ...] [--verbose]
 
-Every mistake of the user's (`odetransformer.errors.UserError`) — a bad flag, config file
-or value, bad data settings, a workdir that is a file, read-only, in use by another run or
-holding checkpoints of another model, tokenizer or data, checkpoints none of which
-restores, a failed save, a diverged (NaN/inf) run — prints one line to stderr and exits
-with status 2 (add --verbose for the traceback); such errors are found before anything
-is written to the workdir. SIGTERM or Ctrl-C saves a checkpoint at the current step and
-exits 0 (a second Ctrl-C exits at once); a run killed outright resumes from its newest
-complete checkpoint when started again with the same command.
+Every mistake of the user's — a bad flag, config file or value, bad data settings, a
+workdir that is a file, read-only, in use by another run or holding checkpoints of
+another model, tokenizer or data, checkpoints none of which restores, a failed save, a
+diverged (NaN/inf) run — prints one line to stderr and exits with status 2 (add
+--verbose for the traceback); such errors are found before anything is written to the
+workdir. SIGTERM or Ctrl-C saves a checkpoint at the current step and exits 0 (a second
+Ctrl-C exits at once); a run killed outright resumes from its newest complete checkpoint
+when started again with the same command.
 
 ODET_HUGEPAGES=1 makes a CPU run ~20% faster on Linux: the process re-executes itself
 once with glibc's huge-page tunable (odetransformer/hugepages.py says when; off by
 default, never on GPU/TPU hosts).
 
 Multi-host runs call `jax.distributed.initialize()` when the environment says there are
-several processes (see `_multi_process_env`); on a single host nothing is initialised.
-A hand-made launch on N hosts:
+several processes (JAX_COORDINATOR_ADDRESS, a SLURM or Open MPI job of several tasks, a
+multi-host Cloud TPU slice); on a single host nothing is initialised. A hand-made launch
+on N hosts:
 
   JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=N JAX_PROCESS_ID=i python main.py ...
 """
@@ -34,11 +35,14 @@ from odetransformer import errors
 from odetransformer import hugepages
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file (configs/*.py).", lock_config=True)
+    "config", None, "Experiment config file, e.g. configs/default.py; override any of its "
+    "keys with --config.<key>=<value>.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and the tokenizer.")
 flags.DEFINE_bool("verbose", False, "Show the traceback of a user error (bad flag, config, "
                   "data or workdir) as well as its one-line message.")
 flags.mark_flags_as_required(["config", "workdir"])
+
+_HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?", "h")
 
 
 def _multi_process_env() -> bool:
@@ -65,6 +69,19 @@ def _distributed_args() -> dict:
     if os.environ.get(key, "").isdigit():
       args[name] = int(os.environ[key])
   return args
+
+
+def _parse_flags(argv: list) -> list:
+  """`errors.parse_absl_flags`, where a request for help exits 0 (absl's help exits 1)
+  and -h means --help."""
+  argv = [("--help" if arg == "-h" else arg) for arg in argv]
+  try:
+    return errors.parse_absl_flags(argv)
+  except SystemExit as e:
+    asked = any(arg.lstrip("-") in _HELP_FLAGS for arg in argv[1:] if arg.startswith("-"))
+    if e.code == 1 and asked:
+      raise SystemExit(0) from None
+    raise
 
 
 class _QuietLibraries(logging_std.Filter):
@@ -98,7 +115,7 @@ def main(argv):
 
 def _run():
   hugepages.reexec_with_huge_pages()   # before jax is imported; see hugepages.py
-  app.run(main, flags_parser=errors.parse_absl_flags)
+  app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":
