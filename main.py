@@ -12,9 +12,10 @@ workdir. SIGTERM or Ctrl-C saves a checkpoint at the current step and exits 0 (a
 Ctrl-C exits at once); a run killed outright resumes from its newest complete checkpoint
 when started again with the same command.
 
-ODET_HUGEPAGES=1 makes a CPU run ~20% faster on Linux: the process re-executes itself
-once with glibc's huge-page tunable (odetransformer/hugepages.py says when; off by
-default, never on GPU/TPU hosts).
+On a machine without GPU or TPU, JAX_PLATFORMS=cpu is set unless you set JAX_PLATFORMS
+yourself (JAX then skips probing accelerator runtimes). ODET_HUGEPAGES=1 makes a CPU run
+~20% faster on Linux: the process re-executes itself once with glibc's huge-page tunable
+(odetransformer/hugepages.py says when; off by default, never on GPU/TPU hosts).
 
 Multi-host runs call `jax.distributed.initialize()` when the environment says there are
 several processes (JAX_COORDINATOR_ADDRESS, a SLURM or Open MPI job of several tasks, a
@@ -32,6 +33,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from odetransformer import errors
+from odetransformer import host
 from odetransformer import hugepages
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -43,6 +45,7 @@ flags.DEFINE_bool("verbose", False, "Show the traceback of a user error (bad fla
 flags.mark_flags_as_required(["config", "workdir"])
 
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?", "h")
+_cpu_by_default = False   # whether this process set JAX_PLATFORMS=cpu (host.default_to_cpu)
 
 
 def _multi_process_env() -> bool:
@@ -85,10 +88,12 @@ def _parse_flags(argv: list) -> list:
 
 
 class _QuietLibraries(logging_std.Filter):
-  """Drops INFO chatter of orbax (dozens of lines per checkpoint); keeps warnings."""
+  """Drops INFO chatter of orbax (dozens of lines per checkpoint) and of TFDS (which
+  narrates preparing the local corpus file by file); keeps their warnings."""
 
   def filter(self, record):
-    return record.levelno >= logging_std.WARNING or "/orbax/" not in record.pathname
+    return record.levelno >= logging_std.WARNING or not any(
+        lib in record.pathname for lib in ("/orbax/", "/tensorflow_datasets/"))
 
 
 def main(argv):
@@ -99,6 +104,9 @@ def main(argv):
   logging.get_absl_handler().addFilter(_QuietLibraries())
   # Imported after flag parsing: grain workers read absl flags, which must be parsed.
   import jax  # pylint: disable=g-import-not-at-top
+  if _cpu_by_default:
+    logging.info("no GPU or TPU device found: running on CPU (JAX_PLATFORMS=cpu; set "
+                 "JAX_PLATFORMS yourself to choose)")
   if _multi_process_env():
     jax.distributed.initialize(**_distributed_args())
   logging.info("JAX process %d/%d, %d local / %d global devices (%s)", jax.process_index(),
@@ -114,7 +122,9 @@ def main(argv):
 
 
 def _run():
+  global _cpu_by_default
   hugepages.reexec_with_huge_pages()   # before jax is imported; see hugepages.py
+  _cpu_by_default = host.default_to_cpu()
   app.run(main, flags_parser=_parse_flags)
 
 
