@@ -28,8 +28,8 @@ prints the table; the last line is the key ratio (< 1: DiffEqFormer better):
 
   diffeqformer/gpt fine-tuned perplexity ratio at N=K: full R, lora R (mean of S seeds)
 
-  python benchmarks/adaptive_finetune.py --data_dir=DIR --out=/tmp/adaptive
-  python benchmarks/adaptive_finetune.py --data_dir=DIR --seeds=1 --pretrain_steps=10 \\
+  python -m benchmarks.adaptive_finetune --data_dir=DIR --out=/tmp/adaptive
+  python -m benchmarks.adaptive_finetune --data_dir=DIR --seeds=1 --pretrain_steps=10 \\
       --finetune_steps=5 --k=2 --steps=1,2
 
 DIR holds wikitext-2/{valid,test}.txt (pre-training train/eval text) and
@@ -42,23 +42,18 @@ skip XLA compilation.
 import argparse
 import os
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-  sys.path.insert(0, ROOT)
-
-import jax  # noqa: E402
-import matplotlib  # noqa: E402
+import jax
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import ml_collections  # noqa: E402
-from absl import logging  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=g-import-not-at-top
+import ml_collections  # noqa: E402  pylint: disable=g-import-not-at-top
+from absl import logging  # noqa: E402  pylint: disable=g-import-not-at-top
 
-from configs import default  # noqa: E402
-from odetransformer import train  # noqa: E402
+from configs import default  # noqa: E402  pylint: disable=g-import-not-at-top
+from odetransformer import train  # noqa: E402  pylint: disable=g-import-not-at-top
 
 METHODS = ("continuous", "full", "lora")
 LORA_TARGETS = "wq,wk,wv,wo,w1,w2"     # every linear map of a layer

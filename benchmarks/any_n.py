@@ -10,7 +10,7 @@ The last line is the option's solver robustness, on the seed-mean perplexities:
   any-N: max ppl(N)/ppl(K) over N in {3K/2, 2K, 4K}: R
 
   python -m benchmarks.any_n                   # configs/default.py, 3 seeds × 2 modes
-  python benchmarks/any_n.py --seeds=1 --steps=100 --option=random_offset
+  python -m benchmarks.any_n --seeds=1 --steps=100 --option=random_offset
 
 Defaults are configs/default.py's (K = 4, 500 steps, the embedded corpus, so no data
 is needed); one seed (both modes) takes about 10 minutes on a 2-core CPU. A `--workdir`
@@ -19,20 +19,16 @@ that holds finished runs is reused: those are only evaluated again.
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import logging
 
-from absl import logging  # pylint: disable=g-import-not-at-top
-
-from benchmarks import common  # pylint: disable=g-import-not-at-top
-from configs import default  # pylint: disable=g-import-not-at-top
-from odetransformer import evaluate, train  # pylint: disable=g-import-not-at-top
-from odetransformer import config as config_lib  # pylint: disable=g-import-not-at-top
-from odetransformer.time_grid import TRAIN_TIME_GRIDS  # pylint: disable=g-import-not-at-top
+from benchmarks import common
+from configs import default
+from odetransformer import config as config_lib
+from odetransformer import evaluate, train
+from odetransformer.time_grid import TRAIN_TIME_GRIDS
 
 ROBUST_N = ("3K/2", "2K", "4K")
 

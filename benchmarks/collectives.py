@@ -17,11 +17,10 @@ hypernetwork shard: the per-device training state of its weight generators (P an
 their float32 gradient and Adam moments), which a GPT of the same shape does not have.
 
   python -m benchmarks.collectives                 # bench-small (vocab 8192, d 256, K 6)
-  python benchmarks/collectives.py --tiny          # seconds-sized, for the tests
-  python benchmarks/collectives.py --meshes=1,8,1 --flavours=llama
+  python -m benchmarks.collectives --tiny          # seconds-sized, for the tests
+  python -m benchmarks.collectives --meshes=1,8,1 --flavours=llama
 """
 import os
-import pathlib
 import re
 import sys
 
@@ -34,20 +33,16 @@ if __name__ == "__main__":
       f"{_flags} --xla_force_host_platform_device_count={NUM_DEVICES}").strip()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-_HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(_HERE))
-sys.path.insert(0, str(_HERE.parent))
-
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse
 import collections
 import math
 
-import common  # noqa: E402  (sets sys.path, presets)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks import common  # noqa: E402
 from configs import default as default_config  # noqa: E402
 from odetransformer import memory  # noqa: E402
 from odetransformer import optimizer as optimizer_lib  # noqa: E402

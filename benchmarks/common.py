@@ -5,22 +5,19 @@ Benchmarks time exactly what `main.py` runs: `steps.init_train_state` and
 optimizer and mesh settings of `configs/default.py`.
 """
 import dataclasses
-import pathlib
 import statistics
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from odetransformer import hugepages
 
-from odetransformer import hugepages  # noqa: E402
-
-# As main.py does, before jax is imported; only when a benchmark script is the program
-# (importing this module from a notebook or test must not replace that process).
-_program = getattr(sys.modules["__main__"], "__file__", None)
-if _program and pathlib.Path(_program).resolve().parent == ROOT / "benchmarks":
+# As main.py does (with ODET_HUGEPAGES=1 on a CPU host), before jax is imported; only when
+# a benchmark is the program (`python -m benchmarks.NAME`): importing this module from a
+# notebook or test must not replace that process.
+if getattr(sys.modules["__main__"].__spec__, "name", "").startswith("benchmarks."):
   hugepages.reexec_with_huge_pages()
 
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -19,21 +19,13 @@ stopped.
 """
 import argparse
 import os
-import sys
 import tempfile
 import time
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import logging
 
-from absl import logging  # pylint: disable=g-import-not-at-top
-
-from configs import default  # pylint: disable=g-import-not-at-top
-from odetransformer import train  # pylint: disable=g-import-not-at-top
-
-# WikiText-2 as a sibling checkout lays it out; any directory with valid.txt/test.txt works.
-DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "..", "shared", "data", "wikitext-2")
+from configs import default
+from odetransformer import train
 
 
 def make_config(args, kind: str, seed: int, cache_dir: str):
@@ -80,7 +72,7 @@ def parse_args(argv=None):
   p.add_argument("--lr", type=float, default=1e-3)
   p.add_argument("--b2", type=float, default=0.95)
   p.add_argument("--eval_batches", type=int, default=0, help="0 = all of the eval text")
-  p.add_argument("--data_dir", default=DEFAULT_DATA_DIR,
+  p.add_argument("--data_dir", default="",
                  help="directory with WikiText-2's valid.txt and test.txt (the defaults of "
                       "--train_text and --eval_text)")
   p.add_argument("--train_text", default="", help="UTF-8 text to train on (default: "
@@ -89,8 +81,9 @@ def parse_args(argv=None):
                  "DATA_DIR/test.txt)")
   p.add_argument("--workdir", default="", help="default: a fresh temporary directory")
   args = p.parse_args(argv)
-  args.train_text = args.train_text or os.path.join(args.data_dir, "valid.txt")
-  args.eval_text = args.eval_text or os.path.join(args.data_dir, "test.txt")
+  if args.data_dir:
+    args.train_text = args.train_text or os.path.join(args.data_dir, "valid.txt")
+    args.eval_text = args.eval_text or os.path.join(args.data_dir, "test.txt")
   for flag in ("train_text", "eval_text"):
     if not os.path.isfile(getattr(args, flag)):
       p.error(f"--{flag}={getattr(args, flag)} is not a file; pass a UTF-8 text file "

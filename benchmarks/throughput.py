@@ -5,18 +5,18 @@ one process. Also times the forward pass of the materialised DiffEqFormer agains
 GPT forward (target ≥ 0.98). Last line: `ode/gpt train tokens/s ratio: X.XX`
 (target ≥ 0.90 on bench-small).
 
-  python benchmarks/throughput.py                       # bench-small, f32, CPU
-  python benchmarks/throughput.py --preset=gpt2-small --dtype=bfloat16 --seq_len=1024
-  python benchmarks/throughput.py --also=parallel,shared   # where the ODE's extra time goes
+  python -m benchmarks.throughput                       # bench-small, f32, CPU
+  python -m benchmarks.throughput --preset=gpt2-small --dtype=bfloat16 --seq_len=1024
+  python -m benchmarks.throughput --also=parallel,shared   # where the ODE's extra time goes
 """
 import argparse
 import statistics
 
-import common  # noqa: F401  (sets sys.path)
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from benchmarks import common
 from odetransformer.config import KINDS
 from odetransformer.materialize import materialize
 from odetransformer.model import create_model

@@ -3,15 +3,20 @@
 The builder lives in this importable module (not in `__main__`) so that grain worker
 processes can unpickle the data sources made from it. Each distinct set of files
 (paths, sizes, modification times) is prepared into its own directory, keyed by a
-fingerprint, and reused by every later run.
+fingerprint, and reused by every later run. Preparing takes seconds and says so in one
+log line: TFDS's download banner and progress bars (terminal escape codes in a log file)
+are left out.
 """
 from collections.abc import Iterator, Mapping, Sequence
+import contextlib
 import hashlib
 import json
 import os
 import pathlib
 
+from absl import logging
 import tensorflow_datasets as tfds
+from tensorflow_datasets.core.utils import tqdm_utils
 
 from input_pipeline.errors import DataError
 
@@ -106,6 +111,14 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
     return {split: self._generate_examples(files)
             for split, files in self._split_files.items()}
 
+  # TFDS prints a "Downloading and preparing dataset ..." banner and a "... downloaded
+  # and prepared" line to stdout; nothing is downloaded here, and prepare() logs instead.
+  def _log_download_bytes(self) -> None:
+    pass
+
+  def _log_download_done(self) -> None:
+    pass
+
   def _generate_examples(self, files: Sequence[str]) -> Iterator[tuple[str, dict]]:
     for path in files:
       text = pathlib.Path(path).read_text(encoding="utf-8", errors="replace")
@@ -126,6 +139,17 @@ def fingerprint(split_files: Mapping[str, Sequence[str]], doc_chars: int = DOC_C
   return hashlib.sha256(blob).hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+  """TFDS without its tqdm bars for the duration (then as it was)."""
+  was = getattr(tqdm_utils, "_active", True)
+  tfds.display_progress_bar(False)
+  try:
+    yield
+  finally:
+    tfds.display_progress_bar(was)
+
+
 def prepare(split_files: Mapping[str, Sequence[str]], root: str | os.PathLike,
             doc_chars: int = DOC_CHARS) -> tuple[dict[str, Sequence], str]:
   """Prepares (once) and opens the files as array_record data sources.
@@ -142,12 +166,17 @@ def prepare(split_files: Mapping[str, Sequence[str]], root: str | os.PathLike,
   builder = LocalText(split_files=split_files, doc_chars=doc_chars,
                       data_dir=os.path.join(os.fspath(root), f"local-{fp}"),
                       file_format="array_record")
-  if not builder.is_prepared():
+  # is_prepared() warns about a version directory that does not exist yet: check first.
+  if not (builder.data_path.exists() and builder.is_prepared()):
     for split, files in split_files.items():  # TFDS cannot write an empty split
       if not any(pathlib.Path(f).read_text(encoding="utf-8", errors="replace").strip()
                  for f in files):
         shown = ", ".join(files[:3]) + (", ..." if len(files) > 3 else "")
         raise DataError(f"the {split} files contain no text ({shown}); "
                         "fix: point the source at non-empty text files")
-    builder.download_and_prepare()
+    n_files = len({f for files in split_files.values() for f in files})
+    logging.info("preparing %d text file%s as array_record in %s (once; later runs reuse it)",
+                 n_files, "" if n_files == 1 else "s", builder.data_dir)
+    with _no_progress_bars():
+      builder.download_and_prepare()
   return dict(builder.as_data_source()), fp

@@ -264,10 +264,14 @@ def verify_checksums(step_dir: str, items: Optional[tuple] = None) -> bool:
   return True
 
 
-class _OrbaxLogs(std_logging.Filter):
-  """The one filter on orbax's log records (on the absl logger).
+_CHATTY = ("/orbax/", "/tensorflow_datasets/")
 
-  Drops orbax records below `min_level` (its INFO lines: dozens per checkpoint; tools
+
+class _LibraryLogs(std_logging.Filter):
+  """The one filter on library log records (on the absl logger).
+
+  Drops orbax and TFDS records below `min_level` (their INFO lines: dozens per
+  checkpoint, and TFDS narrating the preparation of a local corpus file by file; tools
   that only read a checkpoint raise it to ERROR). Orbax logs a failed background save
   with a traceback per thread (~200 lines); the CheckpointError that follows says it in
   one line: its error lines are kept, their tracebacks dropped (kept with --verbose).
@@ -278,25 +282,25 @@ class _OrbaxLogs(std_logging.Filter):
     self.min_level = min_level
 
   def filter(self, record):
-    if "/orbax/" not in record.pathname:
+    if not any(lib in record.pathname for lib in _CHATTY):
       return True
-    if record.levelno >= std_logging.ERROR:
+    if record.levelno >= std_logging.ERROR and "/orbax/" in record.pathname:
       from odetransformer import errors  # pylint: disable=g-import-not-at-top
       if not errors.verbose_requested():
         record.exc_info, record.exc_text = None, None
     return record.levelno >= self.min_level
 
 
-def quiet_orbax_logs(min_level: Optional[int] = None) -> None:
-  """Installs the orbax log filter once; `min_level` (default WARNING when installing)
-  sets the lowest level of orbax records shown."""
+def quiet_library_logs(min_level: Optional[int] = None) -> None:
+  """Installs the library log filter once; `min_level` (default WARNING when installing)
+  sets the lowest level of orbax and TFDS records shown."""
   logger = std_logging.getLogger("absl")
-  found = [f for f in logger.filters if isinstance(f, _OrbaxLogs)]
+  found = [f for f in logger.filters if isinstance(f, _LibraryLogs)]
   if found:
     if min_level is not None:
       found[0].min_level = min_level
     return
-  logger.addFilter(_OrbaxLogs(std_logging.WARNING if min_level is None else min_level))
+  logger.addFilter(_LibraryLogs(std_logging.WARNING if min_level is None else min_level))
 
 
 def _closed_loop_callback(exc_type, exc, tb) -> bool:
@@ -314,7 +318,7 @@ def _closed_loop_callback(exc_type, exc, tb) -> bool:
 def _quiet_orbax_tracebacks():
   """Orbax's tracebacks of a failed save or restore as single lines (not with
   --verbose); installed once."""
-  quiet_orbax_logs()
+  quiet_library_logs()
   from odetransformer import errors  # pylint: disable=g-import-not-at-top
   hook = sys.excepthook
   if getattr(hook, "_odet_quiet", False) or errors.verbose_requested():

@@ -44,7 +44,7 @@ def quiet_orbax(cli: bool = False) -> None:
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   if cli and absl_logging.get_verbosity() >= absl_logging.INFO:
     absl_logging.set_verbosity(absl_logging.WARNING)
-  checkpointing.quiet_orbax_logs(std_logging.ERROR)
+  checkpointing.quiet_library_logs(std_logging.ERROR)
 
 
 # --------------------------------------------------------------------------------------

@@ -10,6 +10,10 @@ discrete models run their own layers) and samples in one jitted program: a prefi
 the (right-padded) prompts, then one `jax.lax.while_loop` over new tokens with a fixed
 [slots, b, max_len, heads, head_dim] cache. Temperature, top-k and top-p are traced
 values, so changing them does not recompile; temperature 0 is greedy decoding.
+
+Before the samples it says what to expect of a model of this size and training
+(`what_to_expect`): configs/default.py's model, minutes on a CPU, writes locally
+plausible but incoherent text.
 """
 import functools
 import time
@@ -18,12 +22,17 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from odetransformer import loading
 from odetransformer.errors import UserError
 from odetransformer.decode import Decoder, KVCache
 
 PAD_ID = 0
+# Below either, samples are locally plausible at best: the paper's smallest runs
+# (configs/owt_small.py) train 124 M+ parameters on ~10 B tokens.
+COHERENT_PARAMS = 100_000_000
+COHERENT_TOKENS = 1_000_000_000
 
 
 # --------------------------------------------------------------------------------------
@@ -150,6 +159,26 @@ def _sample_loop(step_fn, num_slots, cfg, params, prompt_bp, lengths_b, rng, tem
   return out
 
 
+def _amount(n: float) -> str:
+  for scale, unit in ((1e9, " B"), (1e6, " M"), (1e3, " k")):
+    if n >= scale:
+      return f"{n / scale:.1f}{unit}"
+  return f"{n:.0f}"
+
+
+def what_to_expect(num_params: int, steps: int, tokens: Optional[int] = None) -> str:
+  """One sentence on what samples of a model this size, trained this long, look like."""
+  trained = f"{steps:,} steps" + (f" ({_amount(tokens)} tokens)" if tokens else "")
+  model = f"a {_amount(num_params)}-parameter model trained for {trained}"
+  small = num_params < COHERENT_PARAMS or (tokens or 0) < COHERENT_TOKENS
+  if small:
+    return (f"What to expect: {model} writes locally plausible but incoherent text; "
+            "coherent text needs a paper-sized config (e.g. configs/owt_small.py, ~10 B "
+            "tokens) and hours of GPU/TPU time.")
+  return (f"What to expect: {model} is at the paper's scale; its samples are as good as "
+          "its validation perplexity (python -m odetransformer.evaluate) says.")
+
+
 def strip_after_eos(ids: Sequence[int], eos_id: int) -> list:
   """The ids before the first eos (and its padding)."""
   ids = [int(i) for i in ids]
@@ -182,6 +211,10 @@ def main(argv, flag_values=None):
          else f"{decoder.num_steps} layers")
   print(f"checkpoint step {loaded.step} of {flags_.workdir}: {cfg.kind}/{cfg.flavour}, "
         f"trained at K={cfg.num_steps}; decoding {how} ({time.perf_counter() - t0:.1f}s)")
+  num_params = sum(x.size for x in jax.tree.leaves(nnx.state(loaded.model, nnx.Param)))
+  tokens = (loaded.step * loaded.config.get("global_batch_size", 0)
+            * loaded.config.get("seq_len", 0)) or None
+  print(what_to_expect(num_params, loaded.step, tokens))
 
   prompt_ids = sp.encode(flags_.prompt) if flags_.prompt else []
   if not prompt_ids:

@@ -1,4 +1,4 @@
-"""Every script in benchmarks/ runs end to end (at seconds size) and prints what it claims.
+"""Every benchmark runs end to end (at seconds size) and prints what it claims.
 
 The measurements themselves are the benchmarks' job; these runs keep the scripts from
 rotting between the occasions they are run for real (the GPU command of the README
@@ -19,16 +19,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM = r"([0-9][0-9,]*\.?[0-9]*)"
 
 
-def _launch(script, *args, timeout=600) -> subprocess.CompletedProcess:
+def _launch(module, *args, timeout=600) -> subprocess.CompletedProcess:
+  """`python -m benchmarks.<module> args...` from the repository root, as the README says."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
   env["JAX_PLATFORMS"] = "cpu"
-  return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+  return subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args],
                         cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _run(script, *args, timeout=600) -> str:
+def _run(module, *args, timeout=600) -> str:
   """stdout of a benchmark run that must succeed."""
-  r = _launch(script, *args, timeout=timeout)
+  r = _launch(module, *args, timeout=timeout)
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
   return r.stdout
 
@@ -48,7 +49,7 @@ def _find(pattern, out):
     (["--dtype=bfloat16", "--seq_len=64", "--batch=1"], [], 1, 64, "bfloat16"),  # GPU command's
 ])
 def test_throughput(flags, also, batch, seq, dtype):
-  out = _run("throughput.py", "--preset=tiny", "--rounds=2", *flags)
+  out = _run("throughput", "--preset=tiny", "--rounds=2", *flags)
   assert f"batch {batch} × seq {seq}, {dtype}" in out
   tps = {}
   for kind in ("diffeqformer", "gpt", *also):
@@ -78,8 +79,23 @@ def test_throughput(flags, also, batch, seq, dtype):
   assert lo - 0.006 <= headline <= hi + 0.006
 
 
-def test_memory():
-  out = _run("memory.py", "--preset=tiny", "--steps=2,4")
+def test_benchmarks_are_a_package_of_modules_named_apart_from_the_code():
+  """Each runs as `python -m benchmarks.NAME` without patching sys.path, and none is named
+  like a package or module of the code it measures (a script run by path would import
+  itself instead of it)."""
+  files = [p for p in (ROOT / "benchmarks").glob("*.py") if p.name != "__init__.py"]
+  assert files and (ROOT / "benchmarks" / "__init__.py").is_file()
+  for path in files:
+    assert "sys.path" not in path.read_text(encoding="utf-8"), path.name
+  measured = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
+  measured |= {p.stem for pkg in ("odetransformer", "input_pipeline")
+               for p in (ROOT / pkg).glob("*.py")}
+  assert "memory" in measured and "input_pipeline" in measured
+  assert not {p.stem for p in files} & measured
+
+
+def test_memory_vs_steps():
+  out = _run("memory_vs_steps", "--preset=tiny", "--steps=2,4")
   rows = {(m.group(1), int(m.group(2))): (_num(m.group(3)), _num(m.group(4)))
           for m in re.finditer(rf"^(diffeqformer|gpt)\s+(\d+)\s+{NUM}\s+{NUM}\s+{NUM}$", out,
                                re.MULTILINE)}
@@ -90,9 +106,9 @@ def test_memory():
   _find(rf"^ode temp growth per step / scan carry: {NUM} \(gpt: {NUM}\)$", out)
 
 
-def test_input_pipeline():
-  shared_data_path("wikitext-2", "valid.txt")
-  out = _run("input_pipeline.py", "--preset=tiny", "--batches=20")
+def test_pipeline_speed():
+  data = shared_data_path("wikitext-2", "valid.txt").parent
+  out = _run("pipeline_speed", "--preset=tiny", "--batches=20", f"--data_dir={data}")
   pipe = [_num(m.group(2)) for m in
           re.finditer(rf"^pipeline workers=(0|2): {NUM} tokens/s \(20 batches of 2x32", out,
                       re.MULTILINE)]
@@ -108,7 +124,7 @@ def test_quality(tmp_path):
   text = pathlib.Path(shared_data_path("wikitext-2", "test.txt")).read_text(encoding="utf-8")
   (tmp_path / "train.txt").write_text(text[:400_000], encoding="utf-8")
   (tmp_path / "eval.txt").write_text(text[400_000:480_000], encoding="utf-8")
-  out = _run("quality.py", "--seeds=2", "--steps=2", "--eval_batches=1", "--batch=2",
+  out = _run("quality", "--seeds=2", "--steps=2", "--eval_batches=1", "--batch=2",
              "--seq_len=32", "--d_model=32", "--num_heads=2", "--num_steps=2",
              "--time_embed_dim=8", "--vocab=512", f"--train_text={tmp_path / 'train.txt'}",
              f"--eval_text={tmp_path / 'eval.txt'}", f"--workdir={tmp_path / 'runs'}")
@@ -132,7 +148,7 @@ def test_quality(tmp_path):
 def test_adaptive_finetune(tmp_path):
   data = shared_data_path("tinyshakespeare", "input.txt").parents[1]
   shared_data_path("wikitext-2", "test.txt")
-  out = _run("adaptive_finetune.py", f"--data_dir={data}", f"--out={tmp_path}", "--seeds=1",
+  out = _run("adaptive_finetune", f"--data_dir={data}", f"--out={tmp_path}", "--seeds=1",
              "--k=2", "--steps=1,2", "--d_model=32", "--seq_len=32", "--batch=2",
              "--vocab=512", "--pretrain_steps=2", "--finetune_steps=2", "--eval_batches=1")
   table = (tmp_path / "adaptive_finetune.md").read_text()
@@ -152,7 +168,7 @@ def test_adaptive_finetune(tmp_path):
 
 
 def test_adaptive_finetune_needs_its_texts(tmp_path):
-  r = _launch("adaptive_finetune.py", f"--out={tmp_path}", timeout=120)
+  r = _launch("adaptive_finetune", f"--out={tmp_path}", timeout=120)
   assert r.returncode == 2
   assert r.stderr.strip().splitlines()[-1].endswith(
       "error: --pretrain_train='' is not a file; pass it, or --data_dir=DIR with "
@@ -160,7 +176,7 @@ def test_adaptive_finetune_needs_its_texts(tmp_path):
 
 
 def test_throughput_rejects_an_unknown_kind():
-  r = _launch("throughput.py", "--preset=tiny", "--also=parallel,gtp", timeout=120)
+  r = _launch("throughput", "--preset=tiny", "--also=parallel,gtp", timeout=120)
   assert r.returncode == 2
   assert r.stderr.strip().splitlines()[-1].endswith(
       "error: --also=gtp: choose from parallel, shared")
@@ -169,7 +185,7 @@ def test_throughput_rejects_an_unknown_kind():
 def test_any_n(tmp_path):
   """One tiny seed of both training modes: the mean table is the seed's rows, each mode's
   ratio and the last line's R are what the table implies, and both modes were timed."""
-  out = _run("any_n.py", "--seeds=1", "--steps=2", "--num_steps=2", "--d_model=32",
+  out = _run("any_n", "--seeds=1", "--steps=2", "--num_steps=2", "--d_model=32",
              "--num_heads=2", "--time_embed_dim=8", "--time_sinusoids=8", "--seq_len=32",
              "--batch=2", "--vocab=512", "--tokenizer_sample_bytes=300000",
              "--eval_batches=1", "--rounds=1", f"--workdir={tmp_path}",

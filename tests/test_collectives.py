@@ -86,8 +86,8 @@ def test_collectives_benchmark_at_tiny_shape():
 
 
 def test_collectives_benchmark_rejects_a_bad_mesh():
-  proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "collectives.py"),
-                         "--tiny", "--meshes=3,3,1"], env=_env(), cwd=ROOT,
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.collectives", "--tiny",
+                         "--meshes=3,3,1"], env=_env(), cwd=ROOT,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0
   lines = proc.stderr.strip().splitlines()

@@ -1,14 +1,17 @@
 """KV-cache decoding and sampling: cached logits equal the full forward pass, sampling
-restricts to the top-k / top-p set, greedy decoding equals a plain argmax loop."""
+restricts to the top-k / top-p set, greedy decoding equals a plain argmax loop; the
+command line says what to expect of a model of its size."""
 import functools
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
+from absl import flags
 from flax import nnx
 
-from odetransformer import generate
+from odetransformer import generate, loading
 from odetransformer.config import ModelConfig
 from odetransformer.decode import Decoder
 from odetransformer.model import create_model
@@ -210,3 +213,46 @@ def test_sampler_checks_learned_positions():
   sampler = generate.Sampler(decoder_for(tiny_model(**CASES["gpt-gpt"])))  # max_len 32
   with pytest.raises(ValueError, match="learned positions"):
     sampler([[1] * 30], 8)
+
+
+# --------------------------------------------------------------------------------------
+# What to expect
+# --------------------------------------------------------------------------------------
+def test_what_to_expect_depends_on_size_and_training():
+  default_run = generate.what_to_expect(6_847_104, 500, 500 * 16 * 128)  # configs/default.py
+  assert default_run == (
+      "What to expect: a 6.8 M-parameter model trained for 500 steps (1.0 M tokens) writes "
+      "locally plausible but incoherent text; coherent text needs a paper-sized config (e.g. "
+      "configs/owt_small.py, ~10 B tokens) and hours of GPU/TPU time.")
+  paper = generate.what_to_expect(729_100_000, 20_000, 20_000 * 512 * 1024)  # owt_small
+  assert paper.startswith("What to expect: a 729.1 M-parameter model trained for 20,000 "
+                          "steps (10.5 B tokens) is at the paper's scale")
+  assert "incoherent" not in paper
+  for params, steps, tokens in ((729_100_000, 100, 100 * 512 * 1024),  # big, barely trained
+                                (5_000_000, 20_000, 10 ** 10),          # small, trained long
+                                (729_100_000, 20_000, None)):           # tokens unknown
+    assert "incoherent" in generate.what_to_expect(params, steps, tokens)
+
+
+class _CharTokenizer:
+  eos_id = staticmethod(lambda: 3)
+  encode = staticmethod(lambda text: [4 + ord(c) % (VOCAB - 4) for c in text])
+  decode = staticmethod(lambda ids: "".join(chr(ord("a") + i % 26) for i in ids))
+
+
+def test_command_line_says_what_to_expect(monkeypatch, capsys):
+  """The sentence for this model's parameter count and training is printed before the
+  samples."""
+  model = tiny_model(**CASES["gpt-gpt"])
+  run_config = ml_collections.ConfigDict({"global_batch_size": 4, "seq_len": 16})
+  loaded = loading.Loaded(model=model, model_config=model.config, config=run_config, step=7)
+  monkeypatch.setattr(loading, "load_model", lambda workdir, step=None: loaded)
+  monkeypatch.setattr(loading, "load_tokenizer", lambda workdir, config: _CharTokenizer())
+  fv = generate.define_flags(flags.FlagValues())
+  fv(["generate", "--workdir=W", "--prompt=ab", "--max_new_tokens=4", "--temperature=0"])
+  generate.main([], fv)
+  lines = capsys.readouterr().out.splitlines()
+  num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  expected = generate.what_to_expect(num_params, 7, 7 * 4 * 16)
+  assert "incoherent" in expected and f"{num_params / 1e3:.1f} k-parameter" in expected
+  assert lines.index(expected) < lines.index("-" * 60) < len(lines) - 2   # before the samples

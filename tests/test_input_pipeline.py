@@ -5,6 +5,7 @@ epoch at seq_len 32, batch 4, vocab 512.
 """
 import collections
 import json
+import logging
 import os
 
 import numpy as np
@@ -360,6 +361,26 @@ def test_split_documents_bounded_and_lossless():
   assert "".join(docs).replace("\n", "") == text.replace("\n", "")
   assert len(docs) > 10 and all(d.strip() == d.strip("\n").strip() for d in docs)
   assert local_text.split_documents("\n \n") == []
+
+
+def test_preparing_local_text_is_one_quiet_log_line(tmp_path, capfd, caplog):
+  """No TFDS download banner, no progress bars (escape codes in a log file), no warning:
+  one log line of its own, and nothing at all when the prepared data is reused."""
+  (tmp_path / "a.txt").write_text("first paragraph\n\nsecond one\n")
+  files = {"train": [str(tmp_path / "a.txt")], "validation": [str(tmp_path / "a.txt")]}
+  for run in (1, 2):
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+      srcs, _ = local_text.prepare(files, tmp_path / "prepared")
+    out, err = capfd.readouterr()
+    assert len(srcs["train"]) == 1
+    assert (out, err) == ("", ""), (run, out + err)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    ours = [r.getMessage() for r in caplog.records if r.pathname == local_text.__file__]
+    prepared = tmp_path / "prepared"
+    assert ours == ([f"preparing 1 text file as array_record in {prepared}/local-"
+                     f"{local_text.fingerprint(files)}/local_text/1.0.0 (once; later runs "
+                     "reuse it)"] if run == 1 else [])
 
 
 def test_embedded_corpus_is_offline_and_deterministic(tmp_path):

@@ -1,37 +1,36 @@
 """Input-pipeline throughput against the training step it has to feed.
 
-    python benchmarks/input_pipeline.py [--preset=bench-small] [--batches=400]
+    python -m benchmarks.pipeline_speed --data_dir=DIR [--preset=bench-small] [--batches=400]
 
-Delivers WikiText-2 (../shared/data/wikitext-2/valid.txt through the 'local' source,
-a SentencePiece vocabulary of the preset's size; bench-small: 8192, seq 256, batch 8)
-with 0 and 2 tokenizer worker processes and reports tokens/s for each. Then times the
+DIR holds WikiText-2's valid.txt and test.txt. Delivers valid.txt (through the 'local'
+source, a SentencePiece vocabulary of the preset's size; bench-small: 8192, seq 256,
+batch 8) with 0 and 2 tokenizer worker processes and reports tokens/s for each. Then times the
 product's train step (`common.Trainer`: the step main.py runs, AdamW with clipping) of
 the preset's DiffEqFormer on the pipeline's own batches, in the same run. The last line
 is the slower pipeline setting's tokens/s divided by the train step's: how many times
 over the pipeline can feed training (>> 1 means the pipeline is never the bottleneck).
 """
 import argparse
+import os
 import shutil
-import sys
 import tempfile
 import time
 
-import common  # sets sys.path; huge pages as main.py
-import jax
 from absl import flags
+import jax
 
-DATA = common.ROOT.parent / "shared" / "data" / "wikitext-2"
+from benchmarks import common   # huge pages as main.py
 
 
-def pipeline_tokens_per_s(cache_dir: str, worker_count: int, num_batches: int,
+def pipeline_tokens_per_s(data_dir: str, cache_dir: str, worker_count: int, num_batches: int,
                           vocab: int, seq: int, batch: int):
   """(tokens/s over `num_batches` after the first, batches for the train step)."""
   from input_pipeline import config as config_lib  # pylint: disable=g-import-not-at-top
   from input_pipeline import create_datasets  # pylint: disable=g-import-not-at-top
   cfg = config_lib.get_config()
   cfg.source = "local"
-  cfg.train_files = str(DATA / "valid.txt")
-  cfg.eval_files = str(DATA / "test.txt")
+  cfg.train_files = os.path.join(data_dir, "valid.txt")
+  cfg.eval_files = os.path.join(data_dir, "test.txt")
   cfg.vocab_size = vocab
   cfg.worker_count = worker_count
   cfg.cache_dir = cache_dir
@@ -74,16 +73,22 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   common.add_common_flags(parser)
   parser.add_argument("--batches", type=int, default=400, help="timed pipeline batches")
+  parser.add_argument("--data_dir", default="",
+                      help="directory with WikiText-2's valid.txt (delivered) and test.txt")
   args = parser.parse_args()
+  for name in ("valid.txt", "test.txt"):
+    if not os.path.isfile(os.path.join(args.data_dir, name)):
+      parser.error(f"--data_dir={args.data_dir!r} holds no {name}; pass the directory "
+                   "with WikiText-2's valid.txt and test.txt")
   batch, seq = common.shape(args)
   vocab = common.PRESETS[args.preset]["model"]["vocab_size"]
   flags.FLAGS.mark_as_parsed()  # grain reads absl flags when it starts workers
-  if not (DATA / "valid.txt").exists():
-    sys.exit(f"{DATA / 'valid.txt'} is missing (needs ../shared/data beside the repo)")
   cache_dir = tempfile.mkdtemp(prefix="odet_bench_pipeline_")
   try:
-    tps0, batches = pipeline_tokens_per_s(cache_dir, 0, args.batches, vocab, seq, batch)
-    tps2, _ = pipeline_tokens_per_s(cache_dir, 2, args.batches, vocab, seq, batch)
+    tps0, batches = pipeline_tokens_per_s(args.data_dir, cache_dir, 0, args.batches, vocab,
+                                          seq, batch)
+    tps2, _ = pipeline_tokens_per_s(args.data_dir, cache_dir, 2, args.batches, vocab, seq,
+                                    batch)
   finally:
     shutil.rmtree(cache_dir, ignore_errors=True)
   train = train_tokens_per_s(args, batches)

@@ -12,12 +12,11 @@ Whether the generated weights show at all depends on where the peak is: in the
 activation-heavy backward pass, or in the optimizer update. The growth is the slope
 between the two largest K.
 
-  python benchmarks/memory.py [--remat=full] [--steps=6,12,24]
+  python -m benchmarks.memory_vs_steps [--remat=full] [--steps=6,12,24]
 """
 import argparse
 
-import common  # noqa: F401  (sets sys.path)
-
+from benchmarks import common
 from odetransformer.param_count import layer_params
 
 MiB = 2 ** 20
