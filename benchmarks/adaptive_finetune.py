@@ -64,6 +64,7 @@ def base_config(args, seed, cache_dir):
   c.seed = seed
   c.model.d_model, c.model.num_heads, c.model.mlp_dim = args.d_model, 4, 4 * args.d_model
   c.model.time_embed_dim = args.time_embed_dim
+  c.model.time_sinusoids = args.time_sinusoids
   c.model.max_len = c.seq_len = args.seq_len
   c.global_batch_size = c.eval_batch_size = args.batch
   c.log_every_steps = 50
@@ -129,6 +130,8 @@ def parse_args(argv=None):
                  help="GPT baseline depth (default round(4K/3): the paper's 24 vs K=18)")
   p.add_argument("--d_model", type=int, default=64)
   p.add_argument("--time_embed_dim", type=int, default=32)
+  p.add_argument("--time_sinusoids", type=int, default=32,
+                 help="S; 32 at this width (d 64), the size the figures were measured at")
   p.add_argument("--seq_len", type=int, default=64)
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--vocab", type=int, default=1024)
