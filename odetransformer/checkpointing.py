@@ -524,8 +524,8 @@ class Checkpointer:
       (model_state, opt_state, meta, data_state): nnx.States to `nnx.merge` or
       `nnx.update` with, the meta dict, and this process's iterator state.
     """
-    step, (model_state, opt_state, meta, data) = self._restore_newest(
-        [int(step)], abstract_model_state, abstract_opt_state)
+    step, (model_state, opt_state, meta, data) = restore_newest(
+        self._manager, self.directory, [int(step)], abstract_model_state, abstract_opt_state)
     return model_state, opt_state, meta, _this_process_data(data)
 
   def restore_latest(self, abstract_model_state, abstract_opt_state):
@@ -542,16 +542,13 @@ class Checkpointer:
     steps = sorted(self.all_steps(), reverse=True)
     if not steps:
       return None
-    step, restored = self._restore_newest(steps, abstract_model_state, abstract_opt_state)
+    step, restored = restore_newest(self._manager, self.directory, steps,
+                                    abstract_model_state, abstract_opt_state)
     failed = [s for s in steps if s > step]
     if failed:
       self.set_aside(failed)
     model_state, opt_state, meta, data = restored
     return step, model_state, opt_state, meta, _this_process_data(data)
-
-  def _restore_newest(self, steps, abstract_model_state, abstract_opt_state):
-    return restore_newest(self._manager, self.directory, steps, abstract_model_state,
-                          abstract_opt_state)
 
   def set_aside(self, steps):
     """Moves the (corrupt) step directories to `<workdir>/corrupt_checkpoints/`."""

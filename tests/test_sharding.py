@@ -144,21 +144,9 @@ def test_loss_and_gradients_on_8_device_meshes_equal_one_device(tmp_path):
   """DiffEqFormer (both flavours), continuous and LoRA fine-tuning: the real
   train step's loss, gradient norm and every gradient on the (1,8,1), (2,4,1), (1,2,4)
   meshes equal the 1-device ones to float32 rounding (sums in another order)."""
-  import json  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
-  import pathlib  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  root = pathlib.Path(__file__).resolve().parents[1]
-  env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  script = tmp_path / "equality.py"
-  script.write_text(_EQUALITY_SCRIPT)
-  proc = subprocess.run([sys.executable, str(script), str(root)], env=env, cwd=root,
-                        capture_output=True, text=True, timeout=1800)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  from tiny import run_on_8_cpu_devices  # pylint: disable=g-import-not-at-top
+  out, _ = run_on_8_cpu_devices(_EQUALITY_SCRIPT, tmp_path, timeout=1800)
   assert set(out) == {"ode_gpt", "ode_llama", "continuous", "lora"}
   for name, runs in out.items():
     loss, norm, grads = runs.pop("one")

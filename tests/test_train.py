@@ -25,7 +25,7 @@ from odetransformer import steps, train
 from odetransformer import config as config_lib
 from odetransformer.model import create_model
 
-from tiny import config_flags, tiny_config  # noqa: E402  (re-exported for other test modules)
+from tiny import config_flags, run_on_8_cpu_devices, tiny_config  # noqa: E402  (re-exported for other test modules)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -347,20 +347,13 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_2x2x2_matches_one_device_and_keeps_shardings(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  script = tmp_path / "sharded.py"
-  script.write_text(_SHARDED_SCRIPT)
-  proc = subprocess.run([sys.executable, str(script), str(ROOT)], env=env, cwd=ROOT,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  out, stderr = run_on_8_cpu_devices(_SHARDED_SCRIPT, tmp_path, timeout=600)
   np.testing.assert_allclose(out["eight"][0], out["one"][0], rtol=1e-5)  # first step
   np.testing.assert_allclose(out["eight"], out["one"], rtol=1e-4)        # and after
   assert out["drift"] == []
   # The SPMD partitioner never falls back to replicating a whole tensor (it warns when it
   # does: the embedding lookup once all-gathered the global batch's activations).
-  assert "Involuntary full rematerialization" not in proc.stderr, proc.stderr[-3000:]
+  assert "Involuntary full rematerialization" not in stderr, stderr[-3000:]
   specs = out["specs"]
   # Params really are split: embedding over (tensor, fsdp), Adam moments alike.
   assert specs["['model']['embed'].value"] == "P('tensor', 'fsdp')"

@@ -1,5 +1,14 @@
-"""The tiny training config shared by tests that need a real (seconds-sized) run."""
+"""The tiny training config shared by tests that need a real (seconds-sized) run, and
+the runner of scripts that need 8 host CPU devices."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 from configs import default
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def tiny_config(cache_dir, num_train_steps=4):
@@ -48,3 +57,16 @@ def config_flags(config) -> list:
   base = dict(leaves(default.get_config()))
   return [f"--config.{key}={value}" for key, value in leaves(config)
           if key not in base or base[key] != value]
+
+
+def run_on_8_cpu_devices(script_text: str, tmp_path, timeout: int):
+  """Runs `script_text` in its own process on 8 host CPU devices (its argv[1] is the
+  repository root) and returns (the JSON of its last stdout line, its stderr)."""
+  env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  script = pathlib.Path(tmp_path) / "on_8_devices.py"
+  script.write_text(script_text)
+  proc = subprocess.run([sys.executable, str(script), str(ROOT)], env=env, cwd=ROOT,
+                        capture_output=True, text=True, timeout=timeout)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
