@@ -15,6 +15,12 @@ config/finetune/*.yaml (SDML-KU/qkvflow) define them:
 - continuous: keep the hypernetworks and train them, run at N steps (ours; the
   authors' code fine-tunes materialised models only).
 
+The DiffEqFormer is pre-trained once per `--pretrain_grids` entry (`model.train_time_grid`:
+'fixed' = the uniform K-step grid, as the paper; 'random_offset' = a random offset of the
+grid per batch, which holds up better at N ≠ K) and each is fine-tuned the same way; the
+table also gives each pre-trained model's validation perplexity on the fine-tuning text
+before any fine-tuning, at every N (where fine-tuning starts).
+
 One learning rate for pre-training and every fine-tuning method (the authors use 3e-4
 for all), 1% warm-up then cosine to 0.1×, AdamW β2 0.999 (levanter's default, which
 those configs keep) and weight decay 0.1. LoRA: the authors use rank 200 at width 1024
@@ -24,9 +30,11 @@ literal rank (then r > d and the adapters are not low-rank at this width).
 
 Writes `adaptive_finetune.md` (mean ± std validation perplexity over seeds, method × N,
 and the GPT rows; then every seed's values) and `adaptive_finetune.png` to --out, and
-prints the table; the last line is the key ratio (< 1: DiffEqFormer better):
+prints the table; the last line is the key ratio (< 1: DiffEqFormer better), per
+pre-training grid:
 
-  diffeqformer/gpt fine-tuned perplexity ratio at N=K: full R, lora R (mean of S seeds)
+  diffeqformer/gpt fine-tuned perplexity ratio at N=K: fixed: full R, lora R;
+  random_offset: full R, lora R (mean of S seeds)
 
   python -m benchmarks.adaptive_finetune --data_dir=DIR --out=/tmp/adaptive
   python -m benchmarks.adaptive_finetune --data_dir=DIR --seeds=1 --pretrain_steps=10 \\
@@ -53,7 +61,8 @@ import ml_collections  # noqa: E402  pylint: disable=g-import-not-at-top
 from absl import logging  # noqa: E402  pylint: disable=g-import-not-at-top
 
 from configs import default  # noqa: E402  pylint: disable=g-import-not-at-top
-from odetransformer import train  # noqa: E402  pylint: disable=g-import-not-at-top
+from odetransformer import evaluate, train  # noqa: E402  pylint: disable=g-import-not-at-top
+from odetransformer.time_grid import TRAIN_TIME_GRIDS  # noqa: E402  pylint: disable=g-import-not-at-top
 
 METHODS = ("continuous", "full", "lora")
 LORA_TARGETS = "wq,wk,wv,wo,w1,w2"     # every linear map of a layer
@@ -82,10 +91,11 @@ def base_config(args, seed, cache_dir):
   return c
 
 
-def pretrain(args, kind, layers, seed, workdir, cache_dir):
+def pretrain(args, kind, layers, seed, workdir, cache_dir, grid="fixed"):
   c = base_config(args, seed, cache_dir)
   c.model.kind = kind
   c.model.num_steps = layers
+  c.model.train_time_grid = grid
   c.num_train_steps = args.pretrain_steps
   c.data.train_files, c.data.eval_files = args.pretrain_train, args.pretrain_eval
   return train.train_and_evaluate(c, workdir)
@@ -100,6 +110,18 @@ def finetune(args, init_from, method, n, seed, workdir, cache_dir, files):
   c.num_train_steps = args.finetune_steps
   c.data.train_files, c.data.eval_files = files
   return train.train_and_evaluate(c, workdir)["eval"]["perplexity"]
+
+
+def before_finetuning(args, workdir, ns, valid_file):
+  """Validation perplexity on the fine-tuning text of a pre-trained run at each N."""
+  results = evaluate.evaluate(workdir, ns, data=f"local:{valid_file}",
+                              max_batches=args.eval_batches)
+  return [r.perplexity for r in results]
+
+
+def run_dir(grid, name):
+  """Runs of the fixed grid keep their first names, so older --out dirs are reused."""
+  return name if grid == "fixed" else f"{name}_{grid}"
 
 
 def split_text(path, directory):
@@ -143,6 +165,9 @@ def parse_args(argv=None):
   p.add_argument("--lora_rank", type=int, default=0,
                  help="default round(200·d/1024), the authors' share of the width")
   p.add_argument("--lora_alpha", type=float, default=8.0)
+  p.add_argument("--pretrain_grids", default="fixed,random_offset",
+                 help="DiffEqFormer pre-training time grids (model.train_time_grid), "
+                      "each pre-trained and fine-tuned")
   p.add_argument("--methods", default=",".join(METHODS),
                  help="fine-tuning methods to run (the GPT runs the discrete ones)")
   p.add_argument("--eval_batches", type=int, default=8)
@@ -169,6 +194,10 @@ def parse_args(argv=None):
   args.gpt_layers = args.gpt_layers or max(1, round(4 * args.k / 3))
   args.lora_rank = args.lora_rank or max(1, round(200 * args.d_model / 1024))
   args.methods = [m for m in METHODS if m in args.methods.split(",")]
+  args.grids = [g for g in args.pretrain_grids.split(",") if g]
+  bad = [g for g in args.grids if g not in TRAIN_TIME_GRIDS]
+  if bad or not args.grids:
+    p.error(f"--pretrain_grids={args.pretrain_grids!r}: choose from {list(TRAIN_TIME_GRIDS)}")
   return args
 
 
@@ -193,78 +222,94 @@ def main(argv=None):
   jax.config.update("jax_default_prng_impl", "rbg")
   files = split_text(args.finetune_text, args.out)
   cache = os.path.join(args.out, "cache")
-  ode, gpt = {}, {}                       # (method, N) -> [ppl per seed]
-  start = time.perf_counter()
+  ode, start_ppl, gpt = {}, {}, {}        # (grid, method, N) / (grid, N) / method -> [ppl per seed]
+  t0 = time.perf_counter()
   seeds = range(args.first_seed, args.first_seed + args.seeds)
   for seed in seeds:
     work = os.path.join(args.out, f"seed{seed}")
     pre = {}
-    for kind, layers in (("diffeqformer", args.k), ("gpt", args.gpt_layers)):
-      pre[kind] = os.path.join(work, f"pre_{kind}")
-      r = pretrain(args, kind, layers, seed, pre[kind], cache)
-      print(f"seed {seed} pre-trained {kind} ({layers} steps/layers): eval perplexity "
-            f"{r['eval']['perplexity']:.2f}", flush=True)
-    for method in args.methods:
-      for n in args.ns:
-        ppl = finetune(args, pre["diffeqformer"], method, n, seed,
-                       os.path.join(work, f"ft_{method}_{n}"), cache, files)
-        ode.setdefault((method, n), []).append(ppl)
-        print(f"seed {seed} diffeqformer {method:10s} N={n:2d}: {ppl:8.2f}", flush=True)
+    runs = [(g, "diffeqformer", args.k) for g in args.grids] + [("fixed", "gpt", args.gpt_layers)]
+    for grid, kind, layers in runs:
+      pre[grid, kind] = os.path.join(work, run_dir(grid, f"pre_{kind}"))
+      r = pretrain(args, kind, layers, seed, pre[grid, kind], cache, grid)
+      print(f"seed {seed} pre-trained {kind} ({layers} steps/layers, {grid} grid): eval "
+            f"perplexity {r['eval']['perplexity']:.2f}", flush=True)
+    for grid in args.grids:
+      before = before_finetuning(args, pre[grid, "diffeqformer"], args.ns, files[1])
+      for n, ppl in zip(args.ns, before):
+        start_ppl.setdefault((grid, n), []).append(ppl)
+      print(f"seed {seed} diffeqformer {grid} before fine-tuning, N={args.ns}: "
+            f"{', '.join(f'{p:.2f}' for p in before)}", flush=True)
+      for method in args.methods:
+        for n in args.ns:
+          ppl = finetune(args, pre[grid, "diffeqformer"], method, n, seed,
+                         os.path.join(work, run_dir(grid, f"ft_{method}_{n}")), cache, files)
+          ode.setdefault((grid, method, n), []).append(ppl)
+          print(f"seed {seed} diffeqformer {grid} {method:10s} N={n:2d}: {ppl:8.2f}",
+                flush=True)
+    gpt.setdefault("before", []).append(
+        before_finetuning(args, pre["fixed", "gpt"], [None], files[1])[0])
     for method in [m for m in ("full", "lora") if m in args.methods]:
-      ppl = finetune(args, pre["gpt"], method, 0, seed,
+      ppl = finetune(args, pre["fixed", "gpt"], method, 0, seed,
                      os.path.join(work, f"ft_gpt_{method}"), cache, files)
       gpt.setdefault(method, []).append(ppl)
       print(f"seed {seed} gpt          {method:10s} L={args.gpt_layers:2d}: {ppl:8.2f}",
             flush=True)
-    print(f"seed {seed} done at {time.perf_counter() - start:.0f} s", flush=True)
+    print(f"seed {seed} done at {time.perf_counter() - t0:.0f} s", flush=True)
 
   ns, s = args.ns, args.seeds
-  header = "| model / method | " + " | ".join(f"N={n}" for n in ns) + " |"
+  rows = {}                               # row name -> [values per N, each a list over seeds]
+  for grid in args.grids:
+    rows[f"DiffEqFormer {grid} before"] = [start_ppl[grid, n] for n in ns]
+    for method in args.methods:
+      rows[f"DiffEqFormer {grid} {method}"] = [ode[grid, method, n] for n in ns]
+  for method, values in gpt.items():
+    rows[f"GPT ({args.gpt_layers} layers) {method}"] = [values for _ in ns]
+  header = "| model pre-training grid, method | " + " | ".join(f"N={n}" for n in ns) + " |"
   rule = "|" + "---|" * (len(ns) + 1)
   lines = [f"Fine-tuned validation perplexity, mean ± std over {s} seeds "
            f"({args.finetune_steps} fine-tuning steps after {args.pretrain_steps} "
            f"pre-training steps; DiffEqFormer K = {args.k}, GPT {args.gpt_layers} layers; "
-           f"d {args.d_model}, LoRA r {args.lora_rank} alpha {args.lora_alpha:g})",
-           "", header, rule]
-  for method in args.methods:
-    lines.append(f"| DiffEqFormer {method} | " +
-                 " | ".join(fmt(ode[method, n]) for n in ns) + " |")
-  for method, values in gpt.items():
-    lines.append(f"| GPT ({args.gpt_layers} layers) {method} | " +
-                 " | ".join(fmt(values) for _ in ns) + " |")
+           f"d {args.d_model}, LoRA r {args.lora_rank} alpha {args.lora_alpha:g}; "
+           "'before' = the pre-trained model, not fine-tuned)", "", header, rule]
+  lines += [f"| {name} | " + " | ".join(fmt(v) for v in values) + " |"
+            for name, values in rows.items()]
   lines += ["", "Per seed:", "", "| seed | run | " + " | ".join(f"N={n}" for n in ns) + " |",
             "|---|" + "---|" * (len(ns) + 1)]
   for i, seed in enumerate(seeds):
-    for method in args.methods:
-      lines.append(f"| {seed} | DiffEqFormer {method} | " +
-                   " | ".join(f"{ode[method, n][i]:.2f}" for n in ns) + " |")
-    for method, values in gpt.items():
-      lines.append(f"| {seed} | GPT {method} | {values[i]:.2f} (all N) |" + " |" * (len(ns) - 1))
+    lines += [f"| {seed} | {name} | " + " | ".join(f"{v[i]:.2f}" for v in values) + " |"
+              for name, values in rows.items()]
   text = "\n".join(lines)
   with open(os.path.join(args.out, "adaptive_finetune.md"), "w") as f:
     f.write(text + "\n")
   print(text)
 
   fig, ax = plt.subplots(figsize=(6, 4))
-  for method in args.methods:
-    means = [mean_std(ode[method, n]) for n in ns]
-    ax.errorbar(ns, [m for m, _ in means], yerr=[e for _, e in means], marker="o",
-                capsize=3, label=f"DiffEqFormer {method}")
+  for grid, style in zip(args.grids, ("-", "--", ":")):
+    for method, color in zip(("before", *args.methods), ("gray", "C0", "C1", "C2")):
+      means = [mean_std(v) for v in rows[f"DiffEqFormer {grid} {method}"]]
+      ax.errorbar(ns, [m for m, _ in means], yerr=[e for _, e in means], marker="o",
+                  capsize=3, linestyle=style, color=color, label=f"DiffEqFormer {grid} {method}")
   for method, values in gpt.items():
-    ax.axhline(mean_std(values)[0], linestyle="--", color="gray" if method == "full" else "black",
-               label=f"GPT {method} ({args.gpt_layers} layers)")
+    if method != "before":
+      ax.axhline(mean_std(values)[0], linestyle="-." if method == "full" else ":",
+                 color="black", label=f"GPT {method} ({args.gpt_layers} layers)")
   ax.set_xlabel("fine-tuning steps N")
   ax.set_ylabel("validation perplexity (log scale)")
   ax.set_yscale("log")
   ax.set_title(f"Adaptive fine-tuning, {s} seeds")
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=6)
   fig.tight_layout()
   fig.savefig(os.path.join(args.out, "adaptive_finetune.png"), dpi=120)
-  ratios = [f"{m} {mean_std(ode[m, args.k])[0] / mean_std(gpt[m])[0]:.3f}"
-            for m in gpt if (m, args.k) in ode]
-  if ratios:
+  per_grid = []
+  for grid in args.grids:
+    ratios = [f"{m} {mean_std(ode[grid, m, args.k])[0] / mean_std(gpt[m])[0]:.3f}"
+              for m in ("full", "lora") if m in gpt and (grid, m, args.k) in ode]
+    if ratios:
+      per_grid.append(f"{grid}: {', '.join(ratios)}")
+  if per_grid:
     print(f"diffeqformer/gpt fine-tuned perplexity ratio at N={args.k}: "
-          f"{', '.join(ratios)} (mean of {s} seeds)")
+          f"{'; '.join(per_grid)} (mean of {s} seeds)")
 
 
 if __name__ == "__main__":

@@ -154,17 +154,20 @@ def test_adaptive_finetune(tmp_path):
   table = (tmp_path / "adaptive_finetune.md").read_text()
   assert (tmp_path / "adaptive_finetune.png").stat().st_size > 0
   assert "GPT 3 layers" in table and "LoRA r 6 alpha 8" in table   # round(4K/3), 200·d/1024
-  ode = {m.group(1): [_num(v) for v in m.group(2).split(" | ")] for m in re.finditer(
-      r"^\| DiffEqFormer (\S+) \| (.*) \|$", table, re.MULTILINE)}
+  ode = {(m.group(1), m.group(2)): [_num(v) for v in m.group(3).split(" | ")]
+         for m in re.finditer(r"^\| DiffEqFormer (\S+) (\S+) \| (.*) \|$", table, re.MULTILINE)}
   gpt = {m.group(1): _num(m.group(2)) for m in re.finditer(
       rf"^\| GPT \(3 layers\) (\S+) \| {NUM} \| {NUM} \|$", table, re.MULTILINE)}
-  assert sorted(ode) == ["continuous", "full", "lora"] and sorted(gpt) == ["full", "lora"]
+  grids, methods = ("fixed", "random_offset"), ("before", "continuous", "full", "lora")
+  assert sorted(ode) == sorted((g, m) for g in grids for m in methods), table
+  assert sorted(gpt) == ["before", "full", "lora"], table
   assert all(len(v) == 2 for v in ode.values()), table
   assert all(math.isfinite(v) and v > 1 for v in sum(ode.values(), []) + list(gpt.values()))
-  m = _find(rf"^diffeqformer/gpt fine-tuned perplexity ratio at N=2: full {NUM}, "
-            rf"lora {NUM} \(mean of 1 seeds\)$", out)
-  for i, method in ((1, "full"), (2, "lora")):   # N=K is the table's second column
-    assert _num(m.group(i)) == pytest.approx(ode[method][1] / gpt[method], abs=0.002)
+  m = _find(rf"^diffeqformer/gpt fine-tuned perplexity ratio at N=2: fixed: full {NUM}, "
+            rf"lora {NUM}; random_offset: full {NUM}, lora {NUM} \(mean of 1 seeds\)$", out)
+  for i, (grid, method) in enumerate([(g, m) for g in grids for m in ("full", "lora")], 1):
+    # N=K is the table's second column.
+    assert _num(m.group(i)) == pytest.approx(ode[grid, method][1] / gpt[method], abs=0.002)
 
 
 def test_adaptive_finetune_needs_its_texts(tmp_path):
