@@ -81,6 +81,11 @@ def generate_weights(h_kd, proj, base, axes, acc_dtype):
   return constrain_weight(w, (None,) + tuple(axes))
 
 
+class Projection(nnx.Param):
+  """A weight generator's projection P [*weight axes, d_t] (W(t) = P·h(t) + P0): the
+  hypernetwork's bulk, which tools select by this type (e.g. `state.filter(Projection)`)."""
+
+
 class WeightGenerator(nnx.Module):
   """W(t) = P·h(t) + P0 for one layer param; P is [*shape, d_t]."""
 
@@ -94,7 +99,7 @@ class WeightGenerator(nnx.Module):
     else:
       proj = jax.random.normal(rngs.params(), shape, dtype) * std
     base = (jnp.ones if spec.role == "norm_scale" else jnp.zeros)(spec.shape, dtype)
-    self.proj = nnx.Param(proj, out_sharding=spec.axes + ("time_embed",))
+    self.proj = Projection(proj, out_sharding=spec.axes + ("time_embed",))
     self.base = nnx.Param(base, out_sharding=spec.axes)
 
   def __call__(self, h_kd, dtype, axes):

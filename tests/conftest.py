@@ -1,15 +1,35 @@
-"""Shared pytest setup: repo root on sys.path, CPU only, helpers for shared data."""
+"""Shared pytest setup: repo root on sys.path, CPU only, fast compiles, helpers for
+shared data."""
+import atexit
 import os
 import pathlib
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Before jax starts, for this process and its children (tiny.cpu_env copies os.environ):
+# the tests' XLA flags, and one persistent compilation cache for the session. Tests build
+# the same tiny models again and again, in this process and in the programs they launch;
+# the cache compiles each program once.
+from tiny import TEST_XLA_FLAGS  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+os.environ["XLA_FLAGS"] = TEST_XLA_FLAGS
+_CACHE = tempfile.mkdtemp(prefix="odet_tests_jax_cache_")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def jax_cache_dir():
+  """The session's persistent compilation cache (also set for child processes)."""
+  return pathlib.Path(_CACHE)
 
 
 def shared_data_path(*parts: str) -> pathlib.Path:

@@ -3,25 +3,24 @@
 Both run in subprocesses with 8 host devices (XLA_FLAGS must be set before jax loads).
 """
 import math
-import os
 import pathlib
 import re
 import subprocess
 import sys
 import textwrap
 
+from tiny import cpu_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _env():
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
+  return cpu_env()   # the scripts ask for their 8 devices themselves
 
 
 _PARSER_SCRIPT = textwrap.dedent("""
     import json, os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
     sys.path.insert(0, sys.argv[1])
     import jax, jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P

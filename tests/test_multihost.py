@@ -16,7 +16,6 @@ disjoint halves whose concatenation is ref's global batch (also after the resume
 SIGTERM stops both processes at the same step, with that step's checkpoint, exit 0.
 """
 import json
-import os
 import pathlib
 import signal
 import socket
@@ -28,6 +27,7 @@ import time
 import pytest
 
 from odetransformer import checkpointing
+from tiny import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240          # per group of processes; a hang is killed, not waited on
@@ -89,9 +89,8 @@ def _free_port() -> int:
 
 
 def _env(tmp, devices, **extra):
-  env = dict(os.environ)
-  env.update(JAX_PLATFORMS="cpu", ODET_ROOT=str(ROOT), ODET_CACHE=str(tmp / "cache"),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  env = cpu_env(devices)
+  env.update(ODET_ROOT=str(ROOT), ODET_CACHE=str(tmp / "cache"),
              JAX_COMPILATION_CACHE_DIR=str(tmp / "jax_cache"),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

@@ -21,6 +21,7 @@ import pytest
 
 from test_train import ROOT, TINY_FLAGS, _final_params, fast_compiles, tiny_config  # pylint: disable=unused-import
 from input_pipeline import DataError
+from tiny import cpu_env
 from odetransformer import checkpointing
 from odetransformer import metrics as metrics_lib
 from odetransformer import errors, health, steps, train
@@ -57,12 +58,10 @@ def main_cmd(workdir, cache_dir, num_train_steps, *overrides):
 
 def subprocess_env():
   """CPU, the 'rbg' PRNG of the in-process runs (fast_compiles) and their compile cache."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEFAULT_PRNG_IMPL="rbg",
-             JAX_COMPILATION_CACHE_DIR=str(jax.config.jax_compilation_cache_dir),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-  env.pop("XLA_FLAGS", None)
-  return env
+  return cpu_env(JAX_DEFAULT_PRNG_IMPL="rbg",
+                 JAX_COMPILATION_CACHE_DIR=str(jax.config.jax_compilation_cache_dir),
+                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
 def start_and_wait_for_checkpoint(cmd, workdir, min_step=1, timeout=240):
@@ -288,7 +287,7 @@ def test_checkpoint_moves_between_1_and_8_devices(cache, tmp_path):
   shutil.copytree(wd1, wd8)
   script = tmp_path / "eight.py"
   script.write_text(_EIGHT_DEVICES)
-  env = dict(subprocess_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(subprocess_env(), XLA_FLAGS=cpu_env(8)["XLA_FLAGS"])
   proc = subprocess.run([sys.executable, str(script), str(ROOT), str(wd1), str(wd8), str(cache)],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
@@ -341,7 +340,6 @@ def test_checkpoint_of_another_array_layout_stops_with_what_to_do(trained, cache
                                                                  monkeypatch):
   """A checkpoint whose arrays the code lays out differently (P d_t-major, as before
   2026-11-22) under the same config: one error that says so, and nothing moved."""
-  from flax import nnx
   from odetransformer import hypernet
   wd = tmp_path / "run"
   shutil.copytree(trained, wd)
@@ -349,7 +347,7 @@ def test_checkpoint_of_another_array_layout_stops_with_what_to_do(trained, cache
 
   def d_t_major_init(self, spec, *args, **kwargs):
     init(self, spec, *args, **kwargs)
-    self.proj = nnx.Param(jax.numpy.moveaxis(self.proj[...], -1, 0),
+    self.proj = hypernet.Projection(jax.numpy.moveaxis(self.proj[...], -1, 0),
                           out_sharding=("time_embed",) + spec.axes)
 
   monkeypatch.setattr(hypernet.WeightGenerator, "__init__", d_t_major_init)

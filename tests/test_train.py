@@ -25,22 +25,23 @@ from odetransformer import steps, train
 from odetransformer import config as config_lib
 from odetransformer.model import create_model
 
-from tiny import config_flags, run_on_8_cpu_devices, tiny_config  # noqa: E402  (re-exported for other test modules)
+from tiny import config_flags, cpu_env, run_on_8_cpu_devices, tiny_config  # noqa: E402  (re-exported for other test modules)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def fast_compiles(tmp_path_factory):
-  """Compilation dominates these tests. Runs in this module compile the same programs
-  again and again (a fresh jit per train_and_evaluate call): a persistent cache turns
-  30 s runs into 3 s ones. And XLA:CPU compiles the parameter init ~3× faster with the
+def fast_compiles(jax_cache_dir):
+  """Compilation dominates these tests. Runs in this module (and in the modules that
+  import this fixture) compile the same programs again and again (a fresh jit per
+  train_and_evaluate call): a persistent cache, one per test session, turns 30 s runs
+  into 3 s ones. And XLA:CPU compiles the parameter init ~3× faster with the
   'rbg' PRNG than with threefry (the loop under test does not care which; the 8-device
   equivalence test runs in its own process with the default)."""
   keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
           "jax_persistent_cache_min_entry_size_bytes", "jax_default_prng_impl")
   old = {k: getattr(jax.config, k) for k in keys}
-  jax.config.update(keys[0], str(tmp_path_factory.mktemp("jax_cache")))
+  jax.config.update(keys[0], str(jax_cache_dir))
   jax.config.update(keys[1], 0)
   jax.config.update(keys[2], 0)
   jax.config.update(keys[3], "rbg")
@@ -396,10 +397,9 @@ def test_main_two_processes_on_loopback(tmp_path):
   half of every batch: distributed init from the environment, global batches,
   collective checkpointing and the parameter overview."""
   import portpicker  # pylint: disable=g-import-not-at-top
-  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_PROCESSES="2", JAX_DEFAULT_PRNG_IMPL="rbg",
-             JAX_COORDINATOR_ADDRESS=f"localhost:{portpicker.pick_unused_port()}",
-             JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
-  env.pop("XLA_FLAGS", None)
+  env = cpu_env(JAX_NUM_PROCESSES="2", JAX_DEFAULT_PRNG_IMPL="rbg",
+                JAX_COORDINATOR_ADDRESS=f"localhost:{portpicker.pick_unused_port()}",
+                JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
   procs = [subprocess.Popen(
       [sys.executable, str(ROOT / "main.py"), "--config=configs/default.py",
        f"--workdir={tmp_path / 'wd'}", *TINY_FLAGS,

@@ -1,18 +1,35 @@
-"""The tiny training config shared by tests that need a real (seconds-sized) run, and
-the runner of scripts that need 8 host CPU devices."""
+"""The tiny training config shared by tests that need a real (seconds-sized) run, the
+environment of the tests' child processes, and the runner of scripts that need 8 host
+CPU devices."""
 import json
 import os
 import pathlib
 import subprocess
 import sys
-
-from configs import default
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Compilation is most of the suite's time, and these programs are seconds-sized: XLA:CPU's
+# LLVM backend at -O0 compiles them about 1.5x faster. What the tests check (the HLO
+# programs, their shardings and memory plans, numerics to float tolerance) does not
+# depend on how well the machine code is optimised; the benchmarks, run for their figures
+# outside the tests, keep XLA's default.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def cpu_env(devices: int = 0, **extra) -> dict:
+  """os.environ for a child process on host CPU devices (`devices` > 0: that many)
+  with the tests' XLA flags, plus `extra`."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
+  flags = TEST_XLA_FLAGS
+  if devices:
+    flags += f" --xla_force_host_platform_device_count={devices}"
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **{k: str(v) for k, v in extra.items()})
+  return env
 
 
 def tiny_config(cache_dir, num_train_steps=4):
   """A seconds-sized run on the embedded corpus (callers override what they test)."""
+  from configs import default  # pylint: disable=g-import-not-at-top  (conftest imports this module before jax)
   c = default.get_config()
   c.num_train_steps = num_train_steps
   c.log_every_steps = 1
@@ -54,6 +71,7 @@ def config_flags(config) -> list:
         yield from leaves(value, f"{prefix}{key}.")
       else:
         yield f"{prefix}{key}", value
+  from configs import default  # pylint: disable=g-import-not-at-top
   base = dict(leaves(default.get_config()))
   return [f"--config.{key}={value}" for key, value in leaves(config)
           if key not in base or base[key] != value]
@@ -62,8 +80,7 @@ def config_flags(config) -> list:
 def run_on_8_cpu_devices(script_text: str, tmp_path, timeout: int):
   """Runs `script_text` in its own process on 8 host CPU devices (its argv[1] is the
   repository root) and returns (the JSON of its last stdout line, its stderr)."""
-  env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = cpu_env(8)
   script = pathlib.Path(tmp_path) / "on_8_devices.py"
   script.write_text(script_text)
   proc = subprocess.run([sys.executable, str(script), str(ROOT)], env=env, cwd=ROOT,
