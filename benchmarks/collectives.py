@@ -20,18 +20,14 @@ their float32 gradient and Adam moments), which a GPT of the same shape does not
   python -m benchmarks.collectives --tiny          # seconds-sized, for the tests
   python -m benchmarks.collectives --meshes=1,8,1 --flavours=llama
 """
-import os
 import re
 import sys
 
+from benchmarks.host_devices import force_host_devices
+
 NUM_DEVICES = 8
 if __name__ == "__main__":
-  # Before jax is imported: 8 fake CPU devices.
-  _flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                  os.environ.get("XLA_FLAGS", "")).strip()
-  os.environ["XLA_FLAGS"] = (
-      f"{_flags} --xla_force_host_platform_device_count={NUM_DEVICES}").strip()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  force_host_devices(NUM_DEVICES)   # before jax is imported: 8 fake CPU devices
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse

@@ -17,12 +17,13 @@ same way `train.train_and_evaluate` does. Then either
 * analytic (`--nocompile`, or the default for large models): the shapes and
   shardings of parameters and Adam state come from `nnx.get_abstract_model` (the
   shardings training will use), so their per-device bytes are exact; the step's
-  temporaries are estimated by kind (`temporaries_estimate`: gradients, weights
-  gathered over fsdp, saved activations per remat policy, logits, DiffEqFormer's
-  generated W(t)) and summed. Not all of them are live at once, so the sum is an upper
-  bound: against XLA:CPU's compiled step on 8 devices it was 0 to 56% above at a tiny
-  shape and 7 to 31% above at bench-small (meshes (1,8,1), (2,4,1), (1,2,4); remat
-  'dots_saveable' and 'full') — compile on the target platform for a real number.
+  temporaries are estimated by kind (`temporaries_estimate`: gradients, DiffEqFormer's
+  generated W(t), saved activations per remat policy, and the head, layer and
+  embedding buffers, which are live one phase at a time) and taken at their peak.
+  Against XLA:CPU's compiled step on 8 devices (meshes (1,8,1), (2,4,1), (1,2,4)) the
+  total is within ±15% at bench-small and owt_small shapes, both models
+  (`python -m benchmarks.memory_estimate`) — compile on the target platform for a
+  real number.
 
 The verdict compares the total against `--device_memory_gib` (default 80, an H100;
 e.g. 141 for an H200, 32 for a TPU v4 chip, 16 for v5e, 95 for v5p). The CPU compiler
@@ -70,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from odetransformer import blocks
+from odetransformer import blocks, hypernet
 from odetransformer import optimizer as optimizer_lib
 from odetransformer import sharding as sharding_lib
 from odetransformer import config as config_lib
@@ -90,7 +91,7 @@ class MemoryReport:
   other_model_bytes: int     # non-Param model state (RNG counters, ...)
   opt_state_bytes: int       # Adam mu/nu, step counters
   grad_bytes: int            # analytic: one float32 copy of the params' shards
-  activation_bytes: int      # analytic: the batch + `temporaries` but the gradients;
+  activation_bytes: int      # analytic: the batch + the peak temporaries but the gradients;
                              # compiled: XLA temp bytes
   compiled: bool
   compile_seconds: float = 0.0
@@ -138,24 +139,33 @@ def _axis_size(mesh, rules, name) -> int:
 
 
 def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
-  """Per-device bytes of what the compiled train step keeps besides its arguments, by
-  kind (the analytic path's stand-in for XLA's temporaries).
+  """Per-device bytes the compiled train step holds besides its arguments (the analytic
+  path's stand-in for XLA's temporaries), by kind, and their peak.
 
   Local batch b = global / (batch shards × accumulation), T tokens, width d, MLP f,
-  vocabulary V; a weight axis on 'tensor' is split tp ways in activations too, while
-  'fsdp' splits the batch there (`sharding.activation_rules`), so weights are used
-  gathered over fsdp:
-  * gradients: a float32 copy of every parameter shard (the summed gradient);
-  * gathered weights: the embeddings (and head) whole over fsdp in the compute dtype,
-    with their float32 gradient before it is reduced; one layer's weights likewise for
-    the step being computed;
+  vocabulary V, compute dtype of c bytes. A weight axis on 'tensor' is split tp ways in
+  activations too, while 'fsdp' splits the batch there (`sharding.activation_rules`), so
+  weights are used gathered over fsdp. The kinds:
+  * gradients: float32, one per parameter shard; of them, 'hypernetwork gradients'
+    (DiffEqFormer: the projections P) are made after the solver's backward scan, from
+  * generated W(t): W(t_k) of every solver evaluation in its parameter sharding (c
+    bytes) and its float32 gradient, which the backward scan fills;
   * saved activations: per solver evaluation (or layer), what the remat policy keeps:
-    the residual input ('full'), or also every matmul output ('dots_*'), or also the
-    elementwise intermediates ('none'), and the attention scores unless remat is 'full';
-  * logits: [b, T, V/tp] in the compute dtype, in float32 for the loss, and their float32
-    gradient;
-  * DiffEqFormer: W(t_k) for every solver evaluation, generated in its parameter
-    sharding, and its float32 gradient.
+    the residual input ('full'), or also the matmul outputs and attention scores
+    ('dots_*'), or also the elementwise intermediates ('none');
+  * head: the logits [b, T, V/tp] and their gradient in float32, and in the compute
+    dtype too when it is narrower; the embedding gathered over fsdp (tied head; the
+    untied head likewise) in c bytes and its float32 gradient;
+  * layer: one step's (or layer's) weights gathered over fsdp, twice in c bytes
+    (forward and recomputation) and once as a float32 gradient, and the intermediates
+    the remat policy recomputes for that step;
+  * embedding: the float32 gradient of the gathered embedding tables.
+  The head, layer and embedding buffers are live one phase at a time. The peak is the
+  larger of 'backward pass' (gradients but the hypernetwork's, generated W(t), saved
+  activations, the largest phase) and 'after the scan' (every gradient, the largest
+  phase). Against XLA:CPU's compiled step (arguments + temporaries) on 8 devices this
+  was within ±15% at bench-small (remat 'full' and 'dots_saveable') and owt_small,
+  both models, meshes (1,8,1), (2,4,1), (1,2,4); `benchmarks/README.md` has the table.
   """
   shards = sharding_lib.num_batch_shards(mesh, rules)
   b = max(1, config.global_batch_size // (shards * int(config.optim.grad_accum_steps)))
@@ -169,44 +179,52 @@ def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
   stages = {"euler": 1, "midpoint": 2, "rk4": 4}[cfg.solver] if cfg.is_ode else 1
   evals = cfg.num_steps * stages
   tokens = b * t
-  out = {}
 
-  # Gradients: the summed gradient of every trainable parameter shard, in float32.
-  out["gradients"] = sum(math.prod(x.sharding.shard_shape(x.shape)) * 4
-                         for x in jax.tree.leaves(params))
+  def shard_elements(tree):
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(tree))
 
-  # Weights used gathered over fsdp (sharded only by the activation rules), with the
-  # float32 gradient each has before its reduction over the batch shards.
-  def gathered(shape, names):
-    return math.prod(shape) // math.prod(_axis_size(mesh, act, nm) if nm else 1
-                                         for nm in names)
-  emb = gathered((v, d), ("vocab", "embed"))
-  if not cfg.tie_embeddings:
-    emb += gathered((d, v), ("embed", "vocab"))
-  if cfg.flavour == "gpt":
-    emb += gathered((cfg.max_len, d), ("length", "embed"))
-  layer = sum(gathered(spec.shape, spec.axes) for spec in blocks.layer_param_specs(cfg).values())
-  out["gathered weights"] = (emb + 2 * layer) * cb + (emb + layer) * 4
+  out = {"gradients": shard_elements(params) * 4, "hypernetwork gradients": 0,
+         "generated W(t)": 0}
+  if cfg.kind == "diffeqformer":
+    projections = params.filter(hypernet.Projection)
+    out["hypernetwork gradients"] = shard_elements(projections) * 4
+    w_t = sum(math.prod(x.sharding.shard_shape(x.shape)) // x.shape[-1]
+              for x in jax.tree.leaves(projections))
+    out["generated W(t)"] = evals * w_t * (cb + 4)
 
-  # Saved activations per solver evaluation / layer.
+  # Per solver evaluation / layer: matmul outputs (q, k, v, attention, one d-wide
+  # output, the MLP's), attention scores, elementwise intermediates.
   glu = 2 if cfg.flavour == "llama" else 1
-  matmul_outs = tokens * (3 * d // tp_heads + d // tp_heads + 2 * d + glu * f // tp_mlp)
+  matmul_outs = tokens * (4 * d // tp_heads + d + glu * f // tp_mlp)
   scores = b * (n // tp_heads) * t * t
+  elementwise = tokens * (2 * d + glu * f // tp_mlp) + scores   # norms, activations, softmax
   per_eval = tokens * d                                   # the residual input
   if cfg.remat_policy != "full":
     per_eval += matmul_outs + scores
   if cfg.remat_policy == "none":
-    per_eval += tokens * (2 * d + glu * f // tp_mlp) + scores   # norms, activations, softmax
+    per_eval += elementwise
   out["saved activations"] = evals * per_eval * cb
 
-  # Logits in the compute dtype, their float32 copy for the loss, and its gradient.
-  out["logits"] = tokens * (v // tp_vocab) * (cb + 8)
-
-  if cfg.kind == "diffeqformer":
-    gens = sum(math.prod(x.sharding.shard_shape(x.shape)) // x.shape[-1]
-               for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
-               if "proj" in jax.tree_util.keystr(path))
-    out["generated W(t)"] = evals * gens * (cb + 4)
+  def gathered(shape, names):
+    """Elements of a weight used gathered over fsdp (split by the activation rules)."""
+    return math.prod(shape) // math.prod(_axis_size(mesh, act, nm) if nm else 1
+                                         for nm in names)
+  emb = gathered((v, d), ("vocab", "embed"))
+  if cfg.flavour == "gpt":
+    emb += gathered((cfg.max_len, d), ("length", "embed"))
+  head = 0 if cfg.tie_embeddings else gathered((d, v), ("embed", "vocab"))
+  logit_bytes = 8 + (2 * cb if cb < 4 else 0)
+  out["head"] = tokens * (v // tp_vocab) * logit_bytes + (emb + head) * (cb + 4)
+  layer = sum(gathered(spec.shape, spec.axes)
+              for spec in blocks.layer_param_specs(cfg).values())
+  recomputed = (matmul_outs + elementwise) if cfg.remat_policy != "none" else 0
+  out["layer"] = layer * (2 * cb + 4) + recomputed * cb
+  out["embedding"] = emb * 4
+  phase = max(out["head"], out["layer"], out["embedding"])
+  out["backward pass"] = (out["gradients"] - out["hypernetwork gradients"]
+                          + out["generated W(t)"] + out["saved activations"] + phase)
+  out["after the scan"] = out["gradients"] + phase
+  out["peak"] = max(out["backward pass"], out["after the scan"])
   return {k: int(x) for k, x in out.items()}
 
 
@@ -230,7 +248,6 @@ def memory_report(config, *, compile_step: Optional[bool] = None,
   train.check_config(config, mesh, rules)
   cfg = config_lib.model_config(config, config.data.vocab_size)
   tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps, ode=cfg.is_ode)
-  schedule = optimizer_lib.learning_rate_schedule(config.optim, config.num_train_steps)
 
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     ts = steps.state_layout(cfg, tx, config.seed, mesh)
@@ -250,8 +267,8 @@ def memory_report(config, *, compile_step: Optional[bool] = None,
   report.temporaries = temporaries_estimate(config, cfg, mesh, rules, params)
   batch_shards = sharding_lib.num_batch_shards(mesh, rules)
   batch_bytes = 5 * (config.global_batch_size // batch_shards) * config.seq_len * 4
-  report.activation_bytes = batch_bytes + sum(
-      v for k, v in report.temporaries.items() if k != "gradients")
+  report.activation_bytes = (batch_bytes + report.temporaries["peak"]
+                             - report.temporaries["gradients"])
 
   if compile_step is None:
     compile_step = num_params < compile_max_params
@@ -318,8 +335,15 @@ def format_report(r: MemoryReport) -> str:
     lines += [
         f"  gradients (f32)     {gib(r.grad_bytes)}",
     ]
-    lines += [f"  {name:19s} {gib(b)}  (estimate)"
-              for name, b in (r.temporaries or {}).items() if name != "gradients"]
+    tmp = r.temporaries or {}
+    names = ("hypernetwork gradients", "generated W(t)", "saved activations", "head",
+             "layer", "embedding")
+    lines += [f"  {name:19s} {gib(tmp[name])}  (estimate)" for name in names if tmp.get(name)]
+    if tmp:
+      lines.append(f"  peak temporaries    {gib(tmp['peak'])}  (the larger of the backward "
+                   f"pass, {tmp['backward pass'] / GIB:.3f} GiB, and after the scan, "
+                   f"{tmp['after the scan'] / GIB:.3f} GiB: gradients, one phase of head / "
+                   "layer / embedding, and during the backward pass the saved activations)")
   verdict = "FITS" if r.fits else "DOES NOT FIT"
   lines.append(f"  total               {gib(r.total_bytes)}  of {r.device_memory_gib:g} GiB "
                f"per device: {verdict} ({100 * r.total_bytes / (r.device_memory_gib * GIB):.0f}%)")

@@ -1,0 +1,99 @@
+"""`python -m odetransformer.memory`'s analytic estimate against the compiled train step.
+
+For each shape, model (DiffEqFormer, GPT) and mesh (data, fsdp, tensor) of 8 host CPU
+devices, builds the training config, and prints the analytic per-device total
+(`memory.memory_report(compile_step=False)`: state, gradients and the peak of the
+temporaries it models) next to XLA's memory analysis of the real train step compiled for
+that mesh (arguments + outputs − aliased + temporaries), and their ratio. Shapes:
+bench-small (vocab 8192, d 256, K 6, seq 256, batch 8; float32) under remat
+'dots_saveable' and 'full', and configs/owt_small.py as it is (bf16, remat 'full',
+batch 512 × 1024). Nothing is allocated: compiling owt_small takes about a minute per
+mesh and a few GiB of host memory.
+
+Last line: `memory estimate / compiled: from A to B over N configurations` (target:
+within 0.85 to 1.15).
+
+  python -m benchmarks.memory_estimate
+  python -m benchmarks.memory_estimate --shapes=small --remat=full   # seconds (tests)
+"""
+import sys
+
+from benchmarks.host_devices import force_host_devices
+
+NUM_DEVICES = 8
+if __name__ == "__main__":
+  force_host_devices(NUM_DEVICES)   # before jax is imported: 8 fake CPU devices
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import argparse  # noqa: E402
+
+import jax  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from benchmarks.collectives import MESHES, make_config  # noqa: E402
+from configs import owt_small  # noqa: E402
+from odetransformer import memory  # noqa: E402
+
+MiB = 2 ** 20
+# Compiles in seconds (compile time follows the program, not its shapes), yet large
+# enough that the buffers the estimate models outweigh XLA's small fixed ones.
+SMALL = dict(model=dict(vocab_size=4096, d_model=128, num_heads=4, mlp_dim=512,
+                        num_steps=2, max_len=128, time_embed_dim=16, time_sinusoids=16),
+             seq_len=128, batch=8)
+SHAPES = ("bench-small", "owt_small", "small")
+REMATS = ("dots_saveable", "full")
+
+
+def configs(shape: str, kind: str, mesh, remats):
+  """(label, training config) for one shape on `mesh`."""
+  if shape == "owt_small":
+    c = owt_small.get_config()
+    c.model.kind = kind
+    c.mesh.shape = tuple(mesh)
+    yield f"owt_small {c.model.remat_policy}", c
+    return
+  preset = SMALL if shape == "small" else common.PRESETS["bench-small"]
+  for remat in remats:
+    yield f"{shape} {remat}", make_config(preset, kind, "gpt", mesh, remat)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--shapes", default="bench-small,owt_small",
+                      help=f"comma-separated, from {', '.join(SHAPES)}")
+  parser.add_argument("--remat", default=",".join(REMATS),
+                      help="remat policies of bench-small and small (owt_small: its own)")
+  args = parser.parse_args(argv)
+  remats = [r for r in args.remat.split(",") if r]
+  if not remats or any(r not in REMATS for r in remats):
+    sys.exit(f"error: --remat={args.remat!r}: choose from {', '.join(REMATS)}")
+  shapes = [s for s in args.shapes.split(",") if s]
+  if not shapes or any(s not in SHAPES for s in shapes):
+    sys.exit(f"error: --shapes={args.shapes!r}: choose from {', '.join(SHAPES)}")
+  if jax.device_count() != NUM_DEVICES:
+    sys.exit(f"error: jax has {jax.device_count()} devices, not {NUM_DEVICES}: run as a "
+             "program (`python -m benchmarks.memory_estimate`) so XLA_FLAGS is set first")
+  print(f"per-device MiB on {NUM_DEVICES} host devices: the analytic estimate "
+        "(odetransformer.memory) and the compiled train step's memory analysis")
+  print(f"{'shape, remat':27s} {'model':12s} {'mesh':9s} {'estimate':>10s} "
+        f"{'compiled':>10s} {'ratio':>6s}  estimate's peak temporaries")
+  ratios = []
+  for shape in shapes:
+    for kind in ("diffeqformer", "gpt"):
+      for mesh in MESHES:
+        for label, config in configs(shape, kind, mesh, remats):
+          est = memory.memory_report(config, compile_step=False)
+          xla = memory.memory_report(config, compile_step=True)
+          ratio = est.total_bytes / xla.total_bytes
+          ratios.append(ratio)
+          t = est.temporaries
+          which = ("backward pass" if t["backward pass"] >= t["after the scan"]
+                   else "after the scan")
+          print(f"{label:27s} {kind:12s} {str(mesh):9s} {est.total_bytes / MiB:10.1f} "
+                f"{xla.total_bytes / MiB:10.1f} {ratio:6.3f}  {which}", flush=True)
+  print(f"memory estimate / compiled: from {min(ratios):.3f} to {max(ratios):.3f} over "
+        f"{len(ratios)} configurations")
+
+
+if __name__ == "__main__":
+  main()
