@@ -50,10 +50,12 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective
 MESHES = ((1, 8, 1), (2, 4, 1), (1, 2, 4))
 MiB = 2 ** 20
 
-# A seconds-sized shape whose heads and batch still split over every mesh above.
-TINY = dict(model=dict(vocab_size=512, d_model=64, num_heads=4, mlp_dim=128, num_steps=2,
-                       max_len=64, time_embed_dim=8, time_sinusoids=8),
-            seq_len=32, batch=8)
+# `--tiny`: compiles in seconds (compile time follows the program, not its shapes), its
+# heads and batch split over every mesh above, and its buffers are large enough that
+# `odetransformer.memory`'s estimate is not dominated by XLA's small fixed ones.
+TINY = dict(model=dict(vocab_size=4096, d_model=128, num_heads=4, mlp_dim=512, num_steps=2,
+                       max_len=128, time_embed_dim=16, time_sinusoids=16),
+            seq_len=128, batch=8)
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
@@ -201,7 +203,9 @@ def measure(config, devices) -> dict:
   peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
           - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
   out = parse_collectives(compiled.as_text())
-  out.update(peak=peak, temp=stats.temp_size_in_bytes, hyper=hypernet_bytes(ts))
+  estimate = memory.memory_report(config, compile_step=False, devices=devices).total_bytes
+  out.update(peak=peak, temp=stats.temp_size_in_bytes, hyper=hypernet_bytes(ts),
+             estimate=estimate)
   return out
 
 
@@ -238,9 +242,9 @@ def main(argv=None):
         "memory MiB per device")
   print(f"{'mesh':9s} {'flavour':7s} {'model':12s} "
         + " ".join(f"{short[k]:>13s}" for k in KINDS)
-        + f" {'total':>15s} {'peak mem':>9s} {'temp':>8s} {'hyper':>7s}")
+        + f" {'total':>15s} {'peak mem':>9s} {'temp':>8s} {'hyper':>7s} {'estimate':>9s}")
   devices = jax.devices()
-  ratios, mem_ok = [], True
+  ratios, estimates, mem_ok = [], [], True
   for mesh_shape in meshes:
     for flavour in flavours:
       res = {}
@@ -252,7 +256,8 @@ def main(argv=None):
         s, w = sum(r["static"].values()), sum(r["weighted"].values())
         print(f"{str(mesh_shape):9s} {flavour:7s} {kind:12s} {cells} "
               f"{s / MiB:7.2f}/{w / MiB:7.2f} {r['peak'] / MiB:9.1f} {r['temp'] / MiB:8.1f} "
-              f"{r['hyper'] / MiB:7.1f}", flush=True)
+              f"{r['hyper'] / MiB:7.1f} {r['estimate'] / MiB:9.1f}", flush=True)
+        estimates.append(r["estimate"] / r["peak"])
         if r["unknown_trip_counts"]:
           print(f"  note: {r['unknown_trip_counts']} while loop(s) without a known trip "
                 "count, counted once")
@@ -266,6 +271,8 @@ def main(argv=None):
             f"{sum(ode['static'].values()) / max(1, sum(gpt['static'].values())):.2f}); "
             f"peak memory {ode['peak'] / gpt['peak']:.2f} × gpt, "
             f"{ode['peak'] / budget:.2f} of 1.10 × gpt + hypernetwork shard")
+  print(f"odetransformer.memory estimate / compiled peak: from {min(estimates):.3f} to "
+        f"{max(estimates):.3f} over {len(estimates)} steps")
   print(f"memory target (ode ≤ 1.10 × gpt + its hypernetwork shard) "
         f"{'met' if mem_ok else 'NOT met'} on every mesh")
   print(f"diffeqformer/gpt collective bytes: max ratio {max(ratios):.2f} over meshes")

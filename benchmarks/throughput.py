@@ -19,7 +19,6 @@ from flax import nnx
 from benchmarks import common
 from odetransformer.config import KINDS
 from odetransformer.materialize import materialize
-from odetransformer.model import create_model
 from odetransformer.param_count import count_params, flops_per_token
 
 

@@ -16,12 +16,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the tests' XLA flags, and one persistent compilation cache for the session. Tests build
 # the same tiny models again and again, in this process and in the programs they launch;
 # the cache compiles each program once.
+# Scripts that tests launch may import test modules (and so this file) again: keep the
+# flags and the cache they were given.
 from tiny import TEST_XLA_FLAGS  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-os.environ["XLA_FLAGS"] = TEST_XLA_FLAGS
-_CACHE = tempfile.mkdtemp(prefix="odet_tests_jax_cache_")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache = tempfile.mkdtemp(prefix="odet_tests_jax_cache_")
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache,
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
@@ -29,7 +34,7 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 @pytest.fixture(scope="session")
 def jax_cache_dir():
   """The session's persistent compilation cache (also set for child processes)."""
-  return pathlib.Path(_CACHE)
+  return pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 def shared_data_path(*parts: str) -> pathlib.Path:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tiny import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -66,13 +68,21 @@ def test_parser_counts_a_known_all_gather_exactly_and_weights_loops():
 
 
 def test_collectives_benchmark_at_tiny_shape():
+  """Also `odetransformer.memory`'s analytic estimate: within ±15% of each compiled
+  step's per-device peak (both models and flavours, every mesh)."""
   proc = subprocess.run([sys.executable, "-m", "benchmarks.collectives", "--tiny"],
                         env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   out = proc.stdout
-  rows = re.findall(r"^\((\d), (\d), (\d)\)\s+(gpt|llama)\s+(gpt|diffeqformer)\s", out,
-                    re.MULTILINE)
+  rows = re.findall(r"^\((\d), (\d), (\d)\)\s+(gpt|llama)\s+(gpt|diffeqformer)\s.*\s"
+                    r"([0-9.]+)\s+[0-9.]+\s+[0-9.]+\s+([0-9.]+)$", out, re.MULTILINE)
   assert len(rows) == 3 * 2 * 2, out                          # meshes × flavours × models
+  estimates = [float(est) / float(peak) for *_, peak, est in rows]
+  assert all(0.85 <= e <= 1.15 for e in estimates), out
+  m = re.search(r"^odetransformer.memory estimate / compiled peak: from ([0-9.]+) to "
+                r"([0-9.]+) over 12 steps$", out, re.MULTILINE)
+  assert m and float(m.group(1)) == pytest.approx(min(estimates), abs=0.002), out
+  assert float(m.group(2)) == pytest.approx(max(estimates), abs=0.002), out
   ratios = [float(r) for r in re.findall(r"ratio ode/gpt: collective bytes ([0-9.]+)", out)]
   assert len(ratios) == 6
   last = out.strip().splitlines()[-1]
