@@ -286,7 +286,7 @@ def main(argv=None):
 
   fig, ax = plt.subplots(figsize=(6, 4))
   for grid, style in zip(args.grids, ("-", "--", ":")):
-    for method, color in zip(("before", *args.methods), ("gray", "C0", "C1", "C2")):
+    for method, color in zip(args.methods, ("C0", "C1", "C2")):   # 'before': in the table
       means = [mean_std(v) for v in rows[f"DiffEqFormer {grid} {method}"]]
       ax.errorbar(ns, [m for m, _ in means], yerr=[e for _, e in means], marker="o",
                   capsize=3, linestyle=style, color=color, label=f"DiffEqFormer {grid} {method}")
