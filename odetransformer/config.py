@@ -41,7 +41,9 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.shared_time_mlp = False    # App. D.2 ablation: one MLP shared by all weights
   c.solver = "euler"           # 'euler' | 'midpoint' | 'rk4' (ODE kinds only)
   # Training time grid per batch (ODE kinds; odetransformer/time_grid.py): 'fixed' = k/K;
-  # 'random_offset' = interior times shifted by dt0 ~ U(0, 1/K), so all t are trained.
+  # 'random_offset' = interior times shifted by dt0 ~ U(0, 1/K), so all t are trained;
+  # 'random_uniform' = sorted U(0, 1) interior times, so all step sizes are trained too.
+  # Either holds at other step counts N, at a cost at K (benchmarks/README.md, "Any N").
   c.train_time_grid = "fixed"
   c.remat_policy = "full"      # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
   c.dtype = "float32"          # compute dtype: 'float32' | 'bfloat16' (params stay param_dtype)
