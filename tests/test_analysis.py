@@ -14,6 +14,9 @@ from odetransformer.analysis import clustering, fields, lyapunov, spectra
 from odetransformer.config import ModelConfig
 from odetransformer.model import create_model
 
+# Under pytest-xdist this file runs on one worker: its module fixtures are made once.
+pytestmark = pytest.mark.xdist_group("test_analysis")
+
 TINY = ModelConfig(vocab_size=61, d_model=16, num_heads=2, mlp_dim=24, num_steps=3,
                    max_len=16, time_embed_dim=4, time_sinusoids=4, time_hidden=8,
                    remat_policy="none")

@@ -21,6 +21,9 @@ from odetransformer.loading import load_model
 from odetransformer.model import create_model
 from tiny import tiny_run_config
 
+# Under pytest-xdist this file runs on one worker: its module fixtures are made once.
+pytestmark = pytest.mark.xdist_group("test_evaluate")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EVAL_TEXT = '''def read_config(path):
     """Reads a JSON config file and returns it as a dict."""

@@ -17,6 +17,9 @@ from odetransformer.model import create_model
 from odetransformer.solvers import stage_times
 from test_train import fast_compiles, tiny_config  # noqa: F401  (fixture: compile cache)
 
+# Under pytest-xdist this file runs on one worker: its module fixtures are made once.
+pytestmark = pytest.mark.xdist_group("test_finetune")
+
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):

@@ -22,6 +22,9 @@ from input_pipeline import prepare
 from input_pipeline import sources
 from input_pipeline import tokenizer as tokenizer_lib
 
+# Under pytest-xdist this file runs on one worker: its module fixtures are made once.
+pytestmark = pytest.mark.xdist_group("test_input_pipeline")
+
 SEQ, BATCH, VOCAB = 32, 4, 512
 KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
 

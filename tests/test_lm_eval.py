@@ -25,6 +25,9 @@ from odetransformer import train  # pylint: disable=g-import-not-at-top
 from odetransformer.lm_eval_model import ODETransformerLM  # pylint: disable=g-import-not-at-top
 from tiny import tiny_run_config  # pylint: disable=g-import-not-at-top
 
+# Under pytest-xdist this file runs on one worker: its module fixtures are made once.
+pytestmark = pytest.mark.xdist_group("test_lm_eval")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TASK_DIR = ROOT / "examples" / "lm_eval_tasks"
 MAX_LENGTH = 24   # short, so LAMBADA passages are left-truncated and strings need windows

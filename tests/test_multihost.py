@@ -29,6 +29,9 @@ import pytest
 from odetransformer import checkpointing
 from tiny import cpu_env
 
+# Under pytest-xdist this file runs on one worker: its module fixtures are made once.
+pytestmark = pytest.mark.xdist_group("test_multihost")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240          # per group of processes; a hang is killed, not waited on
 

@@ -26,6 +26,9 @@ from odetransformer import checkpointing
 from odetransformer import metrics as metrics_lib
 from odetransformer import errors, health, steps, train
 
+# Under pytest-xdist this file runs on one worker: its module fixtures are made once.
+pytestmark = pytest.mark.xdist_group("test_reliability")
+
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):

@@ -27,6 +27,9 @@ from odetransformer.model import create_model
 
 from tiny import config_flags, cpu_env, run_on_8_cpu_devices, tiny_config  # noqa: E402  (re-exported for other test modules)
 
+# Under pytest-xdist this file runs on one worker: its module fixtures are made once.
+pytestmark = pytest.mark.xdist_group("test_train")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
