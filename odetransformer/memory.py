@@ -256,19 +256,15 @@ def memory_report(config, *, compile_step: Optional[bool] = None,
   num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   param_bytes = _per_device_bytes(params)
   model_bytes = _per_device_bytes(abs_model)
-  grad_bytes = sum(
-      math.prod(x.sharding.shard_shape(x.shape)) * 4 for x in jax.tree.leaves(params))
+  temporaries = temporaries_estimate(config, cfg, mesh, rules, params)
+  batch_shards = sharding_lib.num_batch_shards(mesh, rules)
+  batch_bytes = 5 * (config.global_batch_size // batch_shards) * config.seq_len * 4
   report = MemoryReport(
       num_devices=len(devices), mesh_shape=dict(mesh.shape), num_params=num_params,
       param_bytes=param_bytes, other_model_bytes=model_bytes - param_bytes,
-      opt_state_bytes=_per_device_bytes(abs_opt), grad_bytes=grad_bytes,
-      activation_bytes=0, compiled=False,
-      device_memory_gib=device_memory_gib)
-  report.temporaries = temporaries_estimate(config, cfg, mesh, rules, params)
-  batch_shards = sharding_lib.num_batch_shards(mesh, rules)
-  batch_bytes = 5 * (config.global_batch_size // batch_shards) * config.seq_len * 4
-  report.activation_bytes = (batch_bytes + report.temporaries["peak"]
-                             - report.temporaries["gradients"])
+      opt_state_bytes=_per_device_bytes(abs_opt), grad_bytes=temporaries["gradients"],
+      activation_bytes=batch_bytes + temporaries["peak"] - temporaries["gradients"],
+      compiled=False, device_memory_gib=device_memory_gib, temporaries=temporaries)
 
   if compile_step is None:
     compile_step = num_params < compile_max_params

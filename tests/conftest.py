@@ -31,12 +31,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
-@pytest.fixture(scope="session")
-def jax_cache_dir():
-  """The session's persistent compilation cache (also set for child processes)."""
-  return pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
-
-
 def shared_data_path(*parts: str) -> pathlib.Path:
   """Path under ../shared/data; skips the test when absent unless CI requires it."""
   path = SHARED_DATA.joinpath(*parts)

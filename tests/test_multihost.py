@@ -93,10 +93,7 @@ def _free_port() -> int:
 
 def _env(tmp, devices, **extra):
   env = cpu_env(devices)
-  env.update(ODET_ROOT=str(ROOT), ODET_CACHE=str(tmp / "cache"),
-             JAX_COMPILATION_CACHE_DIR=str(tmp / "jax_cache"),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  env.update(ODET_ROOT=str(ROOT), ODET_CACHE=str(tmp / "cache"))   # + the session's compile cache
   for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
               "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"):
     env.pop(key, None)
@@ -157,7 +154,7 @@ def _two_processes(tmp, name, workdir, **extra):
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-  """The module's directory: the shared tokenizer/data cache and compilation cache."""
+  """The module's directory: the runs' shared tokenizer/data cache."""
   return tmp_path_factory.mktemp("multihost")
 
 

@@ -60,11 +60,9 @@ def main_cmd(workdir, cache_dir, num_train_steps, *overrides):
 
 
 def subprocess_env():
-  """CPU, the 'rbg' PRNG of the in-process runs (fast_compiles) and their compile cache."""
-  return cpu_env(JAX_DEFAULT_PRNG_IMPL="rbg",
-                 JAX_COMPILATION_CACHE_DIR=str(jax.config.jax_compilation_cache_dir),
-                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  """CPU and the 'rbg' PRNG of the in-process runs (fast_compiles); the session's
+  compile cache comes with the environment (conftest)."""
+  return cpu_env(JAX_DEFAULT_PRNG_IMPL="rbg")
 
 
 def start_and_wait_for_checkpoint(cmd, workdir, min_step=1, timeout=240):

@@ -34,23 +34,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def fast_compiles(jax_cache_dir):
-  """Compilation dominates these tests. Runs in this module (and in the modules that
-  import this fixture) compile the same programs again and again (a fresh jit per
-  train_and_evaluate call): a persistent cache, one per test session, turns 30 s runs
-  into 3 s ones. And XLA:CPU compiles the parameter init ~3× faster with the
-  'rbg' PRNG than with threefry (the loop under test does not care which; the 8-device
-  equivalence test runs in its own process with the default)."""
-  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-          "jax_persistent_cache_min_entry_size_bytes", "jax_default_prng_impl")
-  old = {k: getattr(jax.config, k) for k in keys}
-  jax.config.update(keys[0], str(jax_cache_dir))
-  jax.config.update(keys[1], 0)
-  jax.config.update(keys[2], 0)
-  jax.config.update(keys[3], "rbg")
+def fast_compiles():
+  """Compilation dominates these tests (conftest gives every test process one persistent
+  compilation cache). XLA:CPU also compiles the parameter init ~3× faster with the
+  'rbg' PRNG than with threefry: this module (and the modules that import this fixture)
+  uses it; the loop under test does not care which, and the 8-device equivalence test
+  runs in its own process with the default."""
+  old = jax.config.jax_default_prng_impl
+  jax.config.update("jax_default_prng_impl", "rbg")
   yield
-  for k, v in old.items():
-    jax.config.update(k, v)
+  jax.config.update("jax_default_prng_impl", old)
 
 
 @pytest.fixture(scope="module")
