@@ -7,9 +7,11 @@ count), created already sharded inside one jit (no full replica on any host). A
 sharding of every leaf.
 
 The train step is a pure function of (state, batch, rng) -> (state, metrics), the state
-donated; it merges the modules back inside the jit, and pins its output state to the
-shardings it was created with, so they never drift (unannotated params would otherwise
-get whatever the compiler picks).
+donated; it merges the modules back inside the jit. Every jit that returns a state
+(creation, the step) names the layout's shardings as its out_shardings, so a state carries
+exactly those — created, restored or stepped — and they never drift (unannotated params
+would otherwise get whatever the compiler picks; XLA would also drop size-1 mesh axes:
+equivalent shardings, but another program to compile for each form).
 """
 import dataclasses
 import functools
@@ -43,15 +45,17 @@ class StateLayout:
   """How a TrainState is built and sharded, allocating nothing."""
   graphdef: Any              # nnx.GraphDef of {"model": …, "optimizer": …}
   abstract: TrainState       # ShapeDtypeStructs with concrete shardings
-  shardings: list            # flat NamedShardings, in jax.tree.leaves(state) order
+  shardings: TrainState      # the NamedSharding of every leaf (a jit's out_shardings)
 
-  def constrain(self, state: TrainState) -> TrainState:
-    """Pins every leaf of `state` to the sharding it was created with."""
-    leaves, treedef = jax.tree.flatten(state)
-    if len(leaves) != len(self.shardings):
-      raise AssertionError(f"state has {len(leaves)} leaves, expected {len(self.shardings)}")
-    leaves = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, self.shardings)]
-    return jax.tree.unflatten(treedef, leaves)
+  def assemble(self, model_state: nnx.State, opt_state: nnx.State) -> TrainState:
+    """A TrainState of these parts with the exact pytree structure of a created one.
+
+    `nnx.State({"model": …, "optimizer": …})` would nest State objects where a created
+    state holds plain mappings: another pytree, so the jitted step would be traced and
+    compiled a second time at the first step after a restore.
+    """
+    leaves = jax.tree.leaves(model_state) + jax.tree.leaves(opt_state)
+    return jax.tree.unflatten(jax.tree.structure(self.abstract), leaves)
 
   def merge(self, state: TrainState):
     """(model, optimizer) modules over `state`."""
@@ -73,7 +77,7 @@ def state_layout(cfg: ModelConfig, tx, seed: int, mesh) -> StateLayout:
   """
   graphdef, abstract = nnx.get_abstract_model(_init_fn(cfg, tx, seed), mesh)
   return StateLayout(graphdef=graphdef, abstract=abstract,
-                     shardings=[a.sharding for a in jax.tree.leaves(abstract)])
+                     shardings=jax.tree.map(lambda a: a.sharding, abstract))
 
 
 def init_train_state(cfg: ModelConfig, tx, seed: int, mesh):
@@ -84,9 +88,9 @@ def init_train_state(cfg: ModelConfig, tx, seed: int, mesh):
   layout = state_layout(cfg, tx, seed, mesh)
   init_fn = _init_fn(cfg, tx, seed)
 
-  @jax.jit
+  @functools.partial(jax.jit, out_shardings=layout.shardings)
   def init():
-    return layout.constrain(nnx.state(init_fn()))
+    return nnx.state(init_fn())
 
   with jax.set_mesh(mesh):
     state = init()
@@ -206,7 +210,7 @@ def make_train_step(layout: StateLayout, schedule: Callable, rules, *,
     out = metrics_lib.TrainMetrics.single_from_model_output(
         loss_sum=loss_sum, weight_sum=weight_sum, grad_norm=grad_norm, learning_rate=lr,
         applied=applied)
-    return layout.constrain(new_state), out
+    return new_state, out
 
   def traced_step(state, batch, rng):
     # Generated weights (DiffEqFormer's W(t)) are sharded as parameters, by `rules`;
@@ -215,7 +219,8 @@ def make_train_step(layout: StateLayout, schedule: Callable, rules, *,
       return step(state, batch, rng)
 
   return _with_rules(sharding_lib.activation_rules(rules),
-                    jax.jit(traced_step, donate_argnums=(0,)))
+                    jax.jit(traced_step, donate_argnums=(0,),
+                            out_shardings=(layout.shardings, None)))
 
 
 def make_param_norm(layout: StateLayout) -> Callable:

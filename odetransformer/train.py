@@ -137,7 +137,7 @@ def _restore_or_init(config, cfg, tx, mesh, ckpt, train_iter):
   restored = ckpt.restore_latest(layout.abstract["model"], layout.abstract["optimizer"])
   if restored is not None:
     step, model_state, opt_state, meta, data_state = restored
-    state = nnx.State({"model": model_state, "optimizer": opt_state})
+    state = layout.assemble(model_state, opt_state)
     if meta and "rng_key" in meta:
       rng = jax.random.wrap_key_data(np.asarray(meta["rng_key"], np.uint32))
     if data_state is not None:

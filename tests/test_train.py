@@ -1,8 +1,11 @@
 """End to end: train_and_evaluate, checkpoints, exact resume, sharding, WikiText-2."""
+import contextlib
 import json
+import logging
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -55,9 +58,31 @@ def runs(tmp_path_factory):
   with pytest.MonkeyPatch.context() as mp:   # a SIGTERM arriving during step 4
     mp.setattr(checkpointing.Checkpointer, "reached_preemption", lambda self, step: step == 4)
     first = train.train_and_evaluate(tiny_config(cache, 6), str(wd_a))
-  resumed = train.train_and_evaluate(tiny_config(cache, 6), str(wd_a))
+  with compiled_functions() as resume_compiles:
+    resumed = train.train_and_evaluate(tiny_config(cache, 6), str(wd_a))
   fresh = train.train_and_evaluate(tiny_config(cache, 6), str(wd_b))
-  return dict(first=first, resumed=resumed, fresh=fresh, wd_a=wd_a, wd_b=wd_b)
+  return dict(first=first, resumed=resumed, fresh=fresh, wd_a=wd_a, wd_b=wd_b,
+              resume_compiles=resume_compiles)
+
+
+@contextlib.contextmanager
+def compiled_functions():
+  """The names of the functions jax compiles (or loads from its cache) inside the block."""
+  names = []
+
+  class Record(logging.Handler):
+    def emit(self, record):
+      m = re.match(r"Finished XLA compilation of jit\((\w+)\)", record.getMessage())
+      if m:
+        names.append(m.group(1))
+
+  logger, handler = logging.getLogger("jax._src.dispatch"), Record(logging.WARNING)
+  logger.addHandler(handler)
+  try:
+    with jax.log_compiles(True):
+      yield names
+  finally:
+    logger.removeHandler(handler)
 
 
 def test_first_run_writes_checkpoints_events_and_config(runs):
@@ -82,6 +107,12 @@ def test_second_run_resumes_and_continues(runs):
   assert [s for s, _ in r["loss_history"]] == [5, 6]
   steps = sorted(int(p.name) for p in (wd / "checkpoints").iterdir() if p.name.isdigit())
   assert steps[-1] == 6 and len(steps) <= 3   # keep-last-k (3)
+
+
+def test_resumed_run_compiles_its_train_step_once(runs):
+  """The restored state has the pytree of a created one: the step after the restore
+  does not trace and compile the train step again."""
+  assert runs["resume_compiles"].count("traced_step") == 1, runs["resume_compiles"]
 
 
 def _final_params(workdir):
