@@ -169,7 +169,7 @@ def _flat(tree, dtype=None):
 def _direct_gradients(cfg, params, batch):
   """(loss, {keystr: gradient}) of the token-weighted mean cross-entropy of `batch`,
   taken with plain `nnx.value_and_grad` on a model holding `params` (a pure dict): the
-  independent reference for the train step."""
+  independent reference for the train step (jitted: op by op it compiles each op)."""
   def mean_loss(model):
     logits = model(jnp.asarray(batch["inputs"]))
     logp = jax.nn.log_softmax(logits.astype(jnp.float32))
@@ -179,7 +179,7 @@ def _direct_gradients(cfg, params, batch):
 
   graphdef, model_state = nnx.split(create_model(cfg, seed=0))
   nnx.replace_by_pure_dict(model_state, params)
-  loss, grads = nnx.value_and_grad(mean_loss)(nnx.merge(graphdef, model_state))
+  loss, grads = nnx.jit(nnx.value_and_grad(mean_loss))(nnx.merge(graphdef, model_state))
   return loss, _flat(nnx.to_pure_dict(nnx.state(grads, nnx.Param)))
 
 
