@@ -8,12 +8,14 @@ The same tiny run three ways, each in fresh subprocesses (device counts and
   part2   the same 2 processes again on the same workdir: resumes at step 2, runs to 4;
   sigterm 2 processes on a 1000-step run, a real SIGTERM sent to process 1 only.
 
-The driver goes through main.py's own multi-host detection (`_multi_process_env`,
-`_distributed_args`: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)
-and then `train.train_and_evaluate`, recording each process's training batches. Checked:
-losses of part1 + part2 equal ref's (1e-5), and at every step the two processes held
-disjoint halves whose concatenation is ref's global batch (also after the resume); the
-SIGTERM stops both processes at the same step, with that step's checkpoint, exit 0.
+Each process runs main.py's own entry point (flags, multi-host detection from
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, `jax.distributed`
+initialisation, then `train.train_and_evaluate`), recording its training batches and the
+run's result. Checked: losses of part1 + part2 equal ref's (1e-5), and at every step the
+two processes held disjoint halves whose concatenation is ref's global batch (also after
+the resume); only process 0 logs progress and evaluation, and the TensorBoard scalars
+and checkpoints are written once; the SIGTERM stops both processes at the same step,
+with that step's checkpoint, exit 0.
 """
 import json
 import pathlib
@@ -27,6 +29,7 @@ import time
 import pytest
 
 from odetransformer import checkpointing
+from odetransformer import metrics as metrics_lib
 from tiny import cpu_env
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
@@ -37,19 +40,12 @@ TIMEOUT_S = 240          # per group of processes; a hang is killed, not waited 
 
 DRIVER = textwrap.dedent("""
     import json, os, sys
-    sys.path.insert(0, os.environ["ODET_ROOT"])
+    sys.path[:0] = [os.environ["ODET_ROOT"], os.path.join(os.environ["ODET_ROOT"], "tests")]
     import time
     T0 = time.time()
-    from absl import logging as absl_logging
-    absl_logging.set_verbosity("info")
-    absl_logging.set_stderrthreshold("info")
-    import jax
     import main as main_lib
-    if main_lib._multi_process_env():
-      jax.distributed.initialize(**main_lib._distributed_args())
-    from odetransformer import checkpointing, steps, train
-    sys.path.insert(0, os.path.join(os.environ["ODET_ROOT"], "tests"))
-    from tiny import tiny_config
+    from odetransformer import checkpointing, errors, steps, train
+    from tiny import config_flags, tiny_config
 
     c = tiny_config(os.environ["ODET_CACHE"], num_train_steps=int(os.environ.get("ODET_STEPS", 4)))
     c.eval_every_steps = 0          # only at the end
@@ -61,10 +57,7 @@ DRIVER = textwrap.dedent("""
     if stop:   # a preemption noticed at step `stop` by every process
       checkpointing.Checkpointer.reached_preemption = lambda self, step: step == stop
 
-    # Evaluation is not under test here; skipping it saves an eval-step compilation.
-    steps.evaluate = lambda *args, **kwargs: {}
-
-    batches = []
+    batches, result = [], {}
     local_batch = steps.local_batch
     def recording(batch, local_batch_size=None):
       out = local_batch(batch, local_batch_size)
@@ -72,8 +65,19 @@ DRIVER = textwrap.dedent("""
         batches.append(out["inputs"].tolist())
       return out
     steps.local_batch = recording
+    train_and_evaluate = train.train_and_evaluate
+    def recorded(config, workdir):
+      result.update(train_and_evaluate(config, workdir))
+      return result
+    train.train_and_evaluate = recorded
 
-    result = train.train_and_evaluate(c, os.environ["ODET_WORKDIR"])
+    sys.argv = ["main.py", "--config=configs/default.py",
+                f"--workdir={os.environ['ODET_WORKDIR']}", *config_flags(c)]
+    try:
+      errors.run_cli(main_lib._run)       # what `python main.py ...` runs
+    except SystemExit as e:               # absl's app.run exits when main returns
+      assert e.code in (None, 0), e.code
+    import jax
     out = {"process_index": jax.process_index(), "process_count": jax.process_count(),
            "device_count": jax.device_count(), "local_devices": jax.local_device_count(),
            "start_step": result["start_step"], "step": result["step"],
@@ -207,6 +211,25 @@ def test_each_process_reads_a_disjoint_half(runs):
       rows1 = {tuple(r) for r in p1[j]}
       assert not rows0 & rows1, f"step {offset + j + 1}: processes share rows"
       assert p0[j] + p1[j] == ref["batches"][offset + j], f"step {offset + j + 1}"
+
+
+def test_process_0_alone_logs_and_writes_scalars(runs, base):
+  """Every process reports its place in the job; progress, evaluation, TensorBoard
+  scalars and the checkpoints of the two-process run are written once."""
+  del runs
+  log = lambda name, i: (base / f"{name}_{i}.log").read_text()
+  assert "JAX process 0/1, 8 local / 8 global devices" in log("ref", 0)
+  for name in ("part1", "part2"):
+    for i in range(2):
+      assert f"JAX process {i}/2, 4 local / 8 global devices" in log(name, i)
+  assert "step 2/4 | loss" in log("part1", 0) and "step 4/4 | loss" in log("part2", 0)
+  assert "eval @ step 4 | loss" in log("part2", 0)
+  for name in ("part1", "part2"):
+    assert " | loss" not in log(name, 1)
+  scalars = metrics_lib.read_scalars(str(base / "multi" / "tensorboard"))
+  assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4]
+  assert [s for s, _ in scalars["eval/loss"]] == [4]
+  assert checkpointing.finalized_steps(str(base / "multi")) == [2, 4]
 
 
 def test_sigterm_to_one_process_stops_both_at_the_same_step(runs, base):
