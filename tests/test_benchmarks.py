@@ -21,8 +21,8 @@ NUM = r"([0-9][0-9,]*\.?[0-9]*)"
 
 def _launch(module, *args, timeout=600) -> subprocess.CompletedProcess:
   """`python -m benchmarks.<module> args...` from the repository root, as the README says
-  (with the 'rbg' PRNG, whose parameter init XLA:CPU compiles ~3x faster: what these
-  runs check does not depend on the random numbers)."""
+  (with the 'rbg' PRNG, as the in-process tests: what these runs check does not depend
+  on the random numbers)."""
   return subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args],
                         cwd=str(ROOT), env=cpu_env(JAX_DEFAULT_PRNG_IMPL="rbg"),
                         capture_output=True, text=True, timeout=timeout)
