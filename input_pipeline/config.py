@@ -20,7 +20,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.tokenizer_path = ""        # SentencePiece .model to use; '' = train on the training split and cache it
   c.tokenizer_sample_bytes = 10_000_000  # bytes of training text the tokenizer is trained on
   c.text_key = "text"          # feature holding the text in each example
-  c.worker_count = 0           # tokenizer worker processes (0 = tokenize in the training process)
+  c.worker_count = 0           # tokenizer worker processes per input shard (0 = tokenize in the training process)
+  # Independent streams the training data is split into (documents i::input_shards),
+  # each filling global_batch_size / input_shards rows of every batch; each process
+  # reads only its input_shards / process_count of them. 0 = one per process. Keep it
+  # fixed across resumes (set it explicitly to resume on another process count).
+  c.input_shards = 0
   c.shuffle_buffer = 256       # packed rows shuffled together after packing (0 or 1 = no row shuffle)
   c.eval_max_batches = 0       # evaluate on at most this many batches (0 = the whole eval split)
   c.cache_dir = ""             # tokenizers and prepared local text; '' = data_dir, else <workdir>/data_cache

@@ -1,14 +1,18 @@
 """Training-iterator state: JSON round trips and worker-count changes (grain 0.2.18).
 
 The training code saves `iter(datasets.train).get_state()` as JSON in each checkpoint
-and hands it back to `restore_iterator_state`, which repairs what JSON changed and,
-since the stream does not depend on `data.worker_count`, rewrites the document
-position for the current worker count. Both rely on grain 0.2.18's state layout;
+(one state per process, each naming the input shards it reads) and hands it back to
+`restore_iterator_state`, which repairs what JSON changed, picks this process's shards
+(from every process's states when the process count changed) and, since the stream does
+not depend on `data.worker_count`, rewrites the document position for the current
+worker count. Both rely on grain 0.2.18's state layout;
 tests/test_input_pipeline.py pins the behaviour.
 """
 from typing import Any
 
 import grain
+
+from input_pipeline.errors import DataError
 
 
 def fix_grain_state(state: Any) -> Any:
@@ -84,15 +88,42 @@ def _with_workers(state: Any, num_workers: int) -> Any:
   return out
 
 
-def restore_iterator_state(iterator: grain.DatasetIterator, state: dict[str, Any]) -> None:
-  """Restores `iterator` (from `iter(datasets.train)`) to a JSON-loaded `get_state()`.
+def _merged(states: Any) -> dict[str, Any]:
+  """One state holding every shard: `states` is one process's state, or the list of
+  every process's states (as a checkpoint keeps them)."""
+  if isinstance(states, dict):
+    states = [states]
+  if not all(isinstance(x, dict) and {"num_shards", "shards"} <= set(x) for x in states):
+    raise DataError("the checkpoint's data-iterator state is not from this input pipeline "
+                    "(no input shards); fix: resume with the version that wrote it, or "
+                    "start a new --workdir")
+  counts = {x["num_shards"] for x in states}
+  if len(counts) != 1:
+    raise DataError(f"the checkpoint's data-iterator states disagree on the input shard "
+                    f"count ({sorted(counts)}); fix: start a new --workdir")
+  return {"num_shards": counts.pop(),
+          "shards": {k: v for x in states for k, v in x["shards"].items()}}
 
-  Besides undoing JSON's changes (`fix_grain_state`), this accepts a state saved with
-  another `data.worker_count`: the stream does not depend on it, so the position
-  (documents read) carries over exactly.
+
+def restore_iterator_state(iterator: grain.DatasetIterator, state: Any) -> None:
+  """Restores `iterator` (from `iter(datasets.train)`) to JSON-loaded saved state.
+
+  `state` is this process's `get_state()`, or the list of every process's states of a
+  run with another process count: each input shard continues exactly where it was,
+  whichever process reads it now, as long as `data.input_shards` is the same (else a
+  DataError names the count to set). Besides undoing JSON's changes
+  (`fix_grain_state`), this accepts a state saved with another `data.worker_count`: the
+  stream does not depend on it, so the position (documents read) carries over exactly.
   """
-  state = fix_grain_state(state)
-  workers_now = _num_workers(iterator.get_state())
+  saved = _merged(fix_grain_state(state))
+  now = iterator.get_state()
+  if saved["num_shards"] != now["num_shards"]:
+    raise DataError(f"the checkpoint's data stream has {saved['num_shards']} input shards, "
+                    f"this run {now['num_shards']}; fix: set --config.data.input_shards="
+                    f"{saved['num_shards']} to continue it exactly (a multiple of the "
+                    "process count)")
+  state = {"num_shards": now["num_shards"], "shards": {k: saved["shards"][k] for k in now["shards"]}}
+  workers_now = _num_workers(now)
   if workers_now is not None and _num_workers(state) not in (None, workers_now):
     state = _with_workers(state, workers_now)
   iterator.set_state(state)

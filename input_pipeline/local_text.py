@@ -12,13 +12,14 @@ import contextlib
 import hashlib
 import json
 import os
-import pathlib
 
 from absl import logging
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core.utils import tqdm_utils
 
+from input_pipeline import cache
 from input_pipeline.errors import DataError
+from odetransformer import fileio
 
 # A document is built from whole paragraphs (runs of lines between blank lines) up to
 # about this many characters; a longer paragraph is cut at line ends, a longer line
@@ -121,7 +122,7 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
 
   def _generate_examples(self, files: Sequence[str]) -> Iterator[tuple[str, dict]]:
     for path in files:
-      text = pathlib.Path(path).read_text(encoding="utf-8", errors="replace")
+      text = _read_text(path)
       for i, doc in enumerate(split_documents(text, self._doc_chars)):
         yield f"{path}:{i}", {"text": doc}
 
@@ -132,7 +133,7 @@ def fingerprint(split_files: Mapping[str, Sequence[str]], doc_chars: int = DOC_C
   for split, files in sorted(split_files.items()):
     entries = []
     for f in files:
-      st = os.stat(f)
+      st = os.stat(f)     # local files (expand_globs); nanosecond modification times
       entries.append([os.path.abspath(f), st.st_size, st.st_mtime_ns])
     desc["splits"][split] = entries
   blob = json.dumps(desc, sort_keys=True).encode()
@@ -150,33 +151,59 @@ def _no_progress_bars():
     tfds.display_progress_bar(was)
 
 
+def _read_text(path: str) -> str:
+  return fileio.read_bytes(path).decode("utf-8", errors="replace")
+
+
+def _builder(split_files, doc_chars, data_dir) -> LocalText:
+  return LocalText(split_files=split_files, doc_chars=doc_chars, data_dir=data_dir,
+                   file_format="array_record")
+
+
+def _is_prepared(builder: LocalText) -> bool:
+  # is_prepared() warns about a version directory that does not exist yet: check first.
+  return builder.data_path.exists() and builder.is_prepared()
+
+
 def prepare(split_files: Mapping[str, Sequence[str]], root: str | os.PathLike,
             doc_chars: int = DOC_CHARS) -> tuple[dict[str, Sequence], str]:
   """Prepares (once) and opens the files as array_record data sources.
 
+  One job prepares at a time (`cache.exclusive` on `root`); a job that waited finds the
+  data prepared. What a killed preparation left is removed first.
+
   Args:
     split_files: Split name -> text files.
-    root: Directory under which `local-<fingerprint>/` is written.
+    root: Local directory under which `local-<fingerprint>/` is written.
     doc_chars: See `split_documents`.
 
   Returns:
     (split name -> random-access source of {'text': bytes}, fingerprint).
   """
+  root = os.fspath(root)
+  if not fileio.is_local(root):
+    raise DataError(f"data.cache_dir={root}: local text is prepared with array_record's "
+                    "local-file writer, not on an object store; fix: set data.cache_dir to "
+                    "a local directory (data.tokenizer_path and data.data_dir may be gs://)")
   fp = fingerprint(split_files, doc_chars)
-  builder = LocalText(split_files=split_files, doc_chars=doc_chars,
-                      data_dir=os.path.join(os.fspath(root), f"local-{fp}"),
-                      file_format="array_record")
-  # is_prepared() warns about a version directory that does not exist yet: check first.
-  if not (builder.data_path.exists() and builder.is_prepared()):
+  data_dir = fileio.join(root, f"local-{fp}")
+  builder = _builder(split_files, doc_chars, data_dir)
+  if not _is_prepared(builder):
     for split, files in split_files.items():  # TFDS cannot write an empty split
-      if not any(pathlib.Path(f).read_text(encoding="utf-8", errors="replace").strip()
-                 for f in files):
+      if not any(_read_text(f).strip() for f in files):
         shown = ", ".join(files[:3]) + (", ..." if len(files) > 3 else "")
         raise DataError(f"the {split} files contain no text ({shown}); "
                         "fix: point the source at non-empty text files")
-    n_files = len({f for files in split_files.values() for f in files})
-    logging.info("preparing %d text file%s as array_record in %s (once; later runs reuse it)",
-                 n_files, "" if n_files == 1 else "s", builder.data_dir)
-    with _no_progress_bars():
-      builder.download_and_prepare()
-  return dict(builder.as_data_source()), fp
+    with cache.exclusive(root, "text"):
+      builder = _builder(split_files, doc_chars, data_dir)   # as another job may have left it
+      if not _is_prepared(builder):
+        cache.remove_incomplete(os.fspath(builder.data_path.parent))
+        files = {f for fs in split_files.values() for f in fs}
+        logging.info("preparing %d text file%s as array_record in %s (once; later runs "
+                     "reuse it)", len(files), "" if len(files) == 1 else "s", builder.data_dir)
+        need = 2 * sum(os.path.getsize(f) for f in files) + (1 << 20)
+        with _no_progress_bars(), cache.one_line_errors(data_dir, need_bytes=need):
+          builder.download_and_prepare()
+        builder = _builder(split_files, doc_chars, data_dir)
+  with cache.one_line_errors(data_dir, delete=data_dir):
+    return {k: cache.Checked(v, data_dir) for k, v in builder.as_data_source().items()}, fp

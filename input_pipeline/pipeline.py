@@ -1,19 +1,36 @@
 """The grain pipeline: documents -> tokens -> packed rows -> per-process batches.
 
-Training (infinite, exactly resumable)::
+Training (infinite, exactly resumable), per input shard s of `data.input_shards` (N)::
 
-  documents (random access) --shuffle(seed, reshuffled every epoch)--> repeat forever
-    --tokenize (+eos), in `worker_count` processes-->
-    --ConcatThenSplit into seq_len+1 windows--> --window-shuffle rows--> global batch
-    --> this process's rows --> {'inputs', 'targets', 'segment_ids', 'positions', 'weights'}
+  documents s, s+N, s+2N, ... (random access) --shuffle(seed, shard; every epoch)-->
+    repeat forever --tokenize (+eos), in `worker_count` processes-->
+    --ConcatThenSplit into seq_len+1 windows--> --window-shuffle rows-->
+    batches of global_batch_size / N rows
+  process p: its shards' batches side by side (shards p*N/P ... (p+1)*N/P - 1, P the
+  process count) --> {'inputs', 'targets', 'segment_ids', 'positions', 'weights'}
 
-Tokenizing is the costly step and the only one in worker processes. Packing, row
-shuffling and batching run after the workers, in this process, so the stream does
-not depend on `worker_count` (grain's mp_prefetch interleaves the workers' strided
-slices back into the original order). Every process builds the same global batch and
-keeps rows `[process_index * local : (process_index + 1) * local]`: the data a step
-sees does not depend on the number of hosts, and iterator states are identical on
-all hosts (at the cost of every host tokenizing the whole global batch).
+Per-host input: a process opens, reads and tokenizes only the documents of its own
+shards, so its work is 1/P of the global batch's. The global batch is the shards'
+rows in shard order, whatever the process count: a 1-process run with N shards sees
+exactly the global batches an N-process run sees. N defaults to the process count
+(one shard per process); set it explicitly to compare runs or to resume on another
+process count.
+
+Resume: each process's iterator state names its shards (`ShardedBatches`), and the
+checkpoint keeps every process's state. With the same process count each process
+restores its own; given every process's states (a run with another process count),
+`restore_iterator_state` gives each shard the position it had, so the stream continues
+exactly when N is kept, and refuses with one line naming N when it is not.
+
+Tokenizing is the costly step and the only one in worker processes (`worker_count`
+per shard; they exit when their parent does, `input_pipeline.workers`). Packing, row
+shuffling and batching run after the workers, in this process, so the stream does not
+depend on `worker_count` (grain's mp_prefetch interleaves the workers' strided slices
+back into the original order).
+
+Evaluation is bounded (`eval_max_batches`) and read whole by every process, which keeps
+its rows `[p * local, (p + 1) * local)` of each eval batch, so every process yields the
+same number of batches.
 
 Batch convention (train and eval), all arrays [local_batch, seq_len]:
   inputs = w[:-1] and targets = w[1:] of a packed window w of seq_len+1 tokens;
@@ -38,14 +55,17 @@ from typing import Any
 from absl import flags
 import grain
 import jax
+from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 import sentencepiece as spm
 
 from input_pipeline import sources as sources_lib
 from input_pipeline import tokenizer as tokenizer_lib
+from input_pipeline import workers
 from input_pipeline.errors import DataError
 from input_pipeline.iterator_state import restore_iterator_state  # re-exported
+from odetransformer import fileio
 
 Batch = dict[str, np.ndarray]
 _TOKENS = "tokens"
@@ -75,10 +95,11 @@ class Datasets:
   tokenizer_path: str
 
 
-def _derive_seed(seed: int, stream: int) -> int:
-  """Independent 32-bit seeds per stream (grain reseeds epochs as seed+epoch, so plain
-  seed and seed+1 would give overlapping streams)."""
-  return int(np.random.SeedSequence([seed % 2**63, stream]).generate_state(1)[0])
+def _derive_seed(seed: int, stream: int, shard: int = 0) -> int:
+  """Independent 32-bit seeds per stream and input shard (grain reseeds epochs as
+  seed+epoch, so plain seed and seed+1 would give overlapping streams)."""
+  entropy = [seed % 2**63, stream] + ([shard] if shard else [])
+  return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
 class Tokenize(grain.transforms.Map):
@@ -104,34 +125,30 @@ class Tokenize(grain.transforms.Map):
     return {_TOKENS: np.asarray(ids, np.int32)}
 
 
-class ToModelBatch(grain.transforms.Map):
-  """A global batch of packed seq_len+1 windows -> this process's model batch."""
-
-  def __init__(self, process_index: int, local_batch: int):
-    self._start = process_index * local_batch
-    self._stop = self._start + local_batch
-
-  def map(self, packed: dict[str, np.ndarray]) -> Batch:
-    sl = slice(self._start, self._stop)
-    tokens = packed[_TOKENS][sl]
-    segs = packed[f"{_TOKENS}_segment_ids"][sl]
-    positions = packed[f"{_TOKENS}_positions"][sl]
-    return {
-        "inputs": tokens[:, :-1].astype(np.int32),
-        "targets": tokens[:, 1:].astype(np.int32),
-        "segment_ids": segs[:, :-1].astype(np.int32),
-        "positions": positions[:, :-1].astype(np.int32),
-        "weights": (segs[:, 1:] > 0).astype(np.float32),
-    }
+def to_model_batch(packed: dict[str, np.ndarray]) -> Batch:
+  """Packed seq_len+1 windows -> the model batch (inputs/targets are w[:-1]/w[1:])."""
+  tokens = packed[_TOKENS]
+  segs = packed[f"{_TOKENS}_segment_ids"]
+  positions = packed[f"{_TOKENS}_positions"]
+  return {
+      "inputs": tokens[:, :-1].astype(np.int32),
+      "targets": tokens[:, 1:].astype(np.int32),
+      "segment_ids": segs[:, :-1].astype(np.int32),
+      "positions": positions[:, :-1].astype(np.int32),
+      "weights": (segs[:, 1:] > 0).astype(np.float32),
+  }
 
 
 def tokenized_documents(source: Sequence, model_proto: bytes, *, text_key: str,
-                        seed: int | None, num_epochs: int | None,
-                        worker_count: int) -> grain.IterDataset:
-  """Documents as {'tokens': int32[n+1]}, shuffled per epoch when `seed` is set."""
+                        seed: int | None, num_epochs: int | None, worker_count: int,
+                        shard: int = 0, num_shards: int = 1) -> grain.IterDataset:
+  """Documents `shard::num_shards` of `source` as {'tokens': int32[n+1]}, shuffled per
+  epoch when `seed` is set; only these documents are ever read."""
   ds = grain.MapDataset.source(source)
+  if num_shards > 1:
+    ds = ds[shard::num_shards]
   if seed is not None:
-    ds = ds.shuffle(seed=_derive_seed(seed, 0))
+    ds = ds.shuffle(seed=_derive_seed(seed, 0, shard))
   if num_epochs != 1:
     ds = ds.repeat(num_epochs)
   ds = ds.map(Tokenize(model_proto, text_key))
@@ -142,34 +159,91 @@ def tokenized_documents(source: Sequence, model_proto: bytes, *, text_key: str,
       # parsed flags (a notebook, a test) would fail there; take the defaults.
       flags.FLAGS.mark_as_parsed()
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(
-        num_workers=worker_count, per_worker_buffer_size=_WORKER_BUFFER))
+        num_workers=worker_count, per_worker_buffer_size=_WORKER_BUFFER),
+        worker_init_fn=workers.exit_with_parent(os.getpid()))
   return ds
 
 
 def packed_rows(source: Sequence, model_proto: bytes, *, seq_len: int, text_key: str,
                 seed: int, shuffle_buffer: int, worker_count: int,
-                num_epochs: int | None = None) -> grain.IterDataset:
-  """Training rows {'tokens', 'tokens_segment_ids', 'tokens_positions'}: int32[seq_len+1]."""
+                num_epochs: int | None = None, shard: int = 0,
+                num_shards: int = 1) -> grain.IterDataset:
+  """Training rows {'tokens', 'tokens_segment_ids', 'tokens_positions'}: int32[seq_len+1]
+  of input shard `shard` (documents `shard::num_shards`)."""
   ds = tokenized_documents(source, model_proto, text_key=text_key, seed=seed,
-                           num_epochs=num_epochs, worker_count=worker_count)
+                           num_epochs=num_epochs, worker_count=worker_count, shard=shard,
+                           num_shards=num_shards)
   ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct={_TOKENS: seq_len + 1})
   if shuffle_buffer > 1:
     ds = grain.experimental.WindowShuffleIterDataset(
-        ds, window_size=shuffle_buffer, seed=_derive_seed(seed, 1))
+        ds, window_size=shuffle_buffer, seed=_derive_seed(seed, 1, shard))
   return ds
+
+
+class ShardedBatches(grain.IterDataset):
+  """This process's batches: the rows of each of its input shards, concatenated.
+
+  Each shard is an independent stream (its own documents, packing and row shuffle)
+  batched to `global_batch_size / num_shards` rows; a process owning shards [a, b)
+  stacks their batches in shard order. The iterator state names every shard, so the
+  states of all processes together give each shard's position whatever the process
+  count (`iterator_state.state_for_process`).
+  """
+
+  def __init__(self, shards: dict[int, grain.IterDataset], num_shards: int):
+    super().__init__(list(shards.values()))
+    self.shard_ids = list(shards)
+    self.num_shards = num_shards
+
+  def __iter__(self) -> grain.DatasetIterator:
+    return _ShardedBatchesIterator(self)
+
+
+class _ShardedBatchesIterator(grain.DatasetIterator):
+
+  def __init__(self, ds: ShardedBatches):
+    super().__init__([p.__iter__() for p in ds._parents])  # pylint: disable=protected-access
+    self._ids = ds.shard_ids
+    self._num_shards = ds.num_shards
+
+  def __next__(self) -> Batch:
+    parts = [next(it) for it in self._parents]
+    return to_model_batch({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+
+  def get_state(self) -> dict[str, Any]:
+    return {"num_shards": self._num_shards,
+            "shards": {str(i): it.get_state() for i, it in zip(self._ids, self._parents)}}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    for i, it in zip(self._ids, self._parents):
+      it.set_state(state["shards"][str(i)])
+
+
+def process_shards(num_shards: int, process_index: int, process_count: int) -> range:
+  """The input shards process `process_index` reads: a contiguous block of them."""
+  per = num_shards // process_count
+  return range(process_index * per, (process_index + 1) * per)
 
 
 def train_dataset(source: Sequence, model_proto: bytes, *, seq_len: int,
                   global_batch_size: int, process_index: int, process_count: int,
                   text_key: str, seed: int, shuffle_buffer: int, worker_count: int,
-                  num_epochs: int | None = None) -> grain.IterDataset:
-  """Process-local training batches (infinite unless `num_epochs` is set, for tests)."""
-  local = global_batch_size // process_count
-  ds = packed_rows(source, model_proto, seq_len=seq_len, text_key=text_key, seed=seed,
-                   shuffle_buffer=shuffle_buffer, worker_count=worker_count,
-                   num_epochs=num_epochs)
-  ds = ds.batch(global_batch_size, drop_remainder=True)
-  return ds.map(ToModelBatch(process_index, local))
+                  num_shards: int | None = None,
+                  num_epochs: int | None = None) -> ShardedBatches:
+  """Process-local training batches (infinite unless `num_epochs` is set, for tests).
+
+  `num_shards` (default: `process_count`) input shards of `global_batch_size /
+  num_shards` rows each; this process reads only its own shards' documents.
+  """
+  num_shards = num_shards or process_count
+  rows = global_batch_size // num_shards
+  shards = {}
+  for s in process_shards(num_shards, process_index, process_count):
+    shards[s] = packed_rows(
+        source, model_proto, seq_len=seq_len, text_key=text_key, seed=seed,
+        shuffle_buffer=shuffle_buffer, worker_count=worker_count, num_epochs=num_epochs,
+        shard=s, num_shards=num_shards).batch(rows, drop_remainder=True)
+  return ShardedBatches(shards, num_shards)
 
 
 def _eval_row(tokens: np.ndarray, docs: np.ndarray, seq_len: int) -> Batch:
@@ -244,12 +318,15 @@ def eval_batches(source: Sequence, model_proto: bytes, eos_id: int, *, seq_len: 
 
 
 def _resolve_cache_dir(data_cfg: ml_collections.ConfigDict, workdir: str | None) -> str:
+  """data.cache_dir, else data.data_dir, else <workdir>/data_cache on a local workdir,
+  else ~/.cache/odetransformer (a gs:// workdir: local text is prepared on local disk)."""
+  local = lambda p: os.path.expanduser(p) if fileio.is_local(p) else p
   if data_cfg.cache_dir:
-    return os.path.expanduser(data_cfg.cache_dir)
+    return local(data_cfg.cache_dir)
   if data_cfg.data_dir:
-    return os.path.expanduser(data_cfg.data_dir)
-  if workdir:
-    return os.path.join(workdir, "data_cache")
+    return local(data_cfg.data_dir)
+  if workdir and fileio.is_local(workdir):
+    return fileio.join(workdir, "data_cache")
   return os.path.join(os.path.expanduser("~"), ".cache", "odetransformer")
 
 
@@ -258,6 +335,65 @@ def _local_size(global_size: int, process_count: int, what: str) -> int:
     raise DataError(f"{what}={global_size} must be a positive multiple of the process count "
                     f"({process_count}); fix: set it to a multiple of {process_count}")
   return global_size // process_count
+
+
+def input_shards(data_cfg: ml_collections.ConfigDict, global_batch_size: int,
+                 process_count: int) -> int:
+  """`data.input_shards` (0: one per process), checked against the batch and processes."""
+  n = data_cfg.get("input_shards", 0) or process_count
+  if n < 0 or n % process_count:
+    raise DataError(f"data.input_shards={n} must be a positive multiple of the process count "
+                    f"({process_count}); fix: set it to a multiple of {process_count}, or 0 "
+                    "for one shard per process")
+  if global_batch_size % n:
+    raise DataError(f"global_batch_size={global_batch_size} is not a multiple of "
+                    f"data.input_shards={n}; fix: make the batch a multiple of the shard count")
+  return n
+
+
+def _open(data_cfg: ml_collections.ConfigDict, cache_dir: str, num_shards: int,
+          first_shard: int) -> tuple[sources_lib.Corpus, spm.SentencePieceProcessor, str]:
+  """Opens the corpus and the tokenizer (preparing and training them if not cached)."""
+  corpus = sources_lib.open_corpus(data_cfg, cache_dir)
+  for split, src in (("training", corpus.train), (f"eval ({corpus.eval_split})", corpus.eval)):
+    if len(src) == 0:
+      raise DataError(f"source {corpus.name!r}: the {split} split is empty; "
+                      "fix: point data.source / data.*_split / data.*_files at data with documents")
+  if len(corpus.train) < num_shards:
+    raise DataError(f"source {corpus.name!r} has {len(corpus.train)} training documents, fewer "
+                    f"than data.input_shards={num_shards}; fix: use more data or fewer shards")
+  first = corpus.train[first_shard]  # a document of this process's own shard
+  if data_cfg.text_key not in first:
+    raise DataError(f"source {corpus.name!r} has no feature {data_cfg.text_key!r} "
+                    f"(features: {sorted(first)}); fix: set data.text_key to one of them")
+  sp, sp_path = tokenizer_lib.get_tokenizer(
+      tokenizer_path=data_cfg.tokenizer_path, vocab_size=data_cfg.vocab_size,
+      cache_dir=cache_dir, fingerprint=corpus.fingerprint, source=corpus.train,
+      text_key=data_cfg.text_key, sample_bytes=data_cfg.tokenizer_sample_bytes)
+  return corpus, sp, sp_path
+
+
+def _process_0_first(prepare: Callable[[], Any]) -> Any:
+  """Runs `prepare` on process 0 and, once it has succeeded, on the other processes.
+
+  Process 0 alone prepares the data and trains the tokenizer; the others wait for it
+  and then find them in the (shared) cache. A cache on host-local disks is prepared
+  once per host. A failure on process 0 stops the others with one line.
+  """
+  if jax.process_count() == 1:
+    return prepare()
+  if jax.process_index() == 0:
+    ok = False
+    try:
+      result = prepare()
+      ok = True
+    finally:
+      multihost_utils.broadcast_one_to_all(np.int32(ok))
+    return result
+  if not multihost_utils.broadcast_one_to_all(np.int32(0)):
+    raise DataError("process 0 failed to prepare the data or tokenizer; fix: see its error "
+                    "(the first process's log)")
+  return prepare()
 
 
 def create_datasets(data_cfg: ml_collections.ConfigDict, *, seq_len: int,
@@ -295,27 +431,19 @@ def create_datasets(data_cfg: ml_collections.ConfigDict, *, seq_len: int,
   if data_cfg.worker_count < 0:
     raise DataError(f"data.worker_count={data_cfg.worker_count} must be >= 0; "
                     "fix: 0 tokenizes in the training process, N > 0 in N worker processes")
+  num_shards = input_shards(data_cfg, global_batch_size, process_count)
 
   cache_dir = _resolve_cache_dir(data_cfg, workdir)
-  corpus = sources_lib.open_corpus(data_cfg, cache_dir)
-  for split, src in (("training", corpus.train), (f"eval ({corpus.eval_split})", corpus.eval)):
-    if len(src) == 0:
-      raise DataError(f"source {corpus.name!r}: the {split} split is empty; "
-                      "fix: point data.source / data.*_split / data.*_files at data with documents")
-  first = corpus.train[0]
-  if data_cfg.text_key not in first:
-    raise DataError(f"source {corpus.name!r} has no feature {data_cfg.text_key!r} "
-                    f"(features: {sorted(first)}); fix: set data.text_key to one of them")
-  sp, sp_path = tokenizer_lib.get_tokenizer(
-      tokenizer_path=data_cfg.tokenizer_path, vocab_size=data_cfg.vocab_size,
-      cache_dir=cache_dir, fingerprint=corpus.fingerprint, source=corpus.train,
-      text_key=data_cfg.text_key, sample_bytes=data_cfg.tokenizer_sample_bytes)
+  first_shard = process_shards(num_shards, process_index, process_count)[0]
+  corpus, sp, sp_path = _process_0_first(
+      lambda: _open(data_cfg, cache_dir, num_shards, first_shard))
   proto = sp.serialized_model_proto()
 
   train = train_dataset(
       corpus.train, proto, seq_len=seq_len, global_batch_size=global_batch_size,
       process_index=process_index, process_count=process_count, text_key=data_cfg.text_key,
-      seed=seed, shuffle_buffer=data_cfg.shuffle_buffer, worker_count=data_cfg.worker_count)
+      seed=seed, shuffle_buffer=data_cfg.shuffle_buffer, worker_count=data_cfg.worker_count,
+      num_shards=num_shards)
 
   def eval_fn() -> Iterator[Batch]:
     return eval_batches(

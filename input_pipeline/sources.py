@@ -12,10 +12,12 @@ import os
 import ml_collections
 import tensorflow_datasets as tfds
 
+from input_pipeline import cache
 from input_pipeline import corpora
 from input_pipeline import embedded
 from input_pipeline import local_text
 from input_pipeline.errors import DataError
+from odetransformer import fileio
 
 SOURCES = "'embedded', 'local', 'tfds:<name>', 'openwebtext', 'wikitext103'"
 
@@ -54,7 +56,7 @@ def expand_globs(patterns: str, what: str) -> list[str]:
 
 
 def _local(split_files: dict[str, list[str]], name: str, cache_dir: str) -> Corpus:
-  srcs, fp = local_text.prepare(split_files, os.path.join(cache_dir, "prepared"))
+  srcs, fp = local_text.prepare(split_files, fileio.join(cache_dir, "prepared"))
   return Corpus(name=name, fingerprint=f"{name}-{fp}", train=srcs["train"],
                 eval=srcs["validation"], eval_split="validation")
 
@@ -81,7 +83,7 @@ def _open_builder(builder, name: str, prepare_hint: str, train_split: str,
     except (KeyError, ValueError, AssertionError) as e:
       raise DataError(f"dataset {name!r}: bad split {split!r} ({str(e).splitlines()[0]}); "
                       f"fix: use one of {splits} (TFDS slicing like 'train[:10%]' works)") from e
-  train, eval_ = sources
+  train, eval_ = (cache.Checked(s, os.fspath(builder.data_dir), prepare_hint) for s in sources)
   fingerprint = f"{builder.info.full_name}:{train_split}:{len(train)}"
   return Corpus(name=name, fingerprint=fingerprint, train=train, eval=eval_,
                 eval_split=eval_split)

@@ -11,15 +11,15 @@ import hashlib
 import io
 import json
 import os
-import pathlib
 import re
-import tempfile
 
 from absl import logging
 import numpy as np
 import sentencepiece as spm
 
+from input_pipeline import cache
 from input_pipeline.errors import DataError
+from odetransformer import fileio
 
 SPECIAL_IDS = {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
 # Bump when the trainer settings change, so cached tokenizers are not reused wrongly.
@@ -130,12 +130,13 @@ def check_text(docs: Sequence[str], where: str) -> None:
 
 
 def load(path: str, vocab_size: int) -> spm.SentencePieceProcessor:
-  """Loads a .model file; its vocab size and special ids must match the config."""
-  if not os.path.isfile(path):
+  """Loads a .model file (a local path or a URL such as gs://...); its vocab size and
+  special ids must match the config."""
+  if not fileio.isfile(path):
     raise DataError(f"tokenizer file {path} does not exist; fix: set data.tokenizer_path to an "
                     "existing SentencePiece .model, or to '' to train one")
   try:
-    sp = spm.SentencePieceProcessor(model_file=path)
+    sp = spm.SentencePieceProcessor(model_proto=fileio.read_bytes(path))
   except (OSError, RuntimeError) as e:
     raise DataError(f"tokenizer file {path} is not a SentencePiece model ({e}); "
                     "fix: point data.tokenizer_path at a .model file, or set it to '' to train one") from e
@@ -155,28 +156,21 @@ def _check(sp: spm.SentencePieceProcessor, path: str, vocab_size: int) -> None:
 
 
 def cache_path(cache_dir: str, fingerprint: str, text_key: str, vocab_size: int,
-               sample_bytes: int) -> pathlib.Path:
+               sample_bytes: int) -> str:
   """Where the tokenizer for this (source, vocab size, sample size) is cached."""
   key = json.dumps({"source": fingerprint, "text_key": text_key, "vocab_size": vocab_size,
                     "sample_bytes": sample_bytes, "trainer": TRAINER_VERSION}, sort_keys=True)
   digest = hashlib.sha256(key.encode()).hexdigest()[:12]
   slug = "".join(ch if ch.isalnum() else "_" for ch in fingerprint.split(":")[0])[:40]
-  return pathlib.Path(cache_dir, "tokenizers",
-                      f"spm_{slug}_v{vocab_size}_s{sample_bytes}_{digest}.model")
-
-
-def _write_atomic(path: pathlib.Path, data: bytes) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-  with os.fdopen(fd, "wb") as f:
-    f.write(data)
-  os.replace(tmp, path)
+  return fileio.join(cache_dir, "tokenizers",
+                     f"spm_{slug}_v{vocab_size}_s{sample_bytes}_{digest}.model")
 
 
 def get_tokenizer(*, tokenizer_path: str, vocab_size: int, cache_dir: str, fingerprint: str,
                   source: Sequence, text_key: str, sample_bytes: int,
                   ) -> tuple[spm.SentencePieceProcessor, str]:
-  """Loads `tokenizer_path`, or the cached tokenizer for this corpus, training it if absent.
+  """Loads `tokenizer_path`, or the cached tokenizer for this corpus, training it if absent
+  (one job at a time per cache: `cache.exclusive`).
 
   Returns:
     (processor, path of its .model file).
@@ -184,8 +178,17 @@ def get_tokenizer(*, tokenizer_path: str, vocab_size: int, cache_dir: str, finge
   if tokenizer_path:
     return load(tokenizer_path, vocab_size), tokenizer_path
   path = cache_path(cache_dir, fingerprint, text_key, vocab_size, sample_bytes)
-  if path.exists():
-    return load(str(path), vocab_size), str(path)
+  if fileio.exists(path):
+    return load(path, vocab_size), path
+  with cache.exclusive(cache_dir, "the tokenizer"):
+    if fileio.exists(path):        # trained by the job we waited for
+      return load(path, vocab_size), path
+    return _train_and_cache(path, vocab_size=vocab_size, fingerprint=fingerprint,
+                            source=source, text_key=text_key, sample_bytes=sample_bytes), path
+
+
+def _train_and_cache(path: str, *, vocab_size: int, fingerprint: str, source: Sequence,
+                     text_key: str, sample_bytes: int) -> spm.SentencePieceProcessor:
   docs = sample_text(source, text_key, sample_bytes)
   check_text(docs, fingerprint)
   n_bytes = sum(len(d.encode("utf-8")) for d in docs)
@@ -193,10 +196,13 @@ def get_tokenizer(*, tokenizer_path: str, vocab_size: int, cache_dir: str, finge
                fingerprint)
   proto = train(docs, vocab_size)
   sp = spm.SentencePieceProcessor(model_proto=proto)
-  _check(sp, str(path), vocab_size)
+  _check(sp, path, vocab_size)
   meta = {"special_ids": SPECIAL_IDS, "vocab_size": vocab_size, "source": fingerprint,
           "text_key": text_key, "sample_bytes": sample_bytes, "sampled_bytes": n_bytes,
           "model_type": "bpe", "trainer_version": TRAINER_VERSION}
-  _write_atomic(path.with_suffix(".json"), json.dumps(meta, indent=1).encode())
-  _write_atomic(path, proto)  # last: its existence means the cache entry is complete
-  return sp, str(path)
+  directory = os.fspath(fileio.path(path).parent)
+  with cache.one_line_errors(directory, need_bytes=2 * len(proto)):
+    fileio.makedirs(directory)
+    fileio.write_text_atomic(path[:-len(".model")] + ".json", json.dumps(meta, indent=1))
+    fileio.write_bytes_atomic(path, proto)  # last: its existence means the entry is complete
+  return sp

@@ -592,14 +592,12 @@ class Checkpointer:
 
 def _this_process_data(data):
   """This process's data-iterator state from a checkpoint's `data` item (None when the
-  checkpoint has none, or was written by another number of processes)."""
+  checkpoint has none); every process's states when it was written by another number of
+  processes (`input_pipeline.restore_iterator_state` picks this process's input shards)."""
   if data is None:
     return None
   if int(data["process_count"]) != jax.process_count():
-    logging.warning("Checkpoint was written by %d processes, this run has %d: "
-                    "the data iterator restarts from its initial state.",
-                    data["process_count"], jax.process_count())
-    return None
+    return list(data["states"])
   return data["states"][jax.process_index()]
 
 

@@ -236,15 +236,83 @@ def test_workers_same_stream_and_exact_resume(ds, corpus_dir, cache):
     assert _equal(_take(it, 3), saved2[n][1]), n
 
 
-def test_processes_get_disjoint_slices_of_the_global_batch(ds, corpus_dir, cache):
-  whole = _take(iter(ds.train), 5)
-  parts = [_take(iter(_create(_cfg(corpus_dir, cache), process_index=p, process_count=2).train), 5)
-           for p in range(2)]
-  for i, b in enumerate(whole):
-    for p in range(2):
-      _check_batch(parts[p][i], local_batch=BATCH // 2)
-      for k in KEYS:
-        np.testing.assert_array_equal(parts[p][i][k], b[k][p * 2:(p + 1) * 2])
+class _Counting:
+  """A document source that records which documents were read."""
+
+  def __init__(self, source):
+    self._source, self.read = source, []
+
+  def __len__(self):
+    return len(self._source)
+
+  def __getitem__(self, i):
+    self.read.append(int(i))
+    return self._source[i]
+
+
+def _process_streams(ds, corpus_dir, cache, process_count, num_shards, n):
+  """Each simulated process's first n batches and the documents its source served."""
+  corpus = _corpus(corpus_dir, cache)
+  out = []
+  for p in range(process_count):
+    src = _Counting(corpus.train)
+    train = pipeline.train_dataset(
+        src, ds.tokenizer.serialized_model_proto(), seq_len=SEQ, global_batch_size=BATCH,
+        process_index=p, process_count=process_count, text_key="text", seed=0,
+        shuffle_buffer=8, worker_count=0, num_shards=num_shards)
+    out.append((_take(iter(train), n), src.read))
+  return out
+
+
+def test_each_process_reads_and_tokenizes_only_its_shard(ds, corpus_dir, cache):
+  n = 8
+  (whole, _), = _process_streams(ds, corpus_dir, cache, 1, 2, n)
+  (p0, read0), (p1, read1) = _process_streams(ds, corpus_dir, cache, 2, 2, n)
+  # n batches take more than an epoch: process p read all of documents p, p+2, p+4, ...
+  # and no other (grain reads ahead, so how often each was read varies)
+  docs = len(_corpus(corpus_dir, cache).train)
+  assert set(read0) == set(range(0, docs, 2)) and set(read1) == set(range(1, docs, 2))
+  for i in range(n):
+    _check_batch(p0[i], local_batch=BATCH // 2)
+    rows0 = {tuple(r) for r in p0[i]["inputs"]}
+    assert not rows0 & {tuple(r) for r in p1[i]["inputs"]}
+    for k in KEYS:  # the union is the 1-process run with the same shard count
+      np.testing.assert_array_equal(np.concatenate([p0[i][k], p1[i][k]]), whole[i][k])
+  # the public entry point gives the same stream
+  mine = _take(iter(_create(_cfg(corpus_dir, cache), process_index=1, process_count=2).train), n)
+  assert _equal(mine, p1)
+
+
+def test_resume_per_process_and_on_another_process_count(ds, corpus_dir, cache):
+  cfg = _cfg(corpus_dir, cache, input_shards=2)
+  mk = lambda p, count, c=cfg: iter(_create(c, process_index=p, process_count=count).train)
+  its = [mk(p, 2) for p in range(2)]
+  for it in its:
+    _take(it, 5)
+  states = [json.loads(json.dumps(it.get_state())) for it in its]
+  nxt = [_take(it, 3) for it in its]
+  for p in range(2):  # each process resumes exactly from its own state
+    it = mk(p, 2)
+    restore_iterator_state(it, states[p])
+    assert _equal(_take(it, 3), nxt[p]), p
+  # 2 processes' states -> 1 process with the same 2 shards: the same global batches
+  one = mk(0, 1)
+  restore_iterator_state(one, states)
+  got = _take(one, 3)
+  for i in range(3):
+    for k in KEYS:
+      np.testing.assert_array_equal(got[i][k], np.concatenate([nxt[0][i][k], nxt[1][i][k]]))
+  # and back: the 1-process state resumed by each of 2 processes
+  state1 = json.loads(json.dumps(one.get_state()))
+  after = _take(one, 2)
+  for p in range(2):
+    it = mk(p, 2)
+    restore_iterator_state(it, [state1])
+    for b, whole in zip(_take(it, 2), after):
+      np.testing.assert_array_equal(b["inputs"], whole["inputs"][p * 2:(p + 1) * 2])
+  # another shard count cannot continue the stream: one line naming the count to set
+  _assert_data_error(lambda: restore_iterator_state(mk(0, 1, _cfg(corpus_dir, cache)), states),
+                     "2 input shards, this run 1", "input_shards=2")
 
 
 def _eval_docs(ds, corpus_dir, cache):
@@ -355,6 +423,10 @@ def test_bad_inputs_raise_clear_data_errors(ds, corpus_dir, cache, tmp_path):
   _assert_data_error(mk(vocab_size=100), "too small")
   _assert_data_error(lambda: _create(_cfg(corpus_dir, cache), process_count=3),
                      "global_batch_size=4", "multiple of 3")
+  _assert_data_error(mk(input_shards=3),
+                     "global_batch_size=4 is not a multiple of data.input_shards=3")
+  _assert_data_error(lambda: _create(_cfg(corpus_dir, cache, input_shards=3), process_count=2),
+                     "data.input_shards=3", "multiple of 2")
 
 
 def test_split_documents_bounded_and_lossless():

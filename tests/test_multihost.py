@@ -11,9 +11,11 @@ The same tiny run three ways, each in fresh subprocesses (device counts and
 Each process runs main.py's own entry point (flags, multi-host detection from
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, `jax.distributed`
 initialisation, then `train.train_and_evaluate`), recording its training batches and the
-run's result. Checked: losses of part1 + part2 equal ref's (1e-5), and at every step the
-two processes held disjoint halves whose concatenation is ref's global batch (also after
-the resume); only process 0 logs progress and evaluation, and the TensorBoard scalars
+run's result. All runs split the data into 2 input shards (`data.input_shards`), so the
+1-process reference sees the global batches of the 2-process runs. Checked: losses of
+part1 + part2 equal ref's (1e-5), and at every step the two processes held disjoint
+halves whose concatenation is ref's global batch (also after the resume); each process's
+document source served only its shard's documents; only process 0 logs progress and evaluation, and the TensorBoard scalars
 and checkpoints are written once; the SIGTERM stops both processes at the same step,
 with that step's checkpoint, exit 0.
 """
@@ -52,6 +54,23 @@ DRIVER = textwrap.dedent("""
     c.checkpoint_every_steps = 0    # only at the end (or at the preemption)
     c.global_batch_size = c.eval_batch_size = 8
     c.data.eval_max_batches = 1
+    c.data.input_shards = 2         # the 1-process reference reads both shards
+
+    read = []                       # training documents this process's source served
+    from input_pipeline import sources
+    open_corpus = sources.open_corpus
+    class Counting:
+      def __init__(self, source):
+        self.source = source
+      def __len__(self):
+        return len(self.source)
+      def __getitem__(self, i):
+        read.append(int(i))
+        return self.source[i]
+    def counting_corpus(*args):
+      corpus = open_corpus(*args)
+      return type(corpus)(**{**vars(corpus), "train": Counting(corpus.train)})
+    sources.open_corpus = counting_corpus
 
     stop = int(os.environ.get("ODET_STOP_AT", "0"))
     if stop:   # a preemption noticed at step `stop` by every process
@@ -82,7 +101,7 @@ DRIVER = textwrap.dedent("""
            "device_count": jax.device_count(), "local_devices": jax.local_device_count(),
            "start_step": result["start_step"], "step": result["step"],
            "losses": [[s, float(l)] for s, l in result["loss_history"]],
-           "batches": batches}
+           "batches": batches, "documents_read": sorted(set(read))}
     print(f"driver done in {time.time() - T0:.1f}s", file=sys.stderr)
     with open(os.environ["ODET_RESULT"], "w") as f:
       json.dump(out, f)
@@ -211,6 +230,16 @@ def test_each_process_reads_a_disjoint_half(runs):
       rows1 = {tuple(r) for r in p1[j]}
       assert not rows0 & rows1, f"step {offset + j + 1}: processes share rows"
       assert p0[j] + p1[j] == ref["batches"][offset + j], f"step {offset + j + 1}"
+
+
+def test_each_process_reads_only_its_input_shard(runs):
+  """Per-host input: process p's source served only documents p, p+2, ... (shard p of
+  2); the 1-process reference, reading both shards, served both kinds."""
+  ref, part1, part2 = runs
+  assert {i % 2 for i in ref["documents_read"]} == {0, 1}
+  for group in (part1, part2):
+    for p, r in enumerate(group):
+      assert r["documents_read"] and {i % 2 for i in r["documents_read"]} == {p}
 
 
 def test_process_0_alone_logs_and_writes_scalars(runs, base):
