@@ -1,4 +1,4 @@
-"""Input-pipeline throughput against the training step it has to feed.
+"""Input-pipeline throughput against the training step it has to feed, and per-host work.
 
     python -m benchmarks.pipeline_speed --data_dir=DIR [--preset=bench-small] [--batches=400]
 
@@ -9,6 +9,11 @@ product's train step (`common.Trainer`: the step main.py runs, AdamW with clippi
 the preset's DiffEqFormer on the pipeline's own batches, in the same run. The last line
 is the slower pipeline setting's tokens/s divided by the train step's: how many times
 over the pipeline can feed training (>> 1 means the pipeline is never the bottleneck).
+
+Before that, per-host input: the CPU time (all threads) process 0 of P simulated
+processes spends tokenizing and packing its share of `--batches` global batches of
+`--scaling_batch` rows (P input shards, the default), for P = 1, 2, 4, and each P's
+time as a fraction of P = 1's (1/P when each process does only its share).
 """
 import argparse
 import os
@@ -25,15 +30,8 @@ from benchmarks import common   # huge pages as main.py
 def pipeline_tokens_per_s(data_dir: str, cache_dir: str, worker_count: int, num_batches: int,
                           vocab: int, seq: int, batch: int):
   """(tokens/s over `num_batches` after the first, batches for the train step)."""
-  from input_pipeline import config as config_lib  # pylint: disable=g-import-not-at-top
   from input_pipeline import create_datasets  # pylint: disable=g-import-not-at-top
-  cfg = config_lib.get_config()
-  cfg.source = "local"
-  cfg.train_files = os.path.join(data_dir, "valid.txt")
-  cfg.eval_files = os.path.join(data_dir, "test.txt")
-  cfg.vocab_size = vocab
-  cfg.worker_count = worker_count
-  cfg.cache_dir = cache_dir
+  cfg = _local_text_config(data_dir, cache_dir, vocab, worker_count)
   t0 = time.perf_counter()
   ds = create_datasets(cfg, seq_len=seq, global_batch_size=batch, eval_batch_size=batch,
                        seed=0, workdir=None, process_index=0, process_count=1)
@@ -49,6 +47,44 @@ def pipeline_tokens_per_s(data_dir: str, cache_dir: str, worker_count: int, num_
   print(f"pipeline workers={worker_count}: {tps:,.0f} tokens/s "
         f"({num_batches} batches of {batch}x{seq}; setup + first batch {t1 - t0:.2f} s)")
   return tps, batches[:4]
+
+
+def _local_text_config(data_dir: str, cache_dir: str, vocab: int, worker_count: int = 0):
+  from input_pipeline import config as config_lib  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.get_config()
+  cfg.source = "local"
+  cfg.train_files = os.path.join(data_dir, "valid.txt")
+  cfg.eval_files = os.path.join(data_dir, "test.txt")
+  cfg.vocab_size = vocab
+  cfg.worker_count = worker_count
+  cfg.cache_dir = cache_dir
+  return cfg
+
+
+def per_process_work(data_dir: str, cache_dir: str, num_batches: int, vocab: int, seq: int,
+                     batch: int, processes=(1, 2, 4)) -> dict:
+  """{P: CPU seconds process 0 of P spends on its share of `num_batches` global batches}."""
+  from input_pipeline import create_datasets  # pylint: disable=g-import-not-at-top
+  cfg = _local_text_config(data_dir, cache_dir, vocab)
+  seconds = {}
+  for p in processes:
+    ds = create_datasets(cfg, seq_len=seq, global_batch_size=batch, eval_batch_size=batch,
+                         seed=0, workdir=None, process_index=0, process_count=p)
+    it = iter(ds.train)
+    for _ in range(max(1, num_batches // 4)):
+      next(it)              # start-up and filling the read-ahead buffers: not counted
+    t0 = time.process_time()
+    for _ in range(num_batches):
+      next(it)
+    seconds[p] = time.process_time() - t0
+    it.close()
+  base = seconds[processes[0]]
+  print(f"per-process tokenize+pack CPU time for {num_batches} global batches of {batch}x{seq} "
+        "(process 0 of P, P input shards): " +
+        ", ".join(f"P={p} {seconds[p]:.2f} s" for p in processes))
+  print("per-process work relative to P=1 (ideal 1/P): " +
+        "  ".join(f"P={p} {seconds[p] / base:.3f} (1/P={1 / p:.3f})" for p in processes))
+  return seconds
 
 
 def train_tokens_per_s(args, batches, num_timed: int = 3) -> float:
@@ -73,6 +109,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   common.add_common_flags(parser)
   parser.add_argument("--batches", type=int, default=400, help="timed pipeline batches")
+  parser.add_argument("--scaling_batch", type=int, default=16,
+                      help="global batch of the per-host section (a multiple of 4)")
   parser.add_argument("--data_dir", default="",
                       help="directory with WikiText-2's valid.txt (delivered) and test.txt")
   args = parser.parse_args()
@@ -85,6 +123,7 @@ def main():
   flags.FLAGS.mark_as_parsed()  # grain reads absl flags when it starts workers
   cache_dir = tempfile.mkdtemp(prefix="odet_bench_pipeline_")
   try:
+    per_process_work(args.data_dir, cache_dir, args.batches, vocab, seq, args.scaling_batch)
     tps0, batches = pipeline_tokens_per_s(args.data_dir, cache_dir, 0, args.batches, vocab,
                                           seq, batch)
     tps2, _ = pipeline_tokens_per_s(args.data_dir, cache_dir, 2, args.batches, vocab, seq,

@@ -14,6 +14,7 @@
 import contextlib
 import errno
 import fcntl
+import json
 import os
 
 from absl import logging
@@ -25,6 +26,8 @@ LOCK_FILE = ".prepare.lock"
 INCOMPLETE_PREFIX = "incomplete."
 # What array_record / riegeli say about a file that is cut short or overwritten.
 _DAMAGED = ("Riegeli", "ArrayRecord file", "array_record", "Failed to read")
+# Written beside prepared data: every file's size, checked whenever the data is opened.
+MANIFEST = "odet_sizes.json"
 
 
 @contextlib.contextmanager
@@ -90,6 +93,33 @@ def one_line_errors(where: str, *, need_bytes: int = 0, delete: str = "",
     raise
 
 
+def _sizes(directory: str) -> dict[str, int]:
+  return {name: fileio.path(fileio.join(directory, name)).stat().length
+          for name in fileio.listdir(directory)
+          if name != MANIFEST and fileio.isfile(fileio.join(directory, name))}
+
+
+def write_manifest(directory: str) -> None:
+  """Records the sizes of the prepared files in `directory` (after preparing them)."""
+  fileio.write_text_atomic(fileio.join(directory, MANIFEST),
+                           json.dumps(_sizes(directory), indent=1, sort_keys=True))
+
+
+def check_manifest(directory: str, *, delete: str, reprepare: str = "") -> None:
+  """DataError when a prepared file in `directory` is missing or not the size it was
+  written with (cut short by a full disk, a killed copy, ...); nothing to check when
+  the data was prepared without a manifest."""
+  path = fileio.join(directory, MANIFEST)
+  if not fileio.exists(path):
+    return
+  expected, found = json.loads(fileio.read_text(path)), _sizes(directory)
+  for name, size in sorted(expected.items()):
+    if found.get(name) != size:
+      now = "missing" if name not in found else f"{found[name]:,} bytes"
+      with one_line_errors(directory, delete=delete, reprepare=reprepare):
+        raise RuntimeError(f"array_record file {name} is {now}, {size:,} bytes when prepared")
+
+
 class Checked:
   """A random-access source whose reads of damaged files raise one-line DataErrors."""
 
@@ -101,7 +131,11 @@ class Checked:
 
   def __getitem__(self, index):
     with one_line_errors(self._dir, delete=self._dir, reprepare=self._reprepare):
-      return self._source[index]
+      record = self._source[index]
+      if isinstance(record, dict) and any(v is None for v in record.values()):
+        # A damaged array_record file can also read back as empty features.
+        raise RuntimeError(f"array_record record {index} has no value")
+      return record
 
   def __iter__(self):
     return (self[i] for i in range(len(self)))

@@ -204,6 +204,8 @@ def prepare(split_files: Mapping[str, Sequence[str]], root: str | os.PathLike,
         need = 2 * sum(os.path.getsize(f) for f in files) + (1 << 20)
         with _no_progress_bars(), cache.one_line_errors(data_dir, need_bytes=need):
           builder.download_and_prepare()
+          cache.write_manifest(os.fspath(builder.data_path))
         builder = _builder(split_files, doc_chars, data_dir)
+  cache.check_manifest(os.fspath(builder.data_path), delete=data_dir)
   with cache.one_line_errors(data_dir, delete=data_dir):
     return {k: cache.Checked(v, data_dir) for k, v in builder.as_data_source().items()}, fp

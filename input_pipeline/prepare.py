@@ -12,12 +12,14 @@ that every host of a multi-host run later loads the same file instead of trainin
 OpenWebText: ~16 GB of parquet downloads, ~40 GB of array_record, two passes over the
 raw files (train, then the 0.05% test hold-out); expect hours on one machine.
 """
+import os
 import sys
 
 from absl import app
 from absl import flags
 import tensorflow_datasets as tfds
 
+from input_pipeline import cache
 from input_pipeline import config as config_lib
 from input_pipeline import corpora
 from input_pipeline import sources
@@ -48,7 +50,11 @@ def prepare(dataset: str, data_dir: str, raw_dir: str | None = None, vocab_size:
   else:
     raise DataError(f"cannot prepare {dataset!r}; fix: use 'openwebtext', 'wikitext103' or "
                     "'tfds:<name>' ('embedded' and 'local' are prepared automatically)")
-  builder.download_and_prepare()
+  with cache.exclusive(data_dir, dataset):
+    cache.remove_incomplete(os.fspath(builder.data_path.parent))
+    with cache.one_line_errors(data_dir):
+      builder.download_and_prepare()
+    cache.write_manifest(os.fspath(builder.data_path))
   splits = {k: v.num_examples for k, v in builder.info.splits.items()}
   summary = f"{dataset}: prepared in {builder.data_dir}, documents per split {splits}"
   if vocab_size:
@@ -71,7 +77,7 @@ def main(argv):
                   _SAMPLE_BYTES.value))
   except DataError as e:
     print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,8 @@ def _open_builder(builder, name: str, prepare_hint: str, train_split: str,
   if not builder.is_prepared():
     raise DataError(f"dataset {name!r} is not prepared in {builder.data_dir}; fix: run "
                     f"{prepare_hint} (or set data.data_dir to where it was prepared)")
+  cache.check_manifest(os.fspath(builder.data_path), delete=os.fspath(builder.data_path),
+                       reprepare=prepare_hint)
   splits = list(builder.info.splits.keys())
   if not eval_split:
     eval_split = next((s for s in ("validation", "test") if s in splits), "")

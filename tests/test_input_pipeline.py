@@ -4,9 +4,16 @@ A small synthetic corpus (written to a temp dir) keeps this fast: ~40 batches pe
 epoch at seq_len 32, batch 4, vocab 512.
 """
 import collections
+import errno
 import json
 import logging
 import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -21,6 +28,7 @@ from input_pipeline import pipeline
 from input_pipeline import prepare
 from input_pipeline import sources
 from input_pipeline import tokenizer as tokenizer_lib
+from tiny import config_flags, cpu_env, tiny_config
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
 pytestmark = pytest.mark.xdist_group("test_input_pipeline")
@@ -423,6 +431,9 @@ def test_bad_inputs_raise_clear_data_errors(ds, corpus_dir, cache, tmp_path):
   _assert_data_error(mk(vocab_size=100), "too small")
   _assert_data_error(lambda: _create(_cfg(corpus_dir, cache), process_count=3),
                      "global_batch_size=4", "multiple of 3")
+  _assert_data_error(mk(cache_dir="gs://bucket/cache"), "data.cache_dir=gs://bucket/cache",
+                     "local-file writer", "set data.cache_dir to a local directory")
+  assert not os.path.exists("gs:")          # nothing written to a local directory 'gs:'
   _assert_data_error(mk(input_shards=3),
                      "global_batch_size=4 is not a multiple of data.input_shards=3")
   _assert_data_error(lambda: _create(_cfg(corpus_dir, cache, input_shards=3), process_count=2),
@@ -517,3 +528,175 @@ def test_wikitext103_articles_and_prepare_command(tmp_path):
   d = create_datasets(c, seq_len=8, global_batch_size=2, eval_batch_size=2, seed=0, workdir=None)
   _ = next(iter(d.train))
   assert d.tokenizer_path == summary.split("tokenizer ")[1]  # prepared once, reused
+
+
+# --------------------------------------------------------------------------------------
+# Preparation by one job, damaged caches and full disks, worker processes (subprocesses)
+# --------------------------------------------------------------------------------------
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+PREPARE_DRIVER = textwrap.dedent("""
+    import os, pathlib, sys, time
+    sys.path[:0] = [os.environ["ODET_ROOT"], os.path.join(os.environ["ODET_ROOT"], "tests")]
+    import test_input_pipeline as t
+    from input_pipeline import local_text, tokenizer
+    for cls, name in ((local_text.LocalText, "download_and_prepare"), (tokenizer, "train")):
+      original = getattr(cls, name)
+      def counted(*a, _original=original, _name=name, **kw):
+        print("RAN", _name, flush=True)
+        time.sleep(1.0)          # long enough that an unserialised second job would overlap
+        return _original(*a, **kw)
+      setattr(cls, name, counted)
+    corpus, cache = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+    pathlib.Path(sys.argv[3]).touch()                     # ready
+    while not pathlib.Path(sys.argv[4]).exists():         # both start together
+      time.sleep(0.01)
+    ds = t._create(t._cfg(corpus, cache))
+    print("BATCH", next(iter(ds.train))["inputs"].sum(), flush=True)
+    """)
+
+
+def test_two_jobs_preparing_one_new_cache_prepare_it_once(corpus_dir, tmp_path):
+  cache = tmp_path / "cache"
+  files = {"train": sources.expand_globs(str(corpus_dir / "train_*.txt"), "train_files"),
+           "validation": sources.expand_globs(str(corpus_dir / "valid_*.txt"), "eval_files")}
+  leftover = (cache / "prepared" / f"local-{local_text.fingerprint(files)}" / "local_text" /
+              "incomplete.KILLED_1.0.0")
+  leftover.mkdir(parents=True)              # what a killed preparation leaves
+  (leftover / "local_text-train.array_record-00000-of-00001").write_bytes(b"partial")
+  driver = tmp_path / "driver.py"
+  driver.write_text(PREPARE_DRIVER)
+  go = tmp_path / "go"
+  procs = [subprocess.Popen(
+      [sys.executable, str(driver), str(corpus_dir), str(cache), str(tmp_path / f"ready{i}"),
+       str(go)], env=dict(os.environ, ODET_ROOT=str(ROOT), JAX_PLATFORMS="cpu"),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  deadline = time.monotonic() + 60
+  while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
+    assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+    time.sleep(0.01)
+  go.touch()
+  outs = [p.communicate(timeout=60)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs
+  ran = "".join(outs)
+  assert ran.count("RAN download_and_prepare") == 1 and ran.count("RAN train") == 1, outs
+  batches = {line for out in outs for line in out.splitlines() if line.startswith("BATCH")}
+  assert len(batches) == 1, outs            # both read the same prepared data
+  assert not leftover.exists()
+
+
+def _main(workdir, cache, corpus_dir, *flags, timeout=60):
+  """main.py on the test corpus (tiny model): (exit status, stderr)."""
+  c = tiny_config(cache)
+  c.data.source = "local"
+  c.data.train_files = str(corpus_dir / "train_*.txt")
+  c.data.eval_files = str(corpus_dir / "valid_*.txt")
+  proc = subprocess.run(
+      [sys.executable, "main.py", "--config=configs/default.py", f"--workdir={workdir}",
+       *config_flags(c), *flags], cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
+      timeout=timeout)
+  return proc.returncode, proc.stderr
+
+
+def _error_line(code: int, err: str) -> str:
+  """The one error line of a run that failed on bad input (exit 2, no traceback)."""
+  errors = [l for l in err.splitlines() if l.startswith("error: ")]
+  assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+  assert err.rstrip().endswith(errors[0]), err[-3000:]
+  return errors[0]
+
+
+def test_damaged_cache_is_one_line_naming_the_directory_to_delete(ds, corpus_dir, cache,
+                                                                   tmp_path):
+  del ds  # prepared the cache
+  damaged = tmp_path / "cache"
+  shutil.copytree(cache, damaged)
+  (train_file,) = damaged.glob("prepared/local-*/local_text/1.0.0/*train.array_record*")
+  with open(train_file, "r+b") as f:
+    f.truncate(os.path.getsize(train_file) // 2)
+  code, err = _main(tmp_path / "run", damaged, corpus_dir)
+  prepared = train_file.parents[2]
+  line = _error_line(code, err)
+  assert "is damaged" in line and f"fix: delete {prepared} (it is prepared again" in line, line
+  shutil.rmtree(prepared)                   # the fix works: prepared again, then trains
+  code, err = _main(tmp_path / "run", damaged, corpus_dir, "--config.num_train_steps=1")
+  assert code == 0, err[-3000:]
+
+
+def test_full_disk_while_preparing_is_one_line_with_the_space_needed(corpus_dir, tmp_path):
+  small = tmp_path / "small"
+  small.mkdir()
+  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)],
+                           capture_output=True).returncode == 0
+  if not mounted:          # not root: the same error, raised where the disk would fill
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setattr(local_text.LocalText, "download_and_prepare",
+                 lambda self: (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+      _assert_data_error(lambda: _create(_cfg(corpus_dir, small)), "no space left on device",
+                         "free about")
+    return
+  try:
+    code, err = _main(tmp_path / "run", small, corpus_dir)
+  finally:
+    subprocess.run(["umount", str(small)], check=True)
+  line = _error_line(code, err)
+  assert f"no space left on device while preparing data in {small}/prepared/local-" in line, line
+  assert "fix: free about 1 MiB there" in line, line
+
+
+def _descendants(pid: int) -> dict:
+  """{pid: start time} of the processes below `pid` (from /proc)."""
+  children, starts = collections.defaultdict(list), {}
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+      except OSError:
+        continue
+      fields = stat.rsplit(")", 1)[1].split()
+      children[int(fields[1])].append(int(entry))
+      starts[int(entry)] = fields[19]
+  out, todo = {}, [pid]
+  while todo:
+    for child in children[todo.pop()]:
+      out[child] = starts[child]
+      todo.append(child)
+  return out
+
+
+def _alive(pid: int, start: str) -> bool:
+  try:
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+  except OSError:
+    return False
+  return fields[19] == start and fields[0] != "Z"   # the same process, not a zombie
+
+
+def test_worker_processes_die_with_a_killed_trainer(ds, corpus_dir, cache, tmp_path):
+  del ds  # prepared the cache
+  c = tiny_config(cache, num_train_steps=100_000)
+  c.data.source = "local"
+  c.data.train_files = str(corpus_dir / "train_*.txt")
+  c.data.eval_files = str(corpus_dir / "valid_*.txt")
+  c.data.worker_count = 2
+  proc = subprocess.Popen(
+      [sys.executable, "main.py", "--config=configs/default.py",
+       f"--workdir={tmp_path / 'run'}", *config_flags(c)], cwd=ROOT, env=cpu_env(),
+      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.monotonic() + 60
+    workers = {}
+    while len(workers) < 2:   # grain's workers: children running multiprocessing's spawn
+      assert proc.poll() is None and time.monotonic() < deadline, "no workers started"
+      time.sleep(0.2)
+      workers = {p: s for p, s in _descendants(proc.pid).items()
+                 if b"spawn_main" in pathlib.Path(f"/proc/{p}/cmdline").read_bytes()}
+    time.sleep(1.0)           # the workers are running
+    family = _descendants(proc.pid)
+  finally:
+    proc.kill()
+    proc.wait()
+  deadline = time.monotonic() + 10
+  while any(_alive(p, s) for p, s in family.items()) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert len(family) >= 2 and not [p for p, s in family.items() if _alive(p, s)]
