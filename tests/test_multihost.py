@@ -14,8 +14,8 @@ initialisation, then `train.train_and_evaluate`), recording its training batches
 run's result. All runs split the data into 2 input shards (`data.input_shards`), so the
 1-process reference sees the global batches of the 2-process runs. Checked: losses of
 part1 + part2 equal ref's (1e-5), and at every step the two processes held disjoint
-halves whose concatenation is ref's global batch (also after the resume); each process's
-document source served only its shard's documents; only process 0 logs progress and evaluation, and the TensorBoard scalars
+halves whose concatenation is ref's global batch (also after the resume); the processes'
+document sources served disjoint documents; only process 0 logs progress and evaluation, and the TensorBoard scalars
 and checkpoints are written once; the SIGTERM stops both processes at the same step,
 with that step's checkpoint, exit 0.
 """
@@ -233,13 +233,12 @@ def test_each_process_reads_a_disjoint_half(runs):
 
 
 def test_each_process_reads_only_its_input_shard(runs):
-  """Per-host input: process p's source served only documents p, p+2, ... (shard p of
-  2); the 1-process reference, reading both shards, served both kinds."""
-  ref, part1, part2 = runs
-  assert {i % 2 for i in ref["documents_read"]} == {0, 1}
+  """Per-host input: the two processes' sources served disjoint documents (each its own
+  half of the epoch's shuffled order)."""
+  _, part1, part2 = runs
   for group in (part1, part2):
-    for p, r in enumerate(group):
-      assert r["documents_read"] and {i % 2 for i in r["documents_read"]} == {p}
+    read = [set(r["documents_read"]) for r in group]
+    assert read[0] and read[1] and not read[0] & read[1]
 
 
 def test_process_0_alone_logs_and_writes_scalars(runs, base):
