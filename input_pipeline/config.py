@@ -23,8 +23,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.worker_count = 0           # tokenizer worker processes per input shard (0 = tokenize in the training process)
   # Independent streams the training data is split into (documents i::input_shards),
   # each filling global_batch_size / input_shards rows of every batch; each process
-  # reads only its input_shards / process_count of them. 0 = one per process. Keep it
-  # fixed across resumes (set it explicitly to resume on another process count).
+  # reads only its input_shards / process_count of them. 0 = one per process. A resume
+  # with the same count continues exactly (on any process count dividing it); another
+  # count starts at the next epoch.
   c.input_shards = 0
   c.shuffle_buffer = 256       # packed rows shuffled together after packing (0 or 1 = no row shuffle)
   c.eval_max_batches = 0       # evaluate on at most this many batches (0 = the whole eval split)

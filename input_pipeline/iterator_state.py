@@ -10,6 +10,7 @@ tests/test_input_pipeline.py pins the behaviour.
 """
 from typing import Any
 
+from absl import logging
 import grain
 
 from input_pipeline.errors import DataError
@@ -75,17 +76,51 @@ def _num_workers(state: Any) -> int | None:
   return None
 
 
-def _with_workers(state: Any, num_workers: int) -> Any:
-  """Rewrites the document-stream states inside `state` for `num_workers` workers."""
+def _with_workers(state: Any, num_workers: int, read: int | None = None) -> Any:
+  """Rewrites the document-stream states inside `state` for `num_workers` workers (and,
+  given `read`, for that many documents read)."""
   if not isinstance(state, dict):
     return state
   out = {}
   for k, v in state.items():
-    if k == "parent_state" and isinstance(v, dict) and (read := _documents_read(v)) is not None:
-      out[k] = _documents_state(read, num_workers)
+    if k == "parent_state" and isinstance(v, dict) and (n := _documents_read(v)) is not None:
+      out[k] = _documents_state(n if read is None else read, num_workers)
     else:
-      out[k] = _with_workers(v, num_workers)
+      out[k] = _with_workers(v, num_workers, read)
   return out
+
+
+def _next_epoch_state(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+  """`now` (a fresh state) moved to the start of the epoch after the furthest one that
+  `saved` (every shard of a stream of another shard count) had reached."""
+  old_n, new_n, docs = saved["num_shards"], now["num_shards"], now["num_documents"]
+  reached = []
+  for shard, state in saved["shards"].items():
+    read = _documents_read(_find_documents_state(state))
+    reached.append(0 if read == 0 else (int(shard) + (read - 1) * old_n) // docs)
+  start = (max(reached) + 1) * docs            # global position of the next epoch's start
+  logging.warning(
+      "the checkpoint's data stream has %d input shards, this run %d: the stream continues "
+      "at the start of epoch %d (document position %d), the rest of epoch %d is skipped; no "
+      "token is repeated. Set data.input_shards=%d to continue exactly.",
+      old_n, new_n, max(reached) + 1, start, max(reached), old_n)
+  shards = {}
+  for shard, state in now["shards"].items():
+    read = -(-(start - int(shard)) // new_n)   # this shard's positions below `start`
+    shards[shard] = _with_workers(state, _num_workers(state) or 0, read)
+  return {**now, "shards": shards}
+
+
+def _find_documents_state(state: Any) -> Any:
+  """The document stream's state inside one shard's state."""
+  if isinstance(state, dict):
+    doc = state.get("parent_state")
+    if isinstance(doc, dict) and _documents_read(doc) is not None:
+      return doc
+    for v in state.values():
+      if (found := _find_documents_state(v)) is not None:
+        return found
+  return None
 
 
 def _merged(states: Any) -> dict[str, Any]:
@@ -93,10 +128,9 @@ def _merged(states: Any) -> dict[str, Any]:
   every process's states (as a checkpoint keeps them)."""
   if isinstance(states, dict):
     states = [states]
-  if not all(isinstance(x, dict) and {"num_shards", "shards"} <= set(x) for x in states):
-    raise DataError("the checkpoint's data-iterator state is not from this input pipeline "
-                    "(no input shards); fix: resume with the version that wrote it, or "
-                    "start a new --workdir")
+  # Written before input shards: every process held the state of the one global stream,
+  # which is shard 0 of 1 (the same documents, packing and row order).
+  states = [x if "num_shards" in x else {"num_shards": 1, "shards": {"0": x}} for x in states]
   counts = {x["num_shards"] for x in states}
   if len(counts) != 1:
     raise DataError(f"the checkpoint's data-iterator states disagree on the input shard "
@@ -110,19 +144,19 @@ def restore_iterator_state(iterator: grain.DatasetIterator, state: Any) -> None:
 
   `state` is this process's `get_state()`, or the list of every process's states of a
   run with another process count: each input shard continues exactly where it was,
-  whichever process reads it now, as long as `data.input_shards` is the same (else a
-  DataError names the count to set). Besides undoing JSON's changes
+  whichever process reads it now, as long as `data.input_shards` is the same. With
+  another shard count (another stream) every shard starts at the beginning of the epoch
+  after the furthest one reached, skipping the rest of that epoch, so that no token is
+  seen twice in an epoch; a warning says so. Besides undoing JSON's changes
   (`fix_grain_state`), this accepts a state saved with another `data.worker_count`: the
   stream does not depend on it, so the position (documents read) carries over exactly.
   """
   saved = _merged(fix_grain_state(state))
   now = iterator.get_state()
   if saved["num_shards"] != now["num_shards"]:
-    raise DataError(f"the checkpoint's data stream has {saved['num_shards']} input shards, "
-                    f"this run {now['num_shards']}; fix: set --config.data.input_shards="
-                    f"{saved['num_shards']} to continue it exactly (a multiple of the "
-                    "process count)")
-  state = {"num_shards": now["num_shards"], "shards": {k: saved["shards"][k] for k in now["shards"]}}
+    iterator.set_state(_next_epoch_state(saved, now))
+    return
+  state = {**now, "shards": {k: saved["shards"][k] for k in now["shards"]}}
   workers_now = _num_workers(now)
   if workers_now is not None and _num_workers(state) not in (None, workers_now):
     state = _with_workers(state, workers_now)

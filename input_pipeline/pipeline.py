@@ -20,7 +20,10 @@ Resume: each process's iterator state names its shards (`ShardedBatches`), and t
 checkpoint keeps every process's state. With the same process count each process
 restores its own; given every process's states (a run with another process count),
 `restore_iterator_state` gives each shard the position it had, so the stream continues
-exactly when N is kept, and refuses with one line naming N when it is not.
+exactly when N is kept. With another N (another stream) every shard starts at the
+beginning of the epoch after the furthest one reached: the rest of that epoch is
+skipped, no token is seen twice in an epoch, and a warning names the N to set to
+continue exactly.
 
 Tokenizing is the costly step and the only one in worker processes (`worker_count`
 per shard; they exit when their parent does, `input_pipeline.workers`). Packing, row
@@ -197,10 +200,12 @@ class ShardedBatches(grain.IterDataset):
   count (`iterator_state.state_for_process`).
   """
 
-  def __init__(self, shards: dict[int, grain.IterDataset], num_shards: int):
+  def __init__(self, shards: dict[int, grain.IterDataset], num_shards: int,
+               num_documents: int):
     super().__init__(list(shards.values()))
     self.shard_ids = list(shards)
     self.num_shards = num_shards
+    self.num_documents = num_documents
 
   def __iter__(self) -> grain.DatasetIterator:
     return _ShardedBatchesIterator(self)
@@ -212,6 +217,7 @@ class _ShardedBatchesIterator(grain.DatasetIterator):
     super().__init__([p.__iter__() for p in ds._parents])  # pylint: disable=protected-access
     self._ids = ds.shard_ids
     self._num_shards = ds.num_shards
+    self._num_documents = ds.num_documents
 
   def __next__(self) -> Batch:
     parts = [next(it) for it in self._parents]
@@ -220,7 +226,7 @@ class _ShardedBatchesIterator(grain.DatasetIterator):
     return to_model_batch({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
 
   def get_state(self) -> dict[str, Any]:
-    return {"num_shards": self._num_shards,
+    return {"num_shards": self._num_shards, "num_documents": self._num_documents,
             "shards": {str(i): it.get_state() for i, it in zip(self._ids, self._parents)}}
 
   def set_state(self, state: dict[str, Any]) -> None:
@@ -252,7 +258,7 @@ def train_dataset(source: Sequence, model_proto: bytes, *, seq_len: int,
         source, model_proto, seq_len=seq_len, text_key=text_key, seed=seed,
         shuffle_buffer=shuffle_buffer, worker_count=worker_count, num_epochs=num_epochs,
         shard=s, num_shards=num_shards).batch(rows, drop_remainder=True)
-  return ShardedBatches(shards, num_shards)
+  return ShardedBatches(shards, num_shards, len(source))
 
 
 def _eval_row(tokens: np.ndarray, docs: np.ndarray, seq_len: int) -> Batch:

@@ -322,9 +322,43 @@ def test_resume_per_process_and_on_another_process_count(ds, corpus_dir, cache):
     restore_iterator_state(it, [state1])
     for b, whole in zip(_take(it, 2), after):
       np.testing.assert_array_equal(b["inputs"], whole["inputs"][p * 2:(p + 1) * 2])
-  # another shard count cannot continue the stream: one line naming the count to set
-  _assert_data_error(lambda: restore_iterator_state(mk(0, 1, _cfg(corpus_dir, cache)), states),
-                     "2 input shards, this run 1", "input_shards=2")
+
+
+
+def test_resume_from_a_state_written_before_input_shards(ds, corpus_dir, cache):
+  """Checkpoints of the earlier pipeline (every process held the state of one global
+  stream: packed rows batched to the global batch) continue exactly on one process."""
+  corpus = _corpus(corpus_dir, cache)
+  old = iter(pipeline.packed_rows(corpus.train, ds.tokenizer.serialized_model_proto(),
+                                  seq_len=SEQ, text_key="text", seed=0, shuffle_buffer=8,
+                                  worker_count=0).batch(BATCH))
+  _take(old, 3)
+  state = json.loads(json.dumps(old.get_state()))
+  expected = [pipeline.to_model_batch(b) for b in _take(old, 3)]
+  it = iter(ds.train)
+  restore_iterator_state(it, state)
+  assert _equal(_take(it, 3), expected)
+
+
+def test_resume_with_another_shard_count_starts_the_next_epoch(ds, corpus_dir, cache, caplog):
+  """Another shard count is another stream: the resumed run starts at the next epoch
+  (the first batch of 2 shards is within epoch 0), skipping the rest of epoch 0."""
+  cfg = _cfg(corpus_dir, cache, shuffle_buffer=0)   # rows in packing order
+  its = [iter(_create(cfg, process_index=p, process_count=2).train) for p in range(2)]
+  states = []
+  for it in its:
+    next(it)
+    states.append(json.loads(json.dumps(it.get_state())))
+  one = iter(_create(cfg).train)                     # 1 process, 1 shard
+  with caplog.at_level(logging.WARNING):
+    restore_iterator_state(one, states)
+  assert "continues at the start of epoch 1" in caplog.text and "input_shards=2" in caplog.text
+  corpus = _corpus(corpus_dir, cache)
+  docs = pipeline.tokenized_documents(corpus.train, ds.tokenizer.serialized_model_proto(),
+                                      text_key="text", seed=0, num_epochs=2, worker_count=0)
+  epoch1 = np.concatenate([d["tokens"] for d in list(docs)[len(corpus.train):]])
+  b = next(one)
+  np.testing.assert_array_equal(b["inputs"].ravel()[:SEQ], epoch1[:SEQ])
 
 
 def _eval_docs(ds, corpus_dir, cache):
