@@ -14,6 +14,7 @@
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 
@@ -26,7 +27,8 @@ LOCK_FILE = ".prepare.lock"
 INCOMPLETE_PREFIX = "incomplete."
 # What array_record / riegeli say about a file that is cut short or overwritten.
 _DAMAGED = ("Riegeli", "ArrayRecord file", "array_record", "Failed to read")
-# Written beside prepared data: every file's size, checked whenever the data is opened.
+# Written beside prepared data: every file's size (checked whenever the data is opened)
+# and sha256 (the data's content hash).
 MANIFEST = "odet_sizes.json"
 
 
@@ -93,31 +95,52 @@ def one_line_errors(where: str, *, need_bytes: int = 0, delete: str = "",
     raise
 
 
-def _sizes(directory: str) -> dict[str, int]:
-  return {name: fileio.path(fileio.join(directory, name)).stat().length
-          for name in fileio.listdir(directory)
-          if name != MANIFEST and fileio.isfile(fileio.join(directory, name))}
+def _files(directory: str) -> list[str]:
+  return [name for name in fileio.listdir(directory)
+          if name != MANIFEST and fileio.isfile(fileio.join(directory, name))]
 
 
 def write_manifest(directory: str) -> None:
-  """Records the sizes of the prepared files in `directory` (after preparing them)."""
+  """Records the size and sha256 of each prepared file in `directory` (after preparing)."""
+  record = {name: {"bytes": fileio.path(fileio.join(directory, name)).stat().length,
+                   "sha256": fileio.sha256(fileio.join(directory, name))}
+            for name in _files(directory)}
   fileio.write_text_atomic(fileio.join(directory, MANIFEST),
-                           json.dumps(_sizes(directory), indent=1, sort_keys=True))
+                           json.dumps(record, indent=1, sort_keys=True))
+
+
+def _manifest(directory: str) -> dict | None:
+  path = fileio.join(directory, MANIFEST)
+  return json.loads(fileio.read_text(path)) if fileio.exists(path) else None
+
+
+def content_hash(directory: str) -> str | None:
+  """sha256 over the prepared record files' sha256s, from the manifest (None without one)."""
+  record = _manifest(directory)
+  if record is None:
+    return None
+  # The records alone: TFDS's metadata files may change when identical data is prepared
+  # again, which must not make it other data.
+  blob = json.dumps({name: r["sha256"] for name, r in record.items()
+                     if ".array_record" in name}, sort_keys=True)
+  return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def check_manifest(directory: str, *, delete: str, reprepare: str = "") -> None:
   """DataError when a prepared file in `directory` is missing or not the size it was
   written with (cut short by a full disk, a killed copy, ...); nothing to check when
   the data was prepared without a manifest."""
-  path = fileio.join(directory, MANIFEST)
-  if not fileio.exists(path):
+  expected = _manifest(directory)
+  if expected is None:
     return
-  expected, found = json.loads(fileio.read_text(path)), _sizes(directory)
-  for name, size in sorted(expected.items()):
-    if found.get(name) != size:
+  found = {name: fileio.path(fileio.join(directory, name)).stat().length
+           for name in _files(directory)}
+  for name, r in sorted(expected.items()):
+    if found.get(name) != r["bytes"]:
       now = "missing" if name not in found else f"{found[name]:,} bytes"
       with one_line_errors(directory, delete=delete, reprepare=reprepare):
-        raise RuntimeError(f"array_record file {name} is {now}, {size:,} bytes when prepared")
+        raise RuntimeError(f"array_record file {name} is {now}, {r['bytes']:,} bytes when "
+                           "prepared")
 
 
 class Checked:

@@ -178,7 +178,8 @@ def prepare(split_files: Mapping[str, Sequence[str]], root: str | os.PathLike,
     doc_chars: See `split_documents`.
 
   Returns:
-    (split name -> random-access source of {'text': bytes}, fingerprint).
+    (split name -> random-access source of {'text': bytes}, fingerprint, content hash:
+    sha256 over the prepared files' sha256s, recorded when they were prepared).
   """
   root = os.fspath(root)
   if not fileio.is_local(root):
@@ -207,5 +208,7 @@ def prepare(split_files: Mapping[str, Sequence[str]], root: str | os.PathLike,
           cache.write_manifest(os.fspath(builder.data_path))
         builder = _builder(split_files, doc_chars, data_dir)
   cache.check_manifest(os.fspath(builder.data_path), delete=data_dir)
+  digest = cache.content_hash(os.fspath(builder.data_path)) or fp
   with cache.one_line_errors(data_dir, delete=data_dir):
-    return {k: cache.Checked(v, data_dir) for k, v in builder.as_data_source().items()}, fp
+    return ({k: cache.Checked(v, data_dir) for k, v in builder.as_data_source().items()},
+            fp, digest)

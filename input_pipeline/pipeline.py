@@ -96,12 +96,16 @@ class Datasets:
     tokenizer: The SentencePiece processor (pad=0, unk=1, bos=2, eos=3).
     vocab_size: The tokenizer's vocabulary size.
     tokenizer_path: The .model file the tokenizer was loaded from.
+    content_hash: Identifies the data's content: sha256 over the sha256s of the prepared
+      files, recorded when this project prepared them (local text, `input_pipeline.prepare`);
+      for TFDS data prepared elsewhere, its name, split and size.
   """
   train: grain.IterDataset
   eval_batches: Callable[[], Iterator[Batch]]
   tokenizer: spm.SentencePieceProcessor
   vocab_size: int
   tokenizer_path: str
+  content_hash: str = ""
 
 
 def _derive_seed(seed: int, stream: int, shard: int = 0) -> int:
@@ -469,4 +473,5 @@ def create_datasets(data_cfg: ml_collections.ConfigDict, *, seq_len: int,
         text_key=data_cfg.text_key, max_batches=data_cfg.eval_max_batches)
 
   return Datasets(train=train, eval_batches=eval_fn, tokenizer=sp,
-                  vocab_size=sp.get_piece_size(), tokenizer_path=sp_path)
+                  vocab_size=sp.get_piece_size(), tokenizer_path=sp_path,
+                  content_hash=corpus.content_hash)

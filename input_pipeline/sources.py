@@ -32,12 +32,15 @@ class Corpus:
     train: Random-access training documents.
     eval: Random-access evaluation documents.
     eval_split: The split `eval` was read from.
+    content_hash: sha256 of the prepared files (recorded when they were prepared here);
+      for data prepared without that record, `fingerprint`.
   """
   name: str
   fingerprint: str
   train: Sequence
   eval: Sequence
   eval_split: str
+  content_hash: str
 
 
 def expand_globs(patterns: str, what: str) -> list[str]:
@@ -56,9 +59,9 @@ def expand_globs(patterns: str, what: str) -> list[str]:
 
 
 def _local(split_files: dict[str, list[str]], name: str, cache_dir: str) -> Corpus:
-  srcs, fp = local_text.prepare(split_files, fileio.join(cache_dir, "prepared"))
+  srcs, fp, digest = local_text.prepare(split_files, fileio.join(cache_dir, "prepared"))
   return Corpus(name=name, fingerprint=f"{name}-{fp}", train=srcs["train"],
-                eval=srcs["validation"], eval_split="validation")
+                eval=srcs["validation"], eval_split="validation", content_hash=digest)
 
 
 def _open_builder(builder, name: str, prepare_hint: str, train_split: str,
@@ -87,8 +90,9 @@ def _open_builder(builder, name: str, prepare_hint: str, train_split: str,
                       f"fix: use one of {splits} (TFDS slicing like 'train[:10%]' works)") from e
   train, eval_ = (cache.Checked(s, os.fspath(builder.data_dir), prepare_hint) for s in sources)
   fingerprint = f"{builder.info.full_name}:{train_split}:{len(train)}"
+  digest = cache.content_hash(os.fspath(builder.data_path)) or fingerprint
   return Corpus(name=name, fingerprint=fingerprint, train=train, eval=eval_,
-                eval_split=eval_split)
+                eval_split=eval_split, content_hash=digest)
 
 
 def _tfds(name: str, data_cfg: ml_collections.ConfigDict) -> Corpus:

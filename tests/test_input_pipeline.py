@@ -5,6 +5,7 @@ epoch at seq_len 32, batch 4, vocab 512.
 """
 import collections
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -478,6 +479,24 @@ def test_bad_inputs_raise_clear_data_errors(ds, corpus_dir, cache, tmp_path):
                      "data.input_shards=3", "multiple of 2")
 
 
+def test_content_hash_is_the_prepared_files_sha256(ds, corpus_dir, cache, tmp_path):
+  (data_path,) = cache.glob("prepared/local-*/local_text/1.0.0")
+  files = sorted(data_path.glob("*.array_record-*"))
+  assert len(files) == 2                      # train, validation
+  digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+  blob = json.dumps(digests, sort_keys=True).encode()
+  assert ds.content_hash == hashlib.sha256(blob).hexdigest()
+  again = tmp_path / "again"                  # prepared again from the same files
+  shutil.copytree(cache, again)
+  shutil.rmtree(next(again.glob("prepared/local-*")))
+  assert _create(_cfg(corpus_dir, again)).content_hash == ds.content_hash
+  other = tmp_path / "other"
+  shutil.copytree(corpus_dir, other)
+  with open(other / "train_00.txt", "a", encoding="utf-8") as f:
+    f.write("One more paragraph.\n")
+  assert _create(_cfg(other, tmp_path / "cache")).content_hash != ds.content_hash
+
+
 def test_split_documents_bounded_and_lossless():
   text = _text(np.random.default_rng(3), 80) + "x" * 9000 + "\n"
   docs = local_text.split_documents(text, max_chars=1000)
@@ -495,7 +514,7 @@ def test_preparing_local_text_is_one_quiet_log_line(tmp_path, capfd, caplog):
   for run in (1, 2):
     caplog.clear()
     with caplog.at_level(logging.INFO):
-      srcs, _ = local_text.prepare(files, tmp_path / "prepared")
+      srcs, _, _ = local_text.prepare(files, tmp_path / "prepared")
     out, err = capfd.readouterr()
     assert len(srcs["train"]) == 1
     assert (out, err) == ("", ""), (run, out + err)
