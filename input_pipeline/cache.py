@@ -25,11 +25,11 @@ from odetransformer import fileio
 
 LOCK_FILE = ".prepare.lock"
 INCOMPLETE_PREFIX = "incomplete."
-# What array_record / riegeli say about a file that is cut short or overwritten.
-_DAMAGED = ("Riegeli", "ArrayRecord file", "array_record", "Failed to read")
+# What array_record / riegeli (and the checks below) say of a file cut short or overwritten.
+_DAMAGED = ("Riegeli", "ArrayRecord file", "damaged record")
 # Written beside prepared data: every file's size (checked whenever the data is opened)
 # and sha256 (the data's content hash).
-MANIFEST = "odet_sizes.json"
+MANIFEST = "odet_files.json"
 
 
 @contextlib.contextmanager
@@ -139,7 +139,7 @@ def check_manifest(directory: str, *, delete: str, reprepare: str = "") -> None:
     if found.get(name) != r["bytes"]:
       now = "missing" if name not in found else f"{found[name]:,} bytes"
       with one_line_errors(directory, delete=delete, reprepare=reprepare):
-        raise RuntimeError(f"array_record file {name} is {now}, {r['bytes']:,} bytes when "
+        raise RuntimeError(f"damaged record file {name}: {now}, {r['bytes']:,} bytes when "
                            "prepared")
 
 
@@ -157,7 +157,7 @@ class Checked:
       record = self._source[index]
       if isinstance(record, dict) and any(v is None for v in record.values()):
         # A damaged array_record file can also read back as empty features.
-        raise RuntimeError(f"array_record record {index} has no value")
+        raise RuntimeError(f"damaged record {index}: it reads back without a value")
       return record
 
   def __iter__(self):

@@ -20,7 +20,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.tokenizer_path = ""        # SentencePiece .model to use; '' = train on the training split and cache it
   c.tokenizer_sample_bytes = 10_000_000  # bytes of training text the tokenizer is trained on
   c.text_key = "text"          # feature holding the text in each example
-  c.worker_count = 0           # tokenizer worker processes per input shard (0 = tokenize in the training process)
+  # Tokenizer worker processes per input shard; 0 tokenizes in the training process. 0 by
+  # default (one-machine runs and tests: workers cost seconds to start and a tokenizer's
+  # memory each, which small batches do not repay); the pod configs set 4. The batches
+  # are the same for any count.
+  c.worker_count = 0
   # Independent streams the training data is split into (documents i::input_shards),
   # each filling global_batch_size / input_shards rows of every batch; each process
   # reads only its input_shards / process_count of them. 0 = one per process. A resume
