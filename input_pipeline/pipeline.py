@@ -58,13 +58,14 @@ batch is padded (segment id 0, weight 0), never dropped.
 """
 from collections.abc import Callable, Iterable, Iterator, Sequence
 import dataclasses
+import itertools
 import os
 from typing import Any
 
 from absl import flags
 import grain
 import jax
-from jax.experimental import multihost_utils
+from jax._src import distributed as jax_distributed  # the coordination service's store
 import ml_collections
 import numpy as np
 import sentencepiece as spm
@@ -81,6 +82,9 @@ _TOKENS = "tokens"
 # Tokenized documents each worker process may have ready ahead of use: a batch takes
 # many documents, so a deep buffer keeps the packer from waiting on one round trip.
 _WORKER_BUFFER = 64
+# The other processes wait this long for process 0 to prepare the data and tokenizer.
+_PREPARE_WAIT_MS = 24 * 3600 * 1000
+_PREPARATIONS = itertools.count()    # one key per create_datasets call (same on all)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,20 +402,23 @@ def _process_0_first(prepare: Callable[[], Any]) -> Any:
   """Runs `prepare` on process 0 and, once it has succeeded, on the other processes.
 
   Process 0 alone prepares the data and trains the tokenizer; the others wait for it
-  and then find them in the (shared) cache. A cache on host-local disks is prepared
-  once per host. A failure on process 0 stops the others with one line.
+  (on the key-value store of jax.distributed's coordination service, as orbax does; no
+  device computation) and then find them in the (shared) cache. A cache on host-local
+  disks is prepared once per host. A failure on process 0 stops the others with one line.
   """
   if jax.process_count() == 1:
     return prepare()
+  client = jax_distributed.global_state.client
+  key = f"odetransformer/input_prepared/{next(_PREPARATIONS)}"
   if jax.process_index() == 0:
     ok = False
     try:
       result = prepare()
       ok = True
     finally:
-      multihost_utils.broadcast_one_to_all(np.int32(ok))
+      client.key_value_set(key, "ok" if ok else "failed")
     return result
-  if not multihost_utils.broadcast_one_to_all(np.int32(0)):
+  if client.blocking_key_value_get(key, _PREPARE_WAIT_MS) != "ok":
     raise DataError("process 0 failed to prepare the data or tokenizer; fix: see its error "
                     "(the first process's log)")
   return prepare()

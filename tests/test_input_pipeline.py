@@ -1,4 +1,6 @@
-"""Input pipeline: batch layout, packing, determinism, exact resume, sharding, eval, errors.
+"""Input pipeline: batch layout, packing, determinism, exact resume, per-host input
+shards, eval, errors; and, with real subprocesses, one preparer per cache, damaged caches
+and full disks (main.py), and worker processes that die with their trainer.
 
 A small synthetic corpus (written to a temp dir) keeps this fast: ~40 batches per
 epoch at seq_len 32, batch 4, vocab 512.
