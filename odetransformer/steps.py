@@ -109,6 +109,18 @@ def _with_rules(rules, fn):
   return wrapped
 
 
+def _with_weight_rules(rules, fn):
+  """`fn` traced with generated weights (DiffEqFormer's W(t)) sharded as parameters, by
+  the parameter `rules` (`axes.weight_rules`): set in the traced function, so that it
+  holds however the step is lowered. Every step that runs the model uses it (train and
+  eval alike): otherwise each device would hold all K×S generated weights whole."""
+  @functools.wraps(fn)
+  def traced(*args):
+    with axes_lib.weight_rules(rules):
+      return fn(*args)
+  return traced
+
+
 _GRID_STREAM = 0x71D   # folded into a step's rng for its time grid (apart from dropout's)
 
 
@@ -212,14 +224,8 @@ def make_train_step(layout: StateLayout, schedule: Callable, rules, *,
         applied=applied)
     return new_state, out
 
-  def traced_step(state, batch, rng):
-    # Generated weights (DiffEqFormer's W(t)) are sharded as parameters, by `rules`;
-    # set here, in the traced function, so that it holds however the step is lowered.
-    with axes_lib.weight_rules(rules):
-      return step(state, batch, rng)
-
   return _with_rules(sharding_lib.activation_rules(rules),
-                    jax.jit(traced_step, donate_argnums=(0,),
+                    jax.jit(_with_weight_rules(rules, step), donate_argnums=(0,),
                             out_shardings=(layout.shardings, None)))
 
 
@@ -233,7 +239,10 @@ def make_param_norm(layout: StateLayout) -> Callable:
 
 
 def make_eval_step(layout: StateLayout, rules) -> Callable:
-  """The jitted eval step: (state, batch) -> EvalMetrics (deterministic forward)."""
+  """The jitted eval step: (state, batch) -> EvalMetrics (deterministic forward).
+
+  Traced as the train step is: under the activation rules, with generated weights
+  sharded by the parameter rules. Call it under `jax.set_mesh(mesh)`."""
 
   def step(state, batch):
     model, _ = layout.merge(state)
@@ -242,7 +251,8 @@ def make_eval_step(layout: StateLayout, rules) -> Callable:
         loss_sum=jnp.sum(scores["nll"]), weight_sum=jnp.sum(scores["weight"]),
         correct_sum=jnp.sum(scores["correct"]))
 
-  return _with_rules(sharding_lib.activation_rules(rules), jax.jit(step))
+  return _with_rules(sharding_lib.activation_rules(rules),
+                    jax.jit(_with_weight_rules(rules, step)))
 
 
 # --------------------------------------------------------------------------------------
