@@ -136,21 +136,19 @@ def attention_kernel(cfg: ModelConfig, seq_len: int, platform: Optional[str] = N
     if platform == "tpu" and splash_ok:
       return "splash"
     return "xla"
-  if impl == "cudnn":
-    if platform != "cuda":
-      raise ConfigError(f"model.attention_impl='cudnn' needs an NVIDIA GPU, this run is on "
-                        f"{platform}; use 'auto' or 'xla'")
-    if not cudnn_ok:
-      raise ConfigError(f"model.attention_impl='cudnn' needs model.dtype bfloat16 and a "
-                        f"head dim that is a multiple of 8 up to 128 (have {cfg.dtype}, "
-                        f"{cfg.head_dim}); use 'auto' or 'xla'")
-  if impl == "splash":
-    if platform != "tpu":
-      raise ConfigError(f"model.attention_impl='splash' is a TPU kernel, this run is on "
-                        f"{platform}; use 'auto' or 'xla'")
-    if not splash_ok:
-      raise ConfigError(f"model.attention_impl='splash' needs a sequence length that is "
-                        f"a multiple of {SPLASH_BLOCK}, got {seq_len}; use 'auto' or 'xla'")
+  needs = {   # kernel: (platform, devices, whether the shape allows it, what it needs)
+      "cudnn": ("cuda", "NVIDIA GPUs", cudnn_ok,
+                f"needs model.dtype bfloat16 and a head dim that is a multiple of 8 up to "
+                f"128 (have {cfg.dtype}, {cfg.head_dim})"),
+      "splash": ("tpu", "TPUs", splash_ok,
+                 f"needs a sequence length that is a multiple of {SPLASH_BLOCK}, "
+                 f"got {seq_len}")}
+  if impl in needs:
+    where, devices, ok, why = needs[impl]
+    problem = (f"runs on {devices} only, this run is on {platform}" if platform != where
+               else None if ok else why)
+    if problem:
+      raise ConfigError(f"model.attention_impl={impl!r} {problem}; use 'auto' or 'xla'")
   return impl
 
 

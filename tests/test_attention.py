@@ -77,17 +77,14 @@ def test_model_attention_runs_the_configured_kernel_on_packed_rows():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5, err_msg=impl)
 
 
-def _splash(q, k, v, seg, interpret):
-  mask = blocks.attention_mask(None if seg is None else jnp.asarray(seg))
-  return blocks.dot_product_attention(q, k, v, mask, "splash", interpret=interpret)
-
-
 @pytest.mark.parametrize("packed", [True, False])
 def test_splash_kernel_interpreted_equals_the_reference(packed):
   """The splash kernel program (Pallas' interpreter: any platform) on packed rows."""
   q, k, v, seg = _inputs()
   seg = seg if packed else None
-  out = jax.jit(lambda q, k, v: _splash(q, k, v, seg, interpret=True))(q, k, v)
+  mask = blocks.attention_mask(None if seg is None else jnp.asarray(seg))
+  out = jax.jit(lambda q, k, v: blocks.dot_product_attention(
+      q, k, v, mask, "splash", interpret=True))(q, k, v)
   np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, seg),
                              rtol=1e-5, atol=1e-5)
 
@@ -117,29 +114,24 @@ def test_splash_gradients_under_a_mesh_equal_xla_gradients():
 # --------------------------------------------------------------------------------------
 # The platform's own kernels (skip elsewhere)
 # --------------------------------------------------------------------------------------
-@pytest.mark.skipif(PLATFORM != "cuda", reason="cuDNN attention needs an NVIDIA GPU "
-                    "(run with JAX_PLATFORMS=cuda on one)")
 @pytest.mark.parametrize("packed", [True, False])
-def test_cudnn_kernel_equals_the_reference(packed):
-  q, k, v, seg = _inputs(h=64)
-  seg = seg if packed else None
-  mask = blocks.attention_mask(None if seg is None else jnp.asarray(seg))
-  qb, kb, vb = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
-  out = jax.jit(lambda q, k, v: blocks.dot_product_attention(q, k, v, mask, "cudnn"))(
-      qb, kb, vb)
-  want = reference_attention(*(np.asarray(x, np.float32) for x in (qb, kb, vb)), seg)
-  np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.skipif(PLATFORM != "tpu", reason="the compiled splash kernel needs a TPU "
-                    "(run with JAX_PLATFORMS=tpu on one; elsewhere it is interpreted above)")
-@pytest.mark.parametrize("packed", [True, False])
-def test_splash_kernel_compiled_equals_the_reference(packed):
+@pytest.mark.parametrize("kernel,dtype,tolerance", [
+    pytest.param("cudnn", jnp.bfloat16, 2e-2, marks=pytest.mark.skipif(
+        PLATFORM != "cuda", reason="cuDNN attention needs an NVIDIA GPU (run with "
+        "JAX_PLATFORMS=cuda on one)")),
+    pytest.param("splash", jnp.float32, 2e-3, marks=pytest.mark.skipif(
+        PLATFORM != "tpu", reason="the compiled splash kernel needs a TPU (run with "
+        "JAX_PLATFORMS=tpu on one; elsewhere it is interpreted above)")),
+])
+def test_platform_kernel_compiled_equals_the_reference(kernel, dtype, tolerance, packed):
   q, k, v, seg = _inputs(h=128)
   seg = seg if packed else None
-  out = jax.jit(lambda q, k, v: _splash(q, k, v, seg, interpret=False))(q, k, v)
-  np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, seg),
-                             rtol=2e-3, atol=2e-3)
+  mask = blocks.attention_mask(None if seg is None else jnp.asarray(seg))
+  q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+  out = jax.jit(lambda q, k, v: blocks.dot_product_attention(q, k, v, mask, kernel))(q, k, v)
+  want = reference_attention(*(np.asarray(x, np.float32) for x in (q, k, v)), seg)
+  np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=tolerance,
+                             atol=tolerance)
 
 
 # --------------------------------------------------------------------------------------
@@ -162,9 +154,9 @@ def test_auto_picks_the_platform_kernel(platform, dtype, seq_len, kernel):
 
 
 @pytest.mark.parametrize("impl,platform,dtype,seq_len,words", [
-    ("splash", "cpu", "float32", 256, "TPU kernel, this run is on cpu"),
+    ("splash", "cpu", "float32", 256, "runs on TPUs only, this run is on cpu"),
     ("splash", "tpu", "float32", 200, "multiple of 128, got 200"),
-    ("cudnn", "tpu", "bfloat16", 256, "needs an NVIDIA GPU"),
+    ("cudnn", "tpu", "bfloat16", 256, "runs on NVIDIA GPUs only, this run is on tpu"),
     ("cudnn", "cuda", "float32", 256, "bfloat16"),
 ])
 def test_a_kernel_the_platform_cannot_run_is_a_one_line_config_error(
