@@ -1,5 +1,6 @@
 """A resume holds one TrainState: restored into the abstract (sharded) targets, with no
 created state beside it (`train._restore_or_init`)."""
+import gc
 import threading
 
 import jax
@@ -54,6 +55,7 @@ def test_resume_peak_live_device_bytes_are_one_state(tmp_path, monkeypatch):
 
   monkeypatch.setattr(checkpointing.Checkpointer, "restore_latest", measured_restore)
   monkeypatch.setattr(train, "_restore_or_init", measured_restore_or_init)
+  gc.collect()            # the baseline holds no garbage that the resume would free
   before = _live_bytes()
   resumed = train.train_and_evaluate(config, workdir)   # at step 2 already: restore, eval
   assert resumed["start_step"] == 2 and len(states) == 1
