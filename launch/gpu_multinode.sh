@@ -2,6 +2,9 @@
 # Multi-node GPU training without a scheduler: run this on every node (or once with
 # --hosts to start it on all of them over ssh). Run with --help for usage.
 set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=launch/common.sh
+source "$ROOT/launch/common.sh"
 
 usage() {
   cat <<'EOF'
@@ -34,6 +37,10 @@ options (flag, or the environment variable in brackets; default after '='):
   --procs_per_node G    1 = a process per node, G = a process per GPU [PROCS_PER_NODE] = 1
   --gpus_per_node G     GPUs per node [GPUS_PER_NODE] = nvidia-smi's count
   --venv DIR            virtualenv with jax[cuda12] [VENV] = .venv
+  --setup               (re)install jax[cuda12] at requirements.txt's jax pin and
+                        requirements.txt into the venv [SETUP=1]; without it this
+                        happens only when the venv has no python. With a venv on a
+                        shared disk, set it up once (one node, --setup) before --hosts
   --nccl_socket_if IF   NCCL_SOCKET_IFNAME, e.g. eth0 [NCCL_SOCKET_IFNAME]
   --nccl_ib_hca LIST    NCCL_IB_HCA, e.g. mlx5 [NCCL_IB_HCA]
   --dry_run             print the commands instead of running them [DRY_RUN=1]
@@ -61,6 +68,7 @@ HOSTS="${HOSTS:-}"
 PROCS_PER_NODE="${PROCS_PER_NODE:-1}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-}"
 VENV="${VENV:-.venv}"
+SETUP="${SETUP:-0}"
 DRY_RUN="${DRY_RUN:-0}"
 EXTRA=()
 
@@ -92,6 +100,7 @@ while [[ $# -gt 0 ]]; do
     --gpus_per_node=*) GPUS_PER_NODE="${1#*=}"; shift ;;
     --venv) need "$@"; VENV="$2"; shift 2 ;;
     --venv=*) VENV="${1#*=}"; shift ;;
+    --setup) SETUP=1; shift ;;
     --nccl_socket_if) need "$@"; export NCCL_SOCKET_IFNAME="$2"; shift 2 ;;
     --nccl_socket_if=*) export NCCL_SOCKET_IFNAME="${1#*=}"; shift ;;
     --nccl_ib_hca) need "$@"; export NCCL_IB_HCA="$2"; shift 2 ;;
@@ -108,7 +117,6 @@ for v in NUM_NODES NODE_RANK PROCS_PER_NODE COORD_PORT; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v must be a non-negative integer, got '${!v}'"
 done
 (( NUM_NODES >= 1 && PROCS_PER_NODE >= 1 )) || die "--num_nodes and --procs_per_node must be >= 1"
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 # ---------------------------------------------------------------------------------
 # --hosts: start this script on every host over ssh and babysit them.
@@ -121,6 +129,7 @@ if [[ -n "$HOSTS" ]]; then
         --procs_per_node "$PROCS_PER_NODE" --venv "$VENV")
   [[ -n "$DATA_DIR" ]] && pass+=(--data_dir "$DATA_DIR")
   [[ -n "$GPUS_PER_NODE" ]] && pass+=(--gpus_per_node "$GPUS_PER_NODE")
+  [[ "$SETUP" == 1 ]] && pass+=(--setup)
   [[ -n "${NCCL_SOCKET_IFNAME:-}" ]] && pass+=(--nccl_socket_if "$NCCL_SOCKET_IFNAME")
   [[ -n "${NCCL_IB_HCA:-}" ]] && pass+=(--nccl_ib_hca "$NCCL_IB_HCA")
   pids=()
@@ -177,6 +186,9 @@ ARGS=(--config="$CONFIG" --workdir="$WORKDIR")
 ARGS+=("${EXTRA[@]}")
 
 cd "$ROOT"
+if [[ "$SETUP" == 1 || ! -x "$VENV/bin/python" ]]; then
+  install_venv "$ROOT" "$VENV" cuda12
+fi
 pids=()
 for ((local_rank = 0; local_rank < PROCS_PER_NODE; local_rank++)); do
   pid_id=$((NODE_RANK * PROCS_PER_NODE + local_rank))

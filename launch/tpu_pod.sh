@@ -4,13 +4,18 @@
 #
 # Run `launch/tpu_pod.sh --help` for usage (prints it and touches no cloud API).
 set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=launch/common.sh
+source "$ROOT/launch/common.sh"
+JAX_PIN="$(pinned_jax_version "$ROOT")"
 
 usage() {
   cat <<'EOF'
 usage: launch/tpu_pod.sh --name NAME --zone ZONE --workdir gs://BUCKET/RUN [options] [-- --config.x=y ...]
 
 Creates (or reuses) the TPU VM slice NAME, copies this checkout to every worker,
-installs a venv with jax[tpu] + requirements.txt, then runs on --worker=all:
+installs a venv with jax[tpu] at the jax version requirements.txt pins, and
+requirements.txt, then runs on --worker=all:
   python main.py --config=CONFIG --workdir=WORKDIR [--config.* overrides]
 streaming the logs of every worker here. With --babysit, a preempted or failed
 run is retried: the slice is recreated if it is gone (spot/preemptible capacity),
@@ -33,7 +38,7 @@ options (flag, or the environment variable in brackets; default after '='):
   --code_dir DIR         where the code goes on the workers [CODE_DIR] = ~/odetransformer
   --repo URL             git clone URL instead of copying this checkout [REPO]
   --branch REF           branch/tag/commit with --repo [BRANCH] = main
-  --jax_spec SPEC        pip spec [JAX_SPEC] = jax[tpu]==0.10.2
+  --jax_spec SPEC        pip spec [JAX_SPEC] = jax[tpu]==(requirements.txt's jax pin)
   --skip_setup           reuse the code and venv already on the workers [SKIP_SETUP=1]
   --babysit              retry until main.py exits 0 [BABYSIT=1]
   --max_restarts N       give up after N retries [MAX_RESTARTS] = 100
@@ -64,7 +69,7 @@ DATA_DIR="${DATA_DIR:-}"
 CODE_DIR="${CODE_DIR:-~/odetransformer}"
 REPO="${REPO:-}"
 BRANCH="${BRANCH:-main}"
-JAX_SPEC="${JAX_SPEC:-jax[tpu]==0.10.2}"
+JAX_SPEC="${JAX_SPEC:-jax[tpu]==$JAX_PIN}"
 SKIP_SETUP="${SKIP_SETUP:-0}"
 BABYSIT="${BABYSIT:-0}"
 MAX_RESTARTS="${MAX_RESTARTS:-100}"
@@ -174,11 +179,10 @@ setup_workers() {
   if [[ -n "$REPO" ]]; then
     ssh_all "set -e; if [ -d $CODE_DIR/.git ]; then git -C $CODE_DIR fetch -q origin && git -C $CODE_DIR checkout -q $(printf %q "$BRANCH") && git -C $CODE_DIR pull -q --ff-only || true; else git clone -q $(printf %q "$REPO") $CODE_DIR && git -C $CODE_DIR checkout -q $(printf %q "$BRANCH"); fi"
   else
-    local root tmpdir tarball
-    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    local tmpdir tarball
     tmpdir="$(mktemp -d -t odet_code.XXXXXX)"
     tarball="$tmpdir/odet_code.tar.gz"
-    run tar -C "$root" --exclude=.venv --exclude=.git --exclude='__pycache__' -czf "$tarball" .
+    run tar -C "$ROOT" --exclude=.venv --exclude=.git --exclude='__pycache__' -czf "$tarball" .
     run "${GCLOUD_TPU[@]}" scp "$tarball" "$NAME:/tmp/odet_code.tar.gz" "${LOC[@]}" --worker=all
     rm -rf "$tmpdir"
     ssh_all "set -e; mkdir -p $CODE_DIR && tar -C $CODE_DIR -xzf /tmp/odet_code.tar.gz"

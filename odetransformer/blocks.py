@@ -8,13 +8,16 @@ axes and roles; weight names start with 'w', biases with 'b', norm entries with 
 Shape suffixes: b batch, t/s query/key length, d width, n heads, h head dim, f mlp.
 """
 import dataclasses
-from typing import Optional
+import math
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from flax.core import spmd as core_spmd
 
 from odetransformer.axes import constrain
 from odetransformer.config import ModelConfig
+from odetransformer.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +82,119 @@ def rope(x_btnh, positions_bt, base: float):
   return out.astype(x_btnh.dtype)
 
 
-def attention_mask(segment_ids_bt):
-  """[b, 1, t, s] boolean: same document (causality is added by the kernel)."""
-  if segment_ids_bt is None:
-    return None
-  return (segment_ids_bt[:, None, :, None] == segment_ids_bt[:, None, None, :])
+class SegmentMask(NamedTuple):
+  """Causal attention within documents: query i sees key j <= i of its own segment id.
+
+  The form the fused kernels take (splash: causal mask + `SegmentIds`); the XLA and
+  cuDNN paths (`jax.nn.dot_product_attention`, which has no segment ids) expand it to a
+  dense [b, 1, t, s] mask themselves (`dense`)."""
+  segment_ids_bt: jax.Array
+
+  def dense(self):
+    """[b, 1, t, s] boolean: same document (causality is the kernel's `is_causal`)."""
+    seg = self.segment_ids_bt
+    return seg[:, None, :, None] == seg[:, None, None, :]
+
+
+def attention_mask(segment_ids_bt) -> Optional[SegmentMask]:
+  """The mask of packed rows (None: one document per row; causality is always on)."""
+  return None if segment_ids_bt is None else SegmentMask(segment_ids_bt)
+
+
+# --------------------------------------------------------------------------------------
+# Attention kernels (`model.attention_impl`)
+# --------------------------------------------------------------------------------------
+SPLASH_BLOCK = 128   # the splash kernel's tile of queries and keys (TPU lanes)
+
+
+def _platform() -> str:
+  """'cuda', 'rocm', 'tpu' or 'cpu': the platform of jax's default devices."""
+  device = jax.devices()[0]
+  if device.platform == "gpu":
+    return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
+  return device.platform
+
+
+def attention_kernel(cfg: ModelConfig, seq_len: int, platform: Optional[str] = None) -> str:
+  """The kernel `cfg.attention_impl` runs on `platform` (default: this one).
+
+  'auto' (the default) picks cuDNN's fused flash attention on NVIDIA GPUs when the
+  compute dtype and head size allow it (bfloat16/float16, head dim a multiple of 8 up
+  to 128), the Pallas splash kernel on TPU when the length is a multiple of its
+  128-token tiles, and XLA's attention otherwise. A kernel named explicitly that this
+  platform or shape cannot run is a ConfigError (one line), not a silent fallback: a
+  long run on the wrong kernel would go unnoticed (MaxText fails the same way).
+  """
+  impl = cfg.attention_impl
+  platform = platform or _platform()
+  cudnn_ok = (cfg.dtype in ("bfloat16", "float16") and cfg.head_dim % 8 == 0
+              and cfg.head_dim <= 128)
+  splash_ok = seq_len % SPLASH_BLOCK == 0
+  if impl == "auto":
+    if platform == "cuda" and cudnn_ok:
+      return "cudnn"
+    if platform == "tpu" and splash_ok:
+      return "splash"
+    return "xla"
+  needs = {   # kernel: (platform, devices, whether the shape allows it, what it needs)
+      "cudnn": ("cuda", "NVIDIA GPUs", cudnn_ok,
+                f"needs model.dtype bfloat16 and a head dim that is a multiple of 8 up to "
+                f"128 (have {cfg.dtype}, {cfg.head_dim})"),
+      "splash": ("tpu", "TPUs", splash_ok,
+                 f"needs a sequence length that is a multiple of {SPLASH_BLOCK}, "
+                 f"got {seq_len}")}
+  if impl in needs:
+    where, devices, ok, why = needs[impl]
+    problem = (f"runs on {devices} only, this run is on {platform}" if platform != where
+               else None if ok else why)
+    if problem:
+      raise ConfigError(f"model.attention_impl={impl!r} {problem}; use 'auto' or 'xla'")
+  return impl
+
+
+def dot_product_attention(q_btnh, k_bsnh, v_bsnh, mask: Optional[SegmentMask],
+                          kernel: str, interpret: bool = False):
+  """Causal attention of [b, t, heads, head_dim] q, k, v within `mask`'s documents, by
+  `kernel` ('xla', 'cudnn' or 'splash'; `interpret` runs splash's Pallas kernel in
+  the interpreter, on any platform)."""
+  if kernel == "splash":
+    return _splash_attention(q_btnh, k_bsnh, v_bsnh, mask, interpret)
+  return jax.nn.dot_product_attention(q_btnh, k_bsnh, v_bsnh,
+                                      mask=None if mask is None else mask.dense(),
+                                      is_causal=True, implementation=kernel)
+
+
+def _splash_attention(q_btnh, k_bsnh, v_bsnh, mask: Optional[SegmentMask], interpret):
+  """The Pallas TPU splash kernel: causal blocks skipped, segment ids compared in-tile.
+
+  Under a mesh it runs per shard (`shard_map`): batch and heads split as the activation
+  rules split them, the sequence whole."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
+  t = q_btnh.shape[1]
+  block = math.gcd(t, 512)
+  sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                            block_q_dkv=block, block_kv_dkv=block,
+                            block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+  scale = 1.0 / math.sqrt(q_btnh.shape[-1])
+
+  def per_shard(q, k, v, *seg):
+    # [b, t, n, h] -> [b, n, t, h]; the kernel takes one example's heads at a time.
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q * scale, k, v))
+    kernel = splash.make_splash_mha(
+        splash.MultiHeadMask([splash.CausalMask((t, t))] * q.shape[1]),
+        block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+    def one(q, k, v, *s):
+      return kernel(q, k, v, segment_ids=splash.SegmentIds(q=s[0], kv=s[0]) if s else None)
+    return jax.vmap(one)(q, k, v, *seg).transpose(0, 2, 1, 3)
+
+  args = (q_btnh, k_bsnh, v_bsnh) + (() if mask is None else (mask.segment_ids_bt,))
+  if jax.sharding.get_abstract_mesh().empty:
+    return per_shard(*args)
+  qkv = core_spmd.apply_rules(jax.sharding.PartitionSpec("batch", None, "heads", None), None)
+  rows = core_spmd.apply_rules(jax.sharding.PartitionSpec("batch", None), None)
+  specs = (qkv,) * 3 + (rows,) * (len(args) - 3)
+  return jax.shard_map(per_shard, in_specs=specs, out_specs=qkv, check_vma=False)(*args)
 
 
 def qkv_projections(x_btd, p, cfg: ModelConfig, positions_bt):
@@ -107,24 +218,25 @@ def output_projection(o_btnh, p):
   return out
 
 
-def attention(x_btd, p, cfg: ModelConfig, mask_b1ts, positions_bt):
-  """Causal multi-head self-attention; `jax.nn.dot_product_attention` picks the kernel."""
+def attention(x_btd, p, cfg: ModelConfig, mask: Optional[SegmentMask], positions_bt):
+  """Causal multi-head self-attention within `mask`'s documents, by the kernel
+  `model.attention_impl` selects (`attention_kernel`)."""
   q, k, v = qkv_projections(x_btd, p, cfg, positions_bt)
   q = constrain(q, ("batch", "length", "heads", "kv"))
-  if q.dtype == jnp.float64:  # numerical checks: the fused kernel's softmax is float32
-    o = _dense_causal_attention(q, k, v, mask_b1ts)
+  if q.dtype == jnp.float64:  # numerical checks: the fused kernels' softmax is float32
+    o = _dense_causal_attention(q, k, v, mask)
   else:
-    o = jax.nn.dot_product_attention(q, k, v, mask=mask_b1ts, is_causal=True)
+    o = dot_product_attention(q, k, v, mask, attention_kernel(cfg, q.shape[1]))
   return output_projection(o, p)
 
 
-def _dense_causal_attention(q_btnh, k_bsnh, v_bsnh, mask_b1ts):
+def _dense_causal_attention(q_btnh, k_bsnh, v_bsnh, mask: Optional[SegmentMask]):
   """Plain einsum/softmax attention in the inputs' dtype."""
   t, s = q_btnh.shape[1], k_bsnh.shape[1]
   scores = jnp.einsum("btnh,bsnh->bnts", q_btnh, k_bsnh) / jnp.sqrt(q_btnh.shape[-1])
   allowed = jnp.tril(jnp.ones((t, s), bool))[None, None]
-  if mask_b1ts is not None:
-    allowed = allowed & mask_b1ts
+  if mask is not None:
+    allowed = allowed & mask.dense()
   scores = jnp.where(allowed, scores, -jnp.inf)
   return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, axis=-1), v_bsnh)
 
@@ -154,20 +266,20 @@ def _norm_params(p, which):
   return p[f"{which}_scale"], p.get(f"{which}_shift")
 
 
-def parallel_block(x_btd, p, cfg: ModelConfig, mask_b1ts, positions_bt, key=None):
+def parallel_block(x_btd, p, cfg: ModelConfig, mask, positions_bt, key=None):
   """F(x) = Attn(N1(x)) + FFN(N2(x)): the ODE's vector field, and a parallel layer's update."""
   keys = (None, None) if key is None else jax.random.split(key)
   a = attention(norm(x_btd, *_norm_params(p, "norm1"), cfg.norm_eps), p, cfg,
-                mask_b1ts, positions_bt)
+                mask, positions_bt)
   m = ffn(norm(x_btd, *_norm_params(p, "norm2"), cfg.norm_eps), p, cfg)
   return _dropout(a, cfg.dropout_rate, keys[0]) + _dropout(m, cfg.dropout_rate, keys[1])
 
 
-def sequential_block(x_btd, p, cfg: ModelConfig, mask_b1ts, positions_bt, key=None):
+def sequential_block(x_btd, p, cfg: ModelConfig, mask, positions_bt, key=None):
   """GPT-2/Llama pre-norm block, returned as its residual update (out − x)."""
   keys = (None, None) if key is None else jax.random.split(key)
   a = attention(norm(x_btd, *_norm_params(p, "norm1"), cfg.norm_eps), p, cfg,
-                mask_b1ts, positions_bt)
+                mask, positions_bt)
   a = _dropout(a, cfg.dropout_rate, keys[0])
   m = ffn(norm(x_btd + a, *_norm_params(p, "norm2"), cfg.norm_eps), p, cfg)
   return a + _dropout(m, cfg.dropout_rate, keys[1])

@@ -17,6 +17,7 @@ FLAVOURS = ("gpt", "llama")
 SOLVERS = ("euler", "midpoint", "rk4")
 REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = ("float32", "bfloat16", "float64")  # float64: numerical checks
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 
 
 def default_model_config() -> ml_collections.ConfigDict:
@@ -47,6 +48,10 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.train_time_grid = "fixed"
   c.remat_policy = "full"      # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
   c.dtype = "float32"          # compute dtype: 'float32' | 'bfloat16' (params stay param_dtype)
+  # Attention kernel: 'xla' | 'cudnn' (NVIDIA GPUs, bfloat16) | 'splash' (TPU, Pallas) |
+  # 'auto': cudnn on NVIDIA GPUs when dtype and head size allow, splash on TPU, else xla.
+  # One the platform cannot run is an error (`blocks.attention_kernel`).
+  c.attention_impl = "auto"
   c.param_dtype = "float32"
   c.tie_embeddings = True      # LM head = embedding transpose
   c.dropout_rate = 0.0         # on embeddings and on attention / FFN outputs
@@ -88,6 +93,7 @@ class ModelConfig:
   train_time_grid: str = "fixed"
   remat_policy: str = "full"
   dtype: str = "float32"
+  attention_impl: str = "auto"
   param_dtype: str = "float32"
   tie_embeddings: bool = True
   dropout_rate: float = 0.0
@@ -114,6 +120,7 @@ class ModelConfig:
     choice("train_time_grid", TRAIN_TIME_GRIDS)
     choice("remat_policy", REMAT)
     choice("dtype", DTYPES)
+    choice("attention_impl", ATTENTION_IMPLS)
     choice("param_dtype", DTYPES)
     for name in ("vocab_size", "d_model", "num_heads", "mlp_dim", "num_steps", "max_len",
                  "time_embed_dim", "time_sinusoids"):

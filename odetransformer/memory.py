@@ -12,7 +12,8 @@ same way `train.train_and_evaluate` does. Then either
   `--compile_max_params` parameters): the real train step (`steps.make_train_step`) is
   lowered on abstract inputs and compiled for that mesh, and XLA's
   `memory_analysis()` gives per-device argument, output, temporary and generated-code
-  bytes. Nothing is allocated. Compiling a large model for 64 fake devices on a CPU
+  bytes; the eval step (`steps.make_eval_step`, `eval_batch_size` rows) is compiled
+  the same way and its peak reported beside the train step's. Nothing is allocated. Compiling a large model for 64 fake devices on a CPU
   takes minutes and many GiB of host memory, hence the threshold; or
 * analytic (`--nocompile`, or the default for large models): the shapes and
   shardings of parameters and Adam state come from `nnx.get_abstract_model` (the
@@ -98,6 +99,7 @@ class MemoryReport:
   xla: Optional[dict] = None  # compiled: memory_analysis() fields
   device_memory_gib: float = 80.0
   temporaries: Optional[dict] = None   # analytic estimate by kind (`temporaries_estimate`)
+  eval_xla: Optional[dict] = None      # compiled: the eval step's memory_analysis() fields
 
   @property
   def state_bytes(self) -> int:
@@ -106,13 +108,13 @@ class MemoryReport:
   @property
   def total_bytes(self) -> int:
     if self.compiled:
-      x = self.xla
-      # Arguments (the donated state + batch) live across the step; outputs alias
-      # the donated state; temporaries cover gradients and activations.
-      return (x["argument_size_in_bytes"] + x["output_size_in_bytes"]
-              - x["alias_size_in_bytes"] + x["temp_size_in_bytes"]
-              + x["generated_code_size_in_bytes"])
+      return _peak(self.xla)
     return self.state_bytes + self.grad_bytes + self.activation_bytes
+
+  @property
+  def eval_bytes(self) -> Optional[int]:
+    """The compiled eval step's peak (state, batch, temporaries), or None."""
+    return _peak(self.eval_xla) if self.eval_xla else None
 
   @property
   def fits(self) -> bool:
@@ -120,8 +122,27 @@ class MemoryReport:
 
   def to_dict(self) -> dict:
     d = dataclasses.asdict(self)
-    d.update(state_bytes=self.state_bytes, total_bytes=self.total_bytes, fits=self.fits)
+    d.update(state_bytes=self.state_bytes, total_bytes=self.total_bytes, fits=self.fits,
+             eval_bytes=self.eval_bytes)
     return d
+
+
+_XLA_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+               "temp_size_in_bytes", "generated_code_size_in_bytes")
+
+
+def _xla_stats(compiled) -> dict:
+  stats = compiled.memory_analysis()
+  return {f: int(getattr(stats, f, 0) or 0) for f in _XLA_FIELDS}
+
+
+def _peak(x: dict) -> int:
+  """A compiled step's per-device peak from its memory_analysis() fields: arguments (the
+  state + batch) live across the step; outputs alias a donated state; temporaries cover
+  gradients and activations."""
+  return (x["argument_size_in_bytes"] + x["output_size_in_bytes"]
+          - x["alias_size_in_bytes"] + x["temp_size_in_bytes"]
+          + x["generated_code_size_in_bytes"])
 
 
 def _per_device_bytes(tree) -> int:
@@ -272,21 +293,19 @@ def memory_report(config, *, compile_step: Optional[bool] = None,
     return report
 
   t0 = time.perf_counter()
-  compiled = compile_train_step(config, cfg, ts, mesh, rules)
-  stats = compiled.memory_analysis()
-  fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-            "temp_size_in_bytes", "generated_code_size_in_bytes")
-  report.xla = {f: int(getattr(stats, f, 0) or 0) for f in fields}
+  report.xla = _xla_stats(compile_train_step(config, cfg, ts, mesh, rules))
   report.activation_bytes = report.xla["temp_size_in_bytes"]
   report.compiled = True
   report.compile_seconds = time.perf_counter() - t0
+  report.eval_xla = _xla_stats(compile_eval_step(config, ts, mesh, rules))
   return report
 
 
-def abstract_batch(config, mesh, rules) -> dict:
-  """The train step's batch as ShapeDtypeStructs in the batch sharding (no data)."""
+def abstract_batch(config, mesh, rules, batch_size=None) -> dict:
+  """A step's batch (default: the train step's, `global_batch_size` rows) as
+  ShapeDtypeStructs in the batch sharding (no data)."""
   batch_sharding = sharding_lib.batch_sharding(mesh, rules)
-  shape = (config.global_batch_size, config.seq_len)
+  shape = (batch_size or config.global_batch_size, config.seq_len)
   dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32,
             "positions": jnp.int32, "weights": jnp.float32}
   return {k: jax.ShapeDtypeStruct(shape, d, sharding=batch_sharding) for k, d in dtypes.items()}
@@ -300,11 +319,23 @@ def compile_train_step(config, cfg, ts, mesh, rules):
                                grad_accum_steps=int(config.optim.grad_accum_steps),
                                use_dropout=cfg.dropout_rate > 0)
   rng = jax.eval_shape(lambda: jax.random.key(0))
-  # make_train_step's wrapper applies the activation rules when called; lowering
-  # bypasses it, so apply them here.
+  return _compile(step, mesh, rules, ts.abstract, abstract_batch(config, mesh, rules), rng)
+
+
+def compile_eval_step(config, ts, mesh, rules):
+  """The real eval step (`steps.make_eval_step`) compiled for `mesh` on an abstract
+  state and a batch of `eval_batch_size` rows: nothing is allocated."""
+  step = steps.make_eval_step(ts, rules)
+  batch = abstract_batch(config, mesh, rules, config.eval_batch_size)
+  return _compile(step, mesh, rules, ts.abstract, batch)
+
+
+def _compile(step, mesh, rules, *abstract_args):
+  """A `steps.make_*_step` compiled on abstract arguments. Its wrapper applies the
+  activation rules when called; lowering bypasses it, so they are applied here."""
   jitted = getattr(step, "__wrapped__", step)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding_lib.activation_rules(rules)):
-    return jitted.lower(ts.abstract, abstract_batch(config, mesh, rules), rng).compile()
+    return jitted.lower(*abstract_args).compile()
 
 
 def format_report(r: MemoryReport) -> str:
@@ -327,6 +358,10 @@ def format_report(r: MemoryReport) -> str:
         f"  XLA code            {gib(x['generated_code_size_in_bytes'])}",
         f"  compile time        {r.compile_seconds:9.1f} s",
     ]
+    if r.eval_xla:
+      lines.append(f"  eval step peak      {gib(r.eval_bytes)}  (state + eval batch + "
+                   f"{r.eval_xla['temp_size_in_bytes'] / 2**20:.3f} MiB temporaries; "
+                   f"the train step's: {r.total_bytes / 2**20:.3f} MiB)")
   else:
     lines += [
         f"  gradients (f32)     {gib(r.grad_bytes)}",

@@ -4,7 +4,8 @@ The loop (`odetransformer/train.py`) carries one `TrainState`: an nnx.State with
 named parts, `state["model"]` and `state["optimizer"]` (the AdamW moments and step
 count), created already sharded inside one jit (no full replica on any host). A
 `StateLayout` describes it without allocating: graphdef, abstract shapes and the
-sharding of every leaf.
+sharding of every leaf; a resume restores into it (`layout.abstract`) and creates
+nothing.
 
 The train step is a pure function of (state, batch, rng) -> (state, metrics), the state
 donated; it merges the modules back inside the jit. Every jit that returns a state
@@ -80,12 +81,9 @@ def state_layout(cfg: ModelConfig, tx, seed: int, mesh) -> StateLayout:
                      shardings=jax.tree.map(lambda a: a.sharding, abstract))
 
 
-def init_train_state(cfg: ModelConfig, tx, seed: int, mesh):
-  """Creates the TrainState directly in its shardings.
-
-  Must run under `nnx.logical_axis_rules(rules)`. Returns (StateLayout, TrainState).
-  """
-  layout = state_layout(cfg, tx, seed, mesh)
+def create_train_state(layout: StateLayout, cfg: ModelConfig, tx, seed: int, mesh):
+  """The TrainState of `layout` (from `state_layout` with the same arguments), created
+  directly in its shardings inside one jit. Must run under `nnx.logical_axis_rules`."""
   init_fn = _init_fn(cfg, tx, seed)
 
   @functools.partial(jax.jit, out_shardings=layout.shardings)
@@ -93,8 +91,16 @@ def init_train_state(cfg: ModelConfig, tx, seed: int, mesh):
     return nnx.state(init_fn())
 
   with jax.set_mesh(mesh):
-    state = init()
-  return layout, state
+    return init()
+
+
+def init_train_state(cfg: ModelConfig, tx, seed: int, mesh):
+  """Creates the TrainState directly in its shardings.
+
+  Must run under `nnx.logical_axis_rules(rules)`. Returns (StateLayout, TrainState).
+  """
+  layout = state_layout(cfg, tx, seed, mesh)
+  return layout, create_train_state(layout, cfg, tx, seed, mesh)
 
 
 # --------------------------------------------------------------------------------------
@@ -107,6 +113,18 @@ def _with_rules(rules, fn):
     with nnx.logical_axis_rules(rules):
       return fn(*args, **kwargs)
   return wrapped
+
+
+def _with_weight_rules(rules, fn):
+  """`fn` traced with generated weights (DiffEqFormer's W(t)) sharded as parameters, by
+  the parameter `rules` (`axes.weight_rules`): set in the traced function, so that it
+  holds however the step is lowered. Every step that runs the model uses it (train and
+  eval alike): otherwise each device would hold all K×S generated weights whole."""
+  def traced(*args):
+    with axes_lib.weight_rules(rules):
+      return fn(*args)
+  traced.__name__ = f"traced_{fn.__name__}"   # jit's name in logs: traced_step, …
+  return traced
 
 
 _GRID_STREAM = 0x71D   # folded into a step's rng for its time grid (apart from dropout's)
@@ -212,14 +230,8 @@ def make_train_step(layout: StateLayout, schedule: Callable, rules, *,
         applied=applied)
     return new_state, out
 
-  def traced_step(state, batch, rng):
-    # Generated weights (DiffEqFormer's W(t)) are sharded as parameters, by `rules`;
-    # set here, in the traced function, so that it holds however the step is lowered.
-    with axes_lib.weight_rules(rules):
-      return step(state, batch, rng)
-
   return _with_rules(sharding_lib.activation_rules(rules),
-                    jax.jit(traced_step, donate_argnums=(0,),
+                    jax.jit(_with_weight_rules(rules, step), donate_argnums=(0,),
                             out_shardings=(layout.shardings, None)))
 
 
@@ -233,16 +245,20 @@ def make_param_norm(layout: StateLayout) -> Callable:
 
 
 def make_eval_step(layout: StateLayout, rules) -> Callable:
-  """The jitted eval step: (state, batch) -> EvalMetrics (deterministic forward)."""
+  """The jitted eval step: (state, batch) -> EvalMetrics (deterministic forward).
 
-  def step(state, batch):
+  Traced as the train step is: under the activation rules, with generated weights
+  sharded by the parameter rules. Call it under `jax.set_mesh(mesh)`."""
+
+  def eval_step(state, batch):
     model, _ = layout.merge(state)
     scores = token_scores(_logits(model, batch), batch["targets"], batch["weights"])
     return metrics_lib.EvalMetrics.single_from_model_output(
         loss_sum=jnp.sum(scores["nll"]), weight_sum=jnp.sum(scores["weight"]),
         correct_sum=jnp.sum(scores["correct"]))
 
-  return _with_rules(sharding_lib.activation_rules(rules), jax.jit(step))
+  return _with_rules(sharding_lib.activation_rules(rules),
+                    jax.jit(_with_weight_rules(rules, eval_step)))
 
 
 # --------------------------------------------------------------------------------------

@@ -129,10 +129,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 def _restore_or_init(config, cfg, tx, mesh, ckpt, train_iter):
   """(layout, state, rng, start_step, restored): the newest checkpoint that restores
-  (temporary ones never count), else `init_from`'s weights, else a fresh init."""
+  (temporary ones never count), else `init_from`'s weights, else a fresh init.
+
+  A resume restores straight into the layout's abstract (sharded) targets: the state
+  exists once, never a created copy beside the restored one."""
   t0 = time.perf_counter()
-  layout, state = steps_lib.init_train_state(cfg, tx, config.seed, mesh)
-  metrics_lib.log(f"created sharded model + optimizer in {time.perf_counter() - t0:.1f}s")
+  layout = steps_lib.state_layout(cfg, tx, config.seed, mesh)
   rng = jax.random.key(config.seed)
   restored = ckpt.restore_latest(layout.abstract["model"], layout.abstract["optimizer"])
   if restored is not None:
@@ -145,6 +147,9 @@ def _restore_or_init(config, cfg, tx, mesh, ckpt, train_iter):
     metrics_lib.log(f"resumed from checkpoint at step {step} in {ckpt.directory} "
                     f"({time.perf_counter() - t0:.1f}s)")
     return layout, state, rng, int(step), True
+  t0 = time.perf_counter()
+  state = steps_lib.create_train_state(layout, cfg, tx, config.seed, mesh)
+  metrics_lib.log(f"created sharded model + optimizer in {time.perf_counter() - t0:.1f}s")
   if config.get("init_from"):
     loaded, total = finetune.place_initial_weights(config, cfg, state["model"])
     metrics_lib.log(f"fine-tuning ({config.finetune.method}, {cfg.num_steps} steps/layers) "

@@ -9,8 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from tiny import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -81,8 +79,13 @@ def test_collectives_benchmark_at_tiny_shape():
   assert all(0.85 <= e <= 1.15 for e in estimates), out
   m = re.search(r"^odetransformer.memory estimate / compiled peak: from ([0-9.]+) to "
                 r"([0-9.]+) over 12 steps$", out, re.MULTILINE)
-  assert m and float(m.group(1)) == pytest.approx(min(estimates), abs=0.002), out
-  assert float(m.group(2)) == pytest.approx(max(estimates), abs=0.002), out
+  assert m, out
+  # The rows print MiB to 0.1: each row's true ratio lies within these bounds, so the
+  # printed (unrounded) smallest and largest lie within the bounds' smallest and largest.
+  low = [(float(est) - 0.05) / (float(peak) + 0.05) for *_, peak, est in rows]
+  high = [(float(est) + 0.05) / (float(peak) - 0.05) for *_, peak, est in rows]
+  assert min(low) - 0.0005 <= float(m.group(1)) <= min(high) + 0.0005, out
+  assert max(low) - 0.0005 <= float(m.group(2)) <= max(high) + 0.0005, out
   ratios = [float(r) for r in re.findall(r"ratio ode/gpt: collective bytes ([0-9.]+)", out)]
   assert len(ratios) == 6
   last = out.strip().splitlines()[-1]

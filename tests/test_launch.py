@@ -1,6 +1,7 @@
 """launch/ scripts: valid bash, shellcheck-clean, `--help` works offline, dry runs."""
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 
@@ -34,14 +35,15 @@ def test_strict_mode(script):
   assert "set -euo pipefail" in (ROOT / script).read_text()
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", SCRIPTS + ["launch/common.sh"])
 def test_shellcheck(script):
   if shutil.which("shellcheck") is None:
     if os.environ.get("ODET_REQUIRE_SHELLCHECK"):
       pytest.fail("shellcheck is not installed but ODET_REQUIRE_SHELLCHECK is set "
                   "(apt-get install -y shellcheck)")
     pytest.skip("shellcheck not installed (apt-get install -y shellcheck)")
-  r = subprocess.run(["shellcheck", "-s", "bash", str(ROOT / script)],
+  # -x: follow the scripts' `source launch/common.sh` (paths relative to the root).
+  r = subprocess.run(["shellcheck", "-x", "-s", "bash", script], cwd=str(ROOT),
                      capture_output=True, text=True)
   assert r.returncode == 0, r.stdout + r.stderr
 
@@ -67,13 +69,47 @@ def test_missing_workdir_is_a_one_line_error(script, tmp_path):
   assert "workdir" in r.stderr
 
 
-def _dry_run(script, args, tmp_path, **env):
+def _dry_run(script, args, tmp_path, root=ROOT, **env):
   e = _offline_env(tmp_path)
   e.update(DRY_RUN="1", **env)
-  r = subprocess.run(["/bin/bash", str(ROOT / script), *args], env=e, cwd=str(ROOT),
+  r = subprocess.run(["/bin/bash", str(root / script), *args], env=e, cwd=str(root),
                      capture_output=True, text=True, timeout=60)
   assert r.returncode == 0, r.stderr
   return r.stdout
+
+
+def _pinned_jax(root=ROOT):
+  return re.search(r"^jax==(\S+)$", (root / "requirements.txt").read_text(), re.M).group(1)
+
+
+_INSTALLS = {   # script, the arguments of a dry run that sets up its venv, jax's extra
+    "launch/tpu_pod.sh": (["--name", "t", "--zone", "z", "--workdir", "gs://b/run"], "tpu"),
+    "launch/gpu_slurm.sbatch": (["--workdir", "/shared/run", "--setup"], "cuda12"),
+    "launch/gpu_multinode.sh": (["--workdir", "/shared/run", "--setup"], "cuda12"),
+}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("checkout", ["this", "another pin"])
+def test_scripts_install_the_platform_jax_extra_at_the_requirements_pin(script, checkout,
+                                                                       tmp_path):
+  """What each script pip-installs is jax[tpu] / jax[cuda12] at requirements.txt's jax
+  pin: this checkout's, and in a copy whose requirements.txt pins another version (the
+  scripts read it; none writes a version of its own)."""
+  root = ROOT
+  if checkout != "this":
+    root = tmp_path / "checkout"
+    shutil.copytree(ROOT / "launch", root / "launch")
+    (root / "main.py").touch()
+    text = (ROOT / "requirements.txt").read_text()
+    (root / "requirements.txt").write_text(re.sub(r"(?m)^jax==\S+$", "jax==9.8.7", text))
+  args, extra = _INSTALLS[script]
+  out = _dry_run(script, args, tmp_path, root=root).replace("\\", "")
+  installs = re.findall(r"pip install -q (jax\[\w+\]==\S+) -r requirements.txt", out)
+  assert installs == [f"jax[{extra}]=={_pinned_jax(root)}"], out
+  if checkout != "this":
+    assert _pinned_jax(root) == "9.8.7"
+  assert not re.search(r"jax\[\w+\]==\d", (root / script).read_text())
 
 
 def test_tpu_dry_run_passes_overrides(tmp_path):
@@ -98,7 +134,7 @@ def test_multinode_dry_run_process_ids(tmp_path):
                  ["--workdir", "/shared/run", "--num_nodes", "2", "--node_rank", "1",
                   "--coordinator", "n0:1234", "--procs_per_node", "4", "--gpus_per_node", "4",
                   "--config.seed=3"], tmp_path)
-  lines = out.strip().splitlines()
+  lines = [l for l in out.strip().splitlines() if "JAX_PROCESS_ID" in l]
   assert len(lines) == 4
   for local, line in enumerate(lines):
     assert f"JAX_PROCESS_ID={4 + local} " in line

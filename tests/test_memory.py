@@ -1,5 +1,6 @@
 """odetransformer.memory: per-device memory report (analytic and compiled paths)."""
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -8,7 +9,7 @@ import sys
 import jax
 
 from configs import default
-from odetransformer import memory
+from odetransformer import blocks, memory
 from odetransformer import config as config_lib
 from odetransformer.param_count import count_params
 from tiny import config_flags, cpu_env, tiny_config
@@ -75,15 +76,37 @@ def test_analytic_cli_shards_params_over_fake_devices(tmp_path):
   assert "analytic" in stdout and "FITS" in stdout
 
 
+def _weight_heavy_flags():
+  """A DiffEqFormer whose generated weights W(t) outweigh its activations: K = 8 steps
+  of a 128-wide layer on 8-token rows, one row per device."""
+  c = tiny_config(None)
+  c.model.d_model, c.model.num_heads, c.model.mlp_dim, c.model.num_steps = 128, 4, 512, 8
+  c.seq_len, c.global_batch_size, c.eval_batch_size = 8, 4, 4
+  return config_flags(c)
+
+
 def test_compiled_cli_on_four_fake_devices(tmp_path):
+  """Train and eval steps compiled on 4 devices (fsdp 4); the eval step's generated
+  weights are sharded as the train step's: its temporaries hold a quarter of the K
+  weights W(t_k), not all of them whole (over twice the bound below when they were)."""
   stdout, rep = _cli(tmp_path, "--config=configs/default.py", "--num_devices=4",
-                     "--config.mesh.shape=2,-1,1", *TINY)
-  assert rep["compiled"] and rep["mesh_shape"] == {"data": 2, "fsdp": 2, "tensor": 1}
+                     "--config.mesh.shape=1,-1,1", *_weight_heavy_flags())
+  assert rep["compiled"] and rep["mesh_shape"] == {"data": 1, "fsdp": 4, "tensor": 1}
   x = rep["xla"]
   assert x["temp_size_in_bytes"] > 0 and x["argument_size_in_bytes"] > 0
   # The donated state (params + Adam) is among the step's arguments.
   assert x["argument_size_in_bytes"] >= rep["state_bytes"]
   assert "compiled train step" in stdout and "XLA temporaries" in stdout
+  # The eval step: the model is its argument (the optimizer state, unused, is pruned),
+  # not donated; no gradients, no Adam update.
+  e = rep["eval_xla"]
+  model_bytes = rep["param_bytes"] + rep["other_model_bytes"]
+  assert model_bytes <= e["argument_size_in_bytes"] < rep["state_bytes"]
+  assert e["alias_size_in_bytes"] == 0 and rep["eval_bytes"] < rep["total_bytes"]
+  cfg = config_lib.ModelConfig(d_model=128, num_heads=4, mlp_dim=512, num_steps=8)
+  generated = 8 * sum(math.prod(s.shape) for s in blocks.layer_param_specs(cfg).values()) * 4
+  assert e["temp_size_in_bytes"] < 0.75 * generated, (e, generated)
+  assert "eval step peak" in stdout
 
 
 def test_large_config_uses_the_analytic_path_and_a_verdict(tmp_path):

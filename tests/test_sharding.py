@@ -97,6 +97,8 @@ CASES = {
     # LoRA fine-tuning of a materialised ODE: frozen parallel layers plus adapters.
     "lora": {"kind": "parallel", "lora_rank": 2, "lora_targets": "wq,wo,w1"},
 }
+# The eval step too, where the weights are generated (its compilations cost time).
+EVAL_CASES = ("ode_gpt",)
 rng = np.random.default_rng(0)
 batch = {"inputs": rng.integers(0, 64, (8, 32)).astype(np.int32),
          "targets": rng.integers(0, 64, (8, 32)).astype(np.int32),
@@ -105,8 +107,9 @@ batch = {"inputs": rng.integers(0, 64, (8, 32)).astype(np.int32),
          "weights": (rng.random((8, 32)) > 0.2).astype(np.float32)}
 
 def run(name, shape, devices, start=None):
-  # (loss, grad norm, gradients) of one step on `shape`, and the host state it began
-  # from: `start`, or (None) a created state moved off its initial values.
+  # (loss, grad norm, gradients, eval loss) of one train step and one eval step on
+  # `shape`, and the host state they began from: `start`, or (None) a created state
+  # moved off its initial values.
   c = tiny_config("/unused")
   c.model.num_heads = 4                       # split over tensor = 4
   for key, value in CASES[name].items():
@@ -130,11 +133,15 @@ def run(name, shape, devices, start=None):
     state = jax.device_put(start, ts.shardings)
     step = steps.make_train_step(ts, lambda s: 1.0, rules)
     bsh = sharding.batch_sharding(mesh, rules)
-    state, m = step(state, sharding.global_batch_from_local(batch, bsh), jax.random.key(0))
+    gbatch = sharding.global_batch_from_local(batch, bsh)
+    eval_loss = None
+    if name in EVAL_CASES:
+      eval_loss = float(steps.make_eval_step(ts, rules)(state, gbatch).loss.compute())
+    state, m = step(state, gbatch, jax.random.key(0))
     grads = {jax.tree_util.keystr(p): np.asarray(x).tolist()
              for p, x in jax.tree_util.tree_flatten_with_path(
                  nnx.to_pure_dict(state["optimizer"]))[0] if np.asarray(x).ndim > 0}
-  return (float(m.loss.compute()), float(m.grad_norm.compute()), grads), start
+  return (float(m.loss.compute()), float(m.grad_norm.compute()), grads, eval_loss), start
 
 out = {}
 for name in CASES:
@@ -148,22 +155,28 @@ print(json.dumps(out))
 
 def test_loss_and_gradients_on_8_device_meshes_equal_one_device(tmp_path):
   """DiffEqFormer (both flavours), continuous and LoRA fine-tuning: the real
-  train step's loss, gradient norm and every gradient on the (1,8,1), (2,4,1), (1,2,4)
-  meshes equal the 1-device ones to float32 rounding (sums in another order)."""
+  train step's loss, gradient norm and every gradient, and (DiffEqFormer) the eval
+  step's loss, on the (1,8,1), (2,4,1), (1,2,4) meshes equal the 1-device ones to
+  float32 rounding (sums in another order)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   from tiny import run_on_8_cpu_devices  # pylint: disable=g-import-not-at-top
   out, _ = run_on_8_cpu_devices(_EQUALITY_SCRIPT, tmp_path, timeout=1800)
   assert set(out) == {"ode_gpt", "continuous_llama", "lora"}
   for name, runs in out.items():
-    loss, norm, grads = runs.pop("one")
+    loss, norm, grads, eval_loss = runs.pop("one")
     assert norm > 0, name
     if name == "lora":   # only the adapters train: A and B of wq, wo, w1
       assert len(grads) == 6 and all("lora" in key for key in grads), sorted(grads)
     else:
       assert len(grads) >= 8, (name, sorted(grads))
     assert len(runs) == 3, (name, sorted(runs))
-    for mesh, (loss8, norm8, grads8) in runs.items():
+    if name == "ode_gpt":
+      # The eval step's loss is the train step's (no dropout, the uniform time grid).
+      np.testing.assert_allclose(eval_loss, loss, rtol=1e-6, err_msg=name)
+    for mesh, (loss8, norm8, grads8, eval_loss8) in runs.items():
       np.testing.assert_allclose(loss8, loss, rtol=1e-6, err_msg=f"{name} {mesh}")
+      if name == "ode_gpt":
+        np.testing.assert_allclose(eval_loss8, eval_loss, rtol=1e-6, err_msg=f"{name} {mesh}")
       np.testing.assert_allclose(norm8, norm, rtol=1e-5, err_msg=f"{name} {mesh}")
       assert grads8.keys() == grads.keys()
       largest = max(np.max(np.abs(g)) for g in grads.values())
