@@ -109,7 +109,7 @@ def evaluate_model(model: LanguageModel, batches: Iterable[dict],
              ("inputs", "targets", "weights", "segment_ids", "positions") if key in batch}
     if mesh is not None:
       batch = global_batch(batch, mesh, rules)
-    with _mesh_context(mesh, rules) if mesh is not None else contextlib.nullcontext():
+    with mesh_context(mesh, rules) if mesh is not None else contextlib.nullcontext():
       s_nll, s_w, s_c = jax.device_get(score(state, batch))
     nll, count, correct = nll + float(s_nll), count + float(s_w), correct + float(s_c)
   if count == 0:
@@ -122,8 +122,9 @@ def evaluate_model(model: LanguageModel, batches: Iterable[dict],
 
 
 @contextlib.contextmanager
-def _mesh_context(mesh, rules):
-  """The mesh and the activation rules a sharded forward pass is traced under."""
+def mesh_context(mesh, rules):
+  """The mesh and the activation rules a sharded forward pass is traced (and run) under,
+  as the training steps are."""
   with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.activation_rules(rules)):
     yield
 

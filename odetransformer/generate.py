@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from odetransformer import loading
 from odetransformer.errors import UserError
@@ -128,9 +127,7 @@ class Sampler:
       args = tuple(loading.global_array(x, replicated) for x in args)
     out = _sample_loop(d.step_fn(), d.num_slots, d.config, d.params, *args,
                        max_new_tokens=int(max_new_tokens), cache_len=cache_len)
-    if not out.is_fully_addressable:   # rows on other processes' devices too
-      return np.asarray(multihost_utils.process_allgather(out, tiled=True))
-    return np.asarray(out)
+    return loading.to_host(out)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("max_new_tokens",

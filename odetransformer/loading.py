@@ -19,6 +19,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from odetransformer import checkpointing, sharding
 from odetransformer.checkpointing import TOKENIZER_FILE
@@ -133,6 +134,14 @@ def global_array(x, sharding_: jax.sharding.Sharding) -> jax.Array:
   (each process places its own devices' pieces; multi-process safe)."""
   x = np.asarray(x)
   return jax.make_array_from_callback(x.shape, sharding_, lambda index: x[index])
+
+
+def to_host(x, dtype=None) -> np.ndarray:
+  """A (possibly multi-process) array as numpy on every process: its shards on other
+  processes' devices are gathered (a collective: every process must call it)."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return np.asarray(x, dtype)
 
 
 def tokenizer_path(workdir: str, config=None) -> str:

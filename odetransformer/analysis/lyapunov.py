@@ -23,7 +23,9 @@ and steps (the usual attention-based explanation).
     python -m odetransformer.analysis.lyapunov --workdir=W --text="..." [--position=-1] --out=DIR
 
 writes DIR/lyapunov.json (scores), DIR/lyapunov.npz (full spectra), DIR/lyapunov.html
-and DIR/lyapunov.png (the text coloured by each map, side by side).
+and DIR/lyapunov.png (the text coloured by each map, side by side). The model loads on the
+run's mesh (or --mesh_shape=1,-1,1 ...), under `jax.distributed` when launched as several
+processes; process 0 writes.
 """
 import dataclasses
 import html
@@ -39,6 +41,7 @@ import numpy as np
 from absl import logging
 
 from odetransformer import blocks
+from odetransformer import host, loading
 from odetransformer.analysis import fields
 
 
@@ -160,10 +163,10 @@ def sensitivity(model, tokens_l: Sequence[int], position: int = -1,
     return exps, att, traj
 
   exps, att, traj = run(x0, steps.weights)
-  exps, att = np.asarray(exps, np.float64), np.asarray(att, np.float64)
+  exps, att = loading.to_host(exps, np.float64), loading.to_host(att, np.float64)
   return Sensitivity(tokens=tokens, position=o, exponents=exps, scores=exps.max(-1),
                      attention=att.mean(axis=(0, 1)), attention_steps=att,
-                     trajectory=np.asarray(traj), dt=steps.dt,
+                     trajectory=loading.to_host(traj), dt=steps.dt,
                      num_steps=len(steps.times), times=steps.times,
                      axis_label=steps.axis_label)
 
@@ -374,6 +377,7 @@ def parse_args(argv):
   p.add_argument("--num_steps", type=int, default=None,
                  help="Euler steps K for ODE models (default: the trained K)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  p.add_argument("--mesh_shape", default="", help=loading.MESH_SHAPE_HELP)
   p.add_argument("--tokenizer", default=None, help="SentencePiece .model (default: the run's)")
   p.add_argument("--prepend_eos", action="store_true",
                  help="put the document separator (eos) before the text, as in training")
@@ -392,7 +396,10 @@ def main(argv: Optional[list] = None) -> Sensitivity:
                            "Euler steps (or left out: the trained K)")
   if args.jacobian_chunk is not None and args.jacobian_chunk <= 0:
     raise errors.UserError(f"--jacobian_chunk={args.jacobian_chunk} must be positive")
-  loaded = load_model(args.workdir, step=args.step)
+  loading.parse_mesh_shape(args.mesh_shape)
+  loading.load_run_config(args.workdir)
+  host.initialize_distributed()   # several processes: jax.distributed, as main.py
+  loaded = load_model(args.workdir, step=args.step, mesh_shape=args.mesh_shape)
   cfg = loaded.model_config
   sp = load_tokenizer(args.workdir, args.tokenizer)
   # Undecodable bytes in argv arrive as lone surrogates, which SentencePiece rejects.
@@ -411,9 +418,10 @@ def main(argv: Optional[list] = None) -> Sensitivity:
   res = sensitivity(loaded.model, ids, args.position, args.num_steps, args.jacobian_chunk)
   pieces = [piece_text(sp, i) for i in ids]
   title = f"{cfg.kind} ({os.path.basename(os.path.normpath(args.workdir))}, step {loaded.step})"
-  paths = write_outputs(res, pieces, args.out, title)
-  print(summary_line(res, pieces))
-  print(f"wrote {', '.join(paths.values())}")
+  if jax.process_index() == 0:   # every process computed it; one writes
+    paths = write_outputs(res, pieces, args.out, title)
+    print(summary_line(res, pieces))
+    print(f"wrote {', '.join(paths.values())}")
   return res
 
 
