@@ -23,9 +23,10 @@ and steps (the usual attention-based explanation).
     python -m odetransformer.analysis.lyapunov --workdir=W --text="..." [--position=-1] --out=DIR
 
 writes DIR/lyapunov.json (scores), DIR/lyapunov.npz (full spectra), DIR/lyapunov.html
-and DIR/lyapunov.png (the text coloured by each map, side by side). The model loads on the
-run's mesh (or --mesh_shape=1,-1,1 ...), under `jax.distributed` when launched as several
-processes; process 0 writes.
+and DIR/lyapunov.png (the text coloured by each map, side by side). One sequence's
+Jacobians: the model loads whole on one device of each process (under `jax.distributed`
+when launched as several processes, each computing the same; process 0 writes). Sharded
+over several devices, this program deadlocked on XLA:CPU, so no --mesh_shape here.
 """
 import dataclasses
 import html
@@ -163,10 +164,10 @@ def sensitivity(model, tokens_l: Sequence[int], position: int = -1,
     return exps, att, traj
 
   exps, att, traj = run(x0, steps.weights)
-  exps, att = loading.to_host(exps, np.float64), loading.to_host(att, np.float64)
+  exps, att = np.asarray(exps, np.float64), np.asarray(att, np.float64)
   return Sensitivity(tokens=tokens, position=o, exponents=exps, scores=exps.max(-1),
                      attention=att.mean(axis=(0, 1)), attention_steps=att,
-                     trajectory=loading.to_host(traj), dt=steps.dt,
+                     trajectory=np.asarray(traj), dt=steps.dt,
                      num_steps=len(steps.times), times=steps.times,
                      axis_label=steps.axis_label)
 
@@ -377,7 +378,6 @@ def parse_args(argv):
   p.add_argument("--num_steps", type=int, default=None,
                  help="Euler steps K for ODE models (default: the trained K)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-  p.add_argument("--mesh_shape", default="", help=loading.MESH_SHAPE_HELP)
   p.add_argument("--tokenizer", default=None, help="SentencePiece .model (default: the run's)")
   p.add_argument("--prepend_eos", action="store_true",
                  help="put the document separator (eos) before the text, as in training")
@@ -396,10 +396,9 @@ def main(argv: Optional[list] = None) -> Sensitivity:
                            "Euler steps (or left out: the trained K)")
   if args.jacobian_chunk is not None and args.jacobian_chunk <= 0:
     raise errors.UserError(f"--jacobian_chunk={args.jacobian_chunk} must be positive")
-  loading.parse_mesh_shape(args.mesh_shape)
   loading.load_run_config(args.workdir)
   host.initialize_distributed()   # several processes: jax.distributed, as main.py
-  loaded = load_model(args.workdir, step=args.step, mesh_shape=args.mesh_shape)
+  loaded = load_model(args.workdir, step=args.step, mesh=loading.local_mesh())
   cfg = loaded.model_config
   sp = load_tokenizer(args.workdir, args.tokenizer)
   # Undecodable bytes in argv arrive as lone surrogates, which SentencePiece rejects.
