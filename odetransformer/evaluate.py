@@ -2,7 +2,8 @@ r"""Perplexity of a trained model over a whole split, at one or several solver s
 
   python -m odetransformer.evaluate --workdir=W [--num_steps=6,9,12,18,24] \
       [--data=SOURCE | --data=local:GLOB] [--split=SPLIT] [--data_dir=DIR] \
-      [--seq_len=L] [--batch_size=B] [--max_batches=0] [--step=S] [--plot=PATH.png]
+      [--seq_len=L] [--batch_size=B] [--max_batches=0] [--step=S] [--plot=PATH.png] \
+      [--mesh_shape=1,-1,1]
 
 The data is the run's own `config.data` eval split unless `--data` names another
 source (any `data.source` string: 'embedded', 'tfds:<name>', 'wikitext103', …, or
@@ -15,6 +16,13 @@ ODE checkpoints are evaluated at each N of `--num_steps` (default: the training 
 the model's own N-step solve; discrete models only at their own depth. One compiled
 scorer per N; every batch has the same shape. `--plot=PATH` also draws the table
 (perplexity against N, the training K marked) as a PNG.
+
+The model is restored sharded on the run's mesh (`config.mesh.shape` over all devices)
+or `--mesh_shape`; batches go in as global arrays split over its batch axes (padded
+with weight-0 rows to a multiple of them). Launched on several hosts like main.py it
+runs under `jax.distributed`, every process reading the same batches; process 0 prints
+and writes the plot. Every flag is checked (the --plot path by a probe write) before
+anything is loaded.
 """
 import contextlib
 import dataclasses

@@ -2,14 +2,17 @@ r"""Sampling from a trained model with a KV cache.
 
   python -m odetransformer.generate --workdir=W --prompt="def main(" \
       [--num_steps=N] [--max_new_tokens=64] [--temperature=0.8] [--top_k=0] [--top_p=1.0] \
-      [--seed=0] [--num_samples=1] [--step=S]
+      [--seed=0] [--num_samples=1] [--step=S] [--mesh_shape=1,-1,1]
 
 Loads the latest checkpoint of W, prepares it for cached decoding at N steps
 (`decode.Decoder`: an Euler ODE is materialised into N layers with W(t_k) precomputed;
 discrete models run their own layers) and samples in one jitted program: a prefill of
 the (right-padded) prompts, then one `jax.lax.while_loop` over new tokens with a fixed
 [slots, b, max_len, heads, head_dim] cache. Temperature, top-k and top-p are traced
-values, so changing them does not recompile; temperature 0 is greedy decoding.
+values, so changing them does not recompile; temperature 0 is greedy decoding. The
+model is restored sharded on the run's mesh (or `--mesh_shape`), the prompts replicated
+on it; on several hosts it runs under `jax.distributed` like main.py and process 0
+prints. Every flag is checked before anything is loaded.
 
 Before the samples it says what to expect of a model of this size and training
 (`what_to_expect`): configs/default.py's model, minutes on a CPU, writes locally

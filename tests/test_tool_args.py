@@ -60,6 +60,7 @@ def test_generate_refuses(workdir, flag, needle):
 @pytest.mark.parametrize("flag, needle", [
     ("--seq_len=4096", "--seq_len=4096 exceeds the model's 32 learned positions"),
     ("--plot=/sys/odet_ppl.png", "--plot=/sys/odet_ppl.png cannot be written"),
+    ("--mesh_shape=2,x", "--mesh_shape='2,x': expected 3 comma-separated sizes"),
 ])
 def test_evaluate_refuses(workdir, flag, needle):
   proc = run(["-m", "odetransformer.evaluate", f"--workdir={workdir}", flag])

@@ -6,10 +6,10 @@ against 1 process × 8 devices, and the 8-device evaluation against 1 device.
 A tiny ODE run is pre-trained here (1 device). Each driver process then fine-tunes it
 ('full': materialised into 3 layers on the mesh, moved into the new run's shardings on
 device) for 2 steps, and runs the evaluate command (its flags, its main) on the
-fine-tuned run and on the pre-trained ODE (at N=4, trained at K=2). Checked: the fine-tuning losses and
-evaluations, and evaluate's losses and perplexities, of the 2-process job equal the
-1-process job's (1e-5); only process 0 prints; the 8-device evaluation equals the
-1-device one computed in this process.
+fine-tuned run and on the pre-trained ODE (at N=4, trained at K=2). Checked: the
+fine-tuning losses and evaluations, and evaluate's losses and perplexities, of the
+2-process job equal the 1-process job's (1e-5); only process 0 prints; the 8-device
+evaluation equals the 1-device one computed in this process.
 """
 import dataclasses
 import json
