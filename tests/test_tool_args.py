@@ -102,3 +102,28 @@ def test_divergence_hints():
       "optim.grad_clip_norm (e.g. 1.0; now off)")
   assert health.divergence_hint(optim(grad_clip_norm=0.5, skip_nonfinite_steps=2)) == (
       "lower optim.learning_rate (now 0.001) or lower optim.grad_clip_norm (now 0.5)")
+
+
+def test_run_mesh_follows_the_run_or_the_flag():
+  """The run's mesh.shape when it fits these devices, else fsdp over all of them; a
+  --mesh_shape value wins and a misfit one is a one-line error."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from odetransformer import errors, loading  # pylint: disable=g-import-not-at-top
+  n = jax.device_count()
+  run = lambda shape: ml_collections.ConfigDict({"mesh": {"shape": shape}})
+  assert dict(loading.run_mesh(run((1, 1, -1))).shape) == {"data": 1, "fsdp": 1, "tensor": n}
+  assert dict(loading.run_mesh(run((n + 1, 1, 1))).shape) == {"data": 1, "fsdp": n, "tensor": 1}
+  assert dict(loading.run_mesh(run((1, 1, -1)), "(-1, 1, 1)").shape) == {
+      "data": n, "fsdp": 1, "tensor": 1}
+  with pytest.raises(errors.UserError, match=r"--mesh_shape=9,9,9: mesh.shape=\(9, 9, 9\) "
+                     "needs 729 devices"):
+    loading.run_mesh(run((1, -1, 1)), "9,9,9")
+
+
+def test_lm_eval_drops_writing_options_on_other_processes():
+  from odetransformer import lm_eval  # pylint: disable=g-import-not-at-top
+  argv = ["lm_eval", "--model", "odetransformer", "--output_path", "out", "--log_samples",
+          "--tasks", "t", "-o=out2", "-s", "--wandb_args", "project=p", "--limit", "3"]
+  assert lm_eval.without_writing_options(argv) == [
+      "lm_eval", "--model", "odetransformer", "--tasks", "t", "--limit", "3"]
