@@ -139,17 +139,16 @@ def initial_model_state(config, cfg: ModelConfig, mesh=None) -> nnx.State:
 def place_initial_weights(config, cfg: ModelConfig, model_state: nnx.State) -> tuple:
   """Fills `model_state` in place with the `init_from` run's (transformed) weights.
 
-  `model_state` is this run's model state (arrays, or abstract arrays): only each
-  leaf's shape, dtype and sharding are read. The source is restored sharded on the same
-  mesh and moved into this run's shardings on device (no process gathers the model;
-  multi-process safe). Every loaded leaf must exist in this model with the same shape;
-  leaves the source lacks (LoRA factors) keep their value in `model_state`.
+  `model_state` is this run's model state: of the leaves the source has, only shape,
+  dtype and sharding are read (they may be abstract, `jax.ShapeDtypeStruct`s with a
+  sharding); the leaves it lacks (LoRA factors) keep their value, so those must hold
+  their fresh initialisation. The source is restored sharded on the same mesh and moved
+  into this run's shardings on device (no process gathers the model; multi-process
+  safe). Every loaded leaf must exist in this model with the same shape.
   Returns (arrays loaded, arrays in the model).
   """
   target = nnx.to_pure_dict(model_state)
-  mesh = next((x.sharding.mesh for x in jax.tree.leaves(target)
-               if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)), None)
-  source = nnx.to_pure_dict(initial_model_state(config, cfg, mesh))
+  source = nnx.to_pure_dict(initial_model_state(config, cfg, loading.model_mesh(target)))
   pairs = []              # (container, key, source value, target leaf)
 
   def match(dst, src, path):
