@@ -47,32 +47,6 @@ _HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?", "h")
 _cpu_by_default = False   # whether this process set JAX_PLATFORMS=cpu (host.default_to_cpu)
 
 
-def _multi_process_env() -> bool:
-  """True when a launcher says this is one of several processes (single host: False).
-
-  Recognised: JAX_COORDINATOR_ADDRESS (with JAX_NUM_PROCESSES and JAX_PROCESS_ID unless
-  a cluster below supplies them), SLURM and Open MPI jobs of more than one task, and
-  multi-host Cloud TPU slices. JAX's own cluster detection then fills in the rest.
-  """
-  env = os.environ
-  if env.get("JAX_COORDINATOR_ADDRESS"):
-    return True
-  for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
-    if env.get(key, "1").isdigit() and int(env.get(key, "1")) > 1:
-      return True
-  hosts = env.get("TPU_WORKER_HOSTNAMES", "")
-  return "," in hosts or bool(env.get("MEGASCALE_COORDINATOR_ADDRESS"))
-
-
-def _distributed_args() -> dict:
-  """num_processes / process_id from JAX_NUM_PROCESSES / JAX_PROCESS_ID, when set."""
-  args = {}
-  for key, name in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
-    if os.environ.get(key, "").isdigit():
-      args[name] = int(os.environ[key])
-  return args
-
-
 def _parse_flags(argv: list) -> list:
   """`errors.parse_absl_flags`, where a request for help exits 0 (absl's help exits 1)
   and -h means --help."""
@@ -98,8 +72,7 @@ def main(argv):
   if _cpu_by_default:
     logging.info("no GPU or TPU device found: running on CPU (JAX_PLATFORMS=cpu; set "
                  "JAX_PLATFORMS yourself to choose)")
-  if _multi_process_env():
-    jax.distributed.initialize(**_distributed_args())
+  host.initialize_distributed()     # several processes: jax.distributed (host.py)
   logging.info("JAX process %d/%d, %d local / %d global devices (%s)", jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count(),
                jax.devices()[0].device_kind)

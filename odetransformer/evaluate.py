@@ -2,7 +2,8 @@ r"""Perplexity of a trained model over a whole split, at one or several solver s
 
   python -m odetransformer.evaluate --workdir=W [--num_steps=6,9,12,18,24] \
       [--data=SOURCE | --data=local:GLOB] [--split=SPLIT] [--data_dir=DIR] \
-      [--seq_len=L] [--batch_size=B] [--max_batches=0] [--step=S] [--plot=PATH.png]
+      [--seq_len=L] [--batch_size=B] [--max_batches=0] [--step=S] [--plot=PATH.png] \
+      [--mesh_shape=1,-1,1]
 
 The data is the run's own `config.data` eval split unless `--data` names another
 source (any `data.source` string: 'embedded', 'tfds:<name>', 'wikitext103', …, or
@@ -15,7 +16,15 @@ ODE checkpoints are evaluated at each N of `--num_steps` (default: the training 
 the model's own N-step solve; discrete models only at their own depth. One compiled
 scorer per N; every batch has the same shape. `--plot=PATH` also draws the table
 (perplexity against N, the training K marked) as a PNG.
+
+The model is restored sharded on the run's mesh (`config.mesh.shape` over all devices)
+or `--mesh_shape`; batches go in as global arrays split over its batch axes (padded
+with weight-0 rows to a multiple of them). Launched on several hosts like main.py it
+runs under `jax.distributed`, every process reading the same batches; process 0 prints
+and writes the plot. Every flag is checked (the --plot path by a probe write) before
+anything is loaded.
 """
+import contextlib
 import dataclasses
 import functools
 import logging as std_logging
@@ -30,7 +39,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from odetransformer import checkpointing, loading
+from odetransformer import axes, checkpointing, fileio, host, loading, sharding
+from odetransformer.config import model_config
 from odetransformer.errors import UserError
 from odetransformer.losses import token_scores
 from odetransformer.model import LanguageModel
@@ -50,11 +60,12 @@ def quiet_orbax(cli: bool = False) -> None:
 # --------------------------------------------------------------------------------------
 # Scoring
 # --------------------------------------------------------------------------------------
-def _score_batch(graphdef, num_steps, state, batch):
+def _score_batch(graphdef, num_steps, rules, state, batch):
   """(sum of weighted target NLL, sum of weights, weighted correct argmax), float32."""
   model = nnx.merge(graphdef, state)
-  logits = model(batch["inputs"], segment_ids_bl=batch.get("segment_ids"),
-                 positions_bl=batch.get("positions"), num_steps=num_steps)
+  with axes.weight_rules(rules):   # generated W(t) sharded as the parameters are
+    logits = model(batch["inputs"], segment_ids_bl=batch.get("segment_ids"),
+                   positions_bl=batch.get("positions"), num_steps=num_steps)
   scores = token_scores(logits, batch["targets"], batch["weights"])
   return tuple(jnp.sum(scores[k]) for k in ("nll", "weight", "correct"))
 
@@ -70,19 +81,44 @@ class Result:
   seconds: float
 
 
+def global_batch(batch: dict, mesh: jax.sharding.Mesh, rules) -> dict:
+  """A batch every process holds in full (numpy [rows, ...]) as global arrays on `mesh`,
+  rows split by the 'batch' rule; padded with weight-0 rows to a multiple of its shards
+  (same scores: a padded row has no weight)."""
+  shards = sharding.num_batch_shards(mesh, rules)
+  rows = next(iter(batch.values())).shape[0]
+  pad = -rows % shards
+  out = {}
+  for key, x in batch.items():
+    x = np.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
+    spec = sharding.logical_to_spec(("batch",) + (None,) * (x.ndim - 1), rules)
+    out[key] = loading.global_array(x, jax.sharding.NamedSharding(mesh, spec))
+  return out
+
+
 def evaluate_model(model: LanguageModel, batches: Iterable[dict],
-                   num_steps: Optional[int] = None) -> Result:
+                   num_steps: Optional[int] = None, rules=None) -> Result:
   """Token-weighted NLL over `batches` (dicts with inputs, targets, weights and
-  optionally segment_ids, positions), summed in float64 on the host."""
+  optionally segment_ids, positions), summed in float64 on the host.
+
+  A model on a mesh (`loading.load_model`) gets each batch as global arrays split by
+  the 'batch' rule of `rules` (default: the default rules) and traces under the mesh
+  and the rules, as the training eval step does; every process passes the same batches.
+  """
   k = model.resolve_num_steps(num_steps)
   graphdef, state = nnx.split(model)
-  score = jax.jit(functools.partial(_score_batch, graphdef, k))  # compiled once per call
+  mesh = loading.model_mesh(state)
+  rules = sharding.logical_axis_rules(None) if rules is None else tuple(rules)
+  score = jax.jit(functools.partial(_score_batch, graphdef, k, rules))
   nll, count, correct = 0.0, 0.0, 0.0
   t0 = time.perf_counter()
   for batch in batches:
     batch = {key: np.asarray(batch[key]) for key in
              ("inputs", "targets", "weights", "segment_ids", "positions") if key in batch}
-    s_nll, s_w, s_c = jax.device_get(score(state, batch))
+    if mesh is not None:
+      batch = global_batch(batch, mesh, rules)
+    with mesh_context(mesh, rules) if mesh is not None else contextlib.nullcontext():
+      s_nll, s_w, s_c = jax.device_get(score(state, batch))
     nll, count, correct = nll + float(s_nll), count + float(s_w), correct + float(s_c)
   if count == 0:
     raise UserError("the evaluation data holds no scored tokens; fix: evaluate on a split "
@@ -91,6 +127,14 @@ def evaluate_model(model: LanguageModel, batches: Iterable[dict],
   return Result(num_steps=k, num_tokens=int(round(count)), loss=loss,
                 perplexity=math.exp(min(loss, 700.0)), accuracy=correct / count,
                 seconds=time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def mesh_context(mesh, rules):
+  """The mesh and the activation rules a sharded forward pass is traced (and run) under,
+  as the training steps are."""
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.activation_rules(rules)):
+    yield
 
 
 # --------------------------------------------------------------------------------------
@@ -150,14 +194,15 @@ def eval_data(workdir: str, config: ml_collections.ConfigDict, *, data: str = ""
 
 
 def evaluate(workdir: str, num_steps: Sequence[Optional[int]] = (None,), *, step=None,
-             **data_kwargs) -> list:
-  """Loads the checkpoint and returns a `Result` per entry of `num_steps`."""
+             mesh_shape: str = "", **data_kwargs) -> list:
+  """Loads the checkpoint (on the run's mesh, or `mesh_shape`) and returns a `Result` per
+  entry of `num_steps`."""
   from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
-  loaded = load_model(workdir, step=step)
+  loaded = load_model(workdir, step=step, mesh_shape=mesh_shape)
   for n in num_steps:
     loaded.model.resolve_num_steps(n)  # fail before reading data
   data = eval_data(workdir, loaded.config, **data_kwargs)
-  return [evaluate_model(loaded.model, data.batches(), n) for n in num_steps]
+  return [evaluate_model(loaded.model, data.batches(), n, loaded.rules) for n in num_steps]
 
 
 # --------------------------------------------------------------------------------------
@@ -168,9 +213,51 @@ def parse_num_steps(text: str) -> list:
   if not text.strip():
     return [None]
   try:
-    return [int(v) for v in text.split(",") if v.strip()]
+    steps = [int(v) for v in text.split(",") if v.strip()]
   except ValueError as e:
     raise UserError(f"--num_steps={text!r}: expected comma-separated integers") from e
+  if not steps or min(steps) <= 0:
+    raise UserError(f"--num_steps={text!r}: step counts must be positive integers, e.g. "
+                    "--num_steps=6,12")
+  return steps
+
+
+def check_writable(path: str, flag: str) -> None:
+  """Fails now, in one line, if the file `path` could not be written at the end (a
+  probe file is written beside it and removed)."""
+  if fileio.isdir(path):
+    raise UserError(f"--{flag}={path} is a directory; pass a file path")
+  parent = os.fspath(fileio.path(path).parent)
+  if not fileio.isdir(parent):
+    raise UserError(f"--{flag}={path}: its directory does not exist; create it or pick "
+                    "another path")
+  probe = fileio.join(parent, f".{fileio.path(path).name}.probe-{os.getpid()}")
+  try:
+    fileio.write_bytes_atomic(probe, b"")
+    fileio.remove(probe)
+  except OSError as e:
+    raise UserError(f"--{flag}={path} cannot be written ({e.strerror or e}); pick a "
+                    "writable path") from e
+
+
+def check_flags(f) -> tuple:
+  """Every flag of the command checked before any work: (step counts, run config)."""
+  steps = parse_num_steps(f.num_steps)
+  for name in ("seq_len", "batch_size", "max_batches"):
+    if getattr(f, name) < 0:
+      raise UserError(f"--{name}={getattr(f, name)} must be >= 0 (0 = the run's)")
+  if f.step is not None and f.step < 0:
+    raise UserError(f"--step={f.step} must be a checkpoint step >= 0 (or left out)")
+  loading.parse_mesh_shape(f.mesh_shape)
+  if f.plot:
+    check_writable(f.plot, "plot")
+  config = loading.load_run_config(f.workdir)
+  cfg = model_config(config, vocab_size=config.data.get("vocab_size"))
+  seq_len = f.seq_len or int(config.seq_len)
+  if cfg.flavour == "gpt" and seq_len > cfg.max_len:
+    raise UserError(f"--seq_len={seq_len} exceeds the model's {cfg.max_len} learned "
+                    f"positions (model.max_len); pass --seq_len={cfg.max_len} or less")
+  return steps, config
 
 
 def format_table(results: Sequence[Result], trained_k: int) -> str:
@@ -201,7 +288,10 @@ def plot_table(results: Sequence[Result], trained_k: int, title: str = ""):
 
 
 def main(argv, flag_values=None):
-  """The command line (flags: `define_flags`); `flag_values` defaults to absl's FLAGS."""
+  """The command line (flags: `define_flags`); `flag_values` defaults to absl's FLAGS.
+
+  Runs on the job's devices (several processes: `jax.distributed`, as main.py); only
+  process 0 prints and writes the plot."""
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
   from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
@@ -209,11 +299,9 @@ def main(argv, flag_values=None):
   f = flags.FLAGS if flag_values is None else flag_values
   quiet_orbax(cli=True)
   # Every mistake in the flags is a UserError: one line and exit 2 (errors.run_cli).
-  steps = parse_num_steps(f.num_steps)
-  if f.plot and not os.path.isdir(os.path.dirname(os.path.abspath(f.plot))):
-    raise UserError(f"--plot={f.plot}: its directory does not exist; create it or pick "
-                    "another path")
-  loaded = load_model(f.workdir, step=f.step)
+  steps, _ = check_flags(f)
+  host.initialize_distributed()
+  loaded = load_model(f.workdir, step=f.step, mesh_shape=f.mesh_shape)
   cfg = loaded.model_config
   for n in steps:
     try:
@@ -223,18 +311,19 @@ def main(argv, flag_values=None):
   data = eval_data(f.workdir, loaded.config, data=f.data, split=f.split,
                    data_dir=f.data_dir, seq_len=f.seq_len, batch_size=f.batch_size,
                    max_batches=f.max_batches)
-  print(f"checkpoint step {loaded.step} of {f.workdir}: {cfg.kind}/{cfg.flavour}"
-        + (f", {cfg.solver} solver" if cfg.is_ode else "") + f", trained at K={cfg.num_steps}")
-  print(f"data: {data.description}" + (f", first {f.max_batches} batches" if f.max_batches
-                                      else ", whole split"))
+  say = print if jax.process_index() == 0 else lambda *_: None
+  say(f"checkpoint step {loaded.step} of {f.workdir}: {cfg.kind}/{cfg.flavour}"
+      + (f", {cfg.solver} solver" if cfg.is_ode else "") + f", trained at K={cfg.num_steps}")
+  say(f"data: {data.description}" + (f", first {f.max_batches} batches" if f.max_batches
+                                    else ", whole split"))
   results = []
   for n in steps:
-    results.append(evaluate_model(loaded.model, data.batches(), n))
-  print(format_table(results, cfg.num_steps))
-  if f.plot:
+    results.append(evaluate_model(loaded.model, data.batches(), n, loaded.rules))
+  say(format_table(results, cfg.num_steps))
+  if f.plot and jax.process_index() == 0:
     plot_table(results, cfg.num_steps, title=f"{f.workdir} (step {loaded.step})").savefig(
         f.plot, format="png", dpi=120)
-    print(f"plot: {f.plot}")
+    say(f"plot: {f.plot}")
 
 
 def define_flags(flag_values=None):
@@ -255,6 +344,7 @@ def define_flags(flag_values=None):
   define("integer", "batch_size", 0, "Rows per batch (0 = the run's eval_batch_size).")
   define("integer", "max_batches", 0, "Stop after this many batches (0 = the whole split).")
   define("string", "plot", "", "Also write perplexity against N as a PNG to this path.")
+  define("string", "mesh_shape", "", loading.MESH_SHAPE_HELP)
   define("bool", "verbose", False, "Show the traceback of a user error as well.")
   flags.mark_flag_as_required("workdir", flag_values=fv)
   return fv

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from odetransformer import blocks, checkpointing, loading
+from odetransformer import blocks, checkpointing, loading, sharding
 from odetransformer.config import ModelConfig, model_config
 from odetransformer.errors import ConfigError
 from odetransformer.materialize import materialize
@@ -117,12 +117,15 @@ def prepare_config(config):
   return config
 
 
-def initial_model_state(config, cfg: ModelConfig) -> nnx.State:
+def initial_model_state(config, cfg: ModelConfig, mesh=None) -> nnx.State:
   """The pre-trained weights transformed for this method (values for `nnx.update`).
 
-  Leaves it lacks (LoRA factors with 'zero_b') keep the new model's initialisation.
+  Restored sharded on `mesh` (default: the pre-training run's mesh on this job's
+  devices) under this run's logical-axis rules, and transformed there. Leaves it lacks
+  (LoRA factors with 'zero_b') keep the new model's initialisation.
   """
-  loaded = loading.load_model(config.init_from)
+  rules = sharding.logical_axis_rules(config.get("mesh"))
+  loaded = loading.load_model(config.init_from, mesh=mesh, rules=rules)
   model = loaded.model
   if config.finetune.method != "continuous" and model.config.is_ode:
     model = materialize(model, cfg.num_steps, fold_dt=False)
@@ -136,33 +139,46 @@ def initial_model_state(config, cfg: ModelConfig) -> nnx.State:
 def place_initial_weights(config, cfg: ModelConfig, model_state: nnx.State) -> tuple:
   """Fills `model_state` in place with the `init_from` run's (transformed) weights.
 
-  Every loaded leaf must exist in this model with the same shape; leaves the source
-  lacks (LoRA factors) keep their fresh initialisation. Values are placed straight
-  into this run's shardings (each process holds the full source on its host).
+  `model_state` is this run's model state: of the leaves the source has, only shape,
+  dtype and sharding are read (they may be abstract, `jax.ShapeDtypeStruct`s with a
+  sharding); the leaves it lacks (LoRA factors) keep their value, so those must hold
+  their fresh initialisation. The source is restored sharded on the same mesh and moved
+  into this run's shardings on device (no process gathers the model; multi-process
+  safe). Every loaded leaf must exist in this model with the same shape.
   Returns (arrays loaded, arrays in the model).
   """
-  source = nnx.to_pure_dict(initial_model_state(config, cfg))
   target = nnx.to_pure_dict(model_state)
-  loaded = [0]
+  source = nnx.to_pure_dict(initial_model_state(config, cfg, loading.model_mesh(target)))
+  pairs = []              # (container, key, source value, target leaf)
 
-  def place(dst, src, path):
+  def match(dst, src, path):
     for key, value in src.items():
       where = f"{path}/{key}"
       if key not in dst:
         raise FinetuneError(f"init_from weight {where} has no place in this model")
       if isinstance(value, dict):
-        place(dst[key], value, where)
+        match(dst[key], value, where)
         continue
-      old = dst[key]
-      host = np.asarray(value).astype(old.dtype)
-      if host.shape != old.shape:
-        raise FinetuneError(f"init_from weight {where} has shape {host.shape}, "
-                            f"this model {old.shape}")
-      dst[key] = jax.make_array_from_callback(host.shape, old.sharding, lambda i, h=host: h[i])
-      loaded[0] += 1
-  place(target, source, "")
+      if tuple(value.shape) != tuple(dst[key].shape):
+        raise FinetuneError(f"init_from weight {where} has shape {tuple(value.shape)}, "
+                            f"this model {tuple(dst[key].shape)}")
+      pairs.append((dst, key, value, dst[key]))
+  match(target, source, "")
+  on_mesh, on_host = [], []   # restored arrays / host values (fresh LoRA factors)
+  for p in pairs:
+    same = isinstance(p[2], jax.Array) and p[2].sharding.device_set == p[3].sharding.device_set
+    (on_mesh if same else on_host).append(p)
+  if on_mesh:   # one program moves every restored array into its place
+    moved = jax.jit(lambda vs: [v.astype(t.dtype) for v, (_, _, _, t) in zip(vs, on_mesh)],
+                    out_shardings=[t.sharding for _, _, _, t in on_mesh])(
+                        [v for _, _, v, _ in on_mesh])
+    for (dst, key, _, _), value in zip(on_mesh, moved):
+      dst[key] = value
+  for dst, key, value, old in on_host:
+    host = np.asarray(value).astype(old.dtype)
+    dst[key] = jax.make_array_from_callback(host.shape, old.sharding, lambda i, h=host: h[i])
   nnx.replace_by_pure_dict(model_state, target)
-  return loaded[0], len(jax.tree.leaves(target))
+  return len(pairs), len(jax.tree.leaves(target))
 
 
 def small_lora_factors(cfg: ModelConfig, seed: int) -> dict:

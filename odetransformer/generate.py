@@ -2,20 +2,24 @@ r"""Sampling from a trained model with a KV cache.
 
   python -m odetransformer.generate --workdir=W --prompt="def main(" \
       [--num_steps=N] [--max_new_tokens=64] [--temperature=0.8] [--top_k=0] [--top_p=1.0] \
-      [--seed=0] [--num_samples=1] [--step=S]
+      [--seed=0] [--num_samples=1] [--step=S] [--mesh_shape=1,-1,1]
 
 Loads the latest checkpoint of W, prepares it for cached decoding at N steps
 (`decode.Decoder`: an Euler ODE is materialised into N layers with W(t_k) precomputed;
 discrete models run their own layers) and samples in one jitted program: a prefill of
 the (right-padded) prompts, then one `jax.lax.while_loop` over new tokens with a fixed
 [slots, b, max_len, heads, head_dim] cache. Temperature, top-k and top-p are traced
-values, so changing them does not recompile; temperature 0 is greedy decoding.
+values, so changing them does not recompile; temperature 0 is greedy decoding. The
+model is restored sharded on the run's mesh (or `--mesh_shape`), the prompts replicated
+on it; on several hosts it runs under `jax.distributed` like main.py and process 0
+prints. Every flag is checked before anything is loaded.
 
 Before the samples it says what to expect of a model of this size and training
 (`what_to_expect`): configs/default.py's model, minutes on a CPU, writes locally
 plausible but incoherent text.
 """
 import functools
+import math
 import time
 from typing import Optional, Sequence
 
@@ -118,21 +122,27 @@ class Sampler:
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     rng = jax.random.key(0) if rng is None else rng
     d = self.decoder
-    out = _sample_loop(d.step_fn(), d.num_slots, d.config, d.params, tokens, lengths, rng,
-                       jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
-                       jnp.int32(self.eos_id), max_new_tokens=int(max_new_tokens),
-                       cache_len=cache_len)
-    return np.asarray(out)
+    args = (tokens, lengths, np.asarray(jax.random.key_data(rng)), np.float32(temperature),
+            np.int32(top_k), np.float32(top_p), np.int32(self.eos_id))
+    mesh = loading.model_mesh(d.params)
+    if mesh is not None:   # a sharded model: the (small) inputs replicated on its mesh
+      replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      args = tuple(loading.global_array(x, replicated) for x in args)
+    out = _sample_loop(d.step_fn(), d.num_slots, d.config, d.params, *args,
+                       max_new_tokens=int(max_new_tokens), cache_len=cache_len)
+    return loading.to_host(out)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("max_new_tokens",
                                                                         "cache_len"))
-def _sample_loop(step_fn, num_slots, cfg, params, prompt_bp, lengths_b, rng, temperature,
-                 top_k, top_p, eos_id, *, max_new_tokens: int, cache_len: int):
+def _sample_loop(step_fn, num_slots, cfg, params, prompt_bp, lengths_b, rng_data,
+                 temperature, top_k, top_p, eos_id, *, max_new_tokens: int, cache_len: int):
   """Prefill, then a while_loop sampling one token per row per iteration.
 
   Compiled once per decoder (`step_fn` is the decoder's own step function, static by
-  identity) and shape; sampling settings and eos are traced."""
+  identity) and shape; sampling settings and eos are traced. `rng_data` is the key's
+  data (`jax.random.key_data`): a plain array, placed like the other inputs."""
+  rng = jax.random.wrap_key_data(rng_data)
   b = prompt_bp.shape[0]
   dtype = jnp.dtype(cfg.dtype)
   shape = (num_slots, b, cache_len, cfg.num_heads, cfg.head_dim)
@@ -188,17 +198,58 @@ def strip_after_eos(ids: Sequence[int], eos_id: int) -> list:
 # --------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------
+SEED_RANGE = (-2**63, 2**63)   # what jax.random.key takes
+
+
+def check_flags(f) -> None:
+  """Every flag checked before any work (one-line UserErrors), the run's config.json
+  included."""
+  if f.max_new_tokens <= 0:
+    raise UserError(f"--max_new_tokens={f.max_new_tokens} must be a positive number of "
+                    "tokens to sample, e.g. 64")
+  if f.num_samples <= 0:
+    raise UserError(f"--num_samples={f.num_samples} must be >= 1")
+  if not SEED_RANGE[0] <= f.seed < SEED_RANGE[1]:
+    raise UserError(f"--seed={f.seed} is out of range; pass an integer in "
+                    f"[-2**63, 2**63), e.g. --seed=0")
+  if not 0 <= f.temperature < math.inf:   # also refuses nan
+    raise UserError(f"--temperature={f.temperature} must be a finite number >= 0 "
+                    "(0 = greedy)")
+  if f.top_k < 0:
+    raise UserError(f"--top_k={f.top_k} must be >= 0 (0 = all tokens)")
+  if not 0 < f.top_p <= 1:
+    raise UserError(f"--top_p={f.top_p} must be in (0, 1] (1 = off)")
+  if f.num_steps is not None and f.num_steps <= 0:
+    raise UserError(f"--num_steps={f.num_steps} must be a positive number of solver steps "
+                    "(or left out: the training K)")
+  if f.step is not None and f.step < 0:
+    raise UserError(f"--step={f.step} must be a checkpoint step >= 0 (or left out)")
+  try:
+    f.prompt.encode("utf-8")
+  except UnicodeEncodeError as e:   # undecodable argv bytes arrive as lone surrogates
+    raise UserError("--prompt is not valid UTF-8 text; pass the prompt in UTF-8") from e
+  loading.parse_mesh_shape(f.mesh_shape)
+  loading.load_run_config(f.workdir)
+
+
 def main(argv, flag_values=None):
-  """The command line (flags: `define_flags`); `flag_values` defaults to absl's FLAGS."""
+  """The command line (flags: `define_flags`); `flag_values` defaults to absl's FLAGS.
+
+  Runs on the job's devices (several processes: `jax.distributed`, as main.py); the
+  model is sharded as the run's mesh says (or --mesh_shape), the prompts replicated;
+  only process 0 prints."""
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
-  from odetransformer import evaluate  # pylint: disable=g-import-not-at-top
+  from odetransformer import evaluate, host  # pylint: disable=g-import-not-at-top
   from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   flags_ = flags.FLAGS if flag_values is None else flag_values
   evaluate.quiet_orbax(cli=True)
   # Every mistake in the flags is a UserError: one line and exit 2 (errors.run_cli).
-  loaded = load_model(flags_.workdir, step=flags_.step)
+  check_flags(flags_)
+  host.initialize_distributed()
+  loaded = load_model(flags_.workdir, step=flags_.step, mesh_shape=flags_.mesh_shape)
+  print_ = print if jax.process_index() == 0 else lambda *_: None   # process 0 reports
   sp = loading.load_tokenizer(flags_.workdir, loaded.config)
   cfg = loaded.model_config
   t0 = time.perf_counter()
@@ -209,12 +260,12 @@ def main(argv, flag_values=None):
   how = (f"materialised at N={decoder.num_steps} layers" if cfg.is_ode and cfg.solver == "euler"
          else f"{cfg.solver} solver at N={decoder.num_steps} steps" if cfg.is_ode
          else f"{decoder.num_steps} layers")
-  print(f"checkpoint step {loaded.step} of {flags_.workdir}: {cfg.kind}/{cfg.flavour}, "
+  print_(f"checkpoint step {loaded.step} of {flags_.workdir}: {cfg.kind}/{cfg.flavour}, "
         f"trained at K={cfg.num_steps}; decoding {how} ({time.perf_counter() - t0:.1f}s)")
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(loaded.model, nnx.Param)))
   tokens = (loaded.step * loaded.config.get("global_batch_size", 0)
             * loaded.config.get("seq_len", 0)) or None
-  print(what_to_expect(num_params, loaded.step, tokens))
+  print_(what_to_expect(num_params, loaded.step, tokens))
 
   prompt_ids = sp.encode(flags_.prompt) if flags_.prompt else []
   if not prompt_ids:
@@ -226,7 +277,7 @@ def main(argv, flag_values=None):
       raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model embeds at most "
                       f"{limit} positions: shorten --prompt")
     max_new = limit - len(prompt_ids)
-    print(f"note: max_new_tokens lowered to {max_new} (model.max_len={limit})")
+    print_(f"note: max_new_tokens lowered to {max_new} (model.max_len={limit})")
 
   sampler = Sampler(decoder, eos_id=sp.eos_id())
   prompts = [prompt_ids] * flags_.num_samples
@@ -241,10 +292,10 @@ def main(argv, flag_values=None):
   n_new = sum(len(strip_after_eos(row, sp.eos_id())) for row in out)
   for i, row in enumerate(out):
     text = sp.decode(strip_after_eos(row, sp.eos_id()))
-    print(f"--- sample {i} ".ljust(60, "-") if flags_.num_samples > 1 else "-" * 60)
-    print(flags_.prompt + text)
-  print("-" * 60)
-  print(f"{n_new} new tokens in {again:.2f}s ({n_new / max(again, 1e-9):.1f} tokens/s; "
+    print_(f"--- sample {i} ".ljust(60, "-") if flags_.num_samples > 1 else "-" * 60)
+    print_(flags_.prompt + text)
+  print_("-" * 60)
+  print_(f"{n_new} new tokens in {again:.2f}s ({n_new / max(again, 1e-9):.1f} tokens/s; "
         f"first call incl. compilation {first:.1f}s)")
 
 
@@ -264,6 +315,7 @@ def define_flags(flag_values=None):
   define("float", "top_p", 1.0, "Nucleus sampling: smallest set of this much mass (1 = off).")
   define("integer", "seed", 0, "Sampling seed.")
   define("integer", "num_samples", 1, "Continuations of the prompt, sampled as one batch.")
+  define("string", "mesh_shape", "", loading.MESH_SHAPE_HELP)
   define("bool", "verbose", False, "Show the traceback of a user error as well.")
   flags.mark_flag_as_required("workdir", flag_values=fv)
   return fv

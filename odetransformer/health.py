@@ -34,8 +34,10 @@ class HealthCheck:
   itself; they are logged here, and more than `skip_limit` of them in a row stop the run.
   """
 
-  def __init__(self, directory: str, last_good: Optional[int], skip_limit: int = 0):
+  def __init__(self, directory: str, last_good: Optional[int], skip_limit: int = 0,
+               optim_config=None):
     self.directory, self.last_good, self.skip_limit = directory, last_good, skip_limit
+    self.hint = divergence_hint(optim_config)
     self.pending = []             # (step, TrainMetrics) not yet checked
     self.skipped_from, self.skipped_in_a_row = None, 0   # the run of skips up to now
 
@@ -77,5 +79,18 @@ class HealthCheck:
             if self.last_good is not None else "no checkpoint was written yet")
     what = ", ".join(name if value is None else f"{name} {value}" for name, value in bad)
     return DivergenceError(
-        f"non-finite training values at step {step} ({what}); stopped; {kept}; "
-        "lower optim.learning_rate or set optim.grad_clip_norm")
+        f"non-finite training values at step {step} ({what}); stopped; {kept}; {self.hint}")
+
+
+def divergence_hint(optim_config=None) -> str:
+  """What to change after a divergence, from the run's `optim` settings (None: unknown)."""
+  if optim_config is None:
+    return "lower optim.learning_rate or set optim.grad_clip_norm"
+  lr = f"lower optim.learning_rate (now {optim_config.learning_rate})"
+  clip = float(optim_config.get("grad_clip_norm", 0.0))
+  if clip <= 0:
+    return f"{lr} or turn on clipping with optim.grad_clip_norm (e.g. 1.0; now off)"
+  if int(optim_config.get("skip_nonfinite_steps", 0)) <= 0:
+    return (f"{lr}, lower optim.grad_clip_norm (now {clip:g}), or skip rare non-finite "
+            "steps with optim.skip_nonfinite_steps (e.g. 3)")
+  return f"{lr} or lower optim.grad_clip_norm (now {clip:g})"

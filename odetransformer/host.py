@@ -13,6 +13,10 @@ answers from what the operating system shows:
 
 A false "accelerator" only costs a CPU machine the two conveniences below; a missed
 one is what must not happen, hence the broad list.
+
+`initialize_distributed` is the multi-host start every command shares (main.py and the
+downstream tools): `jax.distributed.initialize()` when the environment says this is one
+of several processes, nothing on a single host.
 """
 import glob
 import os
@@ -69,4 +73,43 @@ def default_to_cpu(environ=None, root: str = "/") -> bool:
   if "JAX_PLATFORMS" in environ or accelerator_devices(root):
     return False
   environ["JAX_PLATFORMS"] = "cpu"
+  return True
+
+
+def multi_process_env(environ: Mapping[str, str] = None) -> bool:
+  """True when a launcher says this is one of several processes (single host: False).
+
+  Recognised: JAX_COORDINATOR_ADDRESS (with JAX_NUM_PROCESSES and JAX_PROCESS_ID unless
+  a cluster below supplies them), SLURM and Open MPI jobs of more than one task, and
+  multi-host Cloud TPU slices. JAX's own cluster detection then fills in the rest.
+  """
+  env = os.environ if environ is None else environ
+  if env.get("JAX_COORDINATOR_ADDRESS"):
+    return True
+  for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    if env.get(key, "1").isdigit() and int(env.get(key, "1")) > 1:
+      return True
+  hosts = env.get("TPU_WORKER_HOSTNAMES", "")
+  return "," in hosts or bool(env.get("MEGASCALE_COORDINATOR_ADDRESS"))
+
+
+def distributed_args(environ: Mapping[str, str] = None) -> dict:
+  """num_processes / process_id from JAX_NUM_PROCESSES / JAX_PROCESS_ID, when set."""
+  env = os.environ if environ is None else environ
+  args = {}
+  for key, name in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
+    if env.get(key, "").isdigit():
+      args[name] = int(env[key])
+  return args
+
+
+def initialize_distributed() -> bool:
+  """`jax.distributed.initialize()` when this is one of several processes (see
+  `multi_process_env`); call it before anything touches a JAX device. Idempotent.
+  Returns whether this is a multi-process job."""
+  if not multi_process_env():
+    return False
+  import jax  # pylint: disable=g-import-not-at-top
+  if not jax.distributed.is_initialized():
+    jax.distributed.initialize(**distributed_args())
   return True

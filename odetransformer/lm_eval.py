@@ -11,11 +11,36 @@ in the same process, with the same arguments. Needs the optional dependencies in
 requirements-eval.txt. Model arguments: see odetransformer/lm_eval_model.py. A user
 error of ours (a workdir without a run, checkpoints that do not restore) is one line on
 stderr and exit status 2 (`--verbose` for the traceback).
+
+Under several processes (a pod slice: `jax.distributed`, initialised as main.py does)
+every process runs the harness on the same requests, the model sharded over all of
+them (model_args mesh_shape=1;-1;1 or the run's mesh); only process 0 prints and
+writes (`--output_path`, `--log_samples` are dropped on the others).
 """
 import multiprocessing
+import os
 import sys
 
-from odetransformer import errors
+from odetransformer import errors, host
+
+# Harness options that write results; only process 0 keeps them (flag -> takes a value).
+_WRITING_OPTIONS = {"--output_path": True, "-o": True, "--log_samples": False, "-s": False,
+                    "--wandb_args": True, "--hf_hub_log_args": True}
+
+
+def without_writing_options(argv: list) -> list:
+  """`argv` without the harness options that write files or upload results."""
+  out, skip = [], False
+  for arg in argv:
+    if skip:
+      skip = False
+      continue
+    name = arg.split("=", 1)[0]
+    if name in _WRITING_OPTIONS:
+      skip = _WRITING_OPTIONS[name] and "=" not in arg
+      continue
+    out.append(arg)
+  return out
 
 
 def main() -> None:
@@ -25,6 +50,11 @@ def main() -> None:
     multiprocessing.set_start_method("spawn")
   except RuntimeError:  # already set by the caller
     pass
+  if host.initialize_distributed():   # before anything touches a device
+    import jax  # pylint: disable=g-import-not-at-top
+    if jax.process_index() != 0:   # same work, no output: process 0 reports
+      sys.argv = without_writing_options(sys.argv)
+      sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
   try:
     from odetransformer import lm_eval_model  # pylint: disable=g-import-not-at-top,unused-import
     from lm_eval.__main__ import cli_evaluate  # pylint: disable=g-import-not-at-top

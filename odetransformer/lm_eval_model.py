@@ -15,6 +15,10 @@ model_args (comma-separated key=value):
   max_gen_toks  default generation budget of generate_until (default 256, capped so
                 that a prompt keeps at least a quarter of max_length)
   seed          sampling seed for generate_until with do_sample (default 0)
+  mesh_shape    device mesh (data;fsdp;tensor) to load the model on, e.g. 1;-1;1
+                (default: the run's config.mesh.shape over all devices); under
+                several processes (`jax.distributed`) every process scores the same
+                requests and only process 0 writes results
 `batch_size` (the harness passes it as a string; 'auto' means the default, 8) sets
 the rows of every scoring batch; `device` and `max_batch_size` are ignored (JAX
 places the computation).
@@ -36,7 +40,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from odetransformer import loading
+from odetransformer import loading, sharding
 from odetransformer.decode import Decoder
 from odetransformer.generate import Sampler, strip_after_eos
 from odetransformer.losses import token_scores
@@ -58,19 +62,22 @@ class ODETransformerLM(TemplateLM):
 
   def __init__(self, workdir: Optional[str] = None, num_steps=None, step=None,
                batch_size=DEFAULT_BATCH_SIZE, max_length=None, max_gen_toks=256, seed=0,
-               device=None, max_batch_size=None, *, model=None, tokenizer=None, **kwargs):
+               device=None, max_batch_size=None, mesh_shape="", *, model=None, tokenizer=None,
+               **kwargs):
     super().__init__()
     del device, max_batch_size  # JAX places the computation; no adaptive batch size
     if kwargs:
       _log.warning("odetransformer: ignoring unknown model_args %s", sorted(kwargs))
+    rules = None
     if model is None:
       if not workdir:
         raise ValueError("odetransformer needs model_args workdir=<training run directory>")
       from odetransformer import evaluate  # pylint: disable=g-import-not-at-top
       from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
       evaluate.quiet_orbax()
-      loaded = load_model(str(workdir), step=None if step in (None, "") else int(step))
-      model = loaded.model
+      loaded = load_model(str(workdir), step=None if step in (None, "") else int(step),
+                          mesh_shape=str(mesh_shape or "").replace(";", ","))
+      model, rules = loaded.model, loaded.rules
       tokenizer = loading.load_tokenizer(str(workdir), loaded.config)
       default_len = int(loaded.config.seq_len)
     else:
@@ -93,6 +100,8 @@ class ODETransformerLM(TemplateLM):
     self.max_gen_toks = int(max_gen_toks)
     self.seed = int(seed)
     graphdef, self._state = nnx.split(model)
+    self._mesh = loading.model_mesh(self._state)
+    self._rules = tuple(rules) if rules else sharding.logical_axis_rules(None)
     self._scorer = jax.jit(functools.partial(_score, graphdef, self.num_steps))
     self._sampler = None  # built on the first generate_until
 
@@ -140,9 +149,22 @@ class ODETransformerLM(TemplateLM):
         inputs[i, :n] = full[:-1]
         targets[i, :n] = full[1:]
         weights[i, n - len(cont):n] = 1.0
-      logp, greedy = jax.device_get(self._scorer(self._state, inputs, targets, weights))
+      logp, greedy = self._score_rows(inputs, targets, weights)
       results.extend((float(logp[i]), bool(greedy[i])) for i in range(len(chunk)))
     return results
+
+  def _score_rows(self, inputs, targets, weights) -> tuple:
+    """The scorer on one batch: numpy (log-probs, greedy) per row. On a mesh the batch
+    goes in as global arrays split by the 'batch' rule (padded to its shards) and the
+    rows come back from every process."""
+    if self._mesh is None:
+      return jax.device_get(self._scorer(self._state, inputs, targets, weights))
+    from odetransformer import evaluate  # pylint: disable=g-import-not-at-top
+    batch = evaluate.global_batch({"inputs": inputs, "targets": targets, "weights": weights},
+                                  self._mesh, self._rules)
+    with evaluate.mesh_context(self._mesh, self._rules):
+      out = self._scorer(self._state, batch["inputs"], batch["targets"], batch["weights"])
+    return tuple(loading.to_host(x)[:len(inputs)] for x in out)
 
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
     pairs = [(ctx, cont) for _, ctx, cont in requests]

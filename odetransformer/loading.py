@@ -2,15 +2,24 @@
 
 For tools that need only the model — evaluation, generation, materialisation,
 analysis, fine-tuning's `init_from` — this restores just the checkpoint's `model`
-item, onto one device by default or sharded on a given mesh.
+item, sharded: on the run's own mesh (`config.mesh.shape` and its logical-axis rules,
+over every device of the job) unless a tool's `--mesh_shape` says otherwise, restored
+straight into abstract targets carrying that mesh's NamedShardings (no process ever
+holds the whole model unless the mesh replicates it). A run whose mesh does not fit the
+devices at hand (trained on 256 chips, evaluated on 8) is loaded fully sharded
+(fsdp over all devices) with a warning. Multi-process tools call
+`host.initialize_distributed()` first, as main.py does.
 """
 import dataclasses
 import os
 from typing import Optional
 
 import jax
+import ml_collections
+import numpy as np
 from absl import logging
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from odetransformer import checkpointing, sharding
 from odetransformer.checkpointing import TOKENIZER_FILE
@@ -19,21 +28,65 @@ from odetransformer.errors import UserError
 from odetransformer.model import LanguageModel, create_model
 
 
+MESH_SHAPE_HELP = ("Device mesh (data,fsdp,tensor) to load the model on, e.g. 1,-1,1 "
+                   "(-1 = the remaining devices); '' = the run's config.mesh.shape.")
+
+
 @dataclasses.dataclass
 class Loaded:
   model: LanguageModel
   model_config: ModelConfig
   config: object          # the run's ml_collections.ConfigDict
   step: int
+  mesh: Optional[jax.sharding.Mesh] = None   # the model's arrays live on it
+  rules: tuple = ()                          # the logical-axis rules they follow
 
 
-def load_model(workdir: str, step: Optional[int] = None, mesh=None) -> Loaded:
-  """The model of the latest (or given) checkpoint in `workdir` that restores.
-
-  Raises a one-line UserError when there is no run, no checkpoint or none restores.
-  """
+def parse_mesh_shape(text: str) -> tuple:
+  """A `--mesh_shape` value: '2,-1,1', '(2,-1,1)' or '[2, -1, 1]' -> (2, -1, 1);
+  '' -> () (the run's own). Raises a one-line UserError otherwise."""
+  inner = text.strip().strip("()[]").strip()
+  if not inner:
+    return ()
   try:
-    config = checkpointing.load_config(workdir)
+    shape = tuple(int(v) for v in inner.split(","))
+  except ValueError:
+    shape = ()
+  if len(shape) != len(sharding.MESH_AXES) or any(s == 0 or s < -1 for s in shape):
+    raise UserError(f"--mesh_shape={text!r}: expected {len(sharding.MESH_AXES)} comma-separated "
+                    f"sizes for {sharding.MESH_AXES}, each positive or -1 (the rest), "
+                    "e.g. --mesh_shape=1,-1,1")
+  return shape
+
+
+def run_mesh(config, mesh_shape: str = "", devices=None) -> jax.sharding.Mesh:
+  """The mesh a tool loads run `config` on, over `devices` (default: all of the job's).
+
+  `mesh_shape` (a `--mesh_shape` value) when given, else the run's `mesh.shape`; when
+  the run's shape does not fit these devices, fsdp over all of them (with a warning).
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  override = parse_mesh_shape(mesh_shape)
+  if override:
+    try:
+      return sharding.make_mesh(ml_collections.ConfigDict({"shape": override}), devices)
+    except sharding.MeshError as e:
+      raise UserError(f"--mesh_shape={mesh_shape}: {e}") from e
+  run_shape = tuple((config.get("mesh") or {}).get("shape", ())) or (1, -1, 1)
+  try:
+    return sharding.make_mesh(ml_collections.ConfigDict({"shape": run_shape}), devices)
+  except sharding.MeshError as e:
+    logging.warning("the run's mesh.shape=%s does not fit these %d devices (%s): loading "
+                    "fully sharded, mesh (1, %d, 1); choose with --mesh_shape",
+                    run_shape, len(devices), e, len(devices))
+    return sharding.make_mesh(ml_collections.ConfigDict({"shape": (1, -1, 1)}), devices)
+
+
+def load_run_config(workdir: str):
+  """The run's config.json (a ConfigDict); a missing or unreadable one is a UserError.
+  Cheap: tools validate their flags against it before loading anything."""
+  try:
+    return checkpointing.load_config(workdir)
   except (FileNotFoundError, NotADirectoryError) as e:
     raise UserError(f"{workdir} holds no training run ({checkpointing.CONFIG_FILE} "
                     "missing, no checkpoint); pass the --workdir of a main.py run") from e
@@ -41,16 +94,60 @@ def load_model(workdir: str, step: Optional[int] = None, mesh=None) -> Loaded:
     raise UserError(f"{os.path.join(workdir, checkpointing.CONFIG_FILE)} is unreadable "
                     f"({type(e).__name__}: {e}); it describes the run's checkpoints: "
                     "restore it, or resume the run with main.py to rewrite it") from e
+
+
+def local_mesh() -> jax.sharding.Mesh:
+  """A 1-device mesh on this process's first device (each process its own copy)."""
+  return sharding.make_mesh(ml_collections.ConfigDict({"shape": (1, 1, 1)}),
+                            jax.local_devices()[:1])
+
+
+def load_model(workdir: str, step: Optional[int] = None, mesh=None, *, mesh_shape: str = "",
+               rules=None) -> Loaded:
+  """The model of the latest (or given) checkpoint in `workdir` that restores.
+
+  Restored sharded on `mesh` (default: `run_mesh(config, mesh_shape)`) under `rules`
+  (default: the run's logical-axis rules). Raises a one-line UserError when there is no
+  run, no checkpoint or none restores.
+  """
+  config = load_run_config(workdir)
   cfg = model_config(config, vocab_size=config.data.get("vocab_size"))
-  if mesh is None:
-    mesh = jax.make_mesh((1, 1, 1), sharding.MESH_AXES, devices=jax.devices()[:1],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
-  rules = sharding.logical_axis_rules(config.get("mesh"))
+  mesh = run_mesh(config, mesh_shape) if mesh is None else mesh
+  if rules is None:
+    try:
+      rules = sharding.logical_axis_rules(config.get("mesh"))
+    except sharding.MeshError as e:
+      raise UserError(f"{os.path.join(workdir, checkpointing.CONFIG_FILE)}: {e}") from e
   with nnx.logical_axis_rules(rules):
     graphdef, abstract = nnx.get_abstract_model(lambda: create_model(cfg), mesh)
   state, restored_step = checkpointing.restore_model_state(workdir, abstract, step)
   return Loaded(model=nnx.merge(graphdef, state), model_config=cfg, config=config,
-                step=int(restored_step))
+                step=int(restored_step), mesh=mesh, rules=tuple(rules))
+
+
+def model_mesh(tree) -> Optional[jax.sharding.Mesh]:
+  """The mesh a model's (or a state's) arrays live on; None when they are not placed by
+  a NamedSharding (a model created outside a mesh)."""
+  for leaf in jax.tree.leaves(tree):
+    s = getattr(leaf, "sharding", None)
+    if isinstance(s, jax.sharding.NamedSharding):
+      return s.mesh
+  return None
+
+
+def global_array(x, sharding_: jax.sharding.Sharding) -> jax.Array:
+  """A host value that every process holds in full, as a global array with `sharding_`
+  (each process places its own devices' pieces; multi-process safe)."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding_, lambda index: x[index])
+
+
+def to_host(x, dtype=None) -> np.ndarray:
+  """A (possibly multi-process) array as numpy on every process: its shards on other
+  processes' devices are gathered (a collective: every process must call it)."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return np.asarray(x, dtype)
 
 
 def tokenizer_path(workdir: str, config=None) -> str:

@@ -75,10 +75,15 @@ def create_optimizer(optim_config, num_train_steps: int, *,
   if optim_config.name != "adamw":
     raise OptimConfigError(f"optim.name={optim_config.name!r} is unknown; only 'adamw'")
   for key in ("b1", "b2"):
-    if not 0.0 <= float(optim_config[key]) < 1.0:
+    if not 0.0 <= float(optim_config[key]) < 1.0:   # also refuses nan
       raise OptimConfigError(f"optim.{key}={optim_config[key]} must be in [0, 1)")
-  if float(optim_config.learning_rate) <= 0:
-    raise OptimConfigError(f"optim.learning_rate={optim_config.learning_rate} must be > 0")
+  if not 0 < float(optim_config.learning_rate) < math.inf:
+    raise OptimConfigError(f"optim.learning_rate={optim_config.learning_rate} must be a "
+                           "finite number > 0, e.g. 3e-4")
+  for key in ("eps", "weight_decay", "grad_clip_norm", "warmup_frac", "min_lr_ratio"):
+    value = optim_config.get(key)
+    if value is not None and not 0 <= float(value) < math.inf:
+      raise OptimConfigError(f"optim.{key}={value} must be a finite number >= 0")
   on = optim_config.get("weight_decay_on", "auto")
   if on not in DECAY_GROUPS:
     raise OptimConfigError(f"optim.weight_decay_on={on!r} is unknown; choose one of "

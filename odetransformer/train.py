@@ -216,7 +216,7 @@ def _train(config, saved_config, cfg, mesh, rules, tx, schedule, ds, writer, ckp
   profile = metrics_lib.ProfileWindow.parse(config.get("profile_steps", ""),
                                             os.path.join(ckpt.workdir, "tensorboard"))
   health = health_lib.HealthCheck(ckpt.directory, start_step if resumed else None,
-                                  skip_limit)
+                                  skip_limit, optim_config=config.optim)
   last = int(config.num_train_steps)
 
   def run_eval(step):

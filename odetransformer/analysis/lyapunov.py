@@ -23,7 +23,10 @@ and steps (the usual attention-based explanation).
     python -m odetransformer.analysis.lyapunov --workdir=W --text="..." [--position=-1] --out=DIR
 
 writes DIR/lyapunov.json (scores), DIR/lyapunov.npz (full spectra), DIR/lyapunov.html
-and DIR/lyapunov.png (the text coloured by each map, side by side).
+and DIR/lyapunov.png (the text coloured by each map, side by side). One sequence's
+Jacobians: the model loads whole on one device of each process (under `jax.distributed`
+when launched as several processes, each computing the same; process 0 writes). Sharded
+over several devices, this program deadlocked on XLA:CPU, so no --mesh_shape here.
 """
 import dataclasses
 import html
@@ -39,6 +42,7 @@ import numpy as np
 from absl import logging
 
 from odetransformer import blocks
+from odetransformer import host, loading
 from odetransformer.analysis import fields
 
 
@@ -392,7 +396,9 @@ def main(argv: Optional[list] = None) -> Sensitivity:
                            "Euler steps (or left out: the trained K)")
   if args.jacobian_chunk is not None and args.jacobian_chunk <= 0:
     raise errors.UserError(f"--jacobian_chunk={args.jacobian_chunk} must be positive")
-  loaded = load_model(args.workdir, step=args.step)
+  loading.load_run_config(args.workdir)
+  host.initialize_distributed()   # several processes: jax.distributed, as main.py
+  loaded = load_model(args.workdir, step=args.step, mesh=loading.local_mesh())
   cfg = loaded.model_config
   sp = load_tokenizer(args.workdir, args.tokenizer)
   # Undecodable bytes in argv arrive as lone surrogates, which SentencePiece rejects.
@@ -411,9 +417,10 @@ def main(argv: Optional[list] = None) -> Sensitivity:
   res = sensitivity(loaded.model, ids, args.position, args.num_steps, args.jacobian_chunk)
   pieces = [piece_text(sp, i) for i in ids]
   title = f"{cfg.kind} ({os.path.basename(os.path.normpath(args.workdir))}, step {loaded.step})"
-  paths = write_outputs(res, pieces, args.out, title)
-  print(summary_line(res, pieces))
-  print(f"wrote {', '.join(paths.values())}")
+  if jax.process_index() == 0:   # every process computed it; one writes
+    paths = write_outputs(res, pieces, args.out, title)
+    print(summary_line(res, pieces))
+    print(f"wrote {', '.join(paths.values())}")
   return res
 
 

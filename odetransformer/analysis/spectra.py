@@ -15,7 +15,9 @@ folded into W_O and W_2). For the Llama flavour W_FF ignores the gate W_3.
 
     python -m odetransformer.analysis.spectra --workdir=W --out=DIR [--grid=64]
 
-writes DIR/spectra.npz, DIR/spectra_{qk,ov,ff}.png and prints one summary line.
+writes DIR/spectra.npz, DIR/spectra_{qk,ov,ff}.png and prints one summary line. The
+model loads on the run's mesh (or --mesh_shape=1,-1,1 ...), under `jax.distributed` when
+launched as several processes; process 0 writes.
 """
 import dataclasses
 import json
@@ -23,8 +25,10 @@ import os
 import sys
 from typing import Optional
 
+import jax
 import numpy as np
 
+from odetransformer import host, loading
 from odetransformer.analysis import fields
 
 
@@ -53,7 +57,7 @@ def eigenvalues(weights: dict) -> dict:
   Returns:
     'qk' [T, n, h], 'ov' [T, n, h], 'ff' [T, d]: complex, sorted by descending real part.
   """
-  w = {k: np.asarray(weights[k], np.float64) for k in ("wq", "wk", "wv", "wo", "w1", "w2")}
+  w = {k: loading.to_host(weights[k], np.float64) for k in ("wq", "wk", "wv", "wo", "w1", "w2")}
   kq = np.einsum("tdna,tdnb->tnab", w["wk"], w["wq"])   # W_K,hᵀ W_Q,h   [h, h]
   ov = np.einsum("tnad,tdnb->tnab", w["wo"], w["wv"])   # W_O,h W_V,h    [h, h]
   ff = np.einsum("tdf,tfe->tde", w["w1"], w["w2"])      # W_1 W_2        [d, d]
@@ -232,6 +236,7 @@ def parse_args(argv):
   p.add_argument("--grid", type=int, default=64,
                  help="points t in [0, 1] for ODE models (discrete models: every layer)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  p.add_argument("--mesh_shape", default="", help=loading.MESH_SHAPE_HELP)
   return p.parse_args(argv)
 
 
@@ -243,11 +248,15 @@ def main(argv: Optional[list] = None) -> Spectra:
   if args.grid < 2:
     raise errors.UserError(f"--grid={args.grid}: an ODE's spectra need at least 2 points "
                            "t in [0, 1]; pass --grid=2 or more (default 64)")
-  loaded = load_model(args.workdir, step=args.step)
+  loading.parse_mesh_shape(args.mesh_shape)
+  loading.load_run_config(args.workdir)
+  host.initialize_distributed()   # several processes: jax.distributed, as main.py
+  loaded = load_model(args.workdir, step=args.step, mesh_shape=args.mesh_shape)
   spectra = compute_spectra(loaded.model, args.grid)
-  paths = write_outputs(spectra, args.out)
-  print(summary_line(spectra))
-  print(f"wrote {', '.join(paths.values())}")
+  if jax.process_index() == 0:   # every process computed them; one writes
+    paths = write_outputs(spectra, args.out)
+    print(summary_line(spectra))
+    print(f"wrote {', '.join(paths.values())}")
   return spectra
 
 

@@ -1,0 +1,182 @@
+"""Downstream jobs on a mesh and on several processes: fine-tuning from a checkpoint
+(`init_from`) and `odetransformer.evaluate`, as 2 processes × 4 CPU devices on 127.0.0.1
+(`jax.distributed`, initialised by `host.initialize_distributed` as main.py does)
+against 1 process × 8 devices, and the 8-device evaluation against 1 device.
+
+A tiny ODE run is pre-trained here (1 device). Each driver process then fine-tunes it
+('full': materialised into 3 layers on the mesh, moved into the new run's shardings on
+device) for 2 steps, and runs the evaluate command (its flags, its main) on the
+fine-tuned run and on the pre-trained ODE (at N=4, trained at K=2). Checked: the
+fine-tuning losses and evaluations, and evaluate's losses and perplexities, of the
+2-process job equal the 1-process job's (1e-5); only process 0 prints; the 8-device
+evaluation equals the 1-device one computed in this process.
+"""
+import dataclasses
+import json
+import pathlib
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from odetransformer import evaluate, train
+from tiny import cpu_env, tiny_config
+
+pytestmark = pytest.mark.xdist_group("test_tools_multihost")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TIMEOUT_S = 240          # per group of processes; a hang is killed, not waited on
+EVAL_FLAGS = ("--batch_size=3", "--max_batches=2")   # 3 rows: padded to the 8 shards
+
+DRIVER = textwrap.dedent("""
+    import contextlib, dataclasses, io, json, os, sys
+    sys.path[:0] = [os.environ["ODET_ROOT"], os.path.join(os.environ["ODET_ROOT"], "tests")]
+    from odetransformer import host
+    host.initialize_distributed()        # what main.py and the tools do first
+    import jax
+    import ml_collections
+    from absl import flags
+    from odetransformer import evaluate, train
+    from tiny import tiny_config
+
+    c = tiny_config(os.environ["ODET_CACHE"], num_train_steps=2)
+    c.global_batch_size = c.eval_batch_size = 8
+    c.eval_every_steps = c.checkpoint_every_steps = 0   # at the end (and step 0: init_from)
+    c.data.eval_max_batches = 1
+    c.init_from = os.environ["ODET_PRE"]
+    c.finetune = ml_collections.ConfigDict(dict(
+        method="full", num_steps=3, lora_rank=0, lora_alpha=1.0, targets="wq",
+        train_embeddings=False, lora_init="zero_b"))
+    ft = train.train_and_evaluate(c, os.environ["ODET_WORKDIR"])
+
+    results = []
+    evaluate_model = evaluate.evaluate_model
+    def recorded(*args, **kwargs):
+      result = evaluate_model(*args, **kwargs)
+      results.append(dataclasses.asdict(result))
+      return result
+    evaluate.evaluate_model = recorded
+    printed = {}
+    for name, workdir, steps in (("ft", os.environ["ODET_WORKDIR"], ""),
+                                 ("pre", os.environ["ODET_PRE"], "4")):
+      fv = evaluate.define_flags(flags.FlagValues())
+      fv(["evaluate", f"--workdir={workdir}", f"--num_steps={steps}",
+          *json.loads(os.environ["ODET_EVAL_FLAGS"])])
+      with contextlib.redirect_stdout(io.StringIO()) as out:
+        evaluate.main([], fv)
+      printed[name] = out.getvalue()
+    with open(os.environ["ODET_RESULT"], "w") as f:
+      json.dump({"process_index": jax.process_index(), "process_count": jax.process_count(),
+                 "device_count": jax.device_count(),
+                 "losses": [[s, float(l)] for s, l in ft["loss_history"]],
+                 "eval": ft["eval"], "evaluate": results, "printed": printed}, f)
+    """)
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _group(tmp, name, devices, processes, pre) -> list:
+  """Runs the driver as `processes` processes × `devices` CPU devices; their results."""
+  (tmp / "driver.py").write_text(DRIVER)
+  port = _free_port()
+  procs = []
+  for i in range(processes):
+    env = cpu_env(devices, ODET_ROOT=ROOT, ODET_CACHE=tmp / "cache", ODET_PRE=pre,
+                  ODET_WORKDIR=tmp / name, ODET_RESULT=tmp / f"{name}_{i}.json",
+                  ODET_EVAL_FLAGS=json.dumps(EVAL_FLAGS))
+    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+                "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"):
+      env.pop(key, None)
+    if processes > 1:
+      env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                 JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i))
+    log = open(tmp / f"{name}_{i}.log", "w")
+    procs.append(subprocess.Popen([sys.executable, str(tmp / "driver.py")], env=env,
+                                  cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+    log.close()
+  deadline = time.monotonic() + TIMEOUT_S
+  while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+    if any(p.poll() not in (None, 0) for p in procs):
+      break
+    time.sleep(0.2)
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
+    p.wait()
+  codes = [p.returncode for p in procs]
+  if codes != [0] * processes:
+    pytest.fail(f"{name}: exit codes {codes}\n" + "\n".join(
+        f"--- process {i} ---\n" + (tmp / f"{name}_{i}.log").read_text()[-3000:]
+        for i in range(processes)))
+  return [json.loads((tmp / f"{name}_{i}.json").read_text()) for i in range(processes)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("tools_multihost")
+  pre = tmp / "pre"
+  c = tiny_config(tmp / "cache", num_train_steps=2)
+  c.eval_every_steps = 0
+  train.train_and_evaluate(c, str(pre))          # also caches the tokenizer and data
+  one = _group(tmp, "one", 8, 1, pre)[0]
+  two = _group(tmp, "two", 4, 2, pre)
+  return tmp, one, two
+
+
+def _assert_same_scores(got: dict, want: dict):
+  """Loss and accuracy to 1e-5; perplexity = exp(loss) to the same 1e-5 relative."""
+  for key in ("loss", "accuracy"):
+    assert got[key] == pytest.approx(want[key], abs=1e-5), key
+  assert got["perplexity"] == pytest.approx(want["perplexity"], rel=1e-5)
+
+
+def test_topology(runs):
+  _, one, two = runs
+  assert (one["process_count"], one["device_count"]) == (1, 8)
+  assert [(r["process_index"], r["process_count"], r["device_count"]) for r in two] == [
+      (0, 2, 8), (1, 2, 8)]
+
+
+def test_two_process_finetune_equals_one_process(runs):
+  _, one, two = runs
+  assert [s for s, _ in one["losses"]] == [1, 2]
+  for r in two:
+    assert [s for s, _ in r["losses"]] == [1, 2]
+    for (_, got), (_, want) in zip(r["losses"], one["losses"]):
+      assert got == pytest.approx(want, abs=1e-5)
+    _assert_same_scores(r["eval"], one["eval"])
+
+
+def test_two_process_evaluate_equals_one_process(runs):
+  _, one, two = runs
+  assert [e["num_steps"] for e in one["evaluate"]] == [3, 4]   # fine-tuned; the ODE at N=4 (K=2)
+  for r in two:
+    for got, want in zip(r["evaluate"], one["evaluate"], strict=True):
+      assert got["num_tokens"] == want["num_tokens"] > 0
+      _assert_same_scores(got, want)
+
+
+def test_only_process_0_prints(runs):
+  _, _, two = runs
+  for name in ("ft", "pre"):
+    assert "perplexity" in two[0]["printed"][name]
+    assert two[1]["printed"][name] == ""
+
+
+def test_eight_device_evaluate_equals_one_device(runs):
+  """The evaluate of the 1 × 8 job against this process's own (1 device)."""
+  tmp, one, _ = runs
+  kwargs = dict(batch_size=3, max_batches=2)
+  got = iter(one["evaluate"])
+  for workdir, steps in ((tmp / "one", [None]), (tmp / "pre", [4])):
+    for want in evaluate.evaluate(str(workdir), steps, **kwargs):
+      r = next(got)
+      assert r["num_tokens"] == want.num_tokens
+      _assert_same_scores(r, dataclasses.asdict(want))
