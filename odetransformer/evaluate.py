@@ -18,6 +18,7 @@ scorer per N; every batch has the same shape. `--plot=PATH` also draws the table
 """
 import dataclasses
 import functools
+import io
 import logging as std_logging
 import math
 import os
@@ -30,7 +31,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from odetransformer import checkpointing, loading
+from odetransformer import checkpointing, fileio, loading
 from odetransformer.errors import UserError
 from odetransformer.losses import token_scores
 from odetransformer.model import LanguageModel
@@ -210,7 +211,8 @@ def main(argv, flag_values=None):
   quiet_orbax(cli=True)
   # Every mistake in the flags is a UserError: one line and exit 2 (errors.run_cli).
   steps = parse_num_steps(f.num_steps)
-  if f.plot and not os.path.isdir(os.path.dirname(os.path.abspath(f.plot))):
+  if (f.plot and fileio.is_local(f.plot)
+      and not os.path.isdir(os.path.dirname(os.path.abspath(f.plot)))):
     raise UserError(f"--plot={f.plot}: its directory does not exist; create it or pick "
                     "another path")
   loaded = load_model(f.workdir, step=f.step)
@@ -232,8 +234,10 @@ def main(argv, flag_values=None):
     results.append(evaluate_model(loaded.model, data.batches(), n))
   print(format_table(results, cfg.num_steps))
   if f.plot:
+    png = io.BytesIO()
     plot_table(results, cfg.num_steps, title=f"{f.workdir} (step {loaded.step})").savefig(
-        f.plot, format="png", dpi=120)
+        png, format="png", dpi=120)
+    fileio.write_bytes_atomic(f.plot, png.getvalue())
     print(f"plot: {f.plot}")
 
 

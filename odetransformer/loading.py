@@ -12,7 +12,7 @@ import jax
 from absl import logging
 from flax import nnx
 
-from odetransformer import checkpointing, sharding
+from odetransformer import checkpointing, fileio, sharding
 from odetransformer.checkpointing import TOKENIZER_FILE
 from odetransformer.config import ModelConfig, model_config
 from odetransformer.errors import UserError
@@ -60,11 +60,11 @@ def tokenizer_path(workdir: str, config=None) -> str:
   `data.tokenizer_path`, else the tokenizer the run's data config trained and cached
   (found, or re-created deterministically, by `input_pipeline.create_datasets`).
   """
-  path = os.path.join(workdir, TOKENIZER_FILE)
-  if os.path.exists(path):
+  path = fileio.join(workdir, TOKENIZER_FILE)
+  if fileio.exists(path):
     return path
   config = checkpointing.load_config(workdir) if config is None else config
-  if config.data.get("tokenizer_path") and os.path.exists(config.data.tokenizer_path):
+  if config.data.get("tokenizer_path") and fileio.exists(config.data.tokenizer_path):
     return config.data.tokenizer_path
   import input_pipeline  # pylint: disable=g-import-not-at-top
   ds = input_pipeline.create_datasets(
@@ -79,4 +79,14 @@ def load_tokenizer(workdir: str, config=None):
   """The run's SentencePiece processor (pad=0, unk=1, bos=2, eos=3)."""
   from input_pipeline import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   config = checkpointing.load_config(workdir) if config is None else config
-  return tokenizer_lib.load(tokenizer_path(workdir, config), int(config.data.vocab_size))
+  path = tokenizer_path(workdir, config)
+  if fileio.is_local(path):
+    return tokenizer_lib.load(path, int(config.data.vocab_size))
+  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  try:
+    sp = spm.SentencePieceProcessor(model_proto=fileio.read_bytes(path))
+  except RuntimeError as e:
+    raise UserError(f"{path} is not a SentencePiece model ({e}); it is the run's "
+                    "tokenizer: restore it from the run's data cache") from e
+  tokenizer_lib._check(sp, path, int(config.data.vocab_size))  # pylint: disable=protected-access
+  return sp
