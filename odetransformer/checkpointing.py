@@ -285,6 +285,7 @@ class _LibraryLogs(std_logging.Filter):
 def quiet_library_logs(min_level: Optional[int] = None) -> None:
   """Installs the library log filter once; `min_level` (default WARNING when installing)
   sets the lowest level of orbax and TFDS records shown."""
+  std_logging.getLogger("gcsfs").setLevel(std_logging.WARNING)   # INFO: a line per file read
   logger = std_logging.getLogger("absl")
   found = [f for f in logger.filters if isinstance(f, _LibraryLogs)]
   if found:
