@@ -135,11 +135,13 @@ def read_text(p: PathLike) -> str:
 
 
 def write_bytes_atomic(p: PathLike, data: bytes) -> None:
-  """Writes `p` so that readers see the old content or the new, never a part."""
+  """Writes `p` (creating its directory) so that readers see the old content or the
+  new, never a part."""
   q = path(p)
   if not is_local(p):
     q.write_bytes(data)     # an object appears whole when its upload completes
     return
+  q.parent.mkdir(parents=True, exist_ok=True)    # as on an object store
   tmp = q.parent / f".{q.name}.tmp-{os.getpid()}"
   tmp.write_bytes(data)
   os.replace(os.fspath(tmp), os.fspath(q))
@@ -186,6 +188,21 @@ def copy_tree(src: PathLike, dst: PathLike) -> None:
 def copy(src: PathLike, dst: PathLike) -> None:
   """Copies a file (`dst` appears whole)."""
   write_bytes_atomic(dst, read_bytes(src))
+
+
+def local_copy(p: PathLike) -> str:
+  """A local path holding `p`'s bytes, for libraries that read only local files
+  (SentencePiece, grain workers): `p` itself when local, else a copy under the
+  temporary directory named by its content's hash (made once per content)."""
+  if is_local(p):
+    return os.fspath(p)
+  import tempfile  # pylint: disable=g-import-not-at-top
+  data = read_bytes(p)
+  local = os.path.join(tempfile.gettempdir(), "odet_remote_copies",
+                       hashlib.sha256(data).hexdigest()[:32], path(p).name)
+  if not os.path.isfile(local):
+    write_bytes_atomic(local, data)
+  return local
 
 
 def sha256(p: PathLike, block: int = 1 << 22) -> str:

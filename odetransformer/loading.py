@@ -54,7 +54,8 @@ def load_model(workdir: str, step: Optional[int] = None, mesh=None) -> Loaded:
 
 
 def tokenizer_path(workdir: str, config=None) -> str:
-  """The .model file of a run's tokenizer.
+  """The .model file of a run's tokenizer (a local copy of a remote one: SentencePiece
+  reads local files).
 
   `<workdir>/tokenizer.model` (written by main.py at start) if present, else
   `data.tokenizer_path`, else the tokenizer the run's data config trained and cached
@@ -62,10 +63,10 @@ def tokenizer_path(workdir: str, config=None) -> str:
   """
   path = fileio.join(workdir, TOKENIZER_FILE)
   if fileio.exists(path):
-    return path
+    return fileio.local_copy(path)
   config = checkpointing.load_config(workdir) if config is None else config
   if config.data.get("tokenizer_path") and fileio.exists(config.data.tokenizer_path):
-    return config.data.tokenizer_path
+    return fileio.local_copy(config.data.tokenizer_path)
   import input_pipeline  # pylint: disable=g-import-not-at-top
   ds = input_pipeline.create_datasets(
       config.data, seq_len=int(config.seq_len), global_batch_size=1, eval_batch_size=1,
@@ -79,14 +80,4 @@ def load_tokenizer(workdir: str, config=None):
   """The run's SentencePiece processor (pad=0, unk=1, bos=2, eos=3)."""
   from input_pipeline import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   config = checkpointing.load_config(workdir) if config is None else config
-  path = tokenizer_path(workdir, config)
-  if fileio.is_local(path):
-    return tokenizer_lib.load(path, int(config.data.vocab_size))
-  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
-  try:
-    sp = spm.SentencePieceProcessor(model_proto=fileio.read_bytes(path))
-  except RuntimeError as e:
-    raise UserError(f"{path} is not a SentencePiece model ({e}); it is the run's "
-                    "tokenizer: restore it from the run's data cache") from e
-  tokenizer_lib._check(sp, path, int(config.data.vocab_size))  # pylint: disable=protected-access
-  return sp
+  return tokenizer_lib.load(tokenizer_path(workdir, config), int(config.data.vocab_size))
