@@ -450,7 +450,11 @@ class Checkpointer:
     (process 0, holding the lock); warns about the others, which it leaves."""
     if jax.process_index() == 0 and self._holds_lock():
       previous = self.lock.previous or {}
-      for step, path in unfinished_steps(self.workdir):
+      unfinished = unfinished_steps(self.workdir)
+      for name in fileio.listdir(fileio.join(self.workdir, OWNERS_DIR)):
+        if name.split(".")[0] not in {str(s) for s, _ in unfinished}:   # of complete saves
+          fileio.remove(fileio.join(self.workdir, OWNERS_DIR, name))
+      for step, path in unfinished:
         owner = _read_json(_owner_path(self.workdir, step))
         if owner and (workdir_lock.pid_gone(owner) or (
             previous.get("gone") and previous.get("run") == owner.get("run"))):

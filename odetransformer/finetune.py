@@ -108,7 +108,7 @@ def prepare_config(config):
       config.model[field.name] = ",".join(value) if isinstance(value, tuple) else value
     tokenizer = fileio.join(config.init_from, loading.TOKENIZER_FILE)
     if not config.data.get("tokenizer_path"):
-      config.data.tokenizer_path = (tokenizer if fileio.exists(tokenizer)
+      config.data.tokenizer_path = (fileio.local_copy(tokenizer) if fileio.exists(tokenizer)
                                     else pre.data.get("tokenizer_path", ""))
     if int(config.data.vocab_size) != int(pre.data.vocab_size):
       raise FinetuneError(f"data.vocab_size={config.data.vocab_size} differs from the "

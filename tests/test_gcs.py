@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 
+import ml_collections
 import numpy as np
 import pytest
 
@@ -33,10 +34,11 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(cache, tmp_path_factory):
-  """An uninterrupted local run (in-process): its workdir and {step: train loss}."""
+  """An uninterrupted local run (in-process): its workdir, {step: train loss} and final
+  eval loss."""
   wd = tmp_path_factory.mktemp("gcs_reference")
   result = train.train_and_evaluate(config(cache, STEPS, checkpoint_every_steps=1), str(wd))
-  return wd, dict(result["loss_history"])
+  return wd, dict(result["loss_history"]), result["eval"]["loss"]
 
 
 def flip_a_weight_byte(step_dir: str):
@@ -137,3 +139,17 @@ def test_gs_lock_refuses_a_second_run(gs_run, cache):
   finally:
     holder.release()
   assert not fileio.exists(fileio.join(wd, ".lock"))
+
+
+def test_finetune_from_gs_starts_at_the_pretrained_loss(gs_run, reference, cache, tmp_path):
+  """init_from=gs://: config, tokenizer and weights read from the bucket; materialised at
+  the training K, step 0 evaluates the pre-trained model (the local reference's loss)."""
+  c = config(cache, 1)
+  c.init_from = gs_run[0]
+  c.finetune = ml_collections.ConfigDict(dict(
+      method="full", num_steps=0, lora_rank=2, lora_alpha=4.0, targets="wq,wo",
+      train_embeddings=False, lora_init="zero_b"))
+  train.train_and_evaluate(c, str(tmp_path))
+  eval_loss = dict(metrics_lib.read_scalars(str(tmp_path / "tensorboard"))["eval/loss"])[0]
+  np.testing.assert_allclose(eval_loss, reference[2], rtol=1e-5)
+  _no_local_gs_dir()
