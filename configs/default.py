@@ -36,6 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 250   # async checkpoint (and at the end)
   config.checkpoint_max_to_keep = 3     # older checkpoints are deleted
   config.checkpoint_async = True        # save in the background while training goes on
+  config.workdir_lock_stale_s = 600     # gs:// workdirs: a lock without heartbeat this long is taken over
 
   # --- batch ---------------------------------------------------------------------------
   config.seq_len = 128                  # tokens per training row (packed documents)

@@ -19,9 +19,12 @@ carry concrete-mesh shardings (an `nnx.eval_shape` target carries an AbstractMes
                                complete (process 0), checked before every restore
 
 Reliability: orbax writes each step under `<step>.orbax-checkpoint-tmp-<ts>` and renames
-it when complete, so a run killed mid-save leaves only such a temporary directory:
-`latest_step()` never lists it, and the manager deletes it at start
-(`cleanup_tmp_directories`). Orbax 0.12.8 checksums only the shard indices of its zarr
+it when complete (on an object store, where there is no rename: under `<step>/`, complete
+once it holds `commit_success.txt`), so a run killed mid-save leaves only such a temporary
+directory, which `latest_step()` never lists. Before each save the run records itself as
+the step's writer (`.save_owners/<step>.json`: host, PID, run id); at start a run that
+holds the workdir lock deletes the temporary directories whose writer is known to have
+ended, and leaves (with a warning) those of a writer that may still be running. Orbax 0.12.8 checksums only the shard indices of its zarr
 arrays, not the data: flipped bits in a weight file restore without a word. Hence
 `checksums.json`; a checkpoint whose files do not match it (or that fails to restore
 otherwise: truncated files) is moved to `<workdir>/corrupt_checkpoints/` with a warning
@@ -32,11 +35,10 @@ one-line CheckpointError too. Each checkpoint's `meta` records the run's fingerp
 the tokenizer file's hash — so that a resume with other settings is refused before
 anything is written (`fingerprint_diffs`).
 """
-import hashlib
 import json
 import logging as std_logging
 import os
-import shutil
+import re
 import signal
 import sys
 import threading
@@ -50,6 +52,8 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
+from odetransformer import fileio
+from odetransformer import workdir_lock
 from odetransformer.errors import ConfigError, UserError
 
 CHECKPOINT_DIR = "checkpoints"
@@ -57,6 +61,9 @@ CORRUPT_DIR = "corrupt_checkpoints"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.model"   # the run's tokenizer, copied into its workdir
 CHECKSUM_FILE = "checksums.json"
+OWNERS_DIR = ".save_owners"          # <step>.json: the run that writes that step
+COMMIT_FILE = "commit_success.txt"   # orbax's mark of a complete step on object stores
+_TMP_STEP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")   # a local step being written
 
 
 # Array layouts that changed in the code (not the config) and what to do about them.
@@ -92,11 +99,7 @@ FINGERPRINT_DATA_FIELDS = ("source", "train_split", "train_files", "text_key", "
 
 
 def file_sha256(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      h.update(block)
-  return h.hexdigest()
+  return fileio.sha256(path)
 
 
 def fingerprint(config, tokenizer_sha256: Optional[str] = None) -> dict:
@@ -144,10 +147,8 @@ def stored_fingerprint(workdir: str) -> Optional[tuple]:
   """
   directory = checkpoint_dir(workdir)
   for step in reversed(finalized_steps(workdir)):
-    try:
-      with open(os.path.join(directory, str(step), "meta", "metadata")) as f:
-        meta = json.load(f)
-    except (OSError, ValueError):
+    meta = _read_json(fileio.join(directory, str(step), "meta", "metadata"))
+    if meta is None:
       continue
     if isinstance(meta.get("fingerprint"), dict):
       return step, meta["fingerprint"]
@@ -158,7 +159,7 @@ def stored_fingerprint(workdir: str) -> Optional[tuple]:
 
 
 def tokenizer_sha256(path: Optional[str]) -> Optional[str]:
-  return file_sha256(path) if path and os.path.isfile(path) else None
+  return file_sha256(path) if path and fileio.isfile(path) else None
 
 
 def check_resumable(config, workdir: str) -> Optional[dict]:
@@ -199,13 +200,12 @@ def _refuse_if_different(workdir: str, step: int, stored: dict, new: dict):
 
 def save_tokenizer(src: str, workdir: str):
   """Copies the tokenizer to `<workdir>/tokenizer.model` (what the tools load)."""
-  path = os.path.join(workdir, TOKENIZER_FILE)
-  if jax.process_index() != 0 or not src or os.path.abspath(src) == os.path.abspath(path):
+  path = fileio.join(workdir, TOKENIZER_FILE)
+  if jax.process_index() != 0 or not src or fileio.same_file(src, path):
     return
-  if os.path.isfile(path) and tokenizer_sha256(path) == tokenizer_sha256(src):
+  if fileio.isfile(path) and fileio.sha256(path) == fileio.sha256(src):
     return                 # a resumed run's own tokenizer: left as it is
-  shutil.copyfile(src, path + ".tmp")
-  os.replace(path + ".tmp", path)
+  fileio.copy(src, path)
 
 
 def validate_options(config):
@@ -220,40 +220,31 @@ def validate_options(config):
 # Checksums of the files of a checkpoint
 # --------------------------------------------------------------------------------------
 def _files_under(root: str) -> list:
-  out = []
-  for base, _, files in os.walk(root):
-    for name in files:
-      rel = os.path.relpath(os.path.join(base, name), root)
-      if rel != CHECKSUM_FILE:
-        out.append(rel)
-  return sorted(out)
+  return [rel for rel in fileio.walk_files(root) if rel != CHECKSUM_FILE]
 
 
 def write_checksums(step_dir: str):
   """Writes `<step_dir>/checksums.json` (sha256 of every file) atomically."""
-  sums = {rel: file_sha256(os.path.join(step_dir, rel)) for rel in _files_under(step_dir)}
-  tmp = os.path.join(step_dir, CHECKSUM_FILE + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump({"sha256": sums}, f, indent=0, sort_keys=True)
-  os.replace(tmp, os.path.join(step_dir, CHECKSUM_FILE))
+  sums = {rel: file_sha256(fileio.join(step_dir, rel)) for rel in _files_under(step_dir)}
+  fileio.write_text_atomic(fileio.join(step_dir, CHECKSUM_FILE),
+                           json.dumps({"sha256": sums}, indent=0, sort_keys=True))
 
 
 def verify_checksums(step_dir: str, items: Optional[tuple] = None) -> bool:
   """Checks the files of `step_dir` (only those under `items`, if given) against its
   checksums.json. False when there is none (a checkpoint of an older version, or one
   whose run was killed before hashing it); CorruptCheckpointError on a mismatch."""
-  path = os.path.join(step_dir, CHECKSUM_FILE)
-  if not os.path.exists(path):
+  path = fileio.join(step_dir, CHECKSUM_FILE)
+  if not fileio.exists(path):
     return False
   try:
-    with open(path) as f:
-      sums = json.load(f)["sha256"]
+    sums = json.loads(fileio.read_text(path))["sha256"]
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise CorruptCheckpointError(f"{path} is unreadable ({type(e).__name__})") from e
   for rel, expected in sorted(sums.items()):
-    if items is not None and rel.split(os.sep)[0] not in items:
+    if items is not None and rel.split("/")[0] not in items:
       continue
-    full = os.path.join(step_dir, rel)
+    full = fileio.join(step_dir, rel)
     try:
       actual = file_sha256(full)
     except OSError as e:
@@ -294,6 +285,7 @@ class _LibraryLogs(std_logging.Filter):
 def quiet_library_logs(min_level: Optional[int] = None) -> None:
   """Installs the library log filter once; `min_level` (default WARNING when installing)
   sets the lowest level of orbax and TFDS records shown."""
+  std_logging.getLogger("gcsfs").setLevel(std_logging.WARNING)   # INFO: a line per file read
   logger = std_logging.getLogger("absl")
   found = [f for f in logger.filters if isinstance(f, _LibraryLogs)]
   if found:
@@ -338,28 +330,51 @@ def _quiet_orbax_tracebacks():
 
 
 def finalized_steps(workdir: str) -> list:
-  """Steps with a complete checkpoint (plain integer directories), ascending."""
+  """Steps with a complete checkpoint, ascending: plain integer directories (on an
+  object store: those holding orbax's commit file)."""
   directory = checkpoint_dir(workdir)
-  if not os.path.isdir(directory):
-    return []
-  return sorted(int(n) for n in os.listdir(directory)
-                if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+  steps = [int(n) for n in fileio.listdir(directory) if n.isdigit()]
+  if fileio.is_local(directory):
+    return sorted(s for s in steps if fileio.isdir(fileio.join(directory, str(s))))
+  return sorted(s for s in steps if fileio.exists(fileio.join(directory, str(s), COMMIT_FILE)))
+
+
+def unfinished_steps(workdir: str) -> list:
+  """[(step, directory)] of the checkpoints being written, or left by a run that
+  stopped mid-save."""
+  directory = checkpoint_dir(workdir)
+  names = fileio.listdir(directory)
+  if fileio.is_local(directory):
+    found = [(int(m.group(1)), n) for n in names for m in [_TMP_STEP.match(n)] if m]
+  else:
+    found = [(int(n), n) for n in names if n.isdigit()
+             and not fileio.exists(fileio.join(directory, n, COMMIT_FILE))]
+  return sorted((step, fileio.join(directory, name)) for step, name in found)
 
 
 def checkpoint_dir(workdir: str) -> str:
-  return os.path.join(os.fspath(workdir), CHECKPOINT_DIR)
+  return fileio.join(workdir, CHECKPOINT_DIR)
+
+
+def _owner_path(workdir: str, step: int) -> str:
+  return fileio.join(workdir, OWNERS_DIR, f"{int(step)}.json")
+
+
+def _read_json(path: str) -> Optional[dict]:
+  try:
+    value = json.loads(fileio.read_text(path))
+  except (OSError, ValueError):
+    return None
+  return value if isinstance(value, dict) else None
 
 
 def save_config(config, workdir: str):
   """Writes `<workdir>/config.json` (process 0 only)."""
   if jax.process_index() != 0:
     return
-  os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, CONFIG_FILE)
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-  os.replace(tmp, path)
+  fileio.makedirs(workdir)
+  fileio.write_text_atomic(fileio.join(workdir, CONFIG_FILE),
+                           config.to_json_best_effort(indent=2, sort_keys=True))
 
 
 def load_config(workdir: str):
@@ -369,20 +384,15 @@ def load_config(workdir: str):
   (which holds the same config), with a warning. FileNotFoundError when neither exists.
   """
   import ml_collections  # pylint: disable=g-import-not-at-top
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.exists(path):
+  path = fileio.join(workdir, CONFIG_FILE)
+  if not fileio.exists(path):
     for step in reversed(finalized_steps(workdir)):
-      try:
-        with open(os.path.join(checkpoint_dir(workdir), str(step), "meta", "metadata")) as f:
-          config = json.load(f).get("config")
-      except (OSError, ValueError):
-        continue
-      if isinstance(config, dict):
+      meta = _read_json(fileio.join(checkpoint_dir(workdir), str(step), "meta", "metadata"))
+      if isinstance((meta or {}).get("config"), dict):
         logging.warning("%s is missing: using the config recorded in checkpoint %d",
                         path, step)
-        return ml_collections.ConfigDict(config)
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+        return ml_collections.ConfigDict(meta["config"])
+  return ml_collections.ConfigDict(json.loads(fileio.read_text(path)))
 
 
 def _allgather_strings(text: str) -> list:
@@ -407,22 +417,72 @@ class Checkpointer:
     max_to_keep: how many recent checkpoints survive (>= 1; `validate_options`).
     async_save: write in a background thread (training continues meanwhile).
     fingerprint: recorded in every checkpoint's meta (`fingerprint()`).
+    lock: the run's acquired `WorkdirLock`. Only with it are temporary directories
+      deleted at start (`_remove_dead_saves`), and each save checks that the lock is still
+      this run's (`claim_step`).
   """
 
   def __init__(self, workdir: str, *, max_to_keep: int = 3, async_save: bool = True,
-               fingerprint: Optional[dict] = None):
+               fingerprint: Optional[dict] = None,
+               lock: Optional[workdir_lock.WorkdirLock] = None):
     self.workdir = os.fspath(workdir)
     self.directory = checkpoint_dir(workdir)
     self.fingerprint = fingerprint
+    self.lock = lock
     _quiet_orbax_tracebacks()
+    self._remove_dead_saves()
+    # Not orbax's cleanup_tmp_directories: it deletes every temporary directory, those of
+    # a run still writing into this workdir too.
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=True)   # a kill mid-save leaves <step>.orbax-checkpoint-tmp-*
+        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._preempted = threading.Event()
     self._old_handlers = {}
     self._pending_step = None     # the step of a save that may still be in flight
     self._unhashed = set()        # steps this run saved that have no checksums.json yet
+
+  # -- ownership of the workdir's saves --------------------------------------------------
+  def _holds_lock(self) -> bool:
+    return self.lock is not None and self.lock.record is not None
+
+  def _remove_dead_saves(self):
+    """Deletes the temporary directories of saves whose writer is known to have ended
+    (process 0, holding the lock); warns about the others, which it leaves."""
+    if jax.process_index() == 0 and self._holds_lock():
+      previous = self.lock.previous or {}
+      unfinished = unfinished_steps(self.workdir)
+      for name in fileio.listdir(fileio.join(self.workdir, OWNERS_DIR)):
+        if name.split(".")[0] not in {str(s) for s, _ in unfinished}:   # of complete saves
+          fileio.remove(fileio.join(self.workdir, OWNERS_DIR, name))
+      for step, path in unfinished:
+        owner = _read_json(_owner_path(self.workdir, step))
+        if owner and (workdir_lock.pid_gone(owner) or (
+            previous.get("gone") and previous.get("run") == owner.get("run"))):
+          fileio.rmtree(path)
+          logging.info("deleted %s, an unfinished save of a run that has ended", path)
+          continue
+        writer = (f"of PID {owner.get('pid')} on host {owner.get('host')}, which may still "
+                  "be running" if owner else "of a run that recorded no owner")
+        logging.warning("left %s, an unfinished save %s; delete it once no run writes "
+                        "this workdir", path, writer)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices("odetransformer_remove_dead_saves")
+
+  def claim_step(self, step: int):
+    """Call before saving `step`, on every process: WorkdirInUseError (one line, on
+    every process) when the workdir lock is no longer this run's; else records this run
+    as the writer of `step` (what start-up cleanup reads)."""
+    error = ""
+    if jax.process_index() == 0 and self._holds_lock():
+      try:
+        self.lock.check()
+        fileio.write_text_atomic(_owner_path(self.workdir, step), json.dumps(self.lock.record))
+      except workdir_lock.WorkdirInUseError as e:
+        error = str(e)
+    error = _allgather_strings(error)[0]
+    if error:
+      raise workdir_lock.WorkdirInUseError(error)
 
   # -- preemption ---------------------------------------------------------------------
   def install_sigterm_handler(self):
@@ -514,7 +574,7 @@ class Checkpointer:
       self._unhashed.clear()
       return
     for step in sorted(self._unhashed & set(finalized_steps(self.workdir))):
-      write_checksums(os.path.join(self.directory, str(step)))
+      write_checksums(fileio.join(self.directory, str(step)))
     self._unhashed.clear()      # the rest were deleted (max_to_keep) or never completed
 
   def restore(self, step: int, abstract_model_state, abstract_opt_state):
@@ -553,11 +613,9 @@ class Checkpointer:
   def set_aside(self, steps):
     """Moves the (corrupt) step directories to `<workdir>/corrupt_checkpoints/`."""
     if jax.process_index() == 0:
-      dest_root = os.path.join(self.workdir, CORRUPT_DIR)
-      os.makedirs(dest_root, exist_ok=True)
       for step in steps:
-        dest = os.path.join(dest_root, f"{step}-{int(time.time())}")
-        shutil.move(os.path.join(self.directory, str(step)), dest)
+        dest = fileio.join(self.workdir, CORRUPT_DIR, f"{step}-{int(time.time())}")
+        fileio.move(fileio.join(self.directory, str(step)), dest)
         logging.warning("moved the corrupt checkpoint of step %d to %s", step, dest)
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
@@ -681,7 +739,7 @@ def restore_newest(manager, directory: str, steps, abstract_model_state,
     if abstract_opt_state is not None:
       args.update(meta=ocp.args.JsonRestore(), data=ocp.args.JsonRestore())
     try:
-      _verify_on_process_0(os.path.join(directory, str(step)),
+      _verify_on_process_0(fileio.join(directory, str(step)),
                            items=None if abstract_opt_state is not None else ("model",))
       restored = manager.restore(step, args=ocp.args.Composite(**args))
     except Exception as e:  # pylint: disable=broad-except
@@ -727,7 +785,7 @@ def restore_model_state(workdir: str, abstract_model_state, step: Optional[int] 
     if not steps:
       raise CheckpointError(f"{directory} holds no complete checkpoint; train first "
                             "(python main.py --workdir=...) or pass the --workdir of a run")
-    if step is not None and not os.path.isdir(os.path.join(directory, str(int(step)))):
+    if step is not None and not fileio.isdir(fileio.join(directory, str(int(step)))):
       raise CheckpointError(f"{directory} has no checkpoint of step {step}; choose one of "
                             f"{finalized_steps(workdir)} or leave the step out (the latest)")
     found, (state, _, _, _) = restore_newest(manager, directory, steps, abstract_model_state)

@@ -27,6 +27,7 @@ anything is loaded.
 import contextlib
 import dataclasses
 import functools
+import io
 import logging as std_logging
 import math
 import os
@@ -228,7 +229,7 @@ def check_writable(path: str, flag: str) -> None:
   if fileio.isdir(path):
     raise UserError(f"--{flag}={path} is a directory; pass a file path")
   parent = os.fspath(fileio.path(path).parent)
-  if not fileio.isdir(parent):
+  if fileio.is_local(parent) and not fileio.isdir(parent):   # object stores: no dirs
     raise UserError(f"--{flag}={path}: its directory does not exist; create it or pick "
                     "another path")
   probe = fileio.join(parent, f".{fileio.path(path).name}.probe-{os.getpid()}")
@@ -321,8 +322,10 @@ def main(argv, flag_values=None):
     results.append(evaluate_model(loaded.model, data.batches(), n, loaded.rules))
   say(format_table(results, cfg.num_steps))
   if f.plot and jax.process_index() == 0:
+    png = io.BytesIO()
     plot_table(results, cfg.num_steps, title=f"{f.workdir} (step {loaded.step})").savefig(
-        f.plot, format="png", dpi=120)
+        png, format="png", dpi=120)
+    fileio.write_bytes_atomic(f.plot, png.getvalue())
     say(f"plot: {f.plot}")
 
 

@@ -21,14 +21,13 @@ start reads `init_from`. The tokenizer is the pre-training run's.
 """
 import dataclasses
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from odetransformer import blocks, checkpointing, loading, sharding
+from odetransformer import blocks, checkpointing, fileio, loading, sharding
 from odetransformer.config import ModelConfig, model_config
 from odetransformer.errors import ConfigError
 from odetransformer.materialize import materialize
@@ -49,7 +48,7 @@ class FinetuneError(ConfigError):
 def pretrained_config(config):
   """(pre-training run ConfigDict, its ModelConfig)."""
   src = config.init_from
-  if not src or not os.path.exists(os.path.join(src, checkpointing.CONFIG_FILE)):
+  if not src or not fileio.exists(fileio.join(src, checkpointing.CONFIG_FILE)):
     raise FinetuneError(f"init_from={src!r} is not a training workdir "
                         f"({checkpointing.CONFIG_FILE} missing); point it at a main.py run")
   pre = checkpointing.load_config(src)
@@ -107,9 +106,9 @@ def prepare_config(config):
     for field in dataclasses.fields(cfg):
       value = getattr(cfg, field.name)
       config.model[field.name] = ",".join(value) if isinstance(value, tuple) else value
-    tokenizer = os.path.join(config.init_from, loading.TOKENIZER_FILE)
+    tokenizer = fileio.join(config.init_from, loading.TOKENIZER_FILE)
     if not config.data.get("tokenizer_path"):
-      config.data.tokenizer_path = (tokenizer if os.path.exists(tokenizer)
+      config.data.tokenizer_path = (fileio.local_copy(tokenizer) if fileio.exists(tokenizer)
                                     else pre.data.get("tokenizer_path", ""))
     if int(config.data.vocab_size) != int(pre.data.vocab_size):
       raise FinetuneError(f"data.vocab_size={config.data.vocab_size} differs from the "

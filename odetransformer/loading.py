@@ -21,7 +21,7 @@ from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from odetransformer import checkpointing, sharding
+from odetransformer import checkpointing, fileio, sharding
 from odetransformer.checkpointing import TOKENIZER_FILE
 from odetransformer.config import ModelConfig, model_config
 from odetransformer.errors import UserError
@@ -151,18 +151,19 @@ def to_host(x, dtype=None) -> np.ndarray:
 
 
 def tokenizer_path(workdir: str, config=None) -> str:
-  """The .model file of a run's tokenizer.
+  """The .model file of a run's tokenizer (a local copy of a remote one: SentencePiece
+  reads local files).
 
   `<workdir>/tokenizer.model` (written by main.py at start) if present, else
   `data.tokenizer_path`, else the tokenizer the run's data config trained and cached
   (found, or re-created deterministically, by `input_pipeline.create_datasets`).
   """
-  path = os.path.join(workdir, TOKENIZER_FILE)
-  if os.path.exists(path):
-    return path
+  path = fileio.join(workdir, TOKENIZER_FILE)
+  if fileio.exists(path):
+    return fileio.local_copy(path)
   config = checkpointing.load_config(workdir) if config is None else config
-  if config.data.get("tokenizer_path") and os.path.exists(config.data.tokenizer_path):
-    return config.data.tokenizer_path
+  if config.data.get("tokenizer_path") and fileio.exists(config.data.tokenizer_path):
+    return fileio.local_copy(config.data.tokenizer_path)
   import input_pipeline  # pylint: disable=g-import-not-at-top
   ds = input_pipeline.create_datasets(
       config.data, seq_len=int(config.seq_len), global_batch_size=1, eval_batch_size=1,

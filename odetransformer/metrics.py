@@ -3,7 +3,8 @@
 TensorBoard events are written with tensorboardX, not clu.metric_writers: the latter
 imports TensorFlow at import time, and TF would more than double
 the virtualenv (1.1 GB -> 2.5 GB) for nothing else. `clu.metrics` itself needs no TF
-and is what the train and eval steps return.
+and is what the train and eval steps return. On an object store (`gs://` workdir) the
+event file is written through `odetransformer.fileio` (`_ObjectEventFile`).
 
 Metrics are averaged over the interval since the last write and then reset (not since
 step 0): the loss is a token-weighted mean (sum of losses / sum of target weights).
@@ -17,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 from clu import metrics as clu_metrics
+
+from odetransformer import fileio
 
 
 @flax.struct.dataclass
@@ -97,6 +100,35 @@ def summarize(computed: Mapping[str, float]) -> dict:
   return out
 
 
+class _ObjectEventFile:
+  """A TensorBoard event file on an object store, where objects cannot be appended to:
+  each flush that has new events rewrites the object whole."""
+
+  def __init__(self, path: str):
+    self.path, self.data, self.flushed = path, bytearray(), 0
+
+  def write(self, data: bytes):
+    self.data += data
+
+  def flush(self):
+    if len(self.data) != self.flushed:
+      fileio.write_bytes_atomic(self.path, bytes(self.data))
+      self.flushed = len(self.data)
+
+  def close(self):
+    self.flush()
+
+
+class _ObjectEventFiles:
+  """tensorboardX's writer factory for a URL scheme (its own for gs:// bypasses fileio)."""
+
+  def open(self, path):
+    return _ObjectEventFile(path)
+
+  def directory_check(self, path):
+    pass      # an object store has no directories to create
+
+
 class MetricWriter:
   """TensorBoard scalars/text (tensorboardX) on process 0; no-op elsewhere."""
 
@@ -106,6 +138,9 @@ class MetricWriter:
     self._writer = None
     if self.enabled:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      if not fileio.is_local(logdir):
+        from tensorboardX import record_writer  # pylint: disable=g-import-not-at-top
+        record_writer.register_writer_factory(logdir.split("://")[0], _ObjectEventFiles())
       self._writer = SummaryWriter(logdir=logdir, flush_secs=30)
 
   def write_scalars(self, step: int, scalars: Mapping[str, float], prefix: str = ""):
@@ -214,10 +249,13 @@ class ProfileWindow:
 
   Written under `<workdir>/tensorboard/plugins/profile/` (TensorBoard's Profile tab
   with tensorboard-plugin-profile; the .trace.json.gz opens in Perfetto). '' = off.
+  A remote logdir (gs://) gets the trace written to a local temporary directory first
+  and copied there when it stops.
   """
 
   def __init__(self, start: int = -1, stop: int = -1, logdir: str = ""):
     self.start, self.stop, self.logdir = start, stop, logdir
+    self._local = ""          # where the trace is written (a copy is uploaded)
 
   @classmethod
   def parse(cls, spec: str, logdir: str = "") -> "ProfileWindow":
@@ -238,7 +276,11 @@ class ProfileWindow:
   def before(self, step: int):
     """Call before running the step that follows `step`."""
     if step == self.start:
-      jax.profiler.start_trace(self.logdir)
+      self._local = self.logdir
+      if not fileio.is_local(self.logdir):
+        import tempfile  # pylint: disable=g-import-not-at-top
+        self._local = tempfile.mkdtemp(prefix="odet_profile_")
+      jax.profiler.start_trace(self._local)
       log(f"profiling steps {self.start + 1}-{self.stop} into {self.logdir}")
 
   def after(self, step: int, outputs):
@@ -246,6 +288,9 @@ class ProfileWindow:
     if step == self.stop and self.start >= 0:
       jax.block_until_ready(outputs)
       jax.profiler.stop_trace()
+      if self._local != self.logdir:
+        fileio.copy_tree(self._local, self.logdir)
+        fileio.rmtree(self._local)
       log(f"profile written under {self.logdir}/plugins/profile")
 
 
@@ -292,14 +337,13 @@ def read_scalars(logdir: str) -> dict:
   A reader that needs neither TensorFlow nor the tensorboard package: event files
   are TFRecords (8-byte length, 4-byte crc, payload, 4-byte crc) of Event protos.
   """
-  import glob  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
   import struct  # pylint: disable=g-import-not-at-top
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
   out = {}
-  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
-    with open(path, "rb") as f:
-      data = f.read()
+  for name in fileio.listdir(logdir):
+    if not name.startswith("events.out.tfevents."):
+      continue
+    data = fileio.read_bytes(fileio.join(logdir, name))
     pos = 0
     while pos + 12 <= len(data):
       (length,) = struct.unpack("<Q", data[pos:pos + 8])

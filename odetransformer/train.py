@@ -21,6 +21,7 @@ from flax import nnx
 
 import input_pipeline
 from odetransformer import checkpointing
+from odetransformer import fileio
 from odetransformer import finetune
 from odetransformer import health as health_lib
 from odetransformer import metrics as metrics_lib
@@ -94,7 +95,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   checkpointing.validate_options(config)
   stored = checkpointing.check_resumable(config, workdir)
   # The first write of a run: one process per workdir (process 0 of a multi-host run).
-  lock = WorkdirLock(workdir, enabled=jax.process_index() == 0).acquire()
+  lock = WorkdirLock(workdir, enabled=jax.process_index() == 0,
+                     stale_s=config.get("workdir_lock_stale_s", 600)).acquire()
   try:
     metrics_lib.log(f"mesh {dict(mesh.shape)} on {jax.device_count()} "
                     f"{jax.devices()[0].platform} devices, {jax.process_count()} process(es)")
@@ -104,7 +106,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         process_index=jax.process_index(), process_count=jax.process_count())
     tokenizer = getattr(ds, "tokenizer_path", "")
     fingerprint = checkpointing.check_tokenizer(config, tokenizer, workdir, stored)
-    os.makedirs(workdir, exist_ok=True)
+    fileio.makedirs(workdir)
     checkpointing.save_tokenizer(tokenizer, workdir)
     cfg = model_config(config, ds.vocab_size)    # vocab_size: the tokenizer's
     saved_config = ml_collections.ConfigDict(config.to_dict())
@@ -112,10 +114,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if not saved_config.data.get("tokenizer_path") and tokenizer:
       saved_config.data.tokenizer_path = tokenizer   # for tools, beside tokenizer.model
     checkpointing.save_config(saved_config, workdir)
-    writer = metrics_lib.MetricWriter(os.path.join(workdir, "tensorboard"))
+    writer = metrics_lib.MetricWriter(fileio.join(workdir, "tensorboard"))
     ckpt = checkpointing.Checkpointer(workdir, max_to_keep=config.checkpoint_max_to_keep,
                                       async_save=config.checkpoint_async,
-                                      fingerprint=fingerprint)
+                                      fingerprint=fingerprint, lock=lock)
     ckpt.install_sigterm_handler()   # SIGTERM and Ctrl-C: save at the current step, stop
     try:
       with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
@@ -214,7 +216,7 @@ def _train(config, saved_config, cfg, mesh, rules, tx, schedule, ds, writer, ckp
   progress = metrics_lib.Progress(config.num_train_steps, start_step, tokens_per_step, fpt,
                                   peak)
   profile = metrics_lib.ProfileWindow.parse(config.get("profile_steps", ""),
-                                            os.path.join(ckpt.workdir, "tensorboard"))
+                                            fileio.join(ckpt.workdir, "tensorboard"))
   health = health_lib.HealthCheck(ckpt.directory, start_step if resumed else None,
                                   skip_limit, optim_config=config.optim)
   last = int(config.num_train_steps)
@@ -231,6 +233,7 @@ def _train(config, saved_config, cfg, mesh, rules, tx, schedule, ds, writer, ckp
 
   def save(step, force=False):
     health.check(lambda: float(param_norm(state)))   # never checkpoint a diverged model
+    ckpt.claim_step(step)        # stops if another run took the workdir
     health.last_good = step
     meta = {"rng_key": np.asarray(jax.random.key_data(rng)).tolist(),
             "config": saved_config.to_dict()}

@@ -39,3 +39,11 @@ def shared_data_path(*parts: str) -> pathlib.Path:
       pytest.fail(f"{path} is missing but ODET_REQUIRE_SHARED_DATA=1")
     pytest.skip(f"{path} not present (fresh clone without ../shared)")
   return path
+
+
+@pytest.fixture(scope="session")
+def gcs_bucket():
+  """'gs://<bucket>' on a GCS emulator started for the session (tests/gcs.py)."""
+  import gcs  # pylint: disable=g-import-not-at-top
+  with gcs.emulated_bucket() as url:
+    yield url

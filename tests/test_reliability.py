@@ -115,10 +115,13 @@ def test_sigkill_then_same_command_resumes_bit_exact(reference, cache, tmp_path)
   assert proc.returncode == -signal.SIGKILL
   latest = checkpointing.finalized_steps(str(wd))[-1]
   assert 2 <= latest < 8, latest
-  # What a kill in the middle of the next save leaves: orbax's temporary directory.
+  # What a kill in the middle of the next save leaves: orbax's temporary directory, and
+  # the record naming the killed run as its writer (written before each save).
   tmp = wd / "checkpoints" / f"{latest + 1}.orbax-checkpoint-tmp-1700000000"
   (tmp / "model").mkdir(parents=True, exist_ok=True)
   (tmp / "model" / "garbage").write_bytes(b"\0" * 100)
+  owners = wd / checkpointing.OWNERS_DIR
+  shutil.copy(owners / f"{latest}.json", owners / f"{latest + 1}.json")
   tb = wd / "tensorboard"
   old_events = set(tb.iterdir())
 

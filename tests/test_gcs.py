@@ -1,0 +1,155 @@
+"""Issue 31 items 1-2: a gs:// workdir works like a local one, against a GCS emulator.
+
+One run of main.py on `gs://<bucket>/run` (SIGTERM-saved, then resumed with the same
+command) is checked against an uninterrupted local run, then read by the tools; a
+corrupt checkpoint on gs:// falls back; the lock refuses a second run. The data cache
+stays local (data.cache_dir). No local directory named `gs:` may appear anywhere."""
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import ml_collections
+import numpy as np
+import pytest
+
+from test_train import ROOT, fast_compiles  # pylint: disable=unused-import
+from test_reliability import config, main_cmd, subprocess_env
+from odetransformer import checkpointing, fileio, train
+from odetransformer import metrics as metrics_lib
+from odetransformer.workdir_lock import WorkdirInUseError, WorkdirLock
+
+pytestmark = pytest.mark.xdist_group("test_gcs")   # module fixtures once, on one worker
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  return tmp_path_factory.mktemp("gcs_cache")
+
+
+@pytest.fixture(scope="module")
+def reference(cache, tmp_path_factory):
+  """An uninterrupted local run (in-process): its workdir, {step: train loss} and final
+  eval loss."""
+  wd = tmp_path_factory.mktemp("gcs_reference")
+  result = train.train_and_evaluate(config(cache, STEPS, checkpoint_every_steps=1), str(wd))
+  return wd, dict(result["loss_history"]), result["eval"]["loss"]
+
+
+def flip_a_weight_byte(step_dir: str):
+  """Flips one byte of a weight file of the checkpoint at `step_dir` (on any storage)."""
+  name = [f for f in fileio.walk_files(step_dir) if f.startswith("model/ocdbt.process_0/d/")][0]
+  target = fileio.join(step_dir, name)
+  data = bytearray(fileio.read_bytes(target))
+  data[len(data) // 2] ^= 0xFF
+  fileio.write_bytes_atomic(target, bytes(data))
+
+
+@pytest.fixture(scope="module")
+def gs_run(gcs_bucket, cache):
+  """main.py on gs://: SIGTERM once two checkpoints exist; a byte of the newest one's
+  weights flipped; the same command again (falls back to the previous checkpoint).
+  Returns (workdir, the step the first run stopped at, the second run's stderr)."""
+  wd = f"{gcs_bucket}/run"
+  cmd = main_cmd(wd, cache, STEPS, "--config.checkpoint_every_steps=1")
+  first = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), text=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  deadline = time.monotonic() + 240
+  while len(checkpointing.finalized_steps(wd)) < 2 and first.poll() is None:
+    assert time.monotonic() < deadline, "no checkpoint within the timeout"
+    time.sleep(0.1)
+  first.send_signal(signal.SIGTERM)
+  _, err = first.communicate(timeout=120)
+  assert first.returncode == 0, err[-3000:]
+  stopped = int(err.split("stopping at step ")[1].split()[0])
+  assert 2 <= stopped < STEPS, err[-3000:]
+  flip_a_weight_byte(fileio.join(wd, "checkpoints", str(stopped)))
+  second = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=240)
+  assert second.returncode == 0, second.stderr[-3000:]
+  return wd, stopped, second.stderr
+
+
+def _no_local_gs_dir():
+  """Nowhere a local directory named like the URL's scheme: cwd, the repo, the tmp dir."""
+  for root in {pathlib.Path.cwd(), ROOT, pathlib.Path(tempfile.gettempdir())}:
+    assert not (root / "gs:").exists(), root
+
+
+def test_gs_run_falls_back_resumes_exactly_and_writes_nothing_local(gs_run, reference):
+  """SIGTERM saved, the corrupt newest checkpoint moved aside, the previous one resumed:
+  every step's loss equals the uninterrupted local run's."""
+  wd, stopped, err = gs_run
+  assert (f"moved the corrupt checkpoint of step {stopped} to {wd}/corrupt_checkpoints/"
+          in err), err[-3000:]
+  assert f"resumed from checkpoint at step {stopped - 1} in {wd}/checkpoints" in err
+  assert checkpointing.finalized_steps(wd)[-1] == STEPS
+  for name in ("config.json", "tokenizer.model"):
+    assert fileio.isfile(fileio.join(wd, name)), name
+  assert not fileio.exists(fileio.join(wd, ".lock"))        # released at the end
+  # TensorBoard on gs://: both runs' losses, equal to the uninterrupted run's.
+  losses = dict(metrics_lib.read_scalars(fileio.join(wd, "tensorboard"))["train/loss"])
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  for step, loss in losses.items():
+    assert np.float32(loss) == np.float32(reference[1][step]), (step, loss)
+  _no_local_gs_dir()
+
+
+def _tool(module, workdir, *flags):
+  return subprocess.Popen([sys.executable, "-m", module, f"--workdir={workdir}", *flags],
+                          cwd=ROOT, env=subprocess_env(), text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_evaluate_and_generate_read_gs_like_local(gs_run, reference):
+  """evaluate on the gs:// run prints what it prints on the local reference (the same
+  weights: the resume was exact), apart from the workdir's name and timings; generate
+  reads its model and tokenizer from gs:// too."""
+  wd, local = gs_run[0], str(reference[0])
+  procs = {w: _tool("odetransformer.evaluate", w, "--max_batches=1") for w in (wd, local)}
+  procs["generate"] = _tool("odetransformer.generate", wd, "--temperature=0",
+                            "--max_new_tokens=8", "--prompt=def ")
+  outputs = {}
+  for key, proc in procs.items():
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    outputs[key] = [re.sub(r"\d+\.\d+s\b", "TIME", l.replace(key, "WORKDIR"))
+                    for l in out.splitlines()]
+  assert outputs[wd] == outputs[local]
+  assert f"checkpoint step {STEPS} of {wd}:" in outputs["generate"][0]
+  assert any(l.startswith("def ") for l in outputs["generate"]), outputs["generate"]
+  _no_local_gs_dir()
+
+
+def test_gs_lock_refuses_a_second_run(gs_run, cache):
+  """While a run holds the gs:// workdir, train_and_evaluate stops at once, in one line,
+  before writing anything."""
+  wd = gs_run[0]
+  holder = WorkdirLock(wd).acquire()
+  before = fileio.walk_files(wd)
+  try:
+    with pytest.raises(WorkdirInUseError, match=f"is in use by PID {os.getpid()} on host "):
+      train.train_and_evaluate(config(cache, STEPS + 2), wd)
+    assert fileio.walk_files(wd) == before
+  finally:
+    holder.release()
+  assert not fileio.exists(fileio.join(wd, ".lock"))
+
+
+def test_finetune_from_gs_starts_at_the_pretrained_loss(gs_run, reference, cache, tmp_path):
+  """init_from=gs://: config, tokenizer and weights read from the bucket; materialised at
+  the training K, step 0 evaluates the pre-trained model (the local reference's loss)."""
+  c = config(cache, 1)
+  c.init_from = gs_run[0]
+  c.finetune = ml_collections.ConfigDict(dict(
+      method="full", num_steps=0, lora_rank=2, lora_alpha=4.0, targets="wq,wo",
+      train_embeddings=False, lora_init="zero_b"))
+  train.train_and_evaluate(c, str(tmp_path))
+  eval_loss = dict(metrics_lib.read_scalars(str(tmp_path / "tensorboard"))["eval/loss"])[0]
+  np.testing.assert_allclose(eval_loss, reference[2], rtol=1e-5)
+  _no_local_gs_dir()

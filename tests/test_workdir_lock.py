@@ -1,0 +1,113 @@
+"""Issue 31 item 3 and issue 32 item 2: the workdir lock on object storage (against a
+GCS emulator), a run that stops when its lock is no longer its own, and start-up cleanup
+that deletes only unfinished saves whose writer is known to have ended."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from test_train import ROOT, fast_compiles  # pylint: disable=unused-import
+from test_reliability import (assert_one_line_error, main_cmd, start_and_wait_for_checkpoint,
+                              subprocess_env)
+from odetransformer import checkpointing, fileio
+from odetransformer.workdir_lock import WorkdirInUseError, WorkdirLock
+
+
+def test_object_lock_refuses_takes_over_stale_and_notices_loss(gcs_bucket, caplog):
+  wd = f"{gcs_bucket}/lock"
+  lock_path = f"{wd}/.lock"
+  first = WorkdirLock(wd, heartbeat_s=0.2, stale_s=30).acquire()
+  record = json.loads(fileio.read_text(lock_path))
+  assert {k: record[k] for k in ("pid", "host", "run")} == {
+      "pid": os.getpid(), "host": socket.gethostname(), "run": first.record["run"]}
+  # A fresh lock: refused in one line, the object untouched.
+  with pytest.raises(WorkdirInUseError, match=r"is in use by PID \d+ on host .*last heartbeat"):
+    WorkdirLock(wd, stale_s=30).acquire()
+  time.sleep(0.5)                                   # heartbeats rewrite the object
+  assert json.loads(fileio.read_text(lock_path))["heartbeat"] > record["heartbeat"]
+  first.check()
+  # Deleted under the live run; a second run creates its own: the first notices.
+  fileio.remove(lock_path)
+  second = WorkdirLock(wd, heartbeat_s=0.2, stale_s=1).acquire()
+  assert second.previous is None
+  time.sleep(0.5)
+  with pytest.raises(WorkdirInUseError, match=f"of this run was taken by PID {os.getpid()}"):
+    first.check()
+  first.release()                                   # not its lock: left alone
+  second.check()
+  # The second run dies without releasing (its heartbeats stop): stale after 1 s.
+  second._stop.set()                                # pylint: disable=protected-access
+  second._thread.join()                             # pylint: disable=protected-access
+  time.sleep(1.5)
+  with caplog.at_level("WARNING"):
+    third = WorkdirLock(wd, stale_s=1).acquire()
+  assert third.previous["run"] == second.record["run"] and third.previous["gone"]
+  assert f"took over the workdir lock of PID {os.getpid()} on host " in caplog.text
+  assert "cannot be checked from here" in caplog.text and "no longer running" not in caplog.text
+  third.release()
+  assert not fileio.exists(lock_path)
+
+
+def _unfinished(workdir, step, owner, remote):
+  """What a save of `step` interrupted by `owner` ({'pid', 'host', 'run'} or None) leaves."""
+  name = str(step) if remote else f"{step}.orbax-checkpoint-tmp-1700000000"
+  fileio.write_bytes_atomic(fileio.join(workdir, "checkpoints", name, "model", "x"), b"x")
+  if owner is not None:
+    fileio.write_text_atomic(fileio.join(workdir, checkpointing.OWNERS_DIR, f"{step}.json"),
+                             json.dumps(owner))
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "gs"])
+def test_startup_deletes_only_saves_whose_writer_has_ended(remote, request, tmp_path, caplog):
+  wd = f"{request.getfixturevalue('gcs_bucket')}/cleanup" if remote else str(tmp_path)
+  dead = subprocess.Popen(["true"])
+  dead.wait()
+  host = socket.gethostname()
+  _unfinished(wd, 3, {"pid": dead.pid, "host": host, "run": "dead"}, remote)
+  _unfinished(wd, 4, {"pid": os.getpid(), "host": host, "run": "alive"}, remote)
+  _unfinished(wd, 5, {"pid": 1, "host": "elsewhere", "run": "other-host"}, remote)
+  _unfinished(wd, 6, None, remote)
+  lock = WorkdirLock(wd).acquire()
+  try:
+    with caplog.at_level("WARNING"):
+      ckpt = checkpointing.Checkpointer(wd, lock=lock)
+    ckpt.close()
+  finally:
+    lock.release()
+  left = [s for s, _ in checkpointing.unfinished_steps(wd)]
+  assert left == [4, 5, 6]
+  assert f"which may still be running" in caplog.text
+  assert "of a run that recorded no owner" in caplog.text
+  # Without the lock nothing is deleted.
+  ckpt = checkpointing.Checkpointer(wd)
+  ckpt.close()
+  assert [s for s, _ in checkpointing.unfinished_steps(wd)] == [4, 5, 6]
+
+
+def test_run_whose_lock_file_was_replaced_stops_in_one_line(tmp_path):
+  """The real command: its `.lock` deleted, and another run's created, under it; at its
+  next save it stops (exit 2, one line) and writes no checkpoint after."""
+  wd = tmp_path / "wd"
+  cache = tmp_path / "cache"
+  proc = start_and_wait_for_checkpoint(
+      main_cmd(wd, cache, 10_000, "--config.checkpoint_every_steps=1",
+               "--config.log_every_steps=100"), wd)
+  (wd / ".lock").unlink()
+  other = WorkdirLock(str(wd)).acquire()            # what a second run does first
+  try:
+    _, err = proc.communicate(timeout=120)
+    proc.stderr = err
+    before = checkpointing.finalized_steps(str(wd))
+    assert_one_line_error(proc, "WorkdirInUseError", "was deleted and created again",
+                          "stopped without writing more")
+    time.sleep(0.5)
+    assert checkpointing.finalized_steps(str(wd)) == before
+    assert (wd / ".lock").read_text() == json.dumps(other.record) + "\n"   # not cleared
+  finally:
+    other.release()
+    if proc.poll() is None:
+      proc.send_signal(signal.SIGKILL)
