@@ -35,6 +35,7 @@ one-line CheckpointError too. Each checkpoint's `meta` records the run's fingerp
 the tokenizer file's hash — so that a resume with other settings is refused before
 anything is written (`fingerprint_diffs`).
 """
+import hashlib
 import json
 import logging as std_logging
 import os
@@ -99,7 +100,11 @@ FINGERPRINT_DATA_FIELDS = ("source", "train_split", "train_files", "text_key", "
 
 
 def file_sha256(path: str) -> str:
-  return fileio.sha256(path)
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      h.update(block)
+  return h.hexdigest()
 
 
 def fingerprint(config, tokenizer_sha256: Optional[str] = None) -> dict:
@@ -147,8 +152,10 @@ def stored_fingerprint(workdir: str) -> Optional[tuple]:
   """
   directory = checkpoint_dir(workdir)
   for step in reversed(finalized_steps(workdir)):
-    meta = _read_json(fileio.join(directory, str(step), "meta", "metadata"))
-    if meta is None:
+    try:
+      with open(os.path.join(directory, str(step), "meta", "metadata")) as f:
+        meta = json.load(f)
+    except (OSError, ValueError):
       continue
     if isinstance(meta.get("fingerprint"), dict):
       return step, meta["fingerprint"]
@@ -159,7 +166,7 @@ def stored_fingerprint(workdir: str) -> Optional[tuple]:
 
 
 def tokenizer_sha256(path: Optional[str]) -> Optional[str]:
-  return file_sha256(path) if path and fileio.isfile(path) else None
+  return file_sha256(path) if path and os.path.isfile(path) else None
 
 
 def check_resumable(config, workdir: str) -> Optional[dict]:
@@ -220,31 +227,40 @@ def validate_options(config):
 # Checksums of the files of a checkpoint
 # --------------------------------------------------------------------------------------
 def _files_under(root: str) -> list:
-  return [rel for rel in fileio.walk_files(root) if rel != CHECKSUM_FILE]
+  out = []
+  for base, _, files in os.walk(root):
+    for name in files:
+      rel = os.path.relpath(os.path.join(base, name), root)
+      if rel != CHECKSUM_FILE:
+        out.append(rel)
+  return sorted(out)
 
 
 def write_checksums(step_dir: str):
   """Writes `<step_dir>/checksums.json` (sha256 of every file) atomically."""
-  sums = {rel: file_sha256(fileio.join(step_dir, rel)) for rel in _files_under(step_dir)}
-  fileio.write_text_atomic(fileio.join(step_dir, CHECKSUM_FILE),
-                           json.dumps({"sha256": sums}, indent=0, sort_keys=True))
+  sums = {rel: file_sha256(os.path.join(step_dir, rel)) for rel in _files_under(step_dir)}
+  tmp = os.path.join(step_dir, CHECKSUM_FILE + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump({"sha256": sums}, f, indent=0, sort_keys=True)
+  os.replace(tmp, os.path.join(step_dir, CHECKSUM_FILE))
 
 
 def verify_checksums(step_dir: str, items: Optional[tuple] = None) -> bool:
   """Checks the files of `step_dir` (only those under `items`, if given) against its
   checksums.json. False when there is none (a checkpoint of an older version, or one
   whose run was killed before hashing it); CorruptCheckpointError on a mismatch."""
-  path = fileio.join(step_dir, CHECKSUM_FILE)
-  if not fileio.exists(path):
+  path = os.path.join(step_dir, CHECKSUM_FILE)
+  if not os.path.exists(path):
     return False
   try:
-    sums = json.loads(fileio.read_text(path))["sha256"]
+    with open(path) as f:
+      sums = json.load(f)["sha256"]
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise CorruptCheckpointError(f"{path} is unreadable ({type(e).__name__})") from e
   for rel, expected in sorted(sums.items()):
-    if items is not None and rel.split("/")[0] not in items:
+    if items is not None and rel.split(os.sep)[0] not in items:
       continue
-    full = fileio.join(step_dir, rel)
+    full = os.path.join(step_dir, rel)
     try:
       actual = file_sha256(full)
     except OSError as e:
@@ -574,7 +590,7 @@ class Checkpointer:
       self._unhashed.clear()
       return
     for step in sorted(self._unhashed & set(finalized_steps(self.workdir))):
-      write_checksums(fileio.join(self.directory, str(step)))
+      write_checksums(os.path.join(self.directory, str(step)))
     self._unhashed.clear()      # the rest were deleted (max_to_keep) or never completed
 
   def restore(self, step: int, abstract_model_state, abstract_opt_state):
@@ -739,7 +755,7 @@ def restore_newest(manager, directory: str, steps, abstract_model_state,
     if abstract_opt_state is not None:
       args.update(meta=ocp.args.JsonRestore(), data=ocp.args.JsonRestore())
     try:
-      _verify_on_process_0(fileio.join(directory, str(step)),
+      _verify_on_process_0(os.path.join(directory, str(step)),
                            items=None if abstract_opt_state is not None else ("model",))
       restored = manager.restore(step, args=ocp.args.Composite(**args))
     except Exception as e:  # pylint: disable=broad-except
@@ -785,7 +801,7 @@ def restore_model_state(workdir: str, abstract_model_state, step: Optional[int] 
     if not steps:
       raise CheckpointError(f"{directory} holds no complete checkpoint; train first "
                             "(python main.py --workdir=...) or pass the --workdir of a run")
-    if step is not None and not fileio.isdir(fileio.join(directory, str(int(step)))):
+    if step is not None and not os.path.isdir(os.path.join(directory, str(int(step)))):
       raise CheckpointError(f"{directory} has no checkpoint of step {step}; choose one of "
                             f"{finalized_steps(workdir)} or leave the step out (the latest)")
     found, (state, _, _, _) = restore_newest(manager, directory, steps, abstract_model_state)

@@ -267,7 +267,7 @@ class WorkdirLock:
     if lost:
       self._lost = lost
       raise WorkdirInUseError(
-          f"the lock {self.path} of this run {lost}: another run may be "
+          f"the lock {self.path} of this run {lost} while it ran: another run may be "
           "writing this workdir, so this one stopped without writing more; stop the other "
           "run or let it finish, then resume with the same command")
 
