@@ -99,6 +99,8 @@ UNVERIFIED_HINT = (
     "its files cannot be checked; restore it unchecked with "
     "--config.checkpoint_allow_unverified=true (main.py; the tools: "
     "--checkpoint_allow_unverified), or delete it to use the previous one")
+UNVERIFIED_FLAG_HELP = ("Restore a checkpoint without its integrity record (one written by "
+                        "an older version) unchecked.")
 
 
 # --------------------------------------------------------------------------------------

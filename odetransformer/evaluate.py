@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from odetransformer import checkpointing, loading
+from odetransformer.checkpointing import UNVERIFIED_FLAG_HELP
 from odetransformer.errors import UserError
 from odetransformer.losses import token_scores
 from odetransformer.model import LanguageModel
@@ -213,7 +214,7 @@ def main(argv, flag_values=None):
   if f.plot and not os.path.isdir(os.path.dirname(os.path.abspath(f.plot))):
     raise UserError(f"--plot={f.plot}: its directory does not exist; create it or pick "
                     "another path")
-  loaded = load_model(f.workdir, step=f.step)
+  loaded = load_model(f.workdir, step=f.step, allow_unverified=f.checkpoint_allow_unverified)
   cfg = loaded.model_config
   for n in steps:
     try:
@@ -255,6 +256,7 @@ def define_flags(flag_values=None):
   define("integer", "batch_size", 0, "Rows per batch (0 = the run's eval_batch_size).")
   define("integer", "max_batches", 0, "Stop after this many batches (0 = the whole split).")
   define("string", "plot", "", "Also write perplexity against N as a PNG to this path.")
+  define("bool", "checkpoint_allow_unverified", False, UNVERIFIED_FLAG_HELP)
   define("bool", "verbose", False, "Show the traceback of a user error as well.")
   flags.mark_flag_as_required("workdir", flag_values=fv)
   return fv

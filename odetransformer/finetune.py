@@ -122,7 +122,8 @@ def initial_model_state(config, cfg: ModelConfig) -> nnx.State:
 
   Leaves it lacks (LoRA factors with 'zero_b') keep the new model's initialisation.
   """
-  loaded = loading.load_model(config.init_from)
+  loaded = loading.load_model(config.init_from, allow_unverified=bool(
+      config.get("checkpoint_allow_unverified", False)))
   model = loaded.model
   if config.finetune.method != "continuous" and model.config.is_ode:
     model = materialize(model, cfg.num_steps, fold_dt=False)

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from odetransformer import loading
+from odetransformer.checkpointing import UNVERIFIED_FLAG_HELP
 from odetransformer.errors import UserError
 from odetransformer.decode import Decoder, KVCache
 
@@ -198,7 +199,8 @@ def main(argv, flag_values=None):
   flags_ = flags.FLAGS if flag_values is None else flag_values
   evaluate.quiet_orbax(cli=True)
   # Every mistake in the flags is a UserError: one line and exit 2 (errors.run_cli).
-  loaded = load_model(flags_.workdir, step=flags_.step)
+  loaded = load_model(flags_.workdir, step=flags_.step,
+                      allow_unverified=flags_.checkpoint_allow_unverified)
   sp = loading.load_tokenizer(flags_.workdir, loaded.config)
   cfg = loaded.model_config
   t0 = time.perf_counter()
@@ -264,6 +266,7 @@ def define_flags(flag_values=None):
   define("float", "top_p", 1.0, "Nucleus sampling: smallest set of this much mass (1 = off).")
   define("integer", "seed", 0, "Sampling seed.")
   define("integer", "num_samples", 1, "Continuations of the prompt, sampled as one batch.")
+  define("bool", "checkpoint_allow_unverified", False, UNVERIFIED_FLAG_HELP)
   define("bool", "verbose", False, "Show the traceback of a user error as well.")
   flags.mark_flag_as_required("workdir", flag_values=fv)
   return fv

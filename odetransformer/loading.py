@@ -27,10 +27,12 @@ class Loaded:
   step: int
 
 
-def load_model(workdir: str, step: Optional[int] = None, mesh=None) -> Loaded:
+def load_model(workdir: str, step: Optional[int] = None, mesh=None,
+               allow_unverified: bool = False) -> Loaded:
   """The model of the latest (or given) checkpoint in `workdir` that restores.
 
-  Raises a one-line UserError when there is no run, no checkpoint or none restores.
+  Raises a one-line UserError when there is no run, no checkpoint or none restores
+  (one without its integrity record only with `allow_unverified`).
   """
   try:
     config = checkpointing.load_config(workdir)
@@ -48,7 +50,8 @@ def load_model(workdir: str, step: Optional[int] = None, mesh=None) -> Loaded:
   rules = sharding.logical_axis_rules(config.get("mesh"))
   with nnx.logical_axis_rules(rules):
     graphdef, abstract = nnx.get_abstract_model(lambda: create_model(cfg), mesh)
-  state, restored_step = checkpointing.restore_model_state(workdir, abstract, step)
+  state, restored_step = checkpointing.restore_model_state(workdir, abstract, step,
+                                                           allow_unverified)
   return Loaded(model=nnx.merge(graphdef, state), model_config=cfg, config=config,
                 step=int(restored_step))
 

@@ -26,6 +26,7 @@ from typing import Optional
 import numpy as np
 
 from odetransformer.analysis import fields
+from odetransformer.checkpointing import UNVERIFIED_FLAG_HELP
 
 
 @dataclasses.dataclass
@@ -232,6 +233,7 @@ def parse_args(argv):
   p.add_argument("--grid", type=int, default=64,
                  help="points t in [0, 1] for ODE models (discrete models: every layer)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  p.add_argument("--checkpoint_allow_unverified", action="store_true", help=UNVERIFIED_FLAG_HELP)
   return p.parse_args(argv)
 
 
@@ -243,7 +245,8 @@ def main(argv: Optional[list] = None) -> Spectra:
   if args.grid < 2:
     raise errors.UserError(f"--grid={args.grid}: an ODE's spectra need at least 2 points "
                            "t in [0, 1]; pass --grid=2 or more (default 64)")
-  loaded = load_model(args.workdir, step=args.step)
+  loaded = load_model(args.workdir, step=args.step,
+                      allow_unverified=args.checkpoint_allow_unverified)
   spectra = compute_spectra(loaded.model, args.grid)
   paths = write_outputs(spectra, args.out)
   print(summary_line(spectra))
