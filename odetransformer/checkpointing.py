@@ -4,7 +4,7 @@ Layout under `<workdir>`:
 
   config.json                  the run's full config (written at start, process 0)
   checkpoints/<step>/
-    model/                     nnx.state(model) as a pure dict (orbax StandardSave)
+    model/                     nnx.state(model) as a pure dict (orbax PyTree, zarr3)
     opt/                       nnx.state(optimizer) as a pure dict (Adam moments, step)
     meta/                      JSON: step, base RNG key data, process count, config
     data/                      JSON: the grain iterator state of every process
@@ -36,8 +36,10 @@ line unless `checkpoint_allow_unverified` is set. A checkpoint whose files do no
 `<workdir>/corrupt_checkpoints/` with a warning and the previous one is used; when none
 restores, `CheckpointError` stops the run and nothing is moved or overwritten. A reader
 (evaluation, generation) whose step is deleted while it reads (the writer's
-`max_to_keep` rotation) moves to the newest committed step. A save that fails (disk full, directory gone) is a
-one-line CheckpointError too. Each checkpoint's `meta` records the run's fingerprint
+`max_to_keep` rotation) moves to the newest committed step. A save that fails (disk
+full, directory gone) is a one-line CheckpointError too.
+
+Each checkpoint's `meta` records the run's fingerprint
 (`fingerprint`): what its arrays mean — the model config, the data source and split,
 the tokenizer file's hash — and what makes a resume exact — the training data's
 content hash, the batch shape and the seed — so that a resume with other settings is
@@ -276,11 +278,16 @@ def validate_options(config):
 # --------------------------------------------------------------------------------------
 def _build_zarr3_metadata_with_crc32c(*args, **kwargs):
   """Orbax's zarr3 array metadata with a `crc32c` codec after each chunk's codecs:
-  tensorstore writes a checksum per chunk and checks it on every read."""
+  tensorstore writes a checksum per chunk and checks it on every read. Compression is
+  zstd level 1, as in orbax's default (zarr2) arrays; its zarr3 default, level 3,
+  costs more time for weights, which barely compress."""
   metadata = _ORBAX_BUILD_ZARR3_METADATA(*args, **kwargs)
   for codec in metadata["codecs"]:
     if codec.get("name") == "sharding_indexed":
       inner = codec["configuration"]["codecs"]
+      for c in inner:
+        if c.get("name") == "zstd":
+          c["configuration"]["level"] = 1
       if not any(c.get("name") == "crc32c" for c in inner):
         inner.append({"name": "crc32c"})
   return metadata
@@ -309,12 +316,12 @@ def _chunk_file(rel: str) -> bool:
   return "d" in rel.split("/")[:-1]
 
 
-def _item_files(item_dir, prefix: str = "") -> list:
-  """Relative paths of the files under `item_dir` (ascending; not the record itself)."""
+def files_under(root, prefix: str = "") -> list:
+  """Relative paths of the files under `root` (ascending; not integrity records)."""
   out = []
-  for child in fileio.path(item_dir).iterdir():
+  for child in fileio.path(root).iterdir():
     if child.is_dir():
-      out += _item_files(child, f"{prefix}{child.name}/")
+      out += files_under(child, f"{prefix}{child.name}/")
     elif child.name != INTEGRITY_FILE:
       out.append(prefix + child.name)
   return sorted(out)
@@ -328,7 +335,7 @@ def write_integrity_record(item_dir, chunk_checksums: bool):
   writes completed and before orbax commits the checkpoint (the rename of its
   temporary directory; on object stores, commit_success.txt).
   """
-  files = [rel for rel in _item_files(item_dir) if not (chunk_checksums and _chunk_file(rel))]
+  files = [rel for rel in files_under(item_dir) if not (chunk_checksums and _chunk_file(rel))]
   record = {"version": 1, "chunks": "crc32c" if chunk_checksums else None,
             "sha256": {rel: fileio.sha256(fileio.join(item_dir, rel)) for rel in files}}
   fileio.write_text_atomic(fileio.join(item_dir, INTEGRITY_FILE),
@@ -796,11 +803,17 @@ def _restore_args(targets: dict, json_items: tuple) -> dict:
   return args
 
 
+def _in_chain(e: Optional[BaseException], found) -> Optional[BaseException]:
+  """The first exception of `e`'s chain (e, its cause, ...) for which `found` holds."""
+  while e is not None and not found(e):
+    e = e.__cause__ or e.__context__
+  return e
+
+
 def _corrupt_chunk(step_dir: str, e: BaseException) -> Optional[CorruptCheckpointError]:
   """The CorruptCheckpointError for tensorstore's checksum failure `e` (None: another
   error)."""
-  while e is not None and "Digest mismatch" not in str(e):
-    e = e.__cause__ or e.__context__
+  e = _in_chain(e, lambda x: "Digest mismatch" in str(x))
   if e is None:
     return None
   return CorruptCheckpointError(
@@ -839,9 +852,9 @@ def _vanished(step_dir: str, e: BaseException) -> bool:
   """True when `step_dir` is gone: deleted while being read (a writer's max_to_keep
   rotation). A file missing from a directory still there waits a few seconds for the
   deletion to finish."""
-  text = str(e)
-  missing = isinstance(e, FileNotFoundError) or "NOT_FOUND" in text or "No such file" in text
-  deadline = time.monotonic() + (5.0 if missing else 0.0)
+  missing = _in_chain(e, lambda x: isinstance(x, FileNotFoundError) or any(
+      text in str(x) for text in ("NOT_FOUND", "No such file")))
+  deadline = time.monotonic() + (5.0 if missing is not None else 0.0)
   while fileio.isdir(step_dir):
     if time.monotonic() >= deadline:
       return False
