@@ -246,7 +246,7 @@ def test_command_line_says_what_to_expect(monkeypatch, capsys):
   model = tiny_model(**CASES["gpt-gpt"])
   run_config = ml_collections.ConfigDict({"global_batch_size": 4, "seq_len": 16})
   loaded = loading.Loaded(model=model, model_config=model.config, config=run_config, step=7)
-  monkeypatch.setattr(loading, "load_model", lambda workdir, step=None: loaded)
+  monkeypatch.setattr(loading, "load_model", lambda workdir, step=None, **_: loaded)
   monkeypatch.setattr(loading, "load_tokenizer", lambda workdir, config: _CharTokenizer())
   fv = generate.define_flags(flags.FlagValues())
   fv(["generate", "--workdir=W", "--prompt=ab", "--max_new_tokens=4", "--temperature=0"])
