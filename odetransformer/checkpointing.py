@@ -393,26 +393,20 @@ class _IntegrityJsonHandler(ocp.JsonCheckpointHandler):
     write_integrity_record(directory, chunk_checksums=False)
 
 
-# The arguments that route an item to these handlers (orbax finds an item's handler by
-# the type of its arguments).
-@ocp.args.register_with_handler(_IntegrityPyTreeHandler, for_save=True)
-class ArraysSave(ocp.args.PyTreeSave):
-  pass
+def _routed_to(handler_cls, args_cls, name: str, **save_or_restore):
+  """A subclass of orbax's `args_cls` that routes an item to `handler_cls` (orbax finds
+  an item's handler by the type of its arguments)."""
+  return ocp.args.register_with_handler(handler_cls, **save_or_restore)(
+      type(name, (args_cls,), {"__module__": __name__}))
 
 
-@ocp.args.register_with_handler(_IntegrityPyTreeHandler, for_restore=True)
-class ArraysRestore(ocp.args.PyTreeRestore):
-  pass
-
-
-@ocp.args.register_with_handler(_IntegrityJsonHandler, for_save=True)
-class JsonSave(ocp.args.JsonSave):
-  pass
-
-
-@ocp.args.register_with_handler(_IntegrityJsonHandler, for_restore=True)
-class JsonRestore(ocp.args.JsonRestore):
-  pass
+ArraysSave = _routed_to(_IntegrityPyTreeHandler, ocp.args.PyTreeSave, "ArraysSave",
+                        for_save=True)
+ArraysRestore = _routed_to(_IntegrityPyTreeHandler, ocp.args.PyTreeRestore, "ArraysRestore",
+                           for_restore=True)
+JsonSave = _routed_to(_IntegrityJsonHandler, ocp.args.JsonSave, "JsonSave", for_save=True)
+JsonRestore = _routed_to(_IntegrityJsonHandler, ocp.args.JsonRestore, "JsonRestore",
+                         for_restore=True)
 
 
 ARRAY_ITEMS, JSON_ITEMS = ("model", "opt"), ("meta", "data")
