@@ -37,6 +37,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_max_to_keep = 3     # older checkpoints are deleted
   config.checkpoint_async = True        # save in the background while training goes on
   config.workdir_lock_stale_s = 600     # gs:// workdirs: a lock without heartbeat this long is taken over
+  config.checkpoint_allow_unverified = False  # restore checkpoints without an integrity record
+  config.resume_with_changes = False    # resume despite other data, batch shape or seed
 
   # --- batch ---------------------------------------------------------------------------
   config.seq_len = 128                  # tokens per training row (packed documents)

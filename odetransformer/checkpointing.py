@@ -4,10 +4,11 @@ Layout under `<workdir>`:
 
   config.json                  the run's full config (written at start, process 0)
   checkpoints/<step>/
-    model/                     nnx.state(model) as a pure dict (orbax StandardSave)
+    model/                     nnx.state(model) as a pure dict (orbax PyTree, zarr3)
     opt/                       nnx.state(optimizer) as a pure dict (Adam moments, step)
     meta/                      JSON: step, base RNG key data, process count, config
     data/                      JSON: the grain iterator state of every process
+    <item>/integrity.json      the item's integrity record (below)
 
 Model and optimizer are separate items so that evaluation, generation and
 materialisation restore only `model`. The data-iterator state is plain JSON restored
@@ -15,27 +16,39 @@ by `input_pipeline.restore_iterator_state`, not grain's own orbax handler (which
 the packing remainder). Restore targets come from `nnx.get_abstract_model` so they
 carry concrete-mesh shardings (an `nnx.eval_shape` target carries an AbstractMesh).
 
-    checksums.json             sha256 of every file above, written once the save is
-                               complete (process 0), checked before every restore
-
 Reliability: orbax writes each step under `<step>.orbax-checkpoint-tmp-<ts>` and renames
 it when complete (on an object store, where there is no rename: under `<step>/`, complete
-once it holds `commit_success.txt`), so a run killed mid-save leaves only such a temporary
-directory, which `latest_step()` never lists. Before each save the run records itself as
-the step's writer (`.save_owners/<step>.json`: host, PID, run id); at start a run that
-holds the workdir lock deletes the temporary directories whose writer is known to have
-ended, and leaves (with a warning) those of a writer that may still be running. Orbax 0.12.8 checksums only the shard indices of its zarr
-arrays, not the data: flipped bits in a weight file restore without a word. Hence
-`checksums.json`; a checkpoint whose files do not match it (or that fails to restore
-otherwise: truncated files) is moved to `<workdir>/corrupt_checkpoints/` with a warning
-and the previous one is used; when none restores, `CheckpointError` stops the run and
-nothing is moved or overwritten. A save that fails (disk full, directory gone) is a
-one-line CheckpointError too. Each checkpoint's `meta` records the run's fingerprint
+once it holds `commit_success.txt`), so a run killed mid-save leaves only an uncommitted
+step, which `latest_step()` never lists. Before each save the run records itself as the
+step's writer (`.save_owners/<step>.json`: host, PID, run id); at start a run that holds
+the workdir lock deletes the temporary directories whose writer is known to have ended,
+and leaves (with a warning) those of a writer that may still be running.
+
+Integrity is part of the save and of the read. The arrays are zarr3 with a crc32c
+checksum per chunk (orbax 0.12.8 checksums only each shard's index; see
+`_install_chunk_checksums`): each process writes the checksums of what it writes, and
+tensorstore checks them on every read, in parallel, on each process for what it reads.
+The OCDBT manifests and b-tree nodes carry tensorstore's own checksums. Every other
+file of an item (JSON, array metadata, manifests: small) is listed with its sha256 in
+`<item>/integrity.json`, written by the primary process in the item handler's
+`finalize`, after all writes and before the commit: a hard kill at any instant leaves
+an uncommitted checkpoint or one with its record. A committed item without a record
+(an older version wrote it, or the record was deleted) is unverified: refused with one
+line unless `checkpoint_allow_unverified` is set. A checkpoint whose files do not match
+(or that fails to restore otherwise: truncated files) is moved to
+`<workdir>/corrupt_checkpoints/` with a warning and the previous one is used; when none
+restores, `CheckpointError` stops the run and nothing is moved or overwritten. A reader
+(evaluation, generation) whose step is deleted while it reads (the writer's
+`max_to_keep` rotation) moves to the newest committed step. A save that fails (disk
+full, directory gone) is a one-line CheckpointError too.
+
+Each checkpoint's `meta` records the run's fingerprint
 (`fingerprint`): what its arrays mean — the model config, the data source and split,
-the tokenizer file's hash — so that a resume with other settings is refused before
-anything is written (`fingerprint_diffs`).
+the tokenizer file's hash — and what makes a resume exact — the training data's
+content hash, the batch shape and the seed — so that a resume with other settings is
+refused before anything is written (`fingerprint_diffs`); `resume_with_changes`
+accepts the latter knowingly.
 """
-import hashlib
 import json
 import logging as std_logging
 import os
@@ -61,10 +74,10 @@ CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.model"   # the run's tokenizer, copied into its workdir
-CHECKSUM_FILE = "checksums.json"
 OWNERS_DIR = ".save_owners"          # <step>.json: the run that writes that step
 COMMIT_FILE = "commit_success.txt"   # orbax's mark of a complete step on object stores
 _TMP_STEP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")   # a local step being written
+INTEGRITY_FILE = "integrity.json"    # in each item of a checkpoint
 
 
 # Array layouts that changed in the code (not the config) and what to do about them.
@@ -87,6 +100,18 @@ class CorruptCheckpointError(CheckpointError):
   """A checkpoint's files differ from the checksums written when it was saved."""
 
 
+class UnverifiedCheckpointError(CheckpointError):
+  """A committed checkpoint without its integrity record."""
+
+
+UNVERIFIED_HINT = (
+    "its files cannot be checked; restore it unchecked with "
+    "--config.checkpoint_allow_unverified=true (main.py; the tools: "
+    "--checkpoint_allow_unverified), or delete it to use the previous one")
+UNVERIFIED_FLAG_HELP = ("Restore a checkpoint without its integrity record (one written by "
+                        "an older version) unchecked.")
+
+
 # --------------------------------------------------------------------------------------
 # What a checkpoint depends on
 # --------------------------------------------------------------------------------------
@@ -99,37 +124,45 @@ FINGERPRINT_DATA_FIELDS = ("source", "train_split", "train_files", "text_key", "
                            "tokenizer_sample_bytes")
 
 
+# What makes a resume continue the run exactly: the batch shape and the seed.
+RESUME_FIELDS = ("global_batch_size", "seq_len", "seed")
+# Differences that `resume_with_changes` cannot accept: the arrays would mean something
+# else (another model, vocabulary or tokenizer).
+ARRAY_MEANING_DIFFS = ("model.", "data.vocab_size ", "data.tokenizer_sample_bytes ",
+                       "tokenizer file ")
+
+
 def file_sha256(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      h.update(block)
-  return h.hexdigest()
+  return fileio.sha256(path)
 
 
-def fingerprint(config, tokenizer_sha256: Optional[str] = None) -> dict:
+def fingerprint(config, tokenizer_sha256: Optional[str] = None,
+                data_hash: Optional[str] = None) -> dict:
   """What a run's checkpoints depend on, as plain JSON values.
 
   The model config (less `RESUMABLE_MODEL_FIELDS`), the data source and split and the
-  settings that train its tokenizer, and the tokenizer file's sha256 (None before the
-  tokenizer is known).
+  settings that train its tokenizer, the batch shape and seed (`RESUME_FIELDS`), the
+  tokenizer file's sha256 and the training data's content hash (each None while not
+  known yet).
   """
   plain = json.loads(config.to_json_best_effort())
   model = {k: v for k, v in plain.get("model", {}).items() if k not in RESUMABLE_MODEL_FIELDS}
   data = {k: plain.get("data", {}).get(k) for k in FINGERPRINT_DATA_FIELDS}
-  return {"model": model, "data": data, "tokenizer_sha256": tokenizer_sha256}
+  resume = {k: plain.get(k) for k in RESUME_FIELDS}
+  return {"model": model, "data": data, "resume": resume,
+          "tokenizer_sha256": tokenizer_sha256, "data_content_hash": data_hash}
 
 
 def fingerprint_diffs(old: dict, new: dict) -> list:
   """'section.key old -> new' for each difference between two fingerprints.
 
-  A None tokenizer hash (not known yet, or a checkpoint written before hashes) matches
-  any. When the new run names its tokenizer file, the hash decides and the settings that
-  would train one (tokenizer_sample_bytes) do not matter. A key only one side has is a
-  field added to (or dropped from) the code since: its default keeps the old meaning.
+  A None hash (not known yet, or a checkpoint written before hashes) matches any. When
+  the new run names its tokenizer file, the hash decides and the settings that would
+  train one (tokenizer_sample_bytes) do not matter. A key only one side has is a field
+  added to (or dropped from) the code since: its default keeps the old meaning.
   """
   diffs = []
-  for section in ("model", "data"):
+  for section in ("model", "data", "resume"):
     a, b = old.get(section) or {}, new.get(section) or {}
     for key in sorted(set(a) & set(b)):
       if section == "model" and key in RESUMABLE_MODEL_FIELDS:
@@ -141,6 +174,9 @@ def fingerprint_diffs(old: dict, new: dict) -> list:
   a, b = old.get("tokenizer_sha256"), new.get("tokenizer_sha256")
   if a and b and a != b:
     diffs.append(f"tokenizer file sha256 {a[:12]}… -> {b[:12]}…")
+  a, b = old.get("data_content_hash"), new.get("data_content_hash")
+  if a and b and a != b:
+    diffs.append(f"training data content {a[:40]!r} -> {b[:40]!r}")
   return diffs
 
 
@@ -153,9 +189,10 @@ def stored_fingerprint(workdir: str) -> Optional[tuple]:
   directory = checkpoint_dir(workdir)
   for step in reversed(finalized_steps(workdir)):
     try:
-      with open(os.path.join(directory, str(step), "meta", "metadata")) as f:
-        meta = json.load(f)
+      meta = json.loads(fileio.read_text(fileio.join(directory, str(step), "meta", "metadata")))
     except (OSError, ValueError):
+      continue
+    if not isinstance(meta, dict):
       continue
     if isinstance(meta.get("fingerprint"), dict):
       return step, meta["fingerprint"]
@@ -166,43 +203,62 @@ def stored_fingerprint(workdir: str) -> Optional[tuple]:
 
 
 def tokenizer_sha256(path: Optional[str]) -> Optional[str]:
-  return file_sha256(path) if path and os.path.isfile(path) else None
+  return fileio.sha256(path) if path and fileio.isfile(path) else None
 
 
 def check_resumable(config, workdir: str) -> Optional[dict]:
-  """ConfigError when `workdir` holds checkpoints of another model, data or tokenizer.
+  """ConfigError when `workdir` holds checkpoints of another model, data or tokenizer,
+  or of other batch settings.
 
   Compares this config with the fingerprint the newest checkpoint records: model
-  fields, data source and split, and — when `data.tokenizer_path` names a file — its
-  hash; otherwise the settings that would train the tokenizer. Runs before anything is
-  written (no tokenizer trained, no config.json rewritten), so a refused workdir stays
-  exactly as it was. Returns the stored fingerprint (None: no checkpoint).
+  fields, data source and split, batch shape and seed, and — when
+  `data.tokenizer_path` names a file — its hash; otherwise the settings that would
+  train the tokenizer. Runs before anything is written (no tokenizer trained, no
+  config.json rewritten), so a refused workdir stays exactly as it was. Returns the
+  stored fingerprint (None: no checkpoint).
   """
   found = stored_fingerprint(workdir)
   if found is None:
     return None
   step, stored = found
-  _refuse_if_different(workdir, step, stored,
+  _refuse_if_different(config, workdir, step, stored,
                        fingerprint(config, tokenizer_sha256(config.data.get("tokenizer_path"))))
   return stored
 
 
-def check_tokenizer(config, tokenizer_path: str, workdir: str, stored: Optional[dict]) -> dict:
-  """The run's fingerprint, with its tokenizer's hash; ConfigError when a resumed run's
-  tokenizer file differs from the checkpoints' (before it is copied into the workdir)."""
-  new = fingerprint(config, tokenizer_sha256(tokenizer_path))
+def check_tokenizer(config, tokenizer_path: str, workdir: str, stored: Optional[dict],
+                    data_hash: Optional[str] = None) -> dict:
+  """The run's fingerprint, with its tokenizer's hash and its training data's content
+  hash (`Datasets.content_hash`); ConfigError when a resumed run's tokenizer file or
+  data differ from the checkpoints' (before the tokenizer is copied into the workdir).
+  """
+  new = fingerprint(config, tokenizer_sha256(tokenizer_path), data_hash)
   if stored is not None:
-    _refuse_if_different(workdir, finalized_steps(workdir)[-1], stored, new)
+    diffs = _refuse_if_different(config, workdir, finalized_steps(workdir)[-1], stored, new)
+    if diffs:
+      logging.warning("resuming with changes (resume_with_changes=true): %s; the run no "
+                      "longer continues exactly", "; ".join(diffs))
   return new
 
 
-def _refuse_if_different(workdir: str, step: int, stored: dict, new: dict):
+def _refuse_if_different(config, workdir: str, step: int, stored: dict, new: dict) -> list:
+  """ConfigError naming the differences, unless there are none or all are accepted by
+  `resume_with_changes`; returns the accepted ones."""
   diffs = fingerprint_diffs(stored, new)
-  if diffs:
+  if not diffs:
+    return []
+  if any(d.startswith(ARRAY_MEANING_DIFFS) for d in diffs):
     raise ConfigError(
         f"{workdir} holds checkpoints (step {step}) of a different model, data or "
         f"tokenizer ({'; '.join(diffs)}); resume with the same settings, start a new "
         "--workdir, or fine-tune from this run with --config.init_from")
+  if not config.get("resume_with_changes", False):
+    raise ConfigError(
+        f"{workdir} holds checkpoints (step {step}) trained on other data or batch "
+        f"settings ({'; '.join(diffs)}); resume with the same settings, pass "
+        "--config.resume_with_changes=true to continue from them anyway (no longer an "
+        "exact resume), or start a new --workdir")
+  return diffs
 
 
 def save_tokenizer(src: str, workdir: str):
@@ -224,51 +280,143 @@ def validate_options(config):
 
 
 # --------------------------------------------------------------------------------------
-# Checksums of the files of a checkpoint
+# Integrity: written as part of each save, checked as part of each read
 # --------------------------------------------------------------------------------------
-def _files_under(root: str) -> list:
-  out = []
-  for base, _, files in os.walk(root):
-    for name in files:
-      rel = os.path.relpath(os.path.join(base, name), root)
-      if rel != CHECKSUM_FILE:
-        out.append(rel)
-  return sorted(out)
+def _build_zarr3_metadata_with_crc32c(*args, **kwargs):
+  """Orbax's zarr3 array metadata with a `crc32c` codec after each chunk's codecs:
+  tensorstore writes a checksum per chunk and checks it on every read. Compression is
+  zstd level 1, as in orbax's default (zarr2) arrays; its zarr3 default, level 3,
+  costs more time for weights, which barely compress."""
+  metadata = _ORBAX_BUILD_ZARR3_METADATA(*args, **kwargs)
+  for codec in metadata["codecs"]:
+    if codec.get("name") == "sharding_indexed":
+      inner = codec["configuration"]["codecs"]
+      for c in inner:
+        if c.get("name") == "zstd":
+          c["configuration"]["level"] = 1
+      if not any(c.get("name") == "crc32c" for c in inner):
+        inner.append({"name": "crc32c"})
+  return metadata
 
 
-def write_checksums(step_dir: str):
-  """Writes `<step_dir>/checksums.json` (sha256 of every file) atomically."""
-  sums = {rel: file_sha256(os.path.join(step_dir, rel)) for rel in _files_under(step_dir)}
-  tmp = os.path.join(step_dir, CHECKSUM_FILE + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump({"sha256": sums}, f, indent=0, sort_keys=True)
-  os.replace(tmp, os.path.join(step_dir, CHECKSUM_FILE))
+_ORBAX_BUILD_ZARR3_METADATA = None
 
 
-def verify_checksums(step_dir: str, items: Optional[tuple] = None) -> bool:
-  """Checks the files of `step_dir` (only those under `items`, if given) against its
-  checksums.json. False when there is none (a checkpoint of an older version, or one
-  whose run was killed before hashing it); CorruptCheckpointError on a mismatch."""
-  path = os.path.join(step_dir, CHECKSUM_FILE)
-  if not os.path.exists(path):
-    return False
+def _install_chunk_checksums():
+  """Makes orbax's zarr3 arrays carry per-chunk crc32c checksums (once per process).
+
+  Orbax 0.12.8 checksums only each zarr3 shard's index; the chunk codecs are chosen
+  by a module function with no option, hence this wrapper. Only zarr3 writes are
+  affected, and only `_IntegrityPyTreeHandler` writes zarr3.
+  """
+  global _ORBAX_BUILD_ZARR3_METADATA
+  from orbax.checkpoint._src.serialization import tensorstore_utils  # pylint: disable=g-import-not-at-top
+  if _ORBAX_BUILD_ZARR3_METADATA is None:
+    _ORBAX_BUILD_ZARR3_METADATA = tensorstore_utils._build_zarr3_metadata  # pylint: disable=protected-access
+    tensorstore_utils._build_zarr3_metadata = _build_zarr3_metadata_with_crc32c  # pylint: disable=protected-access
+
+
+def _chunk_file(rel: str) -> bool:
+  """True for a tensorstore OCDBT data file (`.../d/<hash>`): chunks with their crc32c
+  and b-tree nodes with their own checksums, checked by tensorstore as it reads."""
+  return "d" in rel.split("/")[:-1]
+
+
+def files_under(root) -> list:
+  """Relative paths of the files under `root` (ascending; not integrity records)."""
+  return [rel for rel in fileio.walk_files(root) if rel.split("/")[-1] != INTEGRITY_FILE]
+
+
+def write_integrity_record(item_dir, chunk_checksums: bool):
+  """Writes `<item_dir>/integrity.json`: the sha256 of each of its files that chunk
+  checksums do not cover (JSON, array metadata, OCDBT manifests: small).
+
+  Called in the handlers' `finalize`, on the primary process, after every process's
+  writes completed and before orbax commits the checkpoint (the rename of its
+  temporary directory; on object stores, commit_success.txt).
+  """
+  files = [rel for rel in files_under(item_dir) if not (chunk_checksums and _chunk_file(rel))]
+  record = {"version": 1, "chunks": "crc32c" if chunk_checksums else None,
+            "sha256": {rel: fileio.sha256(fileio.join(item_dir, rel)) for rel in files}}
+  fileio.write_text_atomic(fileio.join(item_dir, INTEGRITY_FILE),
+                           json.dumps(record, indent=0, sort_keys=True))
+
+
+def verify_integrity_record(item_dir):
+  """Checks the files `<item_dir>/integrity.json` lists (array chunks are checked by
+  tensorstore as they are read).
+
+  Raises:
+    UnverifiedCheckpointError: there is no record (an older version wrote the item,
+      or the record was deleted).
+    CorruptCheckpointError: the record is unreadable, or a file it lists is missing
+      or differs.
+  """
+  path = fileio.join(item_dir, INTEGRITY_FILE)
   try:
-    with open(path) as f:
-      sums = json.load(f)["sha256"]
-  except (OSError, ValueError, KeyError, TypeError) as e:
+    text = fileio.read_text(path)
+  except FileNotFoundError as e:
+    raise UnverifiedCheckpointError(f"{item_dir} has no {INTEGRITY_FILE}") from e
+  try:
+    sums = json.loads(text)["sha256"]
+    items = sorted(sums.items())
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise CorruptCheckpointError(f"{path} is unreadable ({type(e).__name__})") from e
-  for rel, expected in sorted(sums.items()):
-    if items is not None and rel.split(os.sep)[0] not in items:
-      continue
-    full = os.path.join(step_dir, rel)
+  for rel, expected in items:
+    full = fileio.join(item_dir, rel)
     try:
-      actual = file_sha256(full)
-    except OSError as e:
-      raise CorruptCheckpointError(f"{full} is missing or unreadable ({e.strerror})") from e
+      actual = fileio.sha256(full)
+    except FileNotFoundError as e:
+      raise CorruptCheckpointError(f"{full} is missing") from e
     if actual != expected:
       raise CorruptCheckpointError(
-          f"{full} is corrupt: its sha256 differs from the one written when it was saved")
-  return True
+          f"{full} is corrupt: its sha256 differs from the one recorded when it was saved")
+
+
+class _IntegrityPyTreeHandler(ocp.PyTreeCheckpointHandler):
+  """Arrays as zarr3 with a crc32c per chunk, plus the record of the other files."""
+
+  def __init__(self):
+    _install_chunk_checksums()
+    super().__init__(use_zarr3=True)
+
+  def finalize(self, directory):
+    super().finalize(directory)           # merges the processes' OCDBT manifests
+    write_integrity_record(directory, chunk_checksums=True)
+
+
+class _IntegrityJsonHandler(ocp.JsonCheckpointHandler):
+  """A JSON item plus the record of its file."""
+
+  def finalize(self, directory):
+    super().finalize(directory)
+    write_integrity_record(directory, chunk_checksums=False)
+
+
+def _routed_to(handler_cls, args_cls, name: str, **save_or_restore):
+  """A subclass of orbax's `args_cls` that routes an item to `handler_cls` (orbax finds
+  an item's handler by the type of its arguments)."""
+  return ocp.args.register_with_handler(handler_cls, **save_or_restore)(
+      type(name, (args_cls,), {"__module__": __name__}))
+
+
+ArraysSave = _routed_to(_IntegrityPyTreeHandler, ocp.args.PyTreeSave, "ArraysSave",
+                        for_save=True)
+ArraysRestore = _routed_to(_IntegrityPyTreeHandler, ocp.args.PyTreeRestore, "ArraysRestore",
+                           for_restore=True)
+JsonSave = _routed_to(_IntegrityJsonHandler, ocp.args.JsonSave, "JsonSave", for_save=True)
+JsonRestore = _routed_to(_IntegrityJsonHandler, ocp.args.JsonRestore, "JsonRestore",
+                         for_restore=True)
+
+
+ARRAY_ITEMS, JSON_ITEMS = ("model", "opt"), ("meta", "data")
+
+
+def integrity_item_handlers() -> dict:
+  """The orbax handler of each checkpoint item (for `ocp.CheckpointManager`)."""
+  handlers = {item: _IntegrityPyTreeHandler() for item in ARRAY_ITEMS}
+  handlers.update({item: _IntegrityJsonHandler() for item in JSON_ITEMS})
+  return handlers
 
 
 _CHATTY = ("/orbax/", "/tensorflow_datasets/")
@@ -436,7 +584,11 @@ class Checkpointer:
     lock: the run's acquired `WorkdirLock`. Only with it are temporary directories
       deleted at start (`_remove_dead_saves`), and each save checks that the lock is still
       this run's (`claim_step`).
+
+  `allow_unverified` (set by the caller): restore checkpoints without their integrity
+  record (`restore_newest`).
   """
+  allow_unverified = False
 
   def __init__(self, workdir: str, *, max_to_keep: int = 3, async_save: bool = True,
                fingerprint: Optional[dict] = None,
@@ -451,11 +603,11 @@ class Checkpointer:
     # a run still writing into this workdir too.
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                          item_handlers=integrity_item_handlers())
     self._preempted = threading.Event()
     self._old_handlers = {}
     self._pending_step = None     # the step of a save that may still be in flight
-    self._unhashed = set()        # steps this run saved that have no checksums.json yet
 
   # -- ownership of the workdir's saves --------------------------------------------------
   def _holds_lock(self) -> bool:
@@ -558,10 +710,10 @@ class Checkpointer:
     if self.fingerprint is not None:
       meta["fingerprint"] = self.fingerprint
     args = ocp.args.Composite(
-        model=ocp.args.StandardSave(nnx.to_pure_dict(_as_state(model))),
-        opt=ocp.args.StandardSave(nnx.to_pure_dict(_as_state(optimizer))),
-        meta=ocp.args.JsonSave(meta),
-        data=ocp.args.JsonSave(data),
+        model=ArraysSave(nnx.to_pure_dict(_as_state(model))),
+        opt=ArraysSave(nnx.to_pure_dict(_as_state(optimizer))),
+        meta=JsonSave(meta),
+        data=JsonSave(data),
     )
     self.wait_until_finished()    # orbax waits for the previous save anyway
     try:
@@ -570,7 +722,6 @@ class Checkpointer:
       raise self._save_error(int(step), e) from e
     if saved:
       self._pending_step = int(step)
-      self._unhashed.add(int(step))
     return saved
 
   def _save_error(self, step: int, e: BaseException) -> CheckpointError:
@@ -582,17 +733,6 @@ class Checkpointer:
         f"({_one_line(e)}); free disk space or restore the directory, then run the same "
         f"command again ({resume})")
 
-  def _hash_finished_saves(self):
-    """checksums.json for the complete checkpoints this run saved (process 0; nothing in
-    flight: called after waiting). Older ones without (a run killed before hashing, an
-    older version) are not hashed now: their files were never checked."""
-    if jax.process_index() != 0:
-      self._unhashed.clear()
-      return
-    for step in sorted(self._unhashed & set(finalized_steps(self.workdir))):
-      write_checksums(os.path.join(self.directory, str(step)))
-    self._unhashed.clear()      # the rest were deleted (max_to_keep) or never completed
-
   def restore(self, step: int, abstract_model_state, abstract_opt_state):
     """Restores one step into abstract states (from `nnx.get_abstract_model`).
 
@@ -601,7 +741,8 @@ class Checkpointer:
       `nnx.update` with, the meta dict, and this process's iterator state.
     """
     step, (model_state, opt_state, meta, data) = restore_newest(
-        self._manager, self.directory, [int(step)], abstract_model_state, abstract_opt_state)
+        self._manager, self.directory, [int(step)], abstract_model_state, abstract_opt_state,
+        allow_unverified=self.allow_unverified)
     return model_state, opt_state, meta, _this_process_data(data)
 
   def restore_latest(self, abstract_model_state, abstract_opt_state):
@@ -619,7 +760,8 @@ class Checkpointer:
     if not steps:
       return None
     step, restored = restore_newest(self._manager, self.directory, steps,
-                                    abstract_model_state, abstract_opt_state)
+                                    abstract_model_state, abstract_opt_state,
+                                    allow_unverified=self.allow_unverified)
     failed = [s for s in steps if s > step]
     if failed:
       self.set_aside(failed)
@@ -639,19 +781,15 @@ class Checkpointer:
     self._manager.reload()
 
   def wait_until_finished(self):
-    """Waits for a save in flight, then hashes it; a failed save is a CheckpointError."""
+    """Waits for a save in flight (committed with its integrity record: see
+    `write_integrity_record`); a failed save is a CheckpointError."""
     try:
       self._manager.wait_until_finished()
       self._manager.check_for_errors()
     except Exception as e:  # pylint: disable=broad-except
       step, self._pending_step = self._pending_step, None
       raise self._save_error(step if step is not None else -1, e) from e
-    if self._pending_step is not None:
-      step, self._pending_step = self._pending_step, None
-      try:
-        self._hash_finished_saves()
-      except OSError as e:
-        raise self._save_error(step, e) from e
+    self._pending_step = None
 
   def close(self):
     try:
@@ -685,19 +823,6 @@ def _as_state(x):
   return x if isinstance(x, nnx.State) else nnx.state(x)
 
 
-def _verify_on_process_0(step_dir: str, items: Optional[tuple] = None):
-  """`verify_checksums` on process 0 (files on shared storage), its verdict on all."""
-  error = ""
-  if jax.process_index() == 0:
-    try:
-      verify_checksums(step_dir, items)
-    except CorruptCheckpointError as e:
-      error = str(e)
-  error = _allgather_strings(error)[0]
-  if error:
-    raise CorruptCheckpointError(error)
-
-
 def _check_stored_shapes(directory, step: int, item: str, target):
   """LayoutMismatchError naming the first array whose stored shape differs from
   `target`'s.
@@ -729,40 +854,128 @@ def _fill(abstract_state, pure_dict):
   return state
 
 
+def _restore_args(targets: dict, json_items: tuple) -> dict:
+  args = {item: ArraysRestore(
+      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+          for item, target in targets.items()}
+  args.update({item: JsonRestore() for item in json_items})
+  return args
+
+
+def _in_chain(e: Optional[BaseException], found) -> Optional[BaseException]:
+  """The first exception of `e`'s chain (e, its cause, ...) for which `found` holds."""
+  while e is not None and not found(e):
+    e = e.__cause__ or e.__context__
+  return e
+
+
+def _corrupt_chunk(step_dir: str, e: BaseException) -> Optional[CorruptCheckpointError]:
+  """The CorruptCheckpointError for tensorstore's checksum failure `e` (None: another
+  error)."""
+  e = _in_chain(e, lambda x: "Digest mismatch" in str(x))
+  if e is None:
+    return None
+  return CorruptCheckpointError(
+      f"{step_dir} is corrupt: an array chunk's crc32c differs from the one written when "
+      f"it was saved ({_one_line(e)[:200]})")
+
+
+def _read_step(manager, directory: str, step: int, targets: dict, json_items: tuple,
+               allow_unverified: bool) -> dict:
+  """This process's read of one step: the integrity records of the items it reads,
+  then the items (tensorstore checks each chunk's crc32c as it reads)."""
+  step_dir = fileio.join(directory, str(step))
+  unverified = []
+  for item in (*targets, *json_items):
+    try:
+      verify_integrity_record(fileio.join(step_dir, item))
+    except UnverifiedCheckpointError:
+      unverified.append(item)
+  if unverified:
+    what = (f"the checkpoint of step {step} in {directory} has no integrity record "
+            f"({', '.join(unverified)}: written by an older odetransformer, or its "
+            f"{INTEGRITY_FILE} was deleted)")
+    if not allow_unverified:
+      raise UnverifiedCheckpointError(f"{what}: {UNVERIFIED_HINT}")
+    logging.warning("%s: restoring it unchecked (checkpoint_allow_unverified)", what)
+  try:
+    return manager.restore(step, args=ocp.args.Composite(**_restore_args(targets, json_items)))
+  except Exception as e:  # pylint: disable=broad-except
+    corrupt = _corrupt_chunk(step_dir, e)
+    if corrupt is not None:
+      raise corrupt from e
+    raise
+
+
+def _vanished(step_dir: str, e: BaseException) -> bool:
+  """True when `step_dir` is gone: deleted while being read (a writer's max_to_keep
+  rotation). A file missing from a directory still there waits a few seconds for the
+  deletion to finish."""
+  missing = _in_chain(e, lambda x: isinstance(x, FileNotFoundError) or any(
+      text in str(x) for text in ("NOT_FOUND", "No such file")))
+  deadline = time.monotonic() + (5.0 if missing is not None else 0.0)
+  while fileio.isdir(step_dir):
+    if time.monotonic() >= deadline:
+      return False
+    time.sleep(0.2)
+  return True
+
+
 def restore_newest(manager, directory: str, steps, abstract_model_state,
-                   abstract_opt_state=None) -> tuple:
-  """The one restore path: the first of `steps` (newest first) whose files match their
-  checksums and restore, as (step, (model_state, opt_state, meta, data)).
+                   abstract_opt_state=None, *, allow_unverified: bool = False,
+                   relist=None) -> tuple:
+  """The one restore path: the first of `steps` (newest first) whose files pass their
+  integrity checks and restore, as (step, (model_state, opt_state, meta, data)).
 
   With `abstract_opt_state` None only the model item is read (opt_state, meta and data
   are None). A checkpoint whose arrays have other shapes than the model's stops at once
-  (LayoutMismatchError: the code, not the files, differs); a corrupt or unreadable one
-  is skipped with a warning, and CheckpointError (one line) names the newest when none
-  restores. Nothing is moved here.
+  (LayoutMismatchError: the code, not the files, differs), and so does one without its
+  integrity record unless `allow_unverified` (UnverifiedCheckpointError); a corrupt or
+  unreadable one is skipped with a warning, and CheckpointError (one line) names the
+  newest when none restores. A step deleted while it is read (a writer's rotation) is
+  not corrupt: `relist()` (steps, newest first), when given, names the steps to try
+  instead. Every process reads its part; their verdicts are shared, so all of them
+  take the same step. Nothing is moved here.
   """
   targets = {"model": nnx.to_pure_dict(abstract_model_state)}
+  json_items = ()
   if abstract_opt_state is not None:
     targets["opt"] = nnx.to_pure_dict(abstract_opt_state)
-  failed = []
-  for step in steps:
+    json_items = JSON_ITEMS
+  queue, tried, failed, vanished = list(steps), set(), [], []
+  while queue:
+    step = queue.pop(0)
+    tried.add(step)
     for item, target in targets.items():
       try:
         _check_stored_shapes(directory, step, item, target)
       except LayoutMismatchError as e:
         raise LayoutMismatchError(f"the checkpoint of step {step} in {directory} does not "
                                   f"restore: {SHAPE_CHANGE_HINT}; {e}") from e
-    args = {item: ocp.args.StandardRestore(target) for item, target in targets.items()}
-    if abstract_opt_state is not None:
-      args.update(meta=ocp.args.JsonRestore(), data=ocp.args.JsonRestore())
+    verdict, restored = "", None
     try:
-      _verify_on_process_0(os.path.join(directory, str(step)),
-                           items=None if abstract_opt_state is not None else ("model",))
-      restored = manager.restore(step, args=ocp.args.Composite(**args))
+      restored = _read_step(manager, directory, step, targets, json_items, allow_unverified)
     except Exception as e:  # pylint: disable=broad-except
-      failed.append((step, e))
+      kind = ("vanished" if _vanished(fileio.join(directory, str(step)), e) else
+              "unverified" if isinstance(e, UnverifiedCheckpointError) else "failed")
+      verdict = f"{kind}\t{_one_line(e) if kind == 'failed' else e}"
+    verdict = next((v for v in _allgather_strings(verdict) if v), "")
+    kind, _, message = verdict.partition("\t")
+    if kind == "unverified":
+      raise UnverifiedCheckpointError(message)
+    if kind == "vanished":
+      vanished.append(step)
+      logging.warning("the checkpoint of step %d in %s was deleted while being read (a "
+                      "running trainer's max_to_keep?)%s", step, directory,
+                      "; reading the newest one" if relist else "")
+      if relist is not None:
+        listed = [int(s) for s in json.loads(_allgather_strings(json.dumps(relist()))[0])]
+        queue = [s for s in listed if s not in tried]
+      continue
+    if kind == "failed":
+      failed.append((step, message))
       logging.warning("the checkpoint of step %d in %s does not restore (%s)%s", step,
-                      directory, _one_line(e),
-                      "; trying the previous one" if step != steps[-1] else "")
+                      directory, message, "; trying the previous one" if queue else "")
       continue
     if failed:
       logging.warning("using step %d, the newest checkpoint that restores", step)
@@ -771,40 +984,54 @@ def restore_newest(manager, directory: str, steps, abstract_model_state,
       return step, (model_state, None, None, None)
     return step, (model_state, _fill(abstract_opt_state, restored["opt"]),
                   restored["meta"], restored["data"])
+  if not failed:
+    raise CheckpointError(
+        f"the checkpoints of steps {vanished} in {directory} were deleted while being read "
+        "(a running trainer's max_to_keep rotation) and no other is left; run the command "
+        "again")
   newest, error = failed[0]
   raise CheckpointError(
       f"no checkpoint in {directory} restores (steps {[s for s, _ in failed]}; nothing was "
-      "changed): their files are corrupt or truncated; restore them from a backup or "
-      f"train again in a new --workdir (step {newest}: {_one_line(error)})")
+      "changed); restore them from a backup or train again in a new --workdir (step "
+      f"{newest}: {error})")
 
 
-def restore_model_state(workdir: str, abstract_model_state, step: Optional[int] = None):
+def restore_model_state(workdir: str, abstract_model_state, step: Optional[int] = None,
+                        allow_unverified: bool = False):
   """Just the model item (for evaluation, generation, materialisation).
 
   The latest checkpoint whose model restores (`restore_newest`); a corrupt one is
-  skipped with a warning and left where it is (a tool only reads).
+  skipped with a warning and left where it is (a tool only reads). When the latest
+  is deleted while it is read (the trainer's rotation), the newest one then committed.
 
   Args:
     workdir: a training workdir.
     abstract_model_state: from `nnx.get_abstract_model(lambda: create_model(cfg), mesh)`.
     step: which checkpoint; the latest that restores when None.
+    allow_unverified: restore a checkpoint without its integrity record.
 
   Returns:
     (model_state, step).
   """
   directory = checkpoint_dir(workdir)
   _quiet_orbax_tracebacks()
-  manager = ocp.CheckpointManager(directory,
+  manager = ocp.CheckpointManager(directory, item_handlers=integrity_item_handlers(),
                                   options=ocp.CheckpointManagerOptions(read_only=True))
+
+  def newest_first():
+    manager.reload()
+    return sorted(manager.all_steps(), reverse=True)
   try:
     steps = sorted(manager.all_steps(), reverse=True) if step is None else [int(step)]
     if not steps:
       raise CheckpointError(f"{directory} holds no complete checkpoint; train first "
                             "(python main.py --workdir=...) or pass the --workdir of a run")
-    if step is not None and not os.path.isdir(os.path.join(directory, str(int(step)))):
+    if step is not None and not fileio.isdir(fileio.join(directory, str(int(step)))):
       raise CheckpointError(f"{directory} has no checkpoint of step {step}; choose one of "
                             f"{finalized_steps(workdir)} or leave the step out (the latest)")
-    found, (state, _, _, _) = restore_newest(manager, directory, steps, abstract_model_state)
+    found, (state, _, _, _) = restore_newest(
+        manager, directory, steps, abstract_model_state, allow_unverified=allow_unverified,
+        relist=newest_first if step is None else None)
     return state, found
   finally:
     manager.close()

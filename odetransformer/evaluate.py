@@ -42,6 +42,7 @@ from flax import nnx
 
 from odetransformer import axes, checkpointing, fileio, host, loading, sharding
 from odetransformer.config import model_config
+from odetransformer.checkpointing import UNVERIFIED_FLAG_HELP
 from odetransformer.errors import UserError
 from odetransformer.losses import token_scores
 from odetransformer.model import LanguageModel
@@ -302,7 +303,8 @@ def main(argv, flag_values=None):
   # Every mistake in the flags is a UserError: one line and exit 2 (errors.run_cli).
   steps, _ = check_flags(f)
   host.initialize_distributed()
-  loaded = load_model(f.workdir, step=f.step, mesh_shape=f.mesh_shape)
+  loaded = load_model(f.workdir, step=f.step, mesh_shape=f.mesh_shape,
+                      allow_unverified=f.checkpoint_allow_unverified)
   cfg = loaded.model_config
   for n in steps:
     try:
@@ -348,6 +350,7 @@ def define_flags(flag_values=None):
   define("integer", "max_batches", 0, "Stop after this many batches (0 = the whole split).")
   define("string", "plot", "", "Also write perplexity against N as a PNG to this path.")
   define("string", "mesh_shape", "", loading.MESH_SHAPE_HELP)
+  define("bool", "checkpoint_allow_unverified", False, UNVERIFIED_FLAG_HELP)
   define("bool", "verbose", False, "Show the traceback of a user error as well.")
   flags.mark_flag_as_required("workdir", flag_values=fv)
   return fv

@@ -124,7 +124,8 @@ def initial_model_state(config, cfg: ModelConfig, mesh=None) -> nnx.State:
   (LoRA factors with 'zero_b') keep the new model's initialisation.
   """
   rules = sharding.logical_axis_rules(config.get("mesh"))
-  loaded = loading.load_model(config.init_from, mesh=mesh, rules=rules)
+  loaded = loading.load_model(config.init_from, mesh=mesh, rules=rules, allow_unverified=bool(
+      config.get("checkpoint_allow_unverified", False)))
   model = loaded.model
   if config.finetune.method != "continuous" and model.config.is_ode:
     model = materialize(model, cfg.num_steps, fold_dt=False)

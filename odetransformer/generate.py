@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from odetransformer import loading
+from odetransformer.checkpointing import UNVERIFIED_FLAG_HELP
 from odetransformer.errors import UserError
 from odetransformer.decode import Decoder, KVCache
 
@@ -248,7 +249,8 @@ def main(argv, flag_values=None):
   # Every mistake in the flags is a UserError: one line and exit 2 (errors.run_cli).
   check_flags(flags_)
   host.initialize_distributed()
-  loaded = load_model(flags_.workdir, step=flags_.step, mesh_shape=flags_.mesh_shape)
+  loaded = load_model(flags_.workdir, step=flags_.step, mesh_shape=flags_.mesh_shape,
+                      allow_unverified=flags_.checkpoint_allow_unverified)
   print_ = print if jax.process_index() == 0 else lambda *_: None   # process 0 reports
   sp = loading.load_tokenizer(flags_.workdir, loaded.config)
   cfg = loaded.model_config
@@ -316,6 +318,7 @@ def define_flags(flag_values=None):
   define("integer", "seed", 0, "Sampling seed.")
   define("integer", "num_samples", 1, "Continuations of the prompt, sampled as one batch.")
   define("string", "mesh_shape", "", loading.MESH_SHAPE_HELP)
+  define("bool", "checkpoint_allow_unverified", False, UNVERIFIED_FLAG_HELP)
   define("bool", "verbose", False, "Show the traceback of a user error as well.")
   flags.mark_flag_as_required("workdir", flag_values=fv)
   return fv

@@ -103,12 +103,13 @@ def local_mesh() -> jax.sharding.Mesh:
 
 
 def load_model(workdir: str, step: Optional[int] = None, mesh=None, *, mesh_shape: str = "",
-               rules=None) -> Loaded:
+               rules=None, allow_unverified: bool = False) -> Loaded:
   """The model of the latest (or given) checkpoint in `workdir` that restores.
 
   Restored sharded on `mesh` (default: `run_mesh(config, mesh_shape)`) under `rules`
   (default: the run's logical-axis rules). Raises a one-line UserError when there is no
-  run, no checkpoint or none restores.
+  run, no checkpoint or none restores (one without its integrity record only with
+  `allow_unverified`).
   """
   config = load_run_config(workdir)
   cfg = model_config(config, vocab_size=config.data.get("vocab_size"))
@@ -120,7 +121,8 @@ def load_model(workdir: str, step: Optional[int] = None, mesh=None, *, mesh_shap
       raise UserError(f"{os.path.join(workdir, checkpointing.CONFIG_FILE)}: {e}") from e
   with nnx.logical_axis_rules(rules):
     graphdef, abstract = nnx.get_abstract_model(lambda: create_model(cfg), mesh)
-  state, restored_step = checkpointing.restore_model_state(workdir, abstract, step)
+  state, restored_step = checkpointing.restore_model_state(workdir, abstract, step,
+                                                           allow_unverified)
   return Loaded(model=nnx.merge(graphdef, state), model_config=cfg, config=config,
                 step=int(restored_step), mesh=mesh, rules=tuple(rules))
 

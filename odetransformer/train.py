@@ -105,7 +105,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         eval_batch_size=config.eval_batch_size, seed=config.seed, workdir=workdir,
         process_index=jax.process_index(), process_count=jax.process_count())
     tokenizer = getattr(ds, "tokenizer_path", "")
-    fingerprint = checkpointing.check_tokenizer(config, tokenizer, workdir, stored)
+    fingerprint = checkpointing.check_tokenizer(config, tokenizer, workdir, stored,
+                                                getattr(ds, "content_hash", None))
     fileio.makedirs(workdir)
     checkpointing.save_tokenizer(tokenizer, workdir)
     cfg = model_config(config, ds.vocab_size)    # vocab_size: the tokenizer's
@@ -118,6 +119,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     ckpt = checkpointing.Checkpointer(workdir, max_to_keep=config.checkpoint_max_to_keep,
                                       async_save=config.checkpoint_async,
                                       fingerprint=fingerprint, lock=lock)
+    ckpt.allow_unverified = bool(config.get("checkpoint_allow_unverified", False))
     ckpt.install_sigterm_handler()   # SIGTERM and Ctrl-C: save at the current step, stop
     try:
       with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):

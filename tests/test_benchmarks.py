@@ -216,3 +216,21 @@ def test_any_n(tmp_path):
   last = re.fullmatch(rf"any-N: max ppl\(N\)/ppl\(K\) over N in \{{3K/2, 2K, 4K\}}: {NUM}",
                       out.strip().splitlines()[-1])
   assert last and _num(last.group(1)) == pytest.approx(ratio["random_offset"], abs=6e-4)
+
+
+def test_checkpoint_integrity():
+  out = _run("checkpoint_integrity", "--gib=0.004", "--repeats=1")
+  rows = {}
+  for what in ("save", "restore"):
+    for kind in ("wall", "cpu"):
+      m = _find(rf"^{what} {kind} s\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}×\s+{NUM}×$", out)
+      base, integrity, _, ratio, _ = map(_num, m.groups())
+      # The seconds are printed to 0.01: the ratio lies within what that rounding allows.
+      low, high = (integrity - 0.005) / (base + 0.005), (integrity + 0.005) / max(base - 0.005, 1e-9)
+      assert low - 0.005 <= ratio <= high + 0.005, (what, kind, out)
+      rows[what, kind] = ratio
+  m = _find(rf"^integrity overhead: save {NUM}×, restore {NUM}× wall; save {NUM}×, "
+            rf"restore {NUM}× CPU", out)
+  assert tuple(map(_num, m.groups())) == tuple(
+      rows[k] for k in (("save", "wall"), ("restore", "wall"), ("save", "cpu"),
+                        ("restore", "cpu")))

@@ -528,7 +528,7 @@ def test_misuse_is_one_line_and_changes_nothing(case, run_copy, cache, tmp_path)
   elif case == "generate_all_corrupt":
     _flip_a_bit(wd / "checkpoints" / "2")
     args = ["-m", "odetransformer.generate", f"--workdir={wd}", "--prompt=def"]
-    needles = ("no checkpoint in", "corrupt", "sha256")
+    needles = ("no checkpoint in", "corrupt", "crc32c")
   elif case in ("binary_text", "latin1_text"):
     wd = tmp_path / "fresh"
     rng = np.random.default_rng(0)
@@ -645,7 +645,8 @@ def test_flipped_bits_are_reported_as_corruption_and_fall_back(reference, cache,
   shutil.copytree(reference["workdir"], wd)
   assert checkpointing.finalized_steps(str(wd)) == [6, 7, 8]
   _flip_a_bit(wd / "checkpoints" / "8")
-  with pytest.raises(checkpointing.CheckpointError, match=r"8/model/.* is corrupt: its sha256"):
+  with pytest.raises(checkpointing.CheckpointError,
+                     match=r"checkpoints/8 is corrupt: an array chunk's crc32c differs"):
     loading.load_model(str(wd), step=8)
   assert loading.load_model(str(wd)).step == 7               # tools: the previous one
   r = train.train_and_evaluate(config(cache, 8, checkpoint_every_steps=1), str(wd))

@@ -44,6 +44,7 @@ from absl import logging
 from odetransformer import blocks
 from odetransformer import host, loading
 from odetransformer.analysis import fields
+from odetransformer.checkpointing import UNVERIFIED_FLAG_HELP
 
 
 # --------------------------------------------------------------------------- numerics
@@ -378,6 +379,7 @@ def parse_args(argv):
   p.add_argument("--num_steps", type=int, default=None,
                  help="Euler steps K for ODE models (default: the trained K)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  p.add_argument("--checkpoint_allow_unverified", action="store_true", help=UNVERIFIED_FLAG_HELP)
   p.add_argument("--tokenizer", default=None, help="SentencePiece .model (default: the run's)")
   p.add_argument("--prepend_eos", action="store_true",
                  help="put the document separator (eos) before the text, as in training")
@@ -398,7 +400,8 @@ def main(argv: Optional[list] = None) -> Sensitivity:
     raise errors.UserError(f"--jacobian_chunk={args.jacobian_chunk} must be positive")
   loading.load_run_config(args.workdir)
   host.initialize_distributed()   # several processes: jax.distributed, as main.py
-  loaded = load_model(args.workdir, step=args.step, mesh=loading.local_mesh())
+  loaded = load_model(args.workdir, step=args.step, mesh=loading.local_mesh(),
+                      allow_unverified=args.checkpoint_allow_unverified)
   cfg = loaded.model_config
   sp = load_tokenizer(args.workdir, args.tokenizer)
   # Undecodable bytes in argv arrive as lone surrogates, which SentencePiece rejects.

@@ -30,6 +30,7 @@ import numpy as np
 
 from odetransformer import host, loading
 from odetransformer.analysis import fields
+from odetransformer.checkpointing import UNVERIFIED_FLAG_HELP
 
 
 @dataclasses.dataclass
@@ -237,6 +238,7 @@ def parse_args(argv):
                  help="points t in [0, 1] for ODE models (discrete models: every layer)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   p.add_argument("--mesh_shape", default="", help=loading.MESH_SHAPE_HELP)
+  p.add_argument("--checkpoint_allow_unverified", action="store_true", help=UNVERIFIED_FLAG_HELP)
   return p.parse_args(argv)
 
 
@@ -251,7 +253,8 @@ def main(argv: Optional[list] = None) -> Spectra:
   loading.parse_mesh_shape(args.mesh_shape)
   loading.load_run_config(args.workdir)
   host.initialize_distributed()   # several processes: jax.distributed, as main.py
-  loaded = load_model(args.workdir, step=args.step, mesh_shape=args.mesh_shape)
+  loaded = load_model(args.workdir, step=args.step, mesh_shape=args.mesh_shape,
+                      allow_unverified=args.checkpoint_allow_unverified)
   spectra = compute_spectra(loaded.model, args.grid)
   if jax.process_index() == 0:   # every process computed them; one writes
     paths = write_outputs(spectra, args.out)

@@ -1,0 +1,213 @@
+"""Issue 31 item 4 / issue 32 items 1, 4 and 6: every committed checkpoint carries its
+integrity record (written as part of the save), a hard kill never leaves a committed
+checkpoint that restores unchecked, a checkpoint without its record is refused unless
+the user says otherwise, a resume on other data, batch shape or seed is refused, and a
+reader whose step is rotated away moves to the newest one."""
+import os
+import shutil
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+import input_pipeline
+from test_reliability import (assert_one_line_error, config, main_cmd, run_command,  # pylint: disable=unused-import
+                              snapshot, start_and_wait_for_checkpoint)
+from test_train import _final_params, fast_compiles  # pylint: disable=unused-import
+from odetransformer import checkpointing, errors, loading, train
+
+pytestmark = pytest.mark.xdist_group("test_integrity")
+
+ITEMS = ("model", "opt", "meta", "data")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  return tmp_path_factory.mktemp("integrity_cache")
+
+
+@pytest.fixture(scope="module")
+def trained(cache, tmp_path_factory):
+  """A 6-step run's workdir: checkpoints 2, 4 and 6 (to be copied by tests)."""
+  wd = tmp_path_factory.mktemp("trained")
+  train.train_and_evaluate(config(cache, 6, checkpoint_every_steps=2), str(wd))
+  assert checkpointing.finalized_steps(str(wd)) == [2, 4, 6]
+  return wd
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path):
+  wd = tmp_path / "run"
+  shutil.copytree(trained, wd)
+  return wd
+
+
+def _flip_byte(path, offset=None):
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2 if offset is None else offset] ^= 0x10
+  path.write_bytes(bytes(data))
+
+
+def _largest_file(item_dir):
+  return max((p for p in item_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _params(workdir, step=None):
+  loaded = loading.load_model(str(workdir), step=step)
+  return loaded.step, jax.tree.map(np.asarray, jax.tree.leaves(loaded.model))
+
+
+def test_sigkill_between_saves_leaves_only_verified_checkpoints(cache, tmp_path):
+  """A trainer killed with SIGKILL right after a commit: every committed checkpoint has
+  its record (the old checksums.json was written only at the next save); a byte flipped
+  in the newest one's weights is refused and the read falls back to the previous (the
+  trainer's fallback: test_reliability's flipped-bits test)."""
+  wd = tmp_path / "wd"
+  proc = start_and_wait_for_checkpoint(
+      main_cmd(wd, cache, 400, "--config.checkpoint_every_steps=2"), wd, min_step=4)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  steps = checkpointing.finalized_steps(str(wd))
+  assert len(steps) >= 2, steps
+  for step in steps:
+    for item in ITEMS:
+      assert (wd / "checkpoints" / str(step) / item / checkpointing.INTEGRITY_FILE).is_file()
+  newest, previous = steps[-1], steps[-2]
+  _flip_byte(_largest_file(wd / "checkpoints" / str(newest) / "model"))
+  with pytest.raises(checkpointing.CheckpointError, match="crc32c differs"):
+    loading.load_model(str(wd), step=newest)
+  assert loading.load_model(str(wd)).step == previous    # the newest that verifies
+
+
+def test_a_flipped_byte_in_any_file_never_restores_different_values(run_copy):
+  """Each file of the model item, one byte flipped at a time: the read either fails or
+  gives exactly the saved values (a file the read never opens); the array data files
+  and everything the record lists fail."""
+  _, reference = _params(run_copy, step=6)
+  item = run_copy / "checkpoints" / "6" / "model"
+  record = checkpointing.json.loads((item / checkpointing.INTEGRITY_FILE).read_text())
+  files = sorted(p for p in item.rglob("*") if p.is_file())
+  detected = set()
+  for path in files:
+    original = path.read_bytes()
+    _flip_byte(path)
+    try:
+      _, values = _params(run_copy, step=6)
+    except checkpointing.CheckpointError:
+      detected.add(path.relative_to(item).as_posix())
+    else:
+      for a, b in zip(values, reference):
+        np.testing.assert_array_equal(a, b)
+    finally:
+      path.write_bytes(original)
+  assert set(record["sha256"]) <= detected | {"commit_success.txt"}, detected
+  assert _largest_file(item).relative_to(item).as_posix() in detected
+
+
+def test_checkpoint_without_its_record_is_refused_unless_allowed(run_copy, cache):
+  """A committed checkpoint whose record is gone (or that an older version wrote) is
+  not restored unchecked: one line naming the flag, nothing moved; the flag restores it."""
+  for step in (2, 4, 6):
+    (run_copy / "checkpoints" / str(step) / "model" / checkpointing.INTEGRITY_FILE).unlink()
+  before = snapshot(run_copy / "checkpoints")
+  with pytest.raises(checkpointing.UnverifiedCheckpointError) as err:
+    train.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2), str(run_copy))
+  msg = str(err.value)
+  assert "step 6" in msg and "no integrity record (model" in msg and "\n" not in msg
+  assert "--config.checkpoint_allow_unverified=true" in msg
+  assert snapshot(run_copy / "checkpoints") == before
+  with pytest.raises(checkpointing.UnverifiedCheckpointError):
+    loading.load_model(str(run_copy))
+  assert loading.load_model(str(run_copy), allow_unverified=True).step == 6
+  proc, _ = run_command(["-m", "odetransformer.generate", f"--workdir={run_copy}",
+                         "--prompt=def", "--max_new_tokens=2"])
+  assert_one_line_error(proc, "no integrity record", "--checkpoint_allow_unverified")
+  r = train.train_and_evaluate(
+      config(cache, 8, checkpoint_every_steps=2, checkpoint_allow_unverified=True),
+      str(run_copy))
+  assert (r["start_step"], r["step"]) == (6, 8)
+  for item in ITEMS:     # what this run saved has its record again
+    assert (run_copy / "checkpoints" / "8" / item / checkpointing.INTEGRITY_FILE).is_file()
+
+
+class _WithContentHash:
+  """`create_datasets`'s result with a `content_hash` attribute."""
+
+  def __init__(self, ds, content_hash):
+    self._ds, self.content_hash = ds, content_hash
+
+  def __getattr__(self, name):
+    return getattr(self._ds, name)
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"global_batch_size": 8}, "resume.global_batch_size 4 -> 8"),
+    ({"seq_len": 16}, "resume.seq_len 32 -> 16"),
+    ({"seed": 1}, "resume.seed 0 -> 1"),
+])
+def test_resume_with_another_batch_shape_or_seed_is_refused(change, needle, run_copy, cache):
+  """Used to resume silently: no longer an exact continuation."""
+  before = snapshot(run_copy / "checkpoints")
+  with pytest.raises(errors.ConfigError) as err:
+    train.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2, **change),
+                             str(run_copy))
+  msg = str(err.value)
+  assert needle in msg and "--config.resume_with_changes=true" in msg and "\n" not in msg
+  assert snapshot(run_copy / "checkpoints") == before
+
+
+def test_resume_on_other_data_is_refused_unless_accepted(cache, tmp_path, monkeypatch):
+  """Used to resume silently with `data.tokenizer_path` set (the fingerprint held the
+  data glob, not its content): the iterator position then applied to another corpus."""
+  create = input_pipeline.create_datasets
+  content_hash = ["corpus-A"]
+  monkeypatch.setattr(input_pipeline, "create_datasets",
+                      lambda *a, **k: _WithContentHash(create(*a, **k), content_hash[0]))
+  wd = tmp_path / "wd"
+  train.train_and_evaluate(config(cache, 2), str(wd))
+  content_hash[0] = "corpus-B"
+  before = snapshot(wd / "checkpoints")
+  with pytest.raises(errors.ConfigError) as err:
+    train.train_and_evaluate(config(cache, 4), str(wd))
+  assert "training data content 'corpus-A' -> 'corpus-B'" in str(err.value)
+  assert "--config.resume_with_changes=true" in str(err.value)
+  assert snapshot(wd / "checkpoints") == before
+  r = train.train_and_evaluate(config(cache, 4, resume_with_changes=True), str(wd))
+  assert (r["start_step"], r["step"]) == (2, 4)
+  meta = checkpointing.stored_fingerprint(str(wd))[1]
+  assert meta["data_content_hash"] == "corpus-B"      # what the run now trains on
+
+
+def test_a_model_change_is_not_accepted_by_resume_with_changes(run_copy, cache):
+  c = config(cache, 8, checkpoint_every_steps=2, resume_with_changes=True)
+  c.model.mlp_dim = 128
+  with pytest.raises(errors.ConfigError, match="model.mlp_dim 64 -> 128"):
+    train.train_and_evaluate(c, str(run_copy))
+
+
+def test_reader_whose_step_is_rotated_away_reads_the_newest(run_copy, tmp_path, monkeypatch,
+                                                             caplog):
+  """A tool lists steps [2, 4] and picks 4; before it reads, the trainer commits 6 and
+  its max_to_keep deletes 4. Used to report the healthy run as corrupt."""
+  ck = run_copy / "checkpoints"
+  _, expected = _params(run_copy, step=6)
+  shutil.move(ck / "6", tmp_path / "6")          # not committed yet when the tool lists
+  read_step = checkpointing._read_step            # pylint: disable=protected-access
+  seen = []
+
+  def rotate_then_read(manager, directory, step, *args):
+    seen.append(step)
+    if step == 4 and not (ck / "6").exists():
+      shutil.move(tmp_path / "6", ck / "6")       # the trainer commits 6 ...
+      shutil.rmtree(ck / "4")                     # ... and rotates 4 away
+    return read_step(manager, directory, step, *args)
+
+  monkeypatch.setattr(checkpointing, "_read_step", rotate_then_read)
+  step, values = _params(run_copy)
+  assert (step, seen) == (6, [4, 6])
+  for a, b in zip(values, expected):
+    np.testing.assert_array_equal(a, b)
+  logged = caplog.text.lower()
+  assert "was deleted while being read" in logged
+  assert "corrupt" not in logged and "does not restore" not in logged
