@@ -11,7 +11,6 @@ devices at hand (trained on 256 chips, evaluated on 8) is loaded fully sharded
 `host.initialize_distributed()` first, as main.py does.
 """
 import dataclasses
-import os
 from typing import Optional
 
 import jax
@@ -91,7 +90,7 @@ def load_run_config(workdir: str):
     raise UserError(f"{workdir} holds no training run ({checkpointing.CONFIG_FILE} "
                     "missing, no checkpoint); pass the --workdir of a main.py run") from e
   except (OSError, ValueError) as e:
-    raise UserError(f"{os.path.join(workdir, checkpointing.CONFIG_FILE)} is unreadable "
+    raise UserError(f"{fileio.join(workdir, checkpointing.CONFIG_FILE)} is unreadable "
                     f"({type(e).__name__}: {e}); it describes the run's checkpoints: "
                     "restore it, or resume the run with main.py to rewrite it") from e
 
@@ -118,7 +117,7 @@ def load_model(workdir: str, step: Optional[int] = None, mesh=None, *, mesh_shap
     try:
       rules = sharding.logical_axis_rules(config.get("mesh"))
     except sharding.MeshError as e:
-      raise UserError(f"{os.path.join(workdir, checkpointing.CONFIG_FILE)}: {e}") from e
+      raise UserError(f"{fileio.join(workdir, checkpointing.CONFIG_FILE)}: {e}") from e
   with nnx.logical_axis_rules(rules):
     graphdef, abstract = nnx.get_abstract_model(lambda: create_model(cfg), mesh)
   state, restored_step = checkpointing.restore_model_state(workdir, abstract, step,

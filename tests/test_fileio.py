@@ -22,10 +22,6 @@ ALLOWED = {
     ("odetransformer/workdir_lock.py", "_write_fd"): "flock (local paths only)",
     ("odetransformer/workdir_lock.py", "_check_flock"): "flock (local paths only)",
     ("odetransformer/workdir_lock.py", "release"): "flock (local paths only)",
-    # --plot's directory is checked up front only when it is a local path.
-    ("odetransformer/evaluate.py", "main"): "local --plot directory check",
-    # A path in an error message, not an access (the tools' loading is reworked elsewhere).
-    ("odetransformer/loading.py", "load_model"): "message text",
 }
 _OS_FILE_CALLS = {"makedirs", "mkdir", "listdir", "remove", "rmdir", "replace", "rename",
                   "walk", "open", "scandir", "stat", "unlink"}
