@@ -43,9 +43,11 @@ def reference(cache, tmp_path_factory):
 
 def flip_a_weight_byte(step_dir: str):
   """Flips one byte of a weight file of the checkpoint at `step_dir` (on any storage)."""
-  name = [f for f in fileio.walk_files(step_dir) if f.startswith("model/ocdbt.process_0/d/")][0]
-  target = fileio.join(step_dir, name)
-  data = bytearray(fileio.read_bytes(target))
+  # The largest data file holds the arrays' chunks (others may hold b-tree nodes that a
+  # read does not open).
+  names = [f for f in fileio.walk_files(step_dir) if f.startswith("model/ocdbt.process_0/d/")]
+  target, data = max(((fileio.join(step_dir, n), bytearray(fileio.read_bytes(
+      fileio.join(step_dir, n)))) for n in names), key=lambda item: len(item[1]))
   data[len(data) // 2] ^= 0xFF
   fileio.write_bytes_atomic(target, bytes(data))
 
