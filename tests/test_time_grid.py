@@ -60,11 +60,13 @@ def test_bfloat16_state_stays_bfloat16_with_per_step_dt():
   np.testing.assert_allclose(np.asarray(x1, np.float32), 0.75 * 0.25, rtol=1e-2)
 
 
-@pytest.mark.parametrize("flavour", ["gpt", "llama"])
-def test_model_on_a_time_grid_matches_a_reference_loop(flavour):
-  """Step k of the model on a grid is x + dt_k·F(x, W(g_k)), dt_k = g_{k+1} - g_k: a plain
-  Python loop with W(t) from the hypernetwork's raw params in float64."""
-  cfg = dataclasses.replace(TINY, flavour=flavour)
+@pytest.mark.parametrize("flavour,step_time", [("gpt", "start"), ("llama", "start"),
+                                               ("llama", "end")])
+def test_model_on_a_time_grid_matches_a_reference_loop(flavour, step_time):
+  """Step k of the model on a grid is x + dt_k·F(x, W(g_k)) (W(g_{k+1}) at step_time
+  'end'), dt_k = g_{k+1} - g_k: a plain Python loop with W(t) from the hypernetwork's
+  raw params in float64."""
+  cfg = dataclasses.replace(TINY, flavour=flavour, step_time=step_time)
   model = create_model(cfg, seed=11)
   _perturb_hypernet(model)
   toks = tokens(12, b=2, length=10)
@@ -79,7 +81,8 @@ def test_model_on_a_time_grid_matches_a_reference_loop(flavour):
       x = x + _np(model.pos_embed[...])[p]
     for k in range(len(grid) - 1):
       dt = np.float64(np.float32(grid[k + 1] - grid[k]))   # the model's float32 steps
-      x = x + dt * ref_field(x, ref_weights(model, grid[k]), cfg, None, p)
+      t = grid[k + 1] if step_time == "end" else grid[k]
+      x = x + dt * ref_field(x, ref_weights(model, t), cfg, None, p)
     shift = _np(model.final_norm_shift[...]) if flavour == "gpt" else None
     x = ref_norm(x, _np(model.final_norm_scale[...]), shift, cfg.norm_eps)
     want.append(x @ emb.T)
@@ -211,3 +214,18 @@ def test_train_step_solves_on_the_grid_drawn_from_its_rng():
   got = float(m.loss.compute())
   assert abs(got - on_grid) <= 1e-5 * on_grid
   assert abs(uniform - on_grid) > 100 * abs(got - on_grid) + 1e-4, (uniform, on_grid, got)
+
+
+def test_new_model_fields_match_fingerprints_written_before_them():
+  """A checkpoint written before model.step_time / model.llama_block existed resumes
+  under their defaults (its meaning then); a stored value that differs does not."""
+  from odetransformer import checkpointing   # pylint: disable=g-import-not-at-top
+  c = tiny_config("/unused")
+  new = checkpointing.fingerprint(c)
+  assert new["model"]["step_time"] == "start" and new["model"]["llama_block"] == "paper"
+  old = {**new, "model": {k: v for k, v in new["model"].items()
+                          if k not in ("step_time", "llama_block")}}
+  assert checkpointing.fingerprint_diffs(old, new) == []
+  c.model.step_time = "end"
+  assert checkpointing.fingerprint_diffs(new, checkpointing.fingerprint(c)) == [
+      "model.step_time 'start' -> 'end'"]
