@@ -51,11 +51,13 @@ def default_model_config() -> ml_collections.ConfigDict:
   # The Llama-flavour DiffEqFormer block: 'paper' = F(x) = Attn(N1(x)) + FFN(N2(x)), the
   # paper's equation, RMSNorms with a time-dependent scale; 'reference' = the authors'
   # code: the norms also carry a time-dependent shift B·h(t), the FFN reads N2(N1(x)),
-  # block norms use eps 1e-6 (the final norm keeps norm_eps).
+  # block norms use eps 1e-6 (the final norm keeps norm_eps). 'paper' is the default: it
+  # is the paper's model, and Llama checkpoints written before this field hold no norm
+  # shifts, so they restore only under it.
   c.llama_block = "paper"
   # Training time grid per batch (ODE kinds; odetransformer/time_grid.py): 'fixed' = k/K;
-  # 'random_shift' = interior times shifted by dt0 ~ U(0, 2/K): the solver's evaluation
-  # points cover all of [0, 1] under either step_time, for every solver;
+  # 'random_shift' = interior times shifted by dt0 ~ U(0, 2/K): every solver's evaluation
+  # points cover [0, 1) under step_time='start' and (0, 1] under 'end';
   # 'random_offset' = dt0 ~ U(0, 1/K), the authors' scheme: Euler is never evaluated
   # in [(K-1)/K, 1) under either step_time (only at 1, under 'end');
   # 'random_uniform' = sorted U(0, 1) interior times, so all step sizes are trained too.
