@@ -28,6 +28,7 @@ from benchmarks import common
 from configs import default
 from odetransformer import config as config_lib
 from odetransformer import evaluate, train
+from odetransformer.solvers import STEP_TIMES
 from odetransformer.time_grid import TRAIN_TIME_GRIDS
 
 ROBUST_N = ("3K/2", "2K", "4K")
@@ -54,6 +55,7 @@ def make_config(args, mode: str, seed: int, cache_dir: str):
                            (c.model, "num_heads", args.num_heads),
                            (c.model, "time_embed_dim", args.time_embed_dim),
                            (c.model, "time_sinusoids", args.time_sinusoids),
+                           (c.model, "step_time", args.step_time),
                            (c.model, "max_len", args.seq_len),
                            (c, "seq_len", args.seq_len), (c, "global_batch_size", args.batch),
                            (c.data, "vocab_size", args.vocab),
@@ -73,6 +75,8 @@ def parse_args(argv=None):
   p.add_argument("--option", default="random_offset",
                  help=f"the model.train_time_grid to compare with 'fixed' "
                       f"({', '.join(g for g in TRAIN_TIME_GRIDS if g != 'fixed')})")
+  p.add_argument("--step_time", choices=("",) + STEP_TIMES, default="",
+                 help="model.step_time of both runs ('' = the config's)")
   p.add_argument("--steps", type=int, default=0, help="train steps (0 = the config's)")
   p.add_argument("--num_steps", type=int, default=0, help="K, even (0 = the config's)")
   p.add_argument("--d_model", type=int, default=0, help="0 = the config's (mlp = 4·d)")

@@ -26,6 +26,8 @@ from absl import logging
 
 from configs import default
 from odetransformer import train
+from odetransformer.config import LLAMA_BLOCKS
+from odetransformer.solvers import STEP_TIMES
 
 
 def make_config(args, kind: str, seed: int, cache_dir: str):
@@ -33,6 +35,9 @@ def make_config(args, kind: str, seed: int, cache_dir: str):
   c.seed = seed
   c.model.kind = kind
   c.model.flavour = args.flavour
+  c.model.step_time = args.step_time
+  if kind == "diffeqformer":                  # the baseline is the standard block
+    c.model.llama_block = args.llama_block
   c.model.d_model = args.d_model
   c.model.num_heads = args.num_heads
   c.model.mlp_dim = 4 * args.d_model
@@ -62,6 +67,10 @@ def parse_args(argv=None):
   p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1, both models each")
   p.add_argument("--steps", type=int, default=600)
   p.add_argument("--flavour", choices=("gpt", "llama"), default="gpt")
+  p.add_argument("--step_time", choices=STEP_TIMES, default="start",
+                 help="model.step_time of the DiffEqFormer")
+  p.add_argument("--llama_block", choices=LLAMA_BLOCKS, default="paper",
+                 help="model.llama_block of the Llama DiffEqFormer")
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--seq_len", type=int, default=128)
   p.add_argument("--d_model", type=int, default=256)
@@ -90,6 +99,8 @@ def parse_args(argv=None):
               "(or --data_dir with WikiText-2's valid.txt and test.txt)")
   if args.seeds < 1:
     p.error(f"--seeds={args.seeds} must be at least 1")
+  if args.llama_block != "paper" and args.flavour != "llama":
+    p.error(f"--llama_block={args.llama_block} needs --flavour=llama")
   return args
 
 
@@ -103,6 +114,8 @@ def main(argv=None):
     ppl = {}
     for kind in ("diffeqformer", "gpt"):
       workdir = os.path.join(root, f"{kind}_{args.flavour}_seed{seed}")
+      if kind == "diffeqformer":
+        workdir += f"_{args.step_time}_{args.llama_block}"
       t = time.perf_counter()
       r = train.train_and_evaluate(
           make_config(args, kind, seed, os.path.join(root, "cache")), workdir)

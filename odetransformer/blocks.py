@@ -38,7 +38,7 @@ def layer_param_specs(cfg: ModelConfig) -> dict:
   specs = {}
   for norm in ("norm1", "norm2"):
     specs[f"{norm}_scale"] = ParamSpec((d,), ("embed",), "norm_scale", norm)
-    if gpt:
+    if gpt or cfg.llama_block == "reference":
       specs[f"{norm}_shift"] = ParamSpec((d,), ("embed",), "norm_shift", norm)
   for proj in ("q", "k", "v"):
     specs[f"w{proj}"] = ParamSpec((d, n, h), ("embed", "heads", "kv"), "in", proj, d)
@@ -58,17 +58,37 @@ def layer_param_specs(cfg: ModelConfig) -> dict:
   return specs
 
 
-def norm(x_btd, scale_d, shift_d: Optional[jax.Array], eps: float):
-  """LayerNorm (with shift) or RMSNorm (shift None), computed in float32 or wider."""
+def norm(x_btd, scale_d, shift_d: Optional[jax.Array], eps: float, center: bool = True):
+  """LayerNorm (with shift) or RMSNorm (shift None), computed in float32 or wider;
+  `center=False` with a shift is an RMSNorm plus a shift (the reference Llama block's)."""
   wide = jnp.promote_types(x_btd.dtype, jnp.float32)
   x = x_btd.astype(wide)
-  if shift_d is not None:
+  if shift_d is not None and center:
     x = x - jnp.mean(x, axis=-1, keepdims=True)
   x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
   x = x * scale_d.astype(wide)
   if shift_d is not None:
     x = x + shift_d.astype(wide)
   return x.astype(x_btd.dtype)
+
+
+REFERENCE_LLAMA_NORM_EPS = 1e-6   # the authors' Llama DiffEqFormer's block RMSNorms
+
+
+def block_norm(x_btd, p, which: str, cfg: ModelConfig):
+  """A block's norm `which` ('norm1' | 'norm2') with its params from the layer dict:
+  LayerNorm (gpt), RMSNorm (llama), RMSNorm plus shift at eps 1e-6
+  (llama_block='reference')."""
+  if cfg.llama_block == "reference":
+    return norm(x_btd, p[f"{which}_scale"], p[f"{which}_shift"], REFERENCE_LLAMA_NORM_EPS,
+                center=False)
+  return norm(x_btd, p[f"{which}_scale"], p.get(f"{which}_shift"), cfg.norm_eps)
+
+
+def ffn_input(x_btd, attn_in_btd, cfg: ModelConfig):
+  """What the parallel block's FFN normalises: x (the paper), or N1(x), the attention's
+  input (llama_block='reference': the authors' code norms the FFN's input twice)."""
+  return attn_in_btd if cfg.llama_block == "reference" else x_btd
 
 
 def rope(x_btnh, positions_bt, base: float):
@@ -262,24 +282,20 @@ def _dropout(x, rate, key):
   return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
-def _norm_params(p, which):
-  return p[f"{which}_scale"], p.get(f"{which}_shift")
-
-
 def parallel_block(x_btd, p, cfg: ModelConfig, mask, positions_bt, key=None):
-  """F(x) = Attn(N1(x)) + FFN(N2(x)): the ODE's vector field, and a parallel layer's update."""
+  """F(x) = Attn(N1(x)) + FFN(N2(x)): the ODE's vector field, and a parallel layer's
+  update (llama_block='reference': FFN(N2(N1(x))))."""
   keys = (None, None) if key is None else jax.random.split(key)
-  a = attention(norm(x_btd, *_norm_params(p, "norm1"), cfg.norm_eps), p, cfg,
-                mask, positions_bt)
-  m = ffn(norm(x_btd, *_norm_params(p, "norm2"), cfg.norm_eps), p, cfg)
+  h = block_norm(x_btd, p, "norm1", cfg)
+  a = attention(h, p, cfg, mask, positions_bt)
+  m = ffn(block_norm(ffn_input(x_btd, h, cfg), p, "norm2", cfg), p, cfg)
   return _dropout(a, cfg.dropout_rate, keys[0]) + _dropout(m, cfg.dropout_rate, keys[1])
 
 
 def sequential_block(x_btd, p, cfg: ModelConfig, mask, positions_bt, key=None):
   """GPT-2/Llama pre-norm block, returned as its residual update (out − x)."""
   keys = (None, None) if key is None else jax.random.split(key)
-  a = attention(norm(x_btd, *_norm_params(p, "norm1"), cfg.norm_eps), p, cfg,
-                mask, positions_bt)
+  a = attention(block_norm(x_btd, p, "norm1", cfg), p, cfg, mask, positions_bt)
   a = _dropout(a, cfg.dropout_rate, keys[0])
-  m = ffn(norm(x_btd + a, *_norm_params(p, "norm2"), cfg.norm_eps), p, cfg)
+  m = ffn(block_norm(x_btd + a, p, "norm2", cfg), p, cfg)
   return a + _dropout(m, cfg.dropout_rate, keys[1])

@@ -10,11 +10,13 @@ import dataclasses
 import ml_collections
 
 from odetransformer.errors import ConfigError
+from odetransformer.solvers import STEP_TIMES
 from odetransformer.time_grid import TRAIN_TIME_GRIDS
 
 KINDS = ("diffeqformer", "gpt", "parallel", "shared")
 FLAVOURS = ("gpt", "llama")
 SOLVERS = ("euler", "midpoint", "rk4")
+LLAMA_BLOCKS = ("paper", "reference")
 REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = ("float32", "bfloat16", "float64")  # float64: numerical checks
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
@@ -41,10 +43,24 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.time_hidden = 0            # H: hypernetwork MLP hidden width; 0 = d_t, as the authors' code
   c.shared_time_mlp = False    # App. D.2 ablation: one MLP shared by all weights
   c.solver = "euler"           # 'euler' | 'midpoint' | 'rk4' (ODE kinds only)
+  # Where a step evaluates the field (odetransformer/solvers.py): 'start' = Euler's step
+  # k at t = k/K (the textbook scheme); 'end' = at (k+1)/K, the authors' code's scheme
+  # (midpoint's nodes reflected too; RK4 the same under both). 'start' is the default
+  # because every earlier run and checkpoint used it.
+  c.step_time = "start"
+  # The Llama-flavour DiffEqFormer block: 'paper' = F(x) = Attn(N1(x)) + FFN(N2(x)), the
+  # paper's equation, RMSNorms with a time-dependent scale; 'reference' = the authors'
+  # code: the norms also carry a time-dependent shift B·h(t), the FFN reads N2(N1(x)),
+  # block norms use eps 1e-6 (the final norm keeps norm_eps). 'paper' is the default: it
+  # is the paper's model, and Llama checkpoints written before this field hold no norm
+  # shifts, so they restore only under it.
+  c.llama_block = "paper"
   # Training time grid per batch (ODE kinds; odetransformer/time_grid.py): 'fixed' = k/K;
-  # 'random_offset' = interior times shifted by dt0 ~ U(0, 1/K), so all t are trained;
+  # 'random_shift' = interior times shifted by dt0 ~ U(0, 2/K): every solver's evaluation
+  # points cover [0, 1) under step_time='start' and (0, 1] under 'end';
+  # 'random_offset' = dt0 ~ U(0, 1/K), the authors' scheme: Euler is never evaluated
+  # in [(K-1)/K, 1) under either step_time (only at 1, under 'end');
   # 'random_uniform' = sorted U(0, 1) interior times, so all step sizes are trained too.
-  # Either holds at other step counts N, at a cost at K (benchmarks/README.md, "Any N").
   c.train_time_grid = "fixed"
   c.remat_policy = "full"      # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
   c.dtype = "float32"          # compute dtype: 'float32' | 'bfloat16' (params stay param_dtype)
@@ -90,6 +106,8 @@ class ModelConfig:
   time_hidden: int = 0
   shared_time_mlp: bool = False
   solver: str = "euler"
+  step_time: str = "start"
+  llama_block: str = "paper"
   train_time_grid: str = "fixed"
   remat_policy: str = "full"
   dtype: str = "float32"
@@ -117,6 +135,8 @@ class ModelConfig:
     choice("kind", KINDS)
     choice("flavour", FLAVOURS)
     choice("solver", SOLVERS)
+    choice("step_time", STEP_TIMES)
+    choice("llama_block", LLAMA_BLOCKS)
     choice("train_time_grid", TRAIN_TIME_GRIDS)
     choice("remat_policy", REMAT)
     choice("dtype", DTYPES)
@@ -132,6 +152,10 @@ class ModelConfig:
     if self.flavour == "llama" and self.head_dim % 2:
       raise ValueError(f"RoPE needs an even head dim, got {self.head_dim}; "
                        "change model.d_model or model.num_heads")
+    if self.llama_block == "reference" and (self.flavour != "llama" or self.kind == "gpt"):
+      raise ValueError(f"model.llama_block='reference' is the authors' Llama DiffEqFormer "
+                       f"block; this model is flavour={self.flavour!r}, kind={self.kind!r}: "
+                       "use llama_block='paper'")
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
     if self.lora_rank < 0:

@@ -180,17 +180,13 @@ def cached_attention(x_btd, p, cfg: ModelConfig, k_bsnh, v_bsnh, index_b, positi
   return blocks.output_projection(o, p), k_bsnh, v_bsnh
 
 
-def _norm(x, p, which, cfg):
-  return blocks.norm(x, p[f"{which}_scale"], p.get(f"{which}_shift"), cfg.norm_eps)
-
-
 def _block(x_btd, p, static: _Static, k_bsnh, v_bsnh, index_b, positions_bt):
   """One block's update (the ODE's field, or a discrete layer's residual) and its cache."""
   cfg = static.cfg
-  a, k_bsnh, v_bsnh = cached_attention(_norm(x_btd, p, "norm1", cfg), p, cfg, k_bsnh,
-                                       v_bsnh, index_b, positions_bt)
-  ffn_in = x_btd + a if static.block == "sequential" else x_btd
-  m = blocks.ffn(_norm(ffn_in, p, "norm2", cfg), p, cfg)
+  h = blocks.block_norm(x_btd, p, "norm1", cfg)
+  a, k_bsnh, v_bsnh = cached_attention(h, p, cfg, k_bsnh, v_bsnh, index_b, positions_bt)
+  ffn_in = x_btd + a if static.block == "sequential" else blocks.ffn_input(x_btd, h, cfg)
+  m = blocks.ffn(blocks.block_norm(ffn_in, p, "norm2", cfg), p, cfg)
   return a + m, k_bsnh, v_bsnh
 
 

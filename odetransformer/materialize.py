@@ -1,6 +1,7 @@
 """Materialisation: an ODE model at N Euler steps as an ordinary N-layer transformer.
 
-W(t_k) is evaluated for k < N and the step size dt = 1/N goes onto the output
+W(t_k) is evaluated for k < N (t_k = k/N, or (k+1)/N under `model.step_time='end'`,
+the same times as the model's Euler solve) and the step size dt = 1/N goes onto the output
 projections (W_O, W_2) and their biases, so x_{k+1} = x_k + layer_k(x_k) of the
 resulting discrete parallel-block model equals x_k + dt·F(x_k, t_k) of the ODE. The
 result is a plain `kind='parallel'` LanguageModel, in one of two parameterisations of
@@ -40,7 +41,7 @@ def materialize(model: LanguageModel, num_steps: int, fold_dt: bool = True) -> L
     raise ValueError(f"num_steps={num_steps} must be positive")
   dt = 1.0 / num_steps
   if cfg.kind == "diffeqformer":
-    ts = stage_times(num_steps, "euler")[:, 0]
+    ts = stage_times(num_steps, "euler", cfg.step_time)[:, 0]
     layers = model.stack(ts, jnp.float32)
   else:
     layers = {n: jnp.broadcast_to(v, (num_steps,) + v.shape)

@@ -142,9 +142,10 @@ class LanguageModel(nnx.Module):
     dtype = jnp.dtype(cfg.dtype)
     if cfg.kind == "diffeqformer":
       if time_grid is not None:
-        ts, dts = grid_stage_times(time_grid, cfg.solver)
+        ts, dts = grid_stage_times(time_grid, cfg.solver, cfg.step_time)
         return self.stack(ts, dtype), dts
-      return self.stack(stage_times(num_steps, cfg.solver), dtype), 1.0 / num_steps
+      ts = stage_times(num_steps, cfg.solver, cfg.step_time)
+      return self.stack(ts, dtype), 1.0 / num_steps
     layers = self.stack.layers()
     return {k: v.astype(dtype)[:, None] for k, v in layers.items()}, 1.0
 
@@ -227,9 +228,9 @@ class LanguageModel(nnx.Module):
     if cfg.kind == "shared":
       shared = {n: v.astype(jnp.dtype(cfg.dtype)) for n, v in self.stack.layer().items()}
       if time_grid is None:
-        inputs, dt = {"t": stage_times(k, cfg.solver)}, 1.0 / k
+        inputs, dt = {"t": stage_times(k, cfg.solver, cfg.step_time)}, 1.0 / k
       else:
-        ts, dt = grid_stage_times(time_grid, cfg.solver)
+        ts, dt = grid_stage_times(time_grid, cfg.solver, cfg.step_time)
         inputs = {"t": ts}
       get = lambda inp: shared
     else:

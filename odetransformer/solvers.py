@@ -5,9 +5,19 @@ time-dependent inputs on the solver's stage grid. The field is `field(x, inputs)
 where `inputs` is whatever the field needs at one time (for DiffEqFormer: the layer
 weights W(t) generated beforehand; for a test: the scalar t). Stage times of step k are
 `t_k + c_s·dt` with the method's nodes `c` (see `STAGE_NODES`), so a caller evaluates
-its time-dependent inputs at `stage_times(K, method)` — for the hypernetwork that is
-one batched GEMM — and the scan slices them per step. Nothing is unrolled: program size
-and compile time do not grow with K.
+its time-dependent inputs at `stage_times(K, method, step_time)` — for the hypernetwork
+that is one batched GEMM — and the scan slices them per step. Nothing is unrolled:
+program size and compile time do not grow with K.
+
+Two conventions place the nodes within a step (`model.step_time`, `stage_nodes`):
+
+- 'start' (ours, the textbook tableaux): Euler evaluates step k at its start t_k.
+- 'end' (the authors' code, SDML-KU/qkvflow: step k's layer is at t = (k+1)·dt): the
+  nodes reflected within the step, c -> 1 - c, where that keeps the method's order:
+  Euler (1,), the reference's scheme; midpoint (1, ½), its first (predictor) evaluation
+  at the step's end and its update still at the midpoint (second order). RK4's node
+  set {0, ½, 1} is its own reflection, and reflecting the stages' order would cost its
+  fourth order, so RK4 keeps its nodes: it is the same scheme under both conventions.
 
 A non-uniform grid 0 = g_0 < g_1 < … < g_K = 1 (`grid_stage_times`) has a step size
 per step, dt_k = g_{k+1} - g_k; the solver then scans the step sizes beside the inputs.
@@ -18,12 +28,28 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-# Nodes c_s (fractions of dt) at which each method evaluates the field.
+# Nodes c_s (fractions of dt) at which each method evaluates the field: the textbook
+# tableaux, step_time='start'.
 STAGE_NODES = {
     "euler": (0.0,),
     "midpoint": (0.0, 0.5),
     "rk4": (0.0, 0.5, 1.0),  # k2 and k3 share the midpoint node
 }
+# step_time='end' (module docstring): the same stages, nodes reflected where that keeps
+# the method's order.
+END_STAGE_NODES = {
+    "euler": (1.0,),
+    "midpoint": (1.0, 0.5),
+    "rk4": (0.0, 0.5, 1.0),
+}
+STEP_TIMES = ("start", "end")
+
+
+def stage_nodes(method: str, step_time: str = "start") -> tuple:
+  """Nodes c_s of `method` under the step-time convention `step_time`."""
+  if step_time not in STEP_TIMES:
+    raise ValueError(f"unknown step_time {step_time!r}; choose one of {list(STEP_TIMES)}")
+  return (STAGE_NODES if step_time == "start" else END_STAGE_NODES)[method]
 
 
 class Tableau(NamedTuple):
@@ -70,21 +96,22 @@ REMAT_POLICIES = {
 }
 
 
-def stage_times(num_steps: int, method: str, t0: float = 0.0, t1: float = 1.0):
-  """[K, S] times t_k + c_s·dt for a uniform grid on [t0, t1]."""
-  dt = (t1 - t0) / num_steps
-  tk = t0 + dt * jnp.arange(num_steps, dtype=jnp.float32)
-  nodes = jnp.asarray(STAGE_NODES[method], jnp.float32)
-  return tk[:, None] + dt * nodes[None, :]
+def stage_times(num_steps: int, method: str, step_time: str = "start"):
+  """[K, S] times (k + c_s)·dt of the uniform grid on [0, 1], dt = 1/K (float32;
+  Euler under 'end': (k+1)·dt, as the reference computes them)."""
+  dt = jnp.float32(1.0 / num_steps)
+  nodes = jnp.asarray(stage_nodes(method, step_time), jnp.float32)
+  return (jnp.arange(num_steps, dtype=jnp.float32)[:, None] + nodes[None, :]) * dt
 
 
-def grid_stage_times(grid, method: str):
+def grid_stage_times(grid, method: str, step_time: str = "start"):
   """Stage times [K, S] (g_k + c_s·dt_k) and step sizes [K] (dt_k = g_{k+1} - g_k) of a
-  time grid [K+1]."""
+  time grid [K+1]; a node at 1 is g_{k+1} itself."""
   grid = jnp.asarray(grid, jnp.float32)
   tk, dts = grid[:-1], jnp.diff(grid)
-  nodes = jnp.asarray(STAGE_NODES[method], jnp.float32)
-  return tk[:, None] + dts[:, None] * nodes[None, :], dts
+  nodes = stage_nodes(method, step_time)
+  ts = [grid[1:] if c == 1.0 else tk + c * dts for c in nodes]
+  return jnp.stack(ts, axis=1), dts
 
 
 def _step(field, method):

@@ -6,24 +6,34 @@ g_{k+1}. Evaluation, materialisation and generation use the uniform grid g_k = k
 Trained on the uniform grid alone, a DiffEqFormer learns a K-step map at the times k/K,
 not a vector field: W(t) between those times is never trained, and a finer solve walks
 away from the trained one (the trap of Ott et al., "ResNet After All?", ICLR 2021).
-`model.train_time_grid` names how the train step draws a grid per batch instead:
+`model.train_time_grid` names how the train step draws a grid per batch instead. What
+a grid trains is the set of times the solver evaluates on it (`solvers.stage_times`,
+`model.step_time`): Euler evaluates step k at g_k ('start') or g_{k+1} ('end').
 
 - 'fixed': the uniform grid.
-- 'random_offset': the authors' reference scheme (SDML-KU/qkvflow `generate_t`, where
-  it is left switched off): the interior times are shifted by one offset
-  dt0 ~ U(0, dt) per batch, g = [0, dt0, dt0 + dt, …, dt0 + (K-2)·dt, 1] with
-  dt = 1/K, so every t in [0, 1] is trained and the first and last steps vary in size
-  (dt0 and 2·dt - dt0). Same K, so the same cost per step.
+- 'random_shift': the interior times are shifted by one offset dt0 ~ U(0, 2·dt) per
+  batch, g = [0, dt0, dt0 + dt, …, dt0 + (K-2)·dt, 1] with dt = 1/K: interior steps are
+  dt, the first dt0 and the last 2·dt - dt0, both in (0, 2·dt). The step starts
+  g_0 … g_{K-1} then cover [0, 1) and the step ends g_1 … g_K cover (0, 1], so every
+  solver under either step time evaluates every t in [0, 1] that a solve at another N
+  may (tests/test_time_grid.py). The draw is symmetric under t -> 1 - t. Same K, so the
+  same cost per step.
+- 'random_offset': the authors' scheme (SDML-KU/qkvflow `generate_t`, left switched off
+  there), the same grid with dt0 ~ U(0, dt). Its evaluation points never reach
+  [(K-1)/K, 1) under either step time (Euler under 'end' evaluates the last step only at
+  1): for K = 4, N = 8 evaluates t = 7/8, which no batch trained. Kept to reproduce the
+  reference; prefer 'random_shift'.
 - 'random_uniform': the K-1 interior times are sorted draws of U(0, 1) per batch (the
   reference code's other, commented-out scheme): step sizes from ~0 to several dt, so
-  the K-step solve is trained at many step sizes, not only at dt. Same cost per step.
+  the K-step solve is trained at many step sizes, not only at dt, and the step starts
+  (ends) cover [0, 1) ((0, 1]). Same cost per step.
 """
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-TRAIN_TIME_GRIDS = ("fixed", "random_offset", "random_uniform")
+TRAIN_TIME_GRIDS = ("fixed", "random_shift", "random_offset", "random_uniform")
 
 
 def uniform_grid(num_steps: int):
@@ -31,10 +41,11 @@ def uniform_grid(num_steps: int):
   return jnp.arange(num_steps + 1, dtype=jnp.float32) / num_steps
 
 
-def random_offset_grid(key, num_steps: int):
-  """[K+1] grid [0, dt0, dt0 + dt, …, dt0 + (K-2)·dt, 1], dt0 ~ U(0, 1/K)."""
+def random_offset_grid(key, num_steps: int, max_offset: float = 1.0):
+  """[K+1] grid [0, dt0, dt0 + dt, …, dt0 + (K-2)·dt, 1], dt0 ~ U(0, max_offset/K)
+  (1: the reference's 'random_offset'; 2: 'random_shift')."""
   dt = 1.0 / num_steps
-  dt0 = jax.random.uniform(key, (), jnp.float32, 0.0, dt)
+  dt0 = jax.random.uniform(key, (), jnp.float32, 0.0, max_offset * dt)
   interior = dt0 + dt * jnp.arange(num_steps - 1, dtype=jnp.float32)
   return jnp.concatenate([jnp.zeros((1,), jnp.float32), interior,
                           jnp.ones((1,), jnp.float32)])
@@ -52,8 +63,9 @@ def train_time_grid(cfg, key) -> Optional[jax.Array]:
   of `cfg.num_steps` (also for discrete kinds, whose depth has no time)."""
   if not cfg.is_ode or cfg.train_time_grid == "fixed":
     return None
-  if cfg.train_time_grid == "random_offset":
-    return random_offset_grid(key, cfg.num_steps)
+  if cfg.train_time_grid in ("random_offset", "random_shift"):
+    return random_offset_grid(key, cfg.num_steps,
+                              2.0 if cfg.train_time_grid == "random_shift" else 1.0)
   if cfg.train_time_grid == "random_uniform":
     return random_uniform_grid(key, cfg.num_steps)
   raise ValueError(f"model.train_time_grid={cfg.train_time_grid!r} is unknown; "

@@ -234,3 +234,24 @@ def test_checkpoint_integrity():
   assert tuple(map(_num, m.groups())) == tuple(
       rows[k] for k in (("save", "wall"), ("restore", "wall"), ("save", "cpu"),
                         ("restore", "cpu")))
+
+
+def test_step_time_and_llama_block_flags_reach_the_runs(tmp_path):
+  """quality's --step_time/--llama_block set the DiffEqFormer's model fields (the
+  baseline keeps the standard block); any_n's --step_time sets both modes'."""
+  from benchmarks import any_n, quality   # pylint: disable=g-import-not-at-top
+  from odetransformer import config as config_lib   # pylint: disable=g-import-not-at-top
+  text = tmp_path / "t.txt"
+  text.write_text("x", encoding="utf-8")
+  files = [f"--train_text={text}", f"--eval_text={text}"]
+  args = quality.parse_args(["--flavour=llama", "--llama_block=reference", "--step_time=end"]
+                            + files)
+  ode = config_lib.model_config(quality.make_config(args, "diffeqformer", 0, "c"))
+  assert (ode.llama_block, ode.step_time) == ("reference", "end")
+  assert config_lib.model_config(quality.make_config(args, "gpt", 0, "c")).llama_block == "paper"
+  with pytest.raises(SystemExit):
+    quality.parse_args(["--llama_block=reference"] + files)     # flavour gpt
+  args = any_n.parse_args(["--option=random_shift", "--step_time=end"])
+  for mode in ("fixed", "random_shift"):
+    cfg = config_lib.model_config(any_n.make_config(args, mode, 0, "c"))
+    assert (cfg.train_time_grid, cfg.step_time) == (mode, "end")

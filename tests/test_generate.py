@@ -15,6 +15,7 @@ from odetransformer import generate, loading
 from odetransformer.config import ModelConfig
 from odetransformer.decode import Decoder
 from odetransformer.model import create_model
+from test_model import _perturb_hypernet
 
 VOCAB = 97
 TOL = 1e-5
@@ -34,7 +35,10 @@ def _tiny_model(kw):
   base = dict(vocab_size=VOCAB, d_model=32, num_heads=2, mlp_dim=64, num_steps=3, max_len=32,
               time_embed_dim=8, time_sinusoids=8, remat_policy="none")
   base.update(kw)
+  perturb = base.pop("perturb", False)
   model = create_model(ModelConfig(**base), seed=0)
+  if perturb:   # time-dependent weights that differ visibly between stage times
+    _perturb_hypernet(model)
   model.embed[...] = model.embed[...] * 50.0
   return model
 
@@ -85,6 +89,13 @@ CASES = {
     "gpt-llama": dict(kind="gpt", flavour="llama"),          # sequential Llama blocks
     # weight-sharing ODE with a 4-stage solver: not materialised, 4 cache slots per step
     "shared-rk4": dict(kind="shared", solver="rk4", flavour="llama"),
+    # the reference's conventions: step-end times (materialised at (k+1)/N) and its
+    # Llama block; midpoint at its 'end' nodes (not materialised)
+    "diffeqformer-llama-reference-end": dict(kind="diffeqformer", flavour="llama",
+                                             llama_block="reference", step_time="end",
+                                             perturb=True),
+    "diffeqformer-midpoint-end": dict(kind="diffeqformer", solver="midpoint",
+                                      step_time="end", perturb=True),
 }
 
 

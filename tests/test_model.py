@@ -164,9 +164,11 @@ def _perturb_hypernet(model, scale=0.3, seed=7):
   nnx.update(model, jax.tree.unflatten(tree, leaves))
 
 
-@pytest.mark.parametrize("flavour", ["gpt", "llama"])
-def test_materialized_equals_euler_solve(flavour):
-  cfg = dataclasses.replace(TINY, flavour=flavour)
+@pytest.mark.parametrize("flavour,options", [
+    ("gpt", {}), ("llama", {}), ("gpt", {"step_time": "end"}),
+    ("llama", {"step_time": "end", "llama_block": "reference"})])
+def test_materialized_equals_euler_solve(flavour, options):
+  cfg = dataclasses.replace(TINY, flavour=flavour, **options)
   model = create_model(cfg, seed=2)
   _perturb_hypernet(model)
   toks = tokens(3)
@@ -221,14 +223,16 @@ def linear_ode_problem():
   return (lambda x, t: jnp.cos(t) * (a0 @ x)), x0, exact
 
 
+@pytest.mark.parametrize("step_time", ["start", "end"])
 @pytest.mark.parametrize("method,order", [("euler", 1), ("midpoint", 2), ("rk4", 4)])
-def test_solver_order(method, order):
-  """dx/dt = A(t) x with A(t) = cos(t)·A0 (commuting): x(1) = expm(sin(1)·A0) x0."""
+def test_solver_order(method, order, step_time):
+  """dx/dt = A(t) x with A(t) = cos(t)·A0 (commuting): x(1) = expm(sin(1)·A0) x0, at the
+  method's order under both step-time conventions."""
   with jax.enable_x64(True):
     field, x0, exact = linear_ode_problem()
     errors = []
     for k in (8, 16, 32, 64):
-      ts = solvers.stage_times(k, method).astype(jnp.float64)
+      ts = solvers.stage_times(k, method, step_time).astype(jnp.float64)
       x1 = solvers.fixed_step_solve(field, x0, ts, 1.0 / k, method)
       errors.append(np.linalg.norm(np.asarray(x1) - exact))
     rates = np.log2(np.array(errors[:-1]) / np.array(errors[1:]))
@@ -432,6 +436,10 @@ def test_shared_time_mlp_has_fewer_params():
     ({"solver": "dopri"}, "model.solver='dopri' is unknown"),
     ({"num_steps": 0}, "must be a positive integer"),
     ({"typo_key": 1}, "unknown model config keys"),
+    ({"step_time": "middle"}, "model.step_time='middle' is unknown"),
+    ({"llama_block": "reference"}, "use llama_block='paper'"),   # flavour gpt
+    ({"llama_block": "reference", "flavour": "llama", "kind": "gpt"},
+     "use llama_block='paper'"),
 ])
 def test_config_errors(override, message):
   c = default_model_config()

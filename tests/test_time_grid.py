@@ -60,11 +60,13 @@ def test_bfloat16_state_stays_bfloat16_with_per_step_dt():
   np.testing.assert_allclose(np.asarray(x1, np.float32), 0.75 * 0.25, rtol=1e-2)
 
 
-@pytest.mark.parametrize("flavour", ["gpt", "llama"])
-def test_model_on_a_time_grid_matches_a_reference_loop(flavour):
-  """Step k of the model on a grid is x + dt_k·F(x, W(g_k)), dt_k = g_{k+1} - g_k: a plain
-  Python loop with W(t) from the hypernetwork's raw params in float64."""
-  cfg = dataclasses.replace(TINY, flavour=flavour)
+@pytest.mark.parametrize("flavour,step_time", [("gpt", "start"), ("llama", "start"),
+                                               ("llama", "end")])
+def test_model_on_a_time_grid_matches_a_reference_loop(flavour, step_time):
+  """Step k of the model on a grid is x + dt_k·F(x, W(g_k)) (W(g_{k+1}) at step_time
+  'end'), dt_k = g_{k+1} - g_k: a plain Python loop with W(t) from the hypernetwork's
+  raw params in float64."""
+  cfg = dataclasses.replace(TINY, flavour=flavour, step_time=step_time)
   model = create_model(cfg, seed=11)
   _perturb_hypernet(model)
   toks = tokens(12, b=2, length=10)
@@ -79,7 +81,8 @@ def test_model_on_a_time_grid_matches_a_reference_loop(flavour):
       x = x + _np(model.pos_embed[...])[p]
     for k in range(len(grid) - 1):
       dt = np.float64(np.float32(grid[k + 1] - grid[k]))   # the model's float32 steps
-      x = x + dt * ref_field(x, ref_weights(model, grid[k]), cfg, None, p)
+      t = grid[k + 1] if step_time == "end" else grid[k]
+      x = x + dt * ref_field(x, ref_weights(model, t), cfg, None, p)
     shift = _np(model.final_norm_shift[...]) if flavour == "gpt" else None
     x = ref_norm(x, _np(model.final_norm_scale[...]), shift, cfg.norm_eps)
     want.append(x @ emb.T)
@@ -112,20 +115,52 @@ def test_time_grid_is_checked():
     ModelConfig(train_time_grid="sometimes")
 
 
+def _draws(max_offset, k=4, n=400):
+  keys = jax.random.split(jax.random.key(0), n)
+  return np.asarray(jax.vmap(lambda key: time_grid.random_offset_grid(key, k, max_offset))(
+      keys), np.float64)
+
+
 def test_random_offset_grid_is_the_reference_scheme():
-  """g = [0, dt0, dt0 + dt, …, dt0 + (K-2)·dt, 1] with dt0 ~ U(0, dt): interior steps
-  are dt, the first dt0, the last 2·dt - dt0; over many draws dt0 fills (0, dt)."""
-  k, dt = 6, 1.0 / 6
-  offsets = []
-  for i in range(400):
-    g = np.asarray(time_grid.random_offset_grid(jax.random.key(i), k), np.float64)
-    assert g.shape == (k + 1,) and g[0] == 0.0 and g[-1] == 1.0
-    steps = np.diff(g)
-    np.testing.assert_allclose(steps[1:-1], dt, rtol=1e-5)
-    assert 0.0 <= steps[0] < dt and np.isclose(steps[-1], 2 * dt - steps[0], rtol=1e-5)
-    offsets.append(steps[0] / dt)
-  hist, _ = np.histogram(offsets, bins=4, range=(0.0, 1.0))
+  """qkvflow's `generate_t` draws dt0 ~ U(0, dt) and evaluates step k at its end,
+  t = [dt0, dt0 + dt, …, dt0 + (K-2)·dt, 1] with steps [dt0, dt, …, dt, 1 - t_{K-2}]:
+  exactly the step ends and steps of `random_offset_grid`. What it trains, under either
+  step time, never reaches [(K-1)/K, 1) (Euler evaluates g_0…g_{K-1} or g_1…g_K)."""
+  k, dt = 4, 0.25
+  grids = _draws(1.0, k)
+  for g in grids:
+    dt0 = g[1]
+    t_ref = np.concatenate([dt0 + dt * np.arange(k - 1), [1.0]])
+    dts_ref = np.diff(np.concatenate([[0.0], t_ref]))
+    np.testing.assert_allclose(g[1:], t_ref, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.diff(g), dts_ref, rtol=1e-4, atol=1e-7)
+  hist, _ = np.histogram(grids[:, 1] / dt, bins=4, range=(0.0, 1.0))
   assert hist.min() > 60, hist        # each quarter of (0, dt) holds ~100 of 400 draws
+  for step_time in ("start", "end"):
+    evaluated = np.asarray(jax.vmap(
+        lambda g, s=step_time: solvers.grid_stage_times(g, "euler", s)[0])(grids))
+    assert not np.any((evaluated >= (k - 1) / k) & (evaluated < 1.0)), step_time
+
+
+@pytest.mark.parametrize("method", ["euler", "midpoint", "rk4"])
+@pytest.mark.parametrize("step_time", ["start", "end"])
+@pytest.mark.parametrize("grid_name", ["random_shift", "random_uniform"])
+def test_random_grids_train_every_time_a_solve_evaluates(grid_name, step_time, method):
+  """Over 400 batches of K = 4, the times the solver evaluates (its stage times on each
+  drawn grid) fall in every one of 64 equal bins of [0, 1], so every t that a solve at
+  another N evaluates — [0, 1) at 'start', (0, 1] at 'end' — lies within 1/64 of a
+  trained one; the grids are valid (0 = g_0 <= … <= g_K = 1)."""
+  cfg = dataclasses.replace(TINY, num_steps=4, train_time_grid=grid_name, step_time=step_time,
+                            solver=method)
+  keys = jax.random.split(jax.random.key(1), 400)
+  grids = jax.vmap(lambda key: time_grid.train_time_grid(cfg, key))(keys)
+  g = np.asarray(grids, np.float64)
+  assert (g[:, 0] == 0).all() and (g[:, -1] == 1).all() and (np.diff(g, axis=1) >= 0).all()
+  ts = np.asarray(jax.vmap(lambda grid: solvers.grid_stage_times(grid, method, step_time)[0])(
+      grids), np.float64).ravel()
+  assert ts.min() >= 0.0 and ts.max() <= 1.0
+  hist, _ = np.histogram(ts, bins=64, range=(0.0, 1.0))
+  assert hist.min() > 0, np.flatnonzero(hist == 0) / 64
 
 
 def test_train_time_grid_option():
@@ -135,6 +170,9 @@ def test_train_time_grid_option():
   on = dataclasses.replace(ode, train_time_grid="random_offset")
   np.testing.assert_array_equal(np.asarray(time_grid.train_time_grid(on, key)),
                                 np.asarray(time_grid.random_offset_grid(key, 4)))
+  shift = dataclasses.replace(ode, train_time_grid="random_shift")
+  np.testing.assert_array_equal(np.asarray(time_grid.train_time_grid(shift, key)),
+                                np.asarray(time_grid.random_offset_grid(key, 4, 2.0)))
   # A discrete model's depth has no time: the GPT baseline of an ODE config ignores it.
   assert time_grid.train_time_grid(dataclasses.replace(on, kind="gpt"), key) is None
 
@@ -176,3 +214,18 @@ def test_train_step_solves_on_the_grid_drawn_from_its_rng():
   got = float(m.loss.compute())
   assert abs(got - on_grid) <= 1e-5 * on_grid
   assert abs(uniform - on_grid) > 100 * abs(got - on_grid) + 1e-4, (uniform, on_grid, got)
+
+
+def test_new_model_fields_match_fingerprints_written_before_them():
+  """A checkpoint written before model.step_time / model.llama_block existed resumes
+  under their defaults (its meaning then); a stored value that differs does not."""
+  from odetransformer import checkpointing   # pylint: disable=g-import-not-at-top
+  c = tiny_config("/unused")
+  new = checkpointing.fingerprint(c)
+  assert new["model"]["step_time"] == "start" and new["model"]["llama_block"] == "paper"
+  old = {**new, "model": {k: v for k, v in new["model"].items()
+                          if k not in ("step_time", "llama_block")}}
+  assert checkpointing.fingerprint_diffs(old, new) == []
+  c.model.step_time = "end"
+  assert checkpointing.fingerprint_diffs(new, checkpointing.fingerprint(c)) == [
+      "model.step_time 'start' -> 'end'"]

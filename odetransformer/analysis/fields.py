@@ -55,11 +55,12 @@ def layer_weights(model, dtype=jnp.float32) -> dict:
 
 
 def euler_steps(model, num_steps: Optional[int] = None, dtype=jnp.float32) -> StepWeights:
-  """The weights of each Euler step: W(t_k) at t_k = k/K (ODE kinds), or the layers."""
+  """The weights of each Euler step: W(t_k) at t_k = k/K, or (k+1)/K under
+  step_time='end' (ODE kinds), or the layers."""
   cfg = model.config
   k = model.resolve_num_steps(num_steps)
   if is_continuous(cfg):
-    ts = stage_times(k, "euler")[:, 0]
+    ts = stage_times(k, "euler", cfg.step_time)[:, 0]
     return StepWeights(weights_at(model, ts, dtype), 1.0 / k, np.asarray(ts), "t")
   return StepWeights(layer_weights(model, dtype), 1.0, np.arange(k, dtype=np.float32), "layer")
 

@@ -109,7 +109,7 @@ def attention_to(cfg, x_ld, p, position: int):
   (the same computation as `blocks.attention`, with the softmax kept)."""
   length = x_ld.shape[0]
   o = position % length
-  xn = blocks.norm(x_ld, p["norm1_scale"], p.get("norm1_shift"), cfg.norm_eps)
+  xn = blocks.block_norm(x_ld, p, "norm1", cfg)
   q = jnp.einsum("td,dnh->tnh", xn, p["wq"])
   k = jnp.einsum("td,dnh->tnh", xn, p["wk"])
   if "bq" in p:
