@@ -20,6 +20,7 @@ and checkpoints are written once; the SIGTERM stops both processes at the same s
 with that step's checkpoint, exit 0.
 """
 import json
+import os
 import pathlib
 import signal
 import socket
@@ -91,7 +92,8 @@ DRIVER = textwrap.dedent("""
     train.train_and_evaluate = recorded
 
     sys.argv = ["main.py", "--config=configs/default.py",
-                f"--workdir={os.environ['ODET_WORKDIR']}", *config_flags(c)]
+                f"--workdir={os.environ['ODET_WORKDIR']}", *config_flags(c),
+                *os.environ.get("ODET_FLAGS", "").split()]
     try:
       errors.run_cli(main_lib._run)       # what `python main.py ...` runs
     except SystemExit as e:               # absl's app.run exits when main returns
@@ -260,13 +262,16 @@ def test_process_0_alone_logs_and_writes_scalars(runs, base):
   assert checkpointing.finalized_steps(str(base / "multi")) == [2, 4]
 
 
-def test_sigterm_to_one_process_stops_both_at_the_same_step(runs, base):
-  """A real preemption notice (SIGTERM) reaching only process 1 of 2: through JAX's
-  preemption-sync service both processes stop at the same step, the checkpoint of that
-  step is written, and both exit 0 — no process is left waiting in a collective."""
+@pytest.fixture(scope="module")
+def pod(runs, base, gcs_bucket):
+  """A simulated pod on object storage: 2 processes × 4 devices train on a gs:// workdir
+  (the GCS emulator) until a SIGTERM reaches process 1 only; the run resumes on 1 process
+  × 8 devices; a fine-tuning run starts from it (`init_from=gs://…`) and
+  `odetransformer.evaluate` reads that one. Returns (workdir, the stopped step, the
+  resumed run's result, the fine-tuning run's result, evaluate's output)."""
   del runs                       # run after it: its tokenizer and compilations are cached
   tmp = base
-  workdir = tmp / "sigterm"
+  workdir = f"{gcs_bucket}/pod-{os.getpid()}"
   envs = _two_process_envs(tmp, workdir, ODET_STEPS=1000)
   procs, logs = _start_group(tmp, "sigterm", envs)
   log0 = tmp / "sigterm_0.log"
@@ -279,5 +284,41 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(runs, base):
   group = _run_group(tmp, "sigterm", envs, started=(procs, logs))
   steps = [r["step"] for r in group]
   assert steps[0] == steps[1] and 1 <= steps[0] < 1000, steps
-  assert checkpointing.finalized_steps(str(workdir)) == [steps[0]]
-  assert f"stopping at step {steps[0]} after preemption" in log0.read_text()
+  stopped = steps[0]
+  resumed = _run_group(tmp, "pod_resume", [_env(tmp, 8, ODET_WORKDIR=workdir,
+                                                ODET_STEPS=stopped + 1)])[0]
+  finetune = f"{workdir}-ft"
+  tuned = _run_group(tmp, "pod_ft", [_env(tmp, 8, ODET_WORKDIR=finetune, ODET_STEPS=1,
+                                          ODET_FLAGS=f"--config.init_from={workdir}")])[0]
+  evaluated = subprocess.run(
+      [sys.executable, "-m", "odetransformer.evaluate", f"--workdir={finetune}",
+       "--max_batches=1"], env=_env(tmp, 8), cwd=str(ROOT), capture_output=True,
+      text=True, timeout=TIMEOUT_S)
+  assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+  return workdir, stopped, resumed, tuned, evaluated.stdout
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_step(pod, base):
+  """A real preemption notice (SIGTERM) reaching only process 1 of 2: through JAX's
+  preemption-sync service both processes stop at the same step, the checkpoint of that
+  step is written (to gs://), and both exit 0 — no process is left waiting in a
+  collective."""
+  workdir, stopped, _, _, _ = pod
+  assert stopped in checkpointing.finalized_steps(workdir)
+  assert f"stopping at step {stopped} after preemption" in (base / "sigterm_0.log").read_text()
+
+
+def test_pod_resumes_on_one_process_then_finetunes_and_evaluates_from_gs(pod, base):
+  """The 2-process checkpoint on gs:// resumes on 1 process × 8 devices (its two input
+  shards continue), a fine-tuning run loads it from gs://, evaluate reads that run from
+  gs://, and no local directory named 'gs:' appears anywhere."""
+  workdir, stopped, resumed, tuned, printed = pod
+  assert (resumed["process_count"], resumed["device_count"]) == (1, 8)
+  assert (resumed["start_step"], resumed["step"]) == (stopped, stopped + 1)
+  assert checkpointing.finalized_steps(workdir)[-1] == stopped + 1
+  assert "input shards, this run" not in (base / "pod_resume_0.log").read_text()   # exact
+  assert (tuned["start_step"], tuned["step"]) == (0, 1)
+  assert f"from {workdir}: loaded" in (base / "pod_ft_0.log").read_text()
+  assert f"of {workdir}-ft:" in printed and "perplexity" in printed
+  for root in {pathlib.Path.cwd(), ROOT, base}:
+    assert not (root / "gs:").exists(), root

@@ -46,6 +46,7 @@ DRIVER = textwrap.dedent("""
     c.global_batch_size = c.eval_batch_size = 8
     c.eval_every_steps = c.checkpoint_every_steps = 0   # at the end (and step 0: init_from)
     c.data.eval_max_batches = 1
+    c.data.input_shards = 2            # 1 process and 2 read the same two input shards
     c.init_from = os.environ["ODET_PRE"]
     c.finetune = ml_collections.ConfigDict(dict(
         method="full", num_steps=3, lora_rank=0, lora_alpha=1.0, targets="wq",
