@@ -83,11 +83,23 @@ DEVIATIONS = {
 }
 
 
+def expected_optimizer(yaml_optimizer):
+  """{our optim key: value} of an authors' optimizer section, levanter's defaults filled."""
+  opt = {**LEVANTER_OPTIMIZER, **yaml_optimizer}
+  return {
+      "optim.learning_rate": float(opt["learning_rate"]),
+      "optim.weight_decay": float(opt["weight_decay"]),
+      "optim.min_lr_ratio": float(opt["min_lr_ratio"]),
+      "optim.b1": float(opt["beta1"]), "optim.b2": float(opt["beta2"]),
+      "optim.eps": float(opt["epsilon"]), "optim.grad_clip_norm": float(opt["max_grad_norm"]),
+      "optim.warmup_frac": float(opt["warmup_ratio"]), "optim.schedule": opt["lr_schedule"],
+  }
+
+
 def expected_from_yaml(y):
   """{our config key: value} that the authors' pre-training yaml `y` sets or implies."""
-  m, t, o = y["model"], y["trainer"], y["optimizer"]
+  m, t = y["model"], y["trainer"]
   llama = m["type"] == "llama"
-  opt = {**LEVANTER_OPTIMIZER, **o}
   assert t["mp"] == "p=f32,c=bfloat16"
   dropout = 0.0 if llama else m["embed_pdrop"]
   # attn_pdrop (dropout on attention probabilities) has no counterpart here.
@@ -105,12 +117,7 @@ def expected_from_yaml(y):
       "model.dtype": "bfloat16", "model.param_dtype": "float32",
       "seq_len": m["seq_len"], "global_batch_size": t["train_batch_size"],
       "num_train_steps": t["num_train_steps"], "eval_every_steps": t["steps_per_eval"],
-      "optim.learning_rate": float(opt["learning_rate"]),
-      "optim.weight_decay": float(opt["weight_decay"]),
-      "optim.min_lr_ratio": float(opt["min_lr_ratio"]),
-      "optim.b1": float(opt["beta1"]), "optim.b2": float(opt["beta2"]),
-      "optim.eps": float(opt["epsilon"]), "optim.grad_clip_norm": float(opt["max_grad_norm"]),
-      "optim.warmup_frac": float(opt["warmup_ratio"]), "optim.schedule": opt["lr_schedule"],
+      **expected_optimizer(y["optimizer"]),
       # train_lm.py's decay masks: ODE on embeddings, gpt2/llama on matrices + embeddings,
       # which is what 'auto' chooses for each kind.
       "optim.weight_decay_on": "auto",
@@ -126,6 +133,13 @@ def config_value(c, key):
   return node
 
 
+def assert_matches(name, c, expected):
+  """Config `c` has every expected value, but for the declared `DEVIATIONS`."""
+  for key, value in expected.items():
+    want = DEVIATIONS.get((name, key), value)
+    assert config_value(c, key) == want, (name, key, config_value(c, key), want)
+
+
 def test_every_yaml_claim_is_checked():
   """The configs that name an authors' file are exactly the ones the tests compare."""
   claims = claimed_yaml()
@@ -138,9 +152,7 @@ def test_every_yaml_claim_is_checked():
 def test_configs_match_the_authors_yaml(name):
   c = load(name)
   expected = expected_from_yaml(authors_yaml(claimed_yaml()[name]))
-  for key, value in expected.items():
-    want = DEVIATIONS.get((name, key), value)
-    assert config_value(c, key) == want, (name, key, config_value(c, key), want)
+  assert_matches(name, c, expected)
 
 
 # levanter's LoraConfig alpha default (the yamls set only r): 8.0. qkvflow lora.py adapts
@@ -156,7 +168,6 @@ DEVIATIONS.update({(name, "finetune.method"): "lora" for name in FINETUNE_CONFIG
 def test_finetune_configs_match_the_authors_yaml(name):
   y = authors_yaml(claimed_yaml()[name])
   pre, trainer = y["pretrain_config"], y["finetuner"]
-  opt = {**LEVANTER_OPTIMIZER, **y["lora_optimizer"]}
   expected = {
       "finetune.method": y["finetune_choice"], "finetune.num_steps": y["finetune_layer"],
       "finetune.lora_rank": y["lora"]["r"], "finetune.lora_alpha": LEVANTER_LORA_ALPHA,
@@ -167,18 +178,11 @@ def test_finetune_configs_match_the_authors_yaml(name):
       "seq_len": pre["model"]["seq_len"], "global_batch_size": trainer["train_batch_size"],
       "num_train_steps": trainer["num_train_steps"],
       "eval_every_steps": trainer["steps_per_eval"],
-      "optim.learning_rate": float(opt["learning_rate"]),
-      "optim.weight_decay": float(opt["weight_decay"]),
-      "optim.min_lr_ratio": float(opt["min_lr_ratio"]),
-      "optim.b1": float(opt["beta1"]), "optim.b2": float(opt["beta2"]),
-      "optim.eps": float(opt["epsilon"]), "optim.grad_clip_norm": float(opt["max_grad_norm"]),
-      "optim.warmup_frac": float(opt["warmup_ratio"]), "optim.schedule": opt["lr_schedule"],
+      **expected_optimizer(y["lora_optimizer"]),
       "data.source": DATA_SOURCE[y["finetune_data"]["id"]],
   }
   c = load(name)
-  for key, value in expected.items():
-    want = DEVIATIONS.get((name, key), value)
-    assert config_value(c, key) == want, (name, key, config_value(c, key), want)
+  assert_matches(name, c, expected)
   ft = c.finetune
   assert (ft.lora_init, ft.train_embeddings) == ("small", True)
   assert set(ft.targets.split(",")) == {"wq", "wk", "wv", "wo", "w1", "w2"}
