@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from odetransformer import blocks
+from odetransformer import blocks, solvers
 from odetransformer.axes import constrain
 from odetransformer.config import ModelConfig
 from odetransformer.hypernet import HyperNetwork
-from odetransformer.solvers import TABLEAUX, fixed_step_solve, grid_stage_times, stage_times
+from odetransformer.solvers import fixed_step_solve, grid_stage_times, stage_times
 from odetransformer.time_grid import check_time_grid
 
 EMBED_STD = 0.02
@@ -251,7 +251,7 @@ class LanguageModel(nnx.Module):
     method = cfg.solver if cfg.is_ode else "euler"
     keys = None
     if use_dropout:   # one key per field evaluation (rk4's 2nd and 3rd share a time)
-      n_evals = len(TABLEAUX[method].stages)
+      n_evals = len(solvers.TABLEAUX[method].stages)
       keys = jax.random.split(dropout_rng, k * n_evals).reshape(k, n_evals)
     compute = jnp.dtype(cfg.dtype)
 

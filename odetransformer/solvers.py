@@ -94,9 +94,12 @@ def _step(field, method):
 
   def step(x, inp, dt):
     inp, ev = inp
+
     def f(x_in, e):
       at = jax.tree.map(lambda a: a[stages[e]], inp)
-      return field(x_in, at) if ev is None else field(x_in, at, jax.tree.map(lambda a: a[e], ev))
+      if ev is None:
+        return field(x_in, at)
+      return field(x_in, at, jax.tree.map(lambda a: a[e], ev))
     return rk_step(f, method, x, dt)
   return step
 
