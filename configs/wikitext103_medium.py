@@ -1,7 +1,10 @@
 """Paper: DiffEqFormer at GPT-medium shape on WikiText-103 (Table 1 / App. C.4).
 
-From the authors' config/wikitext_103/medium.yaml (SDML-KU/qkvflow). Differs from
-wikitext103_small: 24 steps/layers, d 1024, 16 heads, MLP 4096, d_t 48, peak lr 3e-4.
+From the authors' config/wikitext_103/medium.yaml (SDML-KU/qkvflow), which as
+committed sets `model_choice: gpt2` (their GPT-2 baseline run, `--config.model.kind=gpt`
+here) and carries the DiffEqFormer's time_embed_dim and sinusodial_dim, used here.
+Differs from wikitext103_small: 24 steps/layers, d 1024, 16 heads, MLP 4096, d_t 48,
+peak lr 3e-4.
 
   python main.py --config=configs/wikitext103_medium.py --workdir=$W --config.data.data_dir=$DATA
   python main.py --config=configs/wikitext103_medium.py --config.model.kind=gpt --workdir=$W_gpt --config.data.data_dir=$DATA

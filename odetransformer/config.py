@@ -69,6 +69,9 @@ def default_model_config() -> ml_collections.ConfigDict:
   # One the platform cannot run is an error (`blocks.attention_kernel`).
   c.attention_impl = "auto"
   c.param_dtype = "float32"
+  # dtype of the ODE state / residual stream x carried between steps: 'float32' keeps an
+  # increment dt·F far below |x| that bfloat16 (8 mantissa bits) would round away.
+  c.state_dtype = "float32"
   c.tie_embeddings = True      # LM head = embedding transpose
   c.dropout_rate = 0.0         # on embeddings and on attention / FFN outputs
   c.rope_base = 10000.0        # llama flavour
@@ -113,6 +116,7 @@ class ModelConfig:
   dtype: str = "float32"
   attention_impl: str = "auto"
   param_dtype: str = "float32"
+  state_dtype: str = "float32"
   tie_embeddings: bool = True
   dropout_rate: float = 0.0
   rope_base: float = 10000.0
@@ -142,6 +146,7 @@ class ModelConfig:
     choice("dtype", DTYPES)
     choice("attention_impl", ATTENTION_IMPLS)
     choice("param_dtype", DTYPES)
+    choice("state_dtype", DTYPES)
     for name in ("vocab_size", "d_model", "num_heads", "mlp_dim", "num_steps", "max_len",
                  "time_embed_dim", "time_sinusoids"):
       if int(getattr(self, name)) <= 0:

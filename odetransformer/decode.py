@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from odetransformer import blocks
@@ -141,12 +142,21 @@ class Decoder:
     Returns:
       (logits [b, t, vocab] in the compute dtype, updated cache).
     """
-    index_b = jnp.broadcast_to(jnp.asarray(index_b, jnp.int32), (tokens_bt.shape[0],))
-    return self._step(self.params, jnp.asarray(tokens_bt, jnp.int32), cache, index_b)
+    b, t = np.shape(tokens_bt)
+    index_b = np.broadcast_to(np.asarray(index_b, np.int32), (b,))   # a few ints to host
+    if index_b.min() < 0 or index_b.max() + t > cache.max_len:
+      raise ValueError(f"writing {t} tokens at cache positions {index_b.min()}…"
+                       f"{index_b.max() + t - 1} overflows the cache of max_len="
+                       f"{cache.max_len}; make the cache longer (init_cache)")
+    return self._step(self.params, jnp.asarray(tokens_bt, jnp.int32), cache,
+                      jnp.asarray(index_b))
 
   def step_fn(self):
     """The pure (params, tokens_bt, cache, index_b) -> (logits, cache) step, for use
-    inside other jitted code (e.g. a sampling loop); `self.params` is its first argument."""
+    inside other jitted code (e.g. a sampling loop); `self.params` is its first argument.
+    Unchecked: the caller keeps index_b + t <= the cache's max_len (a write beyond it
+    would be clamped by `dynamic_update_slice`), as `generate.Sampler` does by sizing
+    the cache to prompt + new tokens."""
     return self._fn
 
 
@@ -154,7 +164,7 @@ class Decoder:
 # The step (pure functions)
 # --------------------------------------------------------------------------------------
 def _write(cache_bsnh, new_btnh, index_b):
-  """Writes each row's t new entries at its own position."""
+  """Writes each row's t new entries at its own position (in range: see `step_fn`)."""
   return jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i, 0, 0)))(
       cache_bsnh, new_btnh.astype(cache_bsnh.dtype), index_b)
 
@@ -197,10 +207,11 @@ def _solver_step(x, w_s, static: _Static, k_e, v_e, index_b, positions_bt):
   def field(x_in, e):
     stage = TABLEAUX[static.method].stages[e]
     p = jax.tree.map(lambda a: a[stage], w_s)
-    out, k, v = _block(x_in, p, static, k_e[e], v_e[e], index_b, positions_bt)
+    out, k, v = _block(x_in.astype(static.cfg.dtype), p, static, k_e[e], v_e[e], index_b,
+                       positions_bt)
     new_k.append(k)
     new_v.append(v)
-    return out
+    return out.astype(x_in.dtype)      # the state stays in its dtype (model.state_dtype)
 
   x = rk_step(field, static.method, x, static.dt)
   return x, jnp.stack(new_k), jnp.stack(new_v)

@@ -3,8 +3,8 @@
 A fine-tuning config names the pre-training workdir (`init_from`) and `finetune.*`:
 
 - `continuous`: keep the hypernetworks and train them, run at N steps;
-- `full`: materialise N discrete layers (ODE) — or keep a discrete model — and train
-  all weights;
+- `full`: materialise N discrete layers (an Euler ODE; a midpoint/rk4 one is not N
+  layers and is refused) — or keep a discrete model — and train all weights;
 - `lora`: as `full`, then freeze the layers and train low-rank adapters (rank, alpha,
   targets), optionally the embeddings too. `finetune.lora_init`: 'zero_b' (Hu et al.:
   A ~ N(0, 1/in), B = 0) or 'small' (A, B ~ 1e-6·N(0, 1), as the authors' lora.py);
@@ -82,6 +82,10 @@ def finetune_model_config(config) -> ModelConfig:
       raise FinetuneError(f"finetune.method='continuous' needs an ODE model; the "
                           f"pre-trained model is kind={pre.kind!r} (use 'full' or 'lora')")
     return dataclasses.replace(pre, num_steps=n, **keep)
+  if pre.is_ode and pre.solver != "euler":
+    raise FinetuneError(f"finetune.method={method!r} materialises N Euler layers, a "
+                        f"different function from this {pre.solver!r}-solved model; use "
+                        "finetune.method='continuous'")
   if pre.is_ode:
     disc = dataclasses.replace(pre, kind="parallel", num_steps=n, out_proj_scale=1.0 / n,
                                **keep)

@@ -29,7 +29,8 @@ def materialize(model: LanguageModel, num_steps: int, fold_dt: bool = True) -> L
   """Returns the `num_steps`-layer discrete parallel model equal to the N-step Euler solve.
 
   Args:
-    model: a DiffEqFormer or weight-sharing ODE.
+    model: a DiffEqFormer or weight-sharing ODE solved with Euler (a midpoint or rk4
+      step is not one parallel layer: it is refused).
     num_steps: N, the number of layers (dt = 1/N).
     fold_dt: multiply dt into the stored output projections (True), or store W(t_k)
       and set `out_proj_scale = dt` (False; see the module docstring).
@@ -37,6 +38,10 @@ def materialize(model: LanguageModel, num_steps: int, fold_dt: bool = True) -> L
   cfg = model.config
   if not cfg.is_ode:
     raise ValueError(f"only ODE models materialise; this model is kind={cfg.kind!r}")
+  if cfg.solver != "euler":
+    raise ValueError(f"only an Euler ODE is N plain layers; this model's solver is "
+                     f"{cfg.solver!r} (decode it with decode.Decoder, fine-tune it with "
+                     "finetune.method='continuous')")
   if num_steps <= 0:
     raise ValueError(f"num_steps={num_steps} must be positive")
   dt = 1.0 / num_steps

@@ -77,6 +77,7 @@ from odetransformer import optimizer as optimizer_lib
 from odetransformer import sharding as sharding_lib
 from odetransformer import config as config_lib
 from odetransformer import errors, steps, train
+from odetransformer import model as model_lib
 
 GIB = 1024 ** 3
 DEFAULT_COMPILE_MAX_PARAMS = 50_000_000
@@ -164,7 +165,7 @@ def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
   path's stand-in for XLA's temporaries), by kind, and their peak.
 
   Local batch b = global / (batch shards × accumulation), T tokens, width d, MLP f,
-  vocabulary V, compute dtype of c bytes. A weight axis on 'tensor' is split tp ways in
+  vocabulary V, compute dtype of c bytes (the ODE state: model.state_dtype). A weight axis on 'tensor' is split tp ways in
   activations too, while 'fsdp' splits the batch there (`sharding.activation_rules`), so
   weights are used gathered over fsdp. The kinds:
   * gradients: float32, one per parameter shard; of them, 'hypernetwork gradients'
@@ -219,12 +220,13 @@ def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
   matmul_outs = tokens * (4 * d // tp_heads + d + glu * f // tp_mlp)
   scores = b * (n // tp_heads) * t * t
   elementwise = tokens * (2 * d + glu * f // tp_mlp) + scores   # norms, activations, softmax
-  per_eval = tokens * d                                   # the residual input
+  per_eval = 0
   if cfg.remat_policy != "full":
     per_eval += matmul_outs + scores
   if cfg.remat_policy == "none":
     per_eval += elementwise
-  out["saved activations"] = evals * per_eval * cb
+  sb = np.dtype(model_lib.state_dtype(cfg)).itemsize      # the residual input: the state
+  out["saved activations"] = evals * (tokens * d * sb + per_eval * cb)
 
   def gathered(shape, names):
     """Elements of a weight used gathered over fsdp (split by the activation rules)."""

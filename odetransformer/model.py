@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from odetransformer import blocks
+from odetransformer import blocks, solvers
 from odetransformer.axes import constrain
 from odetransformer.config import ModelConfig
 from odetransformer.hypernet import HyperNetwork
@@ -25,6 +25,15 @@ from odetransformer.solvers import fixed_step_solve, grid_stage_times, stage_tim
 from odetransformer.time_grid import check_time_grid
 
 EMBED_STD = 0.02
+# As the authors' models (levanter's embeddings): GPT-2's learned positions N(0, 0.01²);
+# Llama's token embeddings N(0, 1) when untied (tied, they are also the head: 0.02).
+POS_EMBED_STD = 0.01
+LLAMA_EMBED_STD = 1.0
+
+
+def state_dtype(cfg: ModelConfig):
+  """dtype of the solver state x: `model.state_dtype`, or the compute dtype if wider."""
+  return jnp.promote_types(cfg.dtype, cfg.state_dtype)
 
 
 def _init_layer_param(key, spec: blocks.ParamSpec, std: float, dtype, lead=()):
@@ -116,11 +125,13 @@ class LanguageModel(nnx.Module):
     d = cfg.d_model
     # With LoRA, the non-layer weights train only when asked to.
     var = Frozen if cfg.lora_rank and not cfg.lora_train_embeddings else nnx.Param
+    embed_std = (LLAMA_EMBED_STD if cfg.flavour == "llama" and not cfg.tie_embeddings
+                 else EMBED_STD)
     self.embed = var(jax.random.normal(rngs.params(), (cfg.vocab_size, d), dtype)
-                           * EMBED_STD, out_sharding=("vocab", "embed"))
+                           * embed_std, out_sharding=("vocab", "embed"))
     if cfg.flavour == "gpt":
       self.pos_embed = var(jax.random.normal(rngs.params(), (cfg.max_len, d), dtype)
-                                 * EMBED_STD, out_sharding=("length", "embed"))
+                                 * POS_EMBED_STD, out_sharding=("length", "embed"))
     if cfg.kind == "diffeqformer":
       self.stack = HyperNetwork(cfg, rngs=rngs)
     elif cfg.kind == "shared":
@@ -150,8 +161,9 @@ class LanguageModel(nnx.Module):
     return {k: v.astype(dtype)[:, None] for k, v in layers.items()}, 1.0
 
   def embed_tokens(self, tokens_bt, positions_bt):
+    """The initial state x_0 [b, t, d] in the state dtype."""
     cfg = self.config
-    dtype = jnp.dtype(cfg.dtype)
+    dtype = state_dtype(cfg)
     x = jnp.take(constrain(self.embed[...], ("vocab", "embed")), tokens_bt, axis=0)
     if cfg.flavour == "gpt":
       x = x + jnp.take(constrain(self.pos_embed[...], ("length", "embed")), positions_bt, axis=0)
@@ -160,8 +172,8 @@ class LanguageModel(nnx.Module):
   def logits(self, x_btd):
     cfg = self.config
     shift = self.final_norm_shift[...] if cfg.flavour == "gpt" else None
-    x = blocks.norm(x_btd, self.final_norm_scale[...], shift, cfg.norm_eps)
     dtype = jnp.dtype(cfg.dtype)
+    x = blocks.norm(x_btd, self.final_norm_scale[...], shift, cfg.norm_eps).astype(dtype)
     if cfg.tie_embeddings:
       logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dtype))
     else:
@@ -237,17 +249,19 @@ class LanguageModel(nnx.Module):
       weights, dt = self.step_params(k, time_grid)
       inputs = {"w": weights}
       get = lambda inp: inp["w"]
-    n_stages = jax.tree.leaves(inputs)[0].shape[1]
-    if use_dropout:
-      inputs["key"] = jax.random.split(dropout_rng, k * n_stages).reshape(k, n_stages)
-
-    def field(x_btd, inp):
-      out = block(x_btd, get(inp), cfg, mask, positions_bl, inp.get("key"))
-      return constrain(out, ("batch", "length", "embed"))
-
     method = cfg.solver if cfg.is_ode else "euler"
+    keys = None
+    if use_dropout:   # one key per field evaluation (rk4's 2nd and 3rd share a time)
+      n_evals = len(solvers.TABLEAUX[method].stages)
+      keys = jax.random.split(dropout_rng, k * n_evals).reshape(k, n_evals)
+    compute = jnp.dtype(cfg.dtype)
+
+    def field(x_btd, inp, key=None):   # the block in the compute dtype, x in the state's
+      out = block(x_btd.astype(compute), get(inp), cfg, mask, positions_bl, key)
+      return constrain(out, ("batch", "length", "embed")).astype(x_btd.dtype)
+
     out = fixed_step_solve(field, x, inputs, dt, method, cfg.remat_policy,
-                           return_trajectory=return_trajectory)
+                           return_trajectory=return_trajectory, eval_inputs=keys)
     if return_trajectory:
       x, traj = out
       return self.logits(x), traj

@@ -115,18 +115,25 @@ def grid_stage_times(grid, method: str, step_time: str = "start"):
 
 
 def _step(field, method):
-  """One step (x_k, inputs, dt) -> x_{k+1}; `inp` has a leading stage axis of size S."""
+  """One step (x_k, (inputs, eval_inputs), dt) -> x_{k+1}; `inputs` has a leading stage
+  axis of size S, `eval_inputs` (None, or leaves [E, ...]) one of field evaluations."""
   stages = TABLEAUX[method].stages
 
   def step(x, inp, dt):
-    return rk_step(lambda x_in, e: field(x_in, jax.tree.map(lambda a: a[stages[e]], inp)),
-                   method, x, dt)
+    inp, ev = inp
+
+    def f(x_in, e):
+      at = jax.tree.map(lambda a: a[stages[e]], inp)
+      if ev is None:
+        return field(x_in, at)
+      return field(x_in, at, jax.tree.map(lambda a: a[e], ev))
+    return rk_step(f, method, x, dt)
   return step
 
 
 def fixed_step_solve(field: Callable[[Any, Any], Any], x0, stage_inputs, dt,
                      method: str = "euler", remat_policy: str = "none",
-                     return_trajectory: bool = False):
+                     return_trajectory: bool = False, eval_inputs=None):
   """Integrates dx/dt = field(x, inputs(t)) with K fixed steps.
 
   Args:
@@ -142,6 +149,10 @@ def fixed_step_solve(field: Callable[[Any, Any], Any], x0, stage_inputs, dt,
     remat_policy: key of `REMAT_POLICIES`; anything but 'none' rematerialises each
       step in the backward pass, keeping only the carry (and saved dots).
     return_trajectory: also return the states before each step, [K, ...].
+    eval_inputs: optional pytree whose leaves are [K, E, ...], one entry per field
+      evaluation of a step (E = len(TABLEAUX[method].stages); rk4's 2nd and 3rd
+      evaluations share a stage, not these), e.g. dropout keys; when given, the field
+      is called as `field(x, inputs_at_one_time, eval_inputs_at_one_evaluation)`.
   Returns:
     x_K, or (x_K, [x_0 … x_{K-1}]) with return_trajectory.
   """
@@ -158,11 +169,11 @@ def fixed_step_solve(field: Callable[[Any, Any], Any], x0, stage_inputs, dt,
     if dt.shape != (num_steps,):
       raise ValueError(f"dt has shape {dt.shape}; expected a float or ({num_steps},), "
                        "one step size per step")
-    xs = (stage_inputs, dt)
+    xs = ((stage_inputs, eval_inputs), dt)
   else:
     # A uniform dt stays a constant of the program (closed over, not traced).
     step = functools.partial(step, dt=dt)
-    xs = stage_inputs
+    xs = (stage_inputs, eval_inputs)
   if remat_policy != "none":
     step = jax.checkpoint(step, policy=REMAT_POLICIES[remat_policy])
 

@@ -266,17 +266,12 @@ def make_eval_step(layout: StateLayout, rules) -> Callable:
 # --------------------------------------------------------------------------------------
 def local_batch(batch, local_batch_size: Optional[int] = None) -> dict:
   """The model's keys as numpy; pads a short (last eval) batch with weight-0 rows."""
-  out = {}
-  for key in BATCH_KEYS:
-    if key not in batch:
-      continue
-    x = np.asarray(batch[key])
-    if local_batch_size is not None and x.shape[0] < local_batch_size:
-      pad = [(0, local_batch_size - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
-      x = np.pad(x, pad)
-    out[key] = x
-  if "weights" not in out:
+  out = {key: np.asarray(batch[key]) for key in BATCH_KEYS if key in batch}
+  if "weights" not in out:   # before padding: the padded rows get weight 0
     out["weights"] = np.ones(out["targets"].shape, np.float32)
+  if local_batch_size is not None and out["targets"].shape[0] < local_batch_size:
+    for key, x in out.items():
+      out[key] = np.pad(x, [(0, local_batch_size - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
   return out
 
 

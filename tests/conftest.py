@@ -29,11 +29,21 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 SHARED_DATA = ROOT.parent / "shared" / "data"
+SHARED_REFERENCE = ROOT.parent / "shared" / "reference"
 
 
 def shared_data_path(*parts: str) -> pathlib.Path:
   """Path under ../shared/data; skips the test when absent unless CI requires it."""
-  path = SHARED_DATA.joinpath(*parts)
+  return _shared_path(SHARED_DATA.joinpath(*parts))
+
+
+def shared_reference_path(*parts: str) -> pathlib.Path:
+  """Path under ../shared/reference (the authors' code and configs); skips like
+  `shared_data_path`."""
+  return _shared_path(SHARED_REFERENCE.joinpath(*parts))
+
+
+def _shared_path(path: pathlib.Path) -> pathlib.Path:
   if not path.exists():
     if os.environ.get("ODET_REQUIRE_SHARED_DATA") == "1":
       pytest.fail(f"{path} is missing but ODET_REQUIRE_SHARED_DATA=1")

@@ -180,3 +180,23 @@ def test_continuous_needs_an_ode_pretrained_model(pretrained, tmp_path):
   c.init_from = str(tmp_path)
   with pytest.raises(finetune.FinetuneError, match="'continuous' needs an ODE model"):
     finetune.finetune_model_config(c)
+
+
+@pytest.mark.parametrize("solver", ["midpoint", "rk4"])
+def test_full_and_lora_refuse_a_higher_order_ode(pretrained, tmp_path, solver):
+  """Materialised Euler layers are not the function a midpoint/rk4 model computes (the
+  one `generate` decodes): 'full' and 'lora' refuse such a model before any work,
+  'continuous' (which keeps its solver) accepts it."""
+  base, _ = pretrained
+  pre = json.loads((base / "run" / "config.json").read_text())
+  pre["model"]["solver"] = solver     # the same run's config, as if trained with `solver`
+  (tmp_path / "config.json").write_text(json.dumps(pre))
+  for method in ("full", "lora"):
+    c = ft_config(pretrained, method, 3)
+    c.init_from = str(tmp_path)
+    with pytest.raises(finetune.FinetuneError, match=f"different function from this "
+                                                     f"'{solver}'-solved model"):
+      finetune.finetune_model_config(c)
+  c = ft_config(pretrained, "continuous", 3)
+  c.init_from = str(tmp_path)
+  assert finetune.finetune_model_config(c).solver == solver

@@ -96,6 +96,9 @@ CASES = {
                                              perturb=True),
     "diffeqformer-midpoint-end": dict(kind="diffeqformer", solver="midpoint",
                                       step_time="end", perturb=True),
+    # DiffEqFormer with higher-order solvers: W(t) at the stage times, 2 / 4 slots per step
+    "diffeqformer-midpoint": dict(kind="diffeqformer", solver="midpoint"),
+    "diffeqformer-rk4": dict(kind="diffeqformer", solver="rk4", flavour="llama"),
 }
 
 
@@ -107,6 +110,29 @@ def test_cached_decoding_matches_full_forward(name):
   assert float(jnp.max(jnp.abs(full))) > 1.0  # the comparison is not trivially small
   decoder = decoder_for(model)
   np.testing.assert_allclose(cached_logits(decoder, toks, PREFILL), full, rtol=0, atol=TOL)
+
+
+def test_cached_decoding_matches_full_forward_in_bfloat16():
+  """bfloat16 compute (float32 ODE state): the cached logits equal the full forward's up
+  to bfloat16 rounding; an error above that (a wrong cache slot or stage weight) fails.
+  The rounding's scale: the full forward's own distance from the float32 model."""
+  model = tiny_model(kind="diffeqformer", solver="midpoint", dtype="bfloat16")
+  toks = tokens(B, LEN)
+  full = forward(model, toks).astype(jnp.float32)
+  cached = cached_logits(decoder_for(model), toks, PREFILL).astype(jnp.float32)
+  bf16_error = float(jnp.max(jnp.abs(full - forward(
+      tiny_model(kind="diffeqformer", solver="midpoint"), toks))))
+  assert 0 < bf16_error < 1.0
+  np.testing.assert_allclose(cached, full, rtol=0, atol=bf16_error)
+
+
+def test_decoding_beyond_the_cache_is_an_error():
+  """A chunk that would run past the cache is refused (dynamic_update_slice would
+  silently clamp the write onto the last positions)."""
+  decoder = decoder_for(tiny_model(kind="diffeqformer", flavour="llama"))
+  cache = decoder.init_cache(B, LEN)
+  with pytest.raises(ValueError, match="overflows the cache of max_len=12"):
+    decoder(tokens(B, PREFILL), cache, [0, LEN - 2])
 
 
 def test_materialised_decoding_at_another_step_count():

@@ -187,6 +187,15 @@ def test_materialized_shared_equals_solve():
                              np.asarray(model(toks, num_steps=5)), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("solver", ["midpoint", "rk4"])
+def test_materialising_a_higher_order_ode_is_refused(solver):
+  """N parallel layers are N Euler steps: a midpoint/rk4 model is not materialised
+  into a different function."""
+  model = create_model(dataclasses.replace(TINY, solver=solver), seed=2)
+  with pytest.raises(ValueError, match=f"solver is '{solver}'"):
+    materialize(model, 4)
+
+
 KINDS = [("diffeqformer", "gpt"), ("diffeqformer", "llama"), ("gpt", "gpt"),
          ("gpt", "llama"), ("parallel", "gpt"), ("shared", "llama")]
 
@@ -363,6 +372,23 @@ def test_init_follows_the_reference_code(flavour):
   np.testing.assert_allclose(np.asarray(x), np.asarray(want), rtol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["diffeqformer", "gpt"])
+def test_embedding_init_follows_the_reference_models(kind):
+  """As the authors' models (levanter's Gpt2Embeddings and LlamaEmbedding): GPT-2 token
+  embeddings N(0, 0.02²) and positions N(0, 0.01²); untied Llama token embeddings
+  N(0, 1); tied ones are also the head and keep 0.02."""
+  def std(**kw):
+    m = create_model(dataclasses.replace(TINY, kind=kind, **kw), seed=1)
+    return {n: float(jnp.std(getattr(m, n)[...])) for n in ("embed", "pos_embed")
+            if hasattr(m, n)}
+  for got, want in ((std(flavour="gpt"), {"embed": 0.02, "pos_embed": 0.01}),
+                    (std(flavour="llama", tie_embeddings=False), {"embed": 1.0}),
+                    (std(flavour="llama"), {"embed": 0.02})):
+    assert got.keys() == want.keys()
+    for name in want:
+      assert abs(got[name] / want[name] - 1) < 0.1, (name, got, want)
+
+
 def test_init_final_state_scale_independent_of_k():
   cfg = dataclasses.replace(TINY, d_model=64, mlp_dim=256)
   model = create_model(cfg, seed=11)
@@ -420,6 +446,46 @@ def test_dropout_and_bf16():
   assert a.dtype == jnp.bfloat16 and np.isfinite(np.asarray(a, np.float32)).all()
   assert not np.array_equal(np.asarray(a), np.asarray(b))
   np.testing.assert_array_equal(np.asarray(c), np.asarray(model(toks)))
+
+
+def test_every_rk4_field_evaluation_draws_its_own_dropout_masks(monkeypatch):
+  """rk4 evaluates the field 4 times per step (the 2nd and 3rd at the same time): each
+  evaluation's two dropout masks (attention, FFN) come from keys of their own, as do the
+  embeddings'. Keys are recorded as the model runs."""
+  from odetransformer import blocks
+  seen, dropout = [], blocks._dropout
+
+  def recording(x, rate, key):
+    jax.debug.callback(lambda k: seen.append(tuple(np.asarray(k).ravel())),
+                       jax.random.key_data(key))
+    return dropout(x, rate, key)
+  monkeypatch.setattr(blocks, "_dropout", recording)
+  k = 2
+  model = create_model(dataclasses.replace(TINY, solver="rk4", dropout_rate=0.1), seed=16)
+  jax.block_until_ready(model(tokens(17), num_steps=k, deterministic=False,
+                              dropout_rng=jax.random.key(0)))
+  assert len(seen) == 1 + k * 4 * 2
+  assert len(set(seen)) == len(seen)
+
+
+def test_float32_state_keeps_small_increments_in_bfloat16():
+  """bfloat16 compute at N = 256 steps: the increment dt·F of a step is ~2⁻⁸ of |x|,
+  which a bfloat16 state rounds away; the float32 state (model.state_dtype default) is
+  much closer to the float32 model."""
+  model = create_model(TINY, seed=2)
+  _perturb_hypernet(model)
+  toks, n = tokens(3), 256
+
+  def logits(**kw):
+    m = create_model(dataclasses.replace(TINY, **kw), seed=2)
+    nnx.update(m, nnx.state(model))
+    graphdef, state = nnx.split(m)
+    fn = jax.jit(lambda st: nnx.merge(graphdef, st)(toks, num_steps=n))
+    return np.asarray(fn(state), np.float32)
+  ref = logits()
+  err = {sd: np.abs(logits(dtype="bfloat16", state_dtype=sd) - ref).max()
+         for sd in ("float32", "bfloat16")}
+  assert err["float32"] < err["bfloat16"] / 4, err
 
 
 def test_shared_time_mlp_has_fewer_params():

@@ -441,3 +441,13 @@ def test_main_reports_bad_input_in_one_line(tmp_path, overrides, kind):
   errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
   assert len(errors) == 1 and kind in errors[0], proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
+
+
+def test_short_eval_batch_padding_rows_have_weight_zero():
+  """A short last eval batch without weights: its real tokens weigh 1, the rows padded
+  up to the local batch size 0 (they must not count in the eval loss)."""
+  batch = {"inputs": np.ones((3, 5), np.int32), "targets": np.ones((3, 5), np.int32)}
+  out = steps.local_batch(batch, local_batch_size=4)
+  assert {k: v.shape for k, v in out.items()} == {k: (4, 5) for k in
+                                                  ("inputs", "targets", "weights")}
+  np.testing.assert_array_equal(out["weights"], np.repeat([[1.0], [1.0], [1.0], [0.0]], 5, 1))
