@@ -212,7 +212,7 @@ def test_end_step_time_is_the_reference_forward(name):
     other = nnx.merge(nnx.graphdef(create_model(config, seed=0)), state)
     return np.abs(np.asarray(other(toks), np.float64) - want).max() / scale
 
-  assert scale > 1.0
+  assert scale > 0.5    # logits well away from 0, so the relative error means something
   err = error(cfg)
   assert err < 1e-5, err
   assert error(dataclasses.replace(cfg, step_time="start")) > 100 * max(err, 1e-7)
