@@ -21,6 +21,8 @@ from typing import Union
 
 from etils import epath
 
+from odetransformer.errors import UserError
+
 PathLike = Union[str, os.PathLike]
 
 EMULATOR_VAR = "STORAGE_EMULATOR_HOST"
@@ -68,6 +70,21 @@ _configure_gcsfs()
 def path(p: PathLike) -> epath.Path:
   """`p` as an `epath.Path` (local or remote)."""
   return epath.Path(p)
+
+
+def check_encodable(p: PathLike, what: str) -> None:
+  """A one-line UserError when path `p` cannot reach the filesystem and the C libraries
+  (orbax's tensorstore, SentencePiece) intact: bytes the process's locale could not
+  decode, which Python keeps as lone surrogates (e.g. a non-ASCII path under LC_ALL=C
+  with PYTHONUTF8=0)."""
+  try:
+    os.fspath(p).encode("utf-8")
+  except UnicodeEncodeError:
+    raise UserError(
+        f"{what}={os.fspath(p)!a} holds bytes this process's locale cannot decode "
+        "(LC_ALL/LANG name a non-UTF-8 locale and UTF-8 mode is off); run with "
+        "PYTHONUTF8=1 or a UTF-8 locale (e.g. LC_ALL=C.UTF-8), or use an ASCII path"
+    ) from None
 
 
 def is_local(p: PathLike) -> bool:

@@ -84,6 +84,7 @@ def run_mesh(config, mesh_shape: str = "", devices=None) -> jax.sharding.Mesh:
 def load_run_config(workdir: str):
   """The run's config.json (a ConfigDict); a missing or unreadable one is a UserError.
   Cheap: tools validate their flags against it before loading anything."""
+  fileio.check_encodable(workdir, "--workdir")
   try:
     return checkpointing.load_config(workdir)
   except (FileNotFoundError, NotADirectoryError) as e:

@@ -77,6 +77,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     loss)] at each log line, 'num_params': parameter count}.
   """
   workdir = os.fspath(workdir)
+  fileio.check_encodable(workdir, "--workdir")
+  for key in ("init_from", "data.tokenizer_path", "data.cache_dir", "data.data_dir"):
+    value = config.get(key.split(".")[0]) if "." not in key else config.data.get(key[5:])
+    if isinstance(value, str) and value:
+      fileio.check_encodable(value, f"--config.{key}")
   if config.get("init_from"):
     config = finetune.prepare_config(ml_collections.ConfigDict(config.to_dict()))
   # Validation first: a config error leaves the workdir untouched (nothing created).

@@ -118,3 +118,23 @@ def test_emulator_variables_derive_from_storage_emulator_host(monkeypatch):
   assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:4443"
   assert os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] == "mine"
   assert os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] == "false"
+
+
+@pytest.mark.parametrize("command", [["main.py", "--config=configs/default.py"],
+                                     ["-m", "odetransformer.evaluate"]])
+def test_undecodable_path_is_one_line_before_any_work(command, tmp_path):
+  """A non-ASCII --workdir under LC_ALL=C with UTF-8 mode off reaches Python as lone
+  surrogates, which tensorstore and SentencePiece cannot take: refused in one line
+  naming the fix, exit 2, nothing created."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from tiny import cpu_env  # pylint: disable=g-import-not-at-top
+  workdir = os.path.join(os.fsencode(tmp_path), "w\u00f6rk".encode("utf-8"))
+  env = cpu_env(LC_ALL="C", LANG="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0")
+  out = subprocess.run([sys.executable, *command, b"--workdir=" + workdir], cwd=ROOT,
+                       env=env, capture_output=True, timeout=120)
+  text = out.stderr.decode("ascii", "replace")
+  errors = [line for line in text.splitlines() if line.startswith("error:")]
+  assert out.returncode == 2 and "Traceback" not in text, text[-3000:]
+  assert len(errors) == 1 and "PYTHONUTF8=1" in errors[0], text[-3000:]
+  assert not os.path.exists(workdir)
