@@ -66,7 +66,7 @@ def test_sigkill_between_saves_leaves_only_verified_checkpoints(cache, tmp_path)
   trainer's fallback: test_reliability's flipped-bits test)."""
   wd = tmp_path / "wd"
   proc = start_and_wait_for_checkpoint(
-      main_cmd(wd, cache, 400, "--config.checkpoint_every_steps=2"), wd, min_step=4)
+      main_cmd(wd, cache, 200, "--config.checkpoint_every_steps=2"), wd, min_step=4)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   steps = checkpointing.finalized_steps(str(wd))
