@@ -4,22 +4,25 @@ One run of main.py on `gs://<bucket>/run` (SIGTERM-saved, then resumed with the 
 command) is checked against an uninterrupted local run, then read by the tools; a
 corrupt checkpoint on gs:// falls back; the lock refuses a second run. The data cache
 stays local (data.cache_dir). No local directory named `gs:` may appear anywhere."""
+import contextlib
+import io
 import os
 import pathlib
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
 import ml_collections
 import numpy as np
 import pytest
+from absl import flags
+from absl import logging as absl_logging
 
 from test_train import ROOT, fast_compiles  # pylint: disable=unused-import
 from test_reliability import config, main_cmd, subprocess_env
-from odetransformer import checkpointing, fileio, train
+from odetransformer import checkpointing, evaluate, fileio, generate, train
 from odetransformer import metrics as metrics_lib
 from odetransformer.workdir_lock import WorkdirInUseError, WorkdirLock
 
@@ -102,10 +105,20 @@ def test_gs_run_falls_back_resumes_exactly_and_writes_nothing_local(gs_run, refe
   _no_local_gs_dir()
 
 
-def _tool(module, workdir, *flags):
-  return subprocess.Popen([sys.executable, "-m", module, f"--workdir={workdir}", *flags],
-                          cwd=ROOT, env=subprocess_env(), text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def _tool(command, workdir, *args) -> str:
+  """What `command`'s main (its flags, in this process: the storage is what is tested)
+  prints for `workdir`, its name and timings replaced."""
+  fv = command.define_flags(flags.FlagValues())
+  fv([command.__name__, f"--workdir={workdir}", *args])
+  verbosity = absl_logging.get_verbosity()          # (the tools lower it)
+  out = io.StringIO()
+  try:
+    with contextlib.redirect_stdout(out):
+      command.main([], fv)
+  finally:
+    absl_logging.set_verbosity(verbosity)
+  return [re.sub(r"\d+\.\d+s\b", "TIME", l.replace(workdir, "WORKDIR"))
+          for l in out.getvalue().splitlines()]
 
 
 def test_evaluate_and_generate_read_gs_like_local(gs_run, reference):
@@ -113,17 +126,11 @@ def test_evaluate_and_generate_read_gs_like_local(gs_run, reference):
   weights: the resume was exact), apart from the workdir's name and timings; generate
   reads its model and tokenizer from gs:// too."""
   wd, local = gs_run[0], str(reference[0])
-  procs = {w: _tool("odetransformer.evaluate", w, "--max_batches=1") for w in (wd, local)}
-  procs["generate"] = _tool("odetransformer.generate", wd, "--temperature=0",
-                            "--max_new_tokens=8", "--prompt=def ")
-  outputs = {}
-  for key, proc in procs.items():
-    out, err = proc.communicate(timeout=240)
-    assert proc.returncode == 0, err[-3000:]
-    outputs[key] = [re.sub(r"\d+\.\d+s\b", "TIME", l.replace(key, "WORKDIR"))
-                    for l in out.splitlines()]
+  outputs = {w: _tool(evaluate, w, "--max_batches=1") for w in (wd, local)}
+  outputs["generate"] = _tool(generate, wd, "--temperature=0", "--max_new_tokens=8",
+                              "--prompt=def ")
   assert outputs[wd] == outputs[local]
-  assert f"checkpoint step {STEPS} of {wd}:" in outputs["generate"][0]
+  assert f"checkpoint step {STEPS} of WORKDIR:" in outputs["generate"][0]
   assert any(l.startswith("def ") for l in outputs["generate"]), outputs["generate"]
   _no_local_gs_dir()
 

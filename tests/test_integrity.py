@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 import input_pipeline
-from test_reliability import (assert_one_line_error, config, main_cmd, run_command,  # pylint: disable=unused-import
-                              snapshot, start_and_wait_for_checkpoint)
+from absl import flags
+from absl import logging as absl_logging
+from test_reliability import config, main_cmd, snapshot, start_and_wait_for_checkpoint
 from test_train import _final_params, fast_compiles  # pylint: disable=unused-import
-from odetransformer import checkpointing, errors, loading, train
+from odetransformer import checkpointing, errors, generate, loading, train
 
 pytestmark = pytest.mark.xdist_group("test_integrity")
 
@@ -65,7 +66,7 @@ def test_sigkill_between_saves_leaves_only_verified_checkpoints(cache, tmp_path)
   trainer's fallback: test_reliability's flipped-bits test)."""
   wd = tmp_path / "wd"
   proc = start_and_wait_for_checkpoint(
-      main_cmd(wd, cache, 400, "--config.checkpoint_every_steps=2"), wd, min_step=4)
+      main_cmd(wd, cache, 200, "--config.checkpoint_every_steps=2"), wd, min_step=4)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   steps = checkpointing.finalized_steps(str(wd))
@@ -120,9 +121,17 @@ def test_checkpoint_without_its_record_is_refused_unless_allowed(run_copy, cache
   with pytest.raises(checkpointing.UnverifiedCheckpointError):
     loading.load_model(str(run_copy))
   assert loading.load_model(str(run_copy), allow_unverified=True).step == 6
-  proc, _ = run_command(["-m", "odetransformer.generate", f"--workdir={run_copy}",
-                         "--prompt=def", "--max_new_tokens=2"])
-  assert_one_line_error(proc, "no integrity record", "--checkpoint_allow_unverified")
+  fv = generate.define_flags(flags.FlagValues())   # the tool names its own flag
+  fv(["generate", f"--workdir={run_copy}", "--prompt=def", "--max_new_tokens=2"])
+  verbosity = absl_logging.get_verbosity()          # (the tool lowers it)
+  try:
+    with pytest.raises(checkpointing.UnverifiedCheckpointError) as err:
+      generate.main([], fv)
+  finally:
+    absl_logging.set_verbosity(verbosity)
+  msg = str(err.value)
+  assert "no integrity record" in msg and "--checkpoint_allow_unverified" in msg
+  assert "\n" not in msg
   r = train.train_and_evaluate(
       config(cache, 8, checkpoint_every_steps=2, checkpoint_allow_unverified=True),
       str(run_copy))
@@ -157,25 +166,24 @@ def test_resume_with_another_batch_shape_or_seed_is_refused(change, needle, run_
   assert snapshot(run_copy / "checkpoints") == before
 
 
-def test_resume_on_other_data_is_refused_unless_accepted(cache, tmp_path, monkeypatch):
+def test_resume_on_other_data_is_refused_unless_accepted(run_copy, cache, monkeypatch):
   """Used to resume silently with `data.tokenizer_path` set (the fingerprint held the
   data glob, not its content): the iterator position then applied to another corpus."""
+  trained_on = checkpointing.stored_fingerprint(str(run_copy))[1]["data_content_hash"]
+  assert trained_on and trained_on != "corpus-B"
   create = input_pipeline.create_datasets
-  content_hash = ["corpus-A"]
   monkeypatch.setattr(input_pipeline, "create_datasets",
-                      lambda *a, **k: _WithContentHash(create(*a, **k), content_hash[0]))
-  wd = tmp_path / "wd"
-  train.train_and_evaluate(config(cache, 2), str(wd))
-  content_hash[0] = "corpus-B"
-  before = snapshot(wd / "checkpoints")
+                      lambda *a, **k: _WithContentHash(create(*a, **k), "corpus-B"))
+  before = snapshot(run_copy / "checkpoints")
   with pytest.raises(errors.ConfigError) as err:
-    train.train_and_evaluate(config(cache, 4), str(wd))
-  assert "training data content 'corpus-A' -> 'corpus-B'" in str(err.value)
+    train.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2), str(run_copy))
+  assert f"training data content {trained_on[:40]!r} -> 'corpus-B'" in str(err.value)
   assert "--config.resume_with_changes=true" in str(err.value)
-  assert snapshot(wd / "checkpoints") == before
-  r = train.train_and_evaluate(config(cache, 4, resume_with_changes=True), str(wd))
-  assert (r["start_step"], r["step"]) == (2, 4)
-  meta = checkpointing.stored_fingerprint(str(wd))[1]
+  assert snapshot(run_copy / "checkpoints") == before
+  r = train.train_and_evaluate(
+      config(cache, 8, checkpoint_every_steps=2, resume_with_changes=True), str(run_copy))
+  assert (r["start_step"], r["step"]) == (6, 8)
+  meta = checkpointing.stored_fingerprint(str(run_copy))[1]
   assert meta["data_content_hash"] == "corpus-B"      # what the run now trains on
 
 

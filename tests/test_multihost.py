@@ -56,6 +56,14 @@ DRIVER = textwrap.dedent("""
     c.global_batch_size = c.eval_batch_size = 8
     c.data.eval_max_batches = 1
     c.data.input_shards = 2         # the 1-process reference reads both shards
+    config_file, base = "configs/default.py", None
+    if os.environ.get("ODET_INIT_FROM"):   # fine-tuning ('full', at the training K)
+      from configs import finetune_default
+      base = finetune_default.get_config()
+      config_file = "configs/finetune_default.py"
+      c.init_from = os.environ["ODET_INIT_FROM"]
+      c.finetune = base.finetune.copy_and_resolve_references()
+      c.finetune.method = "full"
 
     read = []                       # training documents this process's source served
     from input_pipeline import sources
@@ -91,9 +99,8 @@ DRIVER = textwrap.dedent("""
       return result
     train.train_and_evaluate = recorded
 
-    sys.argv = ["main.py", "--config=configs/default.py",
-                f"--workdir={os.environ['ODET_WORKDIR']}", *config_flags(c),
-                *os.environ.get("ODET_FLAGS", "").split()]
+    sys.argv = ["main.py", f"--config={config_file}",
+                f"--workdir={os.environ['ODET_WORKDIR']}", *config_flags(c, base)]
     try:
       errors.run_cli(main_lib._run)       # what `python main.py ...` runs
     except SystemExit as e:               # absl's app.run exits when main returns
@@ -104,6 +111,15 @@ DRIVER = textwrap.dedent("""
            "start_step": result["start_step"], "step": result["step"],
            "losses": [[s, float(l)] for s, l in result["loss_history"]],
            "batches": batches, "documents_read": sorted(set(read))}
+    if os.environ.get("ODET_EVALUATE"):   # then the evaluate command on the run, here
+      import contextlib, io
+      from absl import flags
+      from odetransformer import evaluate
+      fv = evaluate.define_flags(flags.FlagValues())
+      fv(["evaluate", f"--workdir={os.environ['ODET_WORKDIR']}", "--max_batches=1"])
+      with contextlib.redirect_stdout(io.StringIO()) as printed:
+        evaluate.main([], fv)
+      out["evaluated"] = printed.getvalue()
     print(f"driver done in {time.time() - T0:.1f}s", file=sys.stderr)
     with open(os.environ["ODET_RESULT"], "w") as f:
       json.dump(out, f)
@@ -266,8 +282,8 @@ def test_process_0_alone_logs_and_writes_scalars(runs, base):
 def pod(runs, base, gcs_bucket):
   """A simulated pod on object storage: 2 processes × 4 devices train on a gs:// workdir
   (the GCS emulator) until a SIGTERM reaches process 1 only; the run resumes on 1 process
-  × 8 devices; a fine-tuning run starts from it (`init_from=gs://…`) and
-  `odetransformer.evaluate` reads that one. Returns (workdir, the stopped step, the
+  × 8 devices; a fine-tuning run starts from it (`init_from=gs://…`) and the evaluate
+  command (its flags and main, in the fine-tuning process) reads that one. Returns (workdir, the stopped step, the
   resumed run's result, the fine-tuning run's result, evaluate's output)."""
   del runs                       # run after it: its tokenizer and compilations are cached
   tmp = base
@@ -289,13 +305,9 @@ def pod(runs, base, gcs_bucket):
                                                 ODET_STEPS=stopped + 1)])[0]
   finetune = f"{workdir}-ft"
   tuned = _run_group(tmp, "pod_ft", [_env(tmp, 8, ODET_WORKDIR=finetune, ODET_STEPS=1,
-                                          ODET_FLAGS=f"--config.init_from={workdir}")])[0]
-  evaluated = subprocess.run(
-      [sys.executable, "-m", "odetransformer.evaluate", f"--workdir={finetune}",
-       "--max_batches=1"], env=_env(tmp, 8), cwd=str(ROOT), capture_output=True,
-      text=True, timeout=TIMEOUT_S)
-  assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-  return workdir, stopped, resumed, tuned, evaluated.stdout
+                                          ODET_INIT_FROM=workdir,
+                                          ODET_EVALUATE=1)])[0]
+  return workdir, stopped, resumed, tuned, tuned["evaluated"]
 
 
 def test_sigterm_to_one_process_stops_both_at_the_same_step(pod, base):

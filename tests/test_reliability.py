@@ -170,7 +170,8 @@ def test_sigterm_saves_at_current_step_and_exits_zero(cache, tmp_path):
 # --------------------------------------------------------------------------------------
 def test_nonfinite_stops_and_keeps_last_good_checkpoint(trained, cache, tmp_path):
   """Resumed from a good step-2 checkpoint with an absurd learning rate: the first
-  update overflows, the run stops at step 3 naming checkpoint 2, which still loads."""
+  update overflows, the run stops at step 3 naming checkpoint 2, which still loads. Its
+  hint follows the clipping setting: on (the default, 1.0), it is not told to set it."""
   shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
   before = snapshot(tmp_path / "checkpoints")
   c = config(cache, 6, checkpoint_every_steps=1, log_every_steps=100)
@@ -180,6 +181,9 @@ def test_nonfinite_stops_and_keeps_last_good_checkpoint(trained, cache, tmp_path
   msg = str(err.value)
   assert msg.startswith("non-finite training values at step 3 (") and "\n" not in msg
   assert f"last good checkpoint: step 2 in {tmp_path / 'checkpoints'}" in msg
+  assert msg.endswith("lower optim.learning_rate (now 1e+30), lower optim.grad_clip_norm "
+                      "(now 1), or skip rare non-finite steps with "
+                      "optim.skip_nonfinite_steps (e.g. 3)"), msg
   assert snapshot(tmp_path / "checkpoints") == before
   step, params = _final_params(tmp_path)
   assert step == 2

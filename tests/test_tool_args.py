@@ -1,10 +1,14 @@
 """Every bad tool argument is one stderr line and exit status 2, found before any work.
 
-Each case runs the real command in a subprocess on a workdir that holds only a run's
-config.json: a flag checked after loading would fail on the missing checkpoint instead
-("holds no complete checkpoint"), so each expected message also proves the order.
-Plus main.py: `optim.learning_rate=nan` is refused by the optimizer's validation, and a
-diverged run's hint follows its clipping setting.
+Each case runs the command on a workdir that holds only a run's config.json: a flag
+checked after loading would fail on the missing checkpoint instead ("holds no complete
+checkpoint"), so each expected message also proves the order. One case per command runs
+the real command in a subprocess (one stderr line, exit status 2: errors.run_cli prints
+any UserError so); the others call its `main(argv, flag_values)` in this process and
+check the UserError's one-line message.
+Plus main.py: `optim.learning_rate=nan` is refused by the optimizer's validation (a
+UserError: one stderr line, exit 2, as a DivergenceError is), and a diverged run's hint
+follows its clipping setting.
 """
 import os
 import pathlib
@@ -14,7 +18,10 @@ import sys
 
 import pytest
 
-from odetransformer import checkpointing, health
+from absl import flags
+from absl import logging as absl_logging
+
+from odetransformer import checkpointing, errors, evaluate, generate, health
 from tiny import config_flags, cpu_env, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -43,18 +50,37 @@ def error_line(proc) -> str:
   return lines[0]
 
 
+def refusal(command, workdir, flag) -> str:
+  """The one-line UserError of `command`'s main on `workdir` with `flag`, in-process
+  (absl's verbosity, which the commands lower, restored)."""
+  fv = command.define_flags(flags.FlagValues())
+  fv([command.__name__, f"--workdir={workdir}", flag])
+  verbosity = absl_logging.get_verbosity()
+  try:
+    with pytest.raises(errors.UserError) as err:
+      command.main([], fv)
+  finally:
+    absl_logging.set_verbosity(verbosity)
+  msg = errors.describe(err.value)
+  assert "\n" not in msg, msg
+  return msg
+
+
+def test_generate_refuses_in_one_stderr_line(workdir):
+  proc = run(["-m", "odetransformer.generate", f"--workdir={workdir}", "--max_new_tokens=0"])
+  assert "--max_new_tokens=0 must be a positive number" in error_line(proc)
+
+
 @pytest.mark.parametrize("flag, needle", [
-    ("--max_new_tokens=0", "--max_new_tokens=0 must be a positive number"),
     ("--max_new_tokens=-5", "--max_new_tokens=-5 must be a positive number"),
     ("--num_samples=0", "--num_samples=0 must be >= 1"),
     ("--seed=99999999999999999999", "--seed=99999999999999999999 is out of range"),
-    (b"--prompt=caf\xe9 \xff", "--prompt is not valid UTF-8 text"),
+    (os.fsdecode(b"--prompt=caf\xe9 \xff"), "--prompt is not valid UTF-8 text"),  # as argv
     ("--temperature=-1", "--temperature=-1.0 must be a finite number >= 0"),
     ("--temperature=nan", "--temperature=nan must be a finite number >= 0"),
 ])
 def test_generate_refuses(workdir, flag, needle):
-  proc = run(["-m", "odetransformer.generate", f"--workdir={workdir}", flag])
-  assert needle in error_line(proc)
+  assert needle in refusal(generate, workdir, flag)
 
 
 @pytest.mark.parametrize("flag, needle", [
@@ -63,8 +89,7 @@ def test_generate_refuses(workdir, flag, needle):
     ("--mesh_shape=2,x", "--mesh_shape='2,x': expected 3 comma-separated sizes"),
 ])
 def test_evaluate_refuses(workdir, flag, needle):
-  proc = run(["-m", "odetransformer.evaluate", f"--workdir={workdir}", flag])
-  assert needle in error_line(proc)
+  assert needle in refusal(evaluate, workdir, flag)
 
 
 def test_evaluate_plot_refuses_a_directory(workdir):
@@ -81,20 +106,9 @@ def test_main_refuses_a_nan_learning_rate(tmp_path):
   assert not (tmp_path / "wd").exists()
 
 
-def test_divergence_hint_reads_the_clipping_setting(tmp_path):
-  """A run with clipping on (the default, 1.0) that diverges is not told to set it."""
-  c = tiny_config(tmp_path / "cache", num_train_steps=2)
-  c.optim.learning_rate, c.optim.warmup_frac = 1e30, 0.0
-  proc = run(["main.py", "--config=configs/default.py", f"--workdir={tmp_path / 'wd'}",
-              *config_flags(c)], timeout=240)
-  line = error_line(proc)
-  assert "non-finite training values at step 1" in line
-  assert line.endswith("lower optim.learning_rate (now 1e+30), lower "
-                       "optim.grad_clip_norm (now 1), or skip rare non-finite steps with "
-                       "optim.skip_nonfinite_steps (e.g. 3)"), line
-
-
 def test_divergence_hints():
+  """With clipping on, a diverged run's hint (test_reliability's divergence test: the
+  whole message) does not tell it to turn clipping on."""
   import ml_collections  # pylint: disable=g-import-not-at-top
   optim = lambda **kw: ml_collections.ConfigDict(dict(learning_rate=1e-3, **kw))
   assert health.divergence_hint(optim(grad_clip_norm=0.0)) == (

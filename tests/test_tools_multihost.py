@@ -29,7 +29,7 @@ pytestmark = pytest.mark.xdist_group("test_tools_multihost")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240          # per group of processes; a hang is killed, not waited on
-EVAL_FLAGS = ("--batch_size=3", "--max_batches=2")   # 3 rows: padded to the 8 shards
+EVAL_FLAGS = ("--batch_size=6", "--max_batches=2")   # 6 rows (2 input shards): padded to 8
 
 DRIVER = textwrap.dedent("""
     import contextlib, dataclasses, io, json, os, sys
@@ -174,7 +174,7 @@ def test_only_process_0_prints(runs):
 def test_eight_device_evaluate_equals_one_device(runs):
   """The evaluate of the 1 × 8 job against this process's own (1 device)."""
   tmp, one, _ = runs
-  kwargs = dict(batch_size=3, max_batches=2)
+  kwargs = dict(batch_size=6, max_batches=2)
   got = iter(one["evaluate"])
   for workdir, steps in ((tmp / "one", [None]), (tmp / "pre", [4])):
     for want in evaluate.evaluate(str(workdir), steps, **kwargs):

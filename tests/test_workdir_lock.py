@@ -94,7 +94,7 @@ def test_run_whose_lock_file_was_replaced_stops_in_one_line(tmp_path):
   wd = tmp_path / "wd"
   cache = tmp_path / "cache"
   proc = start_and_wait_for_checkpoint(
-      main_cmd(wd, cache, 10_000, "--config.checkpoint_every_steps=1",
+      main_cmd(wd, cache, 200, "--config.checkpoint_every_steps=1",
                "--config.log_every_steps=100"), wd)
   (wd / ".lock").unlink()
   other = WorkdirLock(str(wd)).acquire()            # what a second run does first

@@ -62,17 +62,20 @@ def tiny_run_config(cache_dir):
   return c
 
 
-def config_flags(config) -> list:
+def config_flags(config, base=None) -> list:
   """`config` as main.py flags: --config.<key>=<value> for each leaf that differs from
-  configs/default.py (so subprocess tests run exactly the config the in-process ones do)."""
+  `base` (default: configs/default.py's; the config file main.py is given), so subprocess
+  tests run exactly the config the in-process ones do."""
   def leaves(node, prefix=""):
     for key, value in node.items():
       if hasattr(value, "items"):
         yield from leaves(value, f"{prefix}{key}.")
       else:
         yield f"{prefix}{key}", value
-  from configs import default  # pylint: disable=g-import-not-at-top
-  base = dict(leaves(default.get_config()))
+  if base is None:
+    from configs import default  # pylint: disable=g-import-not-at-top
+    base = default.get_config()
+  base = dict(leaves(base))
   return [f"--config.{key}={value}" for key, value in leaves(config)
           if key not in base or base[key] != value]
 
