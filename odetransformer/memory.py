@@ -23,8 +23,8 @@ same way `train.train_and_evaluate` does. Then either
   embedding buffers, which are live one phase at a time) and taken at their peak.
   Against XLA:CPU's compiled step on 8 devices (meshes (1,8,1), (2,4,1), (1,2,4)) the
   total is within ±15% at bench-small and owt_small shapes, both models
-  (`python -m benchmarks.memory_estimate`) — compile on the target platform for a
-  real number.
+  (`python -m benchmarks.memory_estimate`). `--compile` compiles for fake CPU
+  devices too: for a GPU or TPU number, compile on the target itself.
 
 The verdict compares the total against `--device_memory_gib` (default 80, an H100;
 e.g. 141 for an H200, 32 for a TPU v4 chip, 16 for v5e, 95 for v5p). The CPU compiler
