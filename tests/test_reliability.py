@@ -489,7 +489,7 @@ def _flip_a_bit(step_dir):
 
 @pytest.mark.parametrize("case", [
     "unknown_key", "missing_config", "syntax_error", "workdir_is_file", "other_data",
-    "no_config_json_other_model", "spectra_grid_0", "spectra_empty", "lyapunov_empty",
+    "other_seed", "no_config_json_other_model", "spectra_grid_0", "spectra_empty", "lyapunov_empty",
     "generate_all_corrupt", "binary_text", "latin1_text"])
 def test_misuse_is_one_line_and_changes_nothing(case, run_copy, cache, tmp_path):
   wd, empty = run_copy, tmp_path / "empty"
@@ -515,6 +515,10 @@ def test_misuse_is_one_line_and_changes_nothing(case, run_copy, cache, tmp_path)
     # Used to retrain the tokenizer and overwrite tokenizer.model.
     args = main("--config.data.tokenizer_sample_bytes=200000")
     needles = ("data.tokenizer_sample_bytes 300000 -> 200000", "new --workdir")
+  elif case == "other_seed":
+    # Used to resume silently: no longer the run it continues.
+    args = main("--config.seed=1")
+    needles = ("resume.seed 0 -> 1", "--config.resume_with_changes=true")
   elif case == "no_config_json_other_model":
     # Used to rewrite config.json and then blame "a different code version".
     (wd / "config.json").unlink()
