@@ -196,10 +196,7 @@ def copy_tree(src: PathLike, dst: PathLike) -> None:
     copy(src, dst)
     return
   for rel in walk_files(src):
-    target = path(dst) / rel
-    if is_local(target):
-      target.parent.mkdir(parents=True, exist_ok=True)
-    copy(path(src) / rel, target)
+    copy(path(src) / rel, path(dst) / rel)      # creates a local file's directory
 
 
 def copy(src: PathLike, dst: PathLike) -> None:

