@@ -188,11 +188,8 @@ def stored_fingerprint(workdir: str) -> Optional[tuple]:
   """
   directory = checkpoint_dir(workdir)
   for step in reversed(finalized_steps(workdir)):
-    try:
-      meta = json.loads(fileio.read_text(fileio.join(directory, str(step), "meta", "metadata")))
-    except (OSError, ValueError):
-      continue
-    if not isinstance(meta, dict):
+    meta = _read_json(fileio.join(directory, str(step), "meta", "metadata"))
+    if meta is None:
       continue
     if isinstance(meta.get("fingerprint"), dict):
       return step, meta["fingerprint"]
