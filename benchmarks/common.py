@@ -32,12 +32,11 @@ if getattr(sys.modules["__main__"].__spec__, "name", "").startswith("benchmarks.
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import default as default_config  # noqa: E402
-from odetransformer import metrics, optimizer, sharding, steps, train  # noqa: E402
+from odetransformer import optimizer, sharding, steps, train  # noqa: E402
 from odetransformer.config import ModelConfig  # noqa: E402
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -153,23 +152,6 @@ def paired_spread(num: list, den: list) -> str:
   q1, q2, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
   return (f"median {q2:.2f}, quartiles {q1:.2f}–{q3:.2f}, range {ratios[0]:.2f}–"
           f"{ratios[-1]:.2f} over {len(ratios)} rounds")
-
-
-def matmul_peak_flops(dtype=jnp.float32, n: int = 2048, reps: int = 10) -> float:
-  """Measured dense-matmul FLOP/s of the default device (the MFU denominator on CPU)."""
-  kind = jax.devices()[0].device_kind.lower()
-  known = {"h100": 989e12, "h200": 989e12, "a100": 312e12}  # bf16 dense peaks
-  for name, peak in known.items():
-    if name in kind and dtype == jnp.bfloat16:
-      return peak
-  a = jnp.ones((n, n), dtype)
-  f = jax.jit(lambda x: x @ x)
-  block(f(a))
-  start = time.perf_counter()
-  for _ in range(reps):
-    out = f(a)
-  block(out)
-  return 2 * n ** 3 * reps / (time.perf_counter() - start)
 
 
 def replace(cfg: ModelConfig, **kw) -> ModelConfig:
