@@ -43,8 +43,11 @@ pre-training grid:
 DIR holds wikitext-2/{valid,test}.txt (pre-training train/eval text) and
 tinyshakespeare/input.txt (fine-tuning text: first 90% train, last 10% validation), or
 pass the three files with --pretrain_train, --pretrain_eval and --finetune_text.
-Finished runs in --out are reused (only evaluated again), so an interrupted benchmark
-continues where it stopped; a persistent compilation cache in --out lets later seeds
+Runs in --out of the same code and config are reused (`common.keyed_run`; a finished
+one is only evaluated again and its line says so, naming the code version), so an
+interrupted benchmark continues where it stopped; runs of other code or another config
+(a fine-tuning run: or from another pre-trained run) are moved aside and trained
+afresh; a persistent compilation cache in --out lets later seeds
 skip XLA compilation.
 """
 import argparse
@@ -60,8 +63,9 @@ import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=g-import-not-at-t
 import ml_collections  # noqa: E402  pylint: disable=g-import-not-at-top
 from absl import logging  # noqa: E402  pylint: disable=g-import-not-at-top
 
+from benchmarks import common  # noqa: E402  pylint: disable=g-import-not-at-top
 from configs import default  # noqa: E402  pylint: disable=g-import-not-at-top
-from odetransformer import evaluate, train  # noqa: E402  pylint: disable=g-import-not-at-top
+from odetransformer import evaluate  # noqa: E402  pylint: disable=g-import-not-at-top
 from odetransformer.time_grid import TRAIN_TIME_GRIDS  # noqa: E402  pylint: disable=g-import-not-at-top
 
 METHODS = ("continuous", "full", "lora")
@@ -98,7 +102,7 @@ def pretrain(args, kind, layers, seed, workdir, cache_dir, grid="fixed"):
   c.model.train_time_grid = grid
   c.num_train_steps = args.pretrain_steps
   c.data.train_files, c.data.eval_files = args.pretrain_train, args.pretrain_eval
-  return train.train_and_evaluate(c, workdir)
+  return common.keyed_run(c, workdir)
 
 
 def finetune(args, init_from, method, n, seed, workdir, cache_dir, files):
@@ -109,7 +113,13 @@ def finetune(args, init_from, method, n, seed, workdir, cache_dir, files):
       targets=LORA_TARGETS, lora_init="small", train_embeddings=True))
   c.num_train_steps = args.finetune_steps
   c.data.train_files, c.data.eval_files = files
-  return train.train_and_evaluate(c, workdir)["eval"]["perplexity"]
+  r, note = common.keyed_run(c, workdir)
+  return r["eval"]["perplexity"], note
+
+
+def _reused(note: str) -> str:
+  """' (<note>, evaluated now)' for a run `common.keyed_run` reused, else ''."""
+  return f" ({note}, evaluated now)" if note else ""
 
 
 def before_finetuning(args, workdir, ns, valid_file):
@@ -232,9 +242,9 @@ def main(argv=None):
     runs = [(g, "diffeqformer", args.k) for g in args.grids] + [("fixed", "gpt", args.gpt_layers)]
     for grid, kind, layers in runs:
       pre[grid, kind] = os.path.join(work, run_dir(grid, f"pre_{kind}"))
-      r = pretrain(args, kind, layers, seed, pre[grid, kind], cache, grid)
+      r, note = pretrain(args, kind, layers, seed, pre[grid, kind], cache, grid)
       print(f"seed {seed} pre-trained {kind} ({layers} steps/layers, {grid} grid): eval "
-            f"perplexity {r['eval']['perplexity']:.2f}", flush=True)
+            f"perplexity {r['eval']['perplexity']:.2f}{_reused(note)}", flush=True)
     for grid in args.grids:
       before = before_finetuning(args, pre[grid, "diffeqformer"], args.ns, files[1])
       for n, ppl in zip(args.ns, before):
@@ -243,19 +253,20 @@ def main(argv=None):
             f"{', '.join(f'{p:.2f}' for p in before)}", flush=True)
       for method in args.methods:
         for n in args.ns:
-          ppl = finetune(args, pre[grid, "diffeqformer"], method, n, seed,
-                         os.path.join(work, run_dir(grid, f"ft_{method}_{n}")), cache, files)
+          ppl, note = finetune(args, pre[grid, "diffeqformer"], method, n, seed,
+                               os.path.join(work, run_dir(grid, f"ft_{method}_{n}")), cache,
+                               files)
           ode.setdefault((grid, method, n), []).append(ppl)
-          print(f"seed {seed} diffeqformer {grid} {method:10s} N={n:2d}: {ppl:8.2f}",
-                flush=True)
+          print(f"seed {seed} diffeqformer {grid} {method:10s} N={n:2d}: {ppl:8.2f}"
+                f"{_reused(note)}", flush=True)
     gpt.setdefault("before", []).append(
         before_finetuning(args, pre["fixed", "gpt"], [None], files[1])[0])
     for method in [m for m in ("full", "lora") if m in args.methods]:
-      ppl = finetune(args, pre["fixed", "gpt"], method, 0, seed,
-                     os.path.join(work, f"ft_gpt_{method}"), cache, files)
+      ppl, note = finetune(args, pre["fixed", "gpt"], method, 0, seed,
+                           os.path.join(work, f"ft_gpt_{method}"), cache, files)
       gpt.setdefault(method, []).append(ppl)
-      print(f"seed {seed} gpt          {method:10s} L={args.gpt_layers:2d}: {ppl:8.2f}",
-            flush=True)
+      print(f"seed {seed} gpt          {method:10s} L={args.gpt_layers:2d}: {ppl:8.2f}"
+            f"{_reused(note)}", flush=True)
     print(f"seed {seed} done at {time.perf_counter() - t0:.0f} s", flush=True)
 
   ns, s = args.ns, args.seeds

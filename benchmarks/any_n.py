@@ -14,7 +14,9 @@ The last line is the option's solver robustness, on the seed-mean perplexities:
 
 Defaults are configs/default.py's (K = 4, 500 steps, the embedded corpus, so no data
 is needed); one seed (both modes) takes about 10 minutes on a 2-core CPU. A `--workdir`
-that holds finished runs is reused: those are only evaluated again.
+that holds runs of the same code and config is reused (`common.keyed_run`): a finished
+run's scores are read back, and its line says so and names the code version; runs of
+other code or another config are moved aside and trained afresh.
 """
 import argparse
 import json
@@ -121,32 +123,36 @@ def train_tokens_per_second(config, rounds: int, option: str) -> dict:
 
 
 def train_and_score(config, workdir: str, eval_batches: int):
-  """Trains (or reuses) one run and scores it at every N: (label -> perplexity, a line).
-  The scores are kept in the run's workdir, so a rerun only reads them."""
+  """Trains (or reuses, `common.keyed_run`) one run and scores it at every N: (label ->
+  perplexity, a line). The scores are kept in the run's workdir under the code version
+  and the evaluation settings, so a rerun of the same code only reads them (and says so)."""
   counts = step_counts(config.model.num_steps)
   scores = os.path.join(workdir, "any_n_scores.json")
   t = time.perf_counter()
-  r = train.train_and_evaluate(config, workdir)
+  r, note = common.keyed_run(config, workdir)
   trained = time.perf_counter() - t
   hist = r["loss_history"]
-  loss = (f"train loss {hist[0][1]:.3f} -> {hist[-1][1]:.3f}" if hist
-          else f"trained earlier ({r['step']} steps)")
-  key = {"step": int(r["step"]), "eval_batches": eval_batches, "counts": counts}
+  key = {"code": common.code_version(), "step": int(r["step"]),
+         "eval_batches": eval_batches, "counts": counts}
   stored = {}
   if os.path.exists(scores):
     with open(scores) as f:
       stored = json.load(f)
-  if stored.get("key") != key:
+  if stored.get("key") == key:
+    source = f"read back from {scores} (code {key['code']}, trained earlier: {r['step']} steps)"
+  else:
     results = evaluate.evaluate(workdir, list(counts.values()), max_batches=eval_batches)
     stored = {"key": key, "perplexity": {label: res.perplexity for label, res in
                                          zip(counts, results)},
               "tokens": results[0].num_tokens}
     with open(scores, "w") as f:
       json.dump(stored, f)
+    source = (f"train loss {hist[0][1]:.3f} -> {hist[-1][1]:.3f}" if not note
+              else f"{note}, scored now")
   row = stored["perplexity"]
   cells = " | ".join(f"N={counts[label]} {row[label]:.2f}" for label in counts)
   worst = max(row[label] / row["K"] for label in ROBUST_N)
-  return row, (f"{loss} | ppl {cells} | max ratio {worst:.3f} | "
+  return row, (f"{source} | ppl {cells} | max ratio {worst:.3f} | "
                f"eval tokens {stored['tokens']:,} | {trained:.0f}s")
 
 

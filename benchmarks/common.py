@@ -1,10 +1,23 @@
-"""Shared set-up for benchmarks: presets, and the product's own train step on a mesh.
+"""Shared set-up for benchmarks: presets, the product's own train step on a mesh, and
+training runs reused only by the code and config that made them.
 
 Benchmarks time exactly what `main.py` runs: `steps.init_train_state` and
 `steps.make_train_step` (donated, sharding-constrained, AdamW with clipping), with the
 optimizer and mesh settings of `configs/default.py`.
+
+A benchmark that keeps its training runs in a workdir (to continue after an
+interruption, or to print its table again) trains them through `keyed_run`: each run's
+workdir records `run_key` — the version of the code (`code_version`, a hash of the
+sources) and the whole config — and is reused only under the same key; a run made by
+other code or another config is moved aside and trained afresh, and every reused
+result says so in the benchmark's output.
 """
 import dataclasses
+import functools
+import hashlib
+import json
+import os
+import pathlib
 import statistics
 import sys
 import time
@@ -19,13 +32,17 @@ if getattr(sys.modules["__main__"].__spec__, "name", "").startswith("benchmarks.
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import default as default_config  # noqa: E402
-from odetransformer import optimizer, sharding, steps  # noqa: E402
+from odetransformer import optimizer, sharding, steps, train  # noqa: E402
 from odetransformer.config import ModelConfig  # noqa: E402
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The source trees whose code computes a benchmark's runs and scores.
+CODE_TREES = ("odetransformer", "input_pipeline", "configs", "benchmarks")
+RUN_KEY_FILE = "benchmark_run_key.json"
 
 PRESETS = {
     # vocab, d_model, heads, mlp, K = L, seq, batch, d_t, S
@@ -137,22 +154,76 @@ def paired_spread(num: list, den: list) -> str:
           f"{ratios[-1]:.2f} over {len(ratios)} rounds")
 
 
-def matmul_peak_flops(dtype=jnp.float32, n: int = 2048, reps: int = 10) -> float:
-  """Measured dense-matmul FLOP/s of the default device (the MFU denominator on CPU)."""
-  kind = jax.devices()[0].device_kind.lower()
-  known = {"h100": 989e12, "h200": 989e12, "a100": 312e12}  # bf16 dense peaks
-  for name, peak in known.items():
-    if name in kind and dtype == jnp.bfloat16:
-      return peak
-  a = jnp.ones((n, n), dtype)
-  f = jax.jit(lambda x: x @ x)
-  block(f(a))
-  start = time.perf_counter()
-  for _ in range(reps):
-    out = f(a)
-  block(out)
-  return 2 * n ** 3 * reps / (time.perf_counter() - start)
-
-
 def replace(cfg: ModelConfig, **kw) -> ModelConfig:
   return dataclasses.replace(cfg, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def code_version(root: str = str(REPO_ROOT)) -> str:
+  """12 hex digits of a sha256 over every .py file of `CODE_TREES` under `root` (its path
+  and bytes): the same sources give the same version, with or without git, and any edit
+  (committed or not) another."""
+  digest = hashlib.sha256()
+  for tree in CODE_TREES:
+    for path in sorted(pathlib.Path(root, tree).rglob("*.py")):
+      digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+      digest.update(path.read_bytes() + b"\0")
+  return digest.hexdigest()[:12]
+
+
+def _read_key(workdir: str):
+  try:
+    with open(os.path.join(workdir, RUN_KEY_FILE), encoding="utf-8") as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def run_key(config) -> dict:
+  """What a run's results depend on: the code version, the whole config and, for a
+  fine-tuning run, the key of the run it starts from (`init_from`)."""
+  key = {"code": code_version(),
+         "config": json.loads(config.to_json_best_effort(sort_keys=True))}
+  if config.get("init_from"):
+    key["init_from"] = _read_key(config.init_from)
+  return key
+
+
+def _move_aside(workdir: str, old) -> str:
+  """Renames a workdir made under another key to `<workdir>.stale-<its code>[-i]`."""
+  base = f"{workdir}.stale-{(old or {}).get('code', 'unkeyed')}"
+  dest, i = base, 1
+  while os.path.exists(dest):
+    dest, i = f"{base}-{i}", i + 1
+  os.rename(workdir, dest)
+  return dest
+
+
+def keyed_run(config, workdir: str) -> tuple:
+  """`train.train_and_evaluate(config, workdir)`, reusing what `workdir` holds only when
+  its recorded `run_key` is this one's.
+
+  A non-empty workdir with another key (other code or config, or none recorded) is
+  moved aside (nothing is deleted; a line says where) and the run trains afresh. With
+  the same key the run resumes from its checkpoints (a finished run only evaluates).
+  Returns (result, note): note '' when every step was trained now, else where the steps
+  were read back from, naming the workdir and the code version.
+  """
+  key = run_key(config)
+  if os.path.isdir(workdir) and os.listdir(workdir):
+    old = _read_key(workdir)
+    if old != key:
+      why = ("no run key" if old is None else f"code {old.get('code')}"
+             if old.get("code") != key["code"] else "another config")
+      print(f"{workdir} was made under {why}: moved to {_move_aside(workdir, old)}, "
+            f"training afresh (code {key['code']})", flush=True)
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, RUN_KEY_FILE), "w", encoding="utf-8") as f:
+    json.dump(key, f, indent=1, sort_keys=True)
+  result = train.train_and_evaluate(config, workdir)
+  start, step = int(result["start_step"]), int(result["step"])
+  if start == 0:
+    return result, ""
+  if start == step:
+    return result, f"read back from {workdir} (code {key['code']}, trained earlier: {step} steps)"
+  return result, (f"resumed at step {start} of {step} from {workdir} (code {key['code']})")

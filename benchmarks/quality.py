@@ -13,9 +13,10 @@ Llama for `--flavour=llama`. The last line is the key ratio (< 1: DiffEqFormer i
 
 Defaults (d 256, 4 heads, 6 steps/layers, seq 128, batch 16, 600 steps, vocab 4096,
 d_t 64, lr 1e-3, β2 0.95) are sized for a 2-core CPU: one seed (both models) takes
-about 20 minutes there. A `--workdir` that already holds finished runs is reused: each
-finished run is only evaluated again, so an interrupted benchmark continues where it
-stopped.
+about 20 minutes there. A `--workdir` that holds runs of the same code and config is
+reused (`common.keyed_run`): a finished run is only evaluated again and its line says
+so, naming the code version, so an interrupted benchmark continues where it stopped;
+runs of other code or another config are moved aside and trained afresh.
 """
 import argparse
 import os
@@ -24,8 +25,8 @@ import time
 
 from absl import logging
 
+from benchmarks import common
 from configs import default
-from odetransformer import train
 from odetransformer.config import LLAMA_BLOCKS
 from odetransformer.solvers import STEP_TIMES
 
@@ -117,12 +118,12 @@ def main(argv=None):
       if kind == "diffeqformer":
         workdir += f"_{args.step_time}_{args.llama_block}"
       t = time.perf_counter()
-      r = train.train_and_evaluate(
+      r, note = common.keyed_run(
           make_config(args, kind, seed, os.path.join(root, "cache")), workdir)
       ppl[kind] = r["eval"]["perplexity"]
       hist = r["loss_history"]
-      trained = (f"train loss {hist[0][1]:.3f} -> {hist[-1][1]:.3f}" if hist
-                 else f"trained earlier ({r['step']} steps)")
+      trained = (f"{note}, evaluated now" if note
+                 else f"train loss {hist[0][1]:.3f} -> {hist[-1][1]:.3f}")
       print(f"seed {seed} {kind:13s} {args.flavour:5s} params {r['num_params']:>12,} | "
             f"{trained} | test loss {r['eval']['loss']:.4f} | test ppl {ppl[kind]:.2f} | "
             f"test tokens {int(r['eval']['num_tokens']):,} | "

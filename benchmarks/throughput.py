@@ -13,10 +13,10 @@ import argparse
 import statistics
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from benchmarks import common
+from odetransformer import metrics
 from odetransformer.config import KINDS
 from odetransformer.materialize import materialize
 from odetransformer.param_count import count_params, flops_per_token
@@ -37,7 +37,6 @@ def main():
     if kind not in baselines:
       parser.error(f"--also={kind}: choose from {', '.join(baselines)}")
   b, length = common.shape(args)
-  dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
   print(f"devices: {jax.device_count()} × {jax.devices()[0].device_kind}; preset {args.preset}, "
         f"batch {b} × seq {length}, {args.dtype}, remat {args.remat}")
 
@@ -48,7 +47,9 @@ def main():
       {kind: (lambda k=kind: trainers[k].step(batches[k])) for kind in trainers},
       rounds=args.rounds)
   secs = {kind: statistics.median(ts) for kind, ts in rounds.items()}
-  peak = common.matmul_peak_flops(dtype) * jax.device_count()
+  peak, source = metrics.device_peak_flops(dtype=args.dtype)
+  if jax.devices()[0].platform != "cpu":
+    peak *= jax.device_count()      # as the training log: XLA:CPU's devices share the host
   tokens = b * length
   tps = {}
   for kind, t in trainers.items():
@@ -59,7 +60,8 @@ def main():
   for kind in also:
     print(f"{kind}/gpt train tokens/s ratio: {tps[kind] / tps['gpt']:.2f} "
           f"(per round: {common.paired_spread(rounds['gpt'], rounds[kind])})")
-  print(f"(MFU against a measured/peak {peak / 1e12:.2f} TFLOP/s)")
+  print(f"(MFU against {peak / 1e12:.3f} TFLOP/s: {source}; the training log's definition, "
+        "odetransformer.metrics.device_peak_flops)")
 
   # Inference: the materialised DiffEqFormer (plain parallel layers) vs GPT, forward only.
   ode_model = trainers["diffeqformer"].ts.merge(trainers["diffeqformer"].state)[0]

@@ -92,7 +92,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.mesh.rules = rules_to_config()
 
   # --- metrics -------------------------------------------------------------------------
-  config.peak_flops_per_device = 0.0    # FLOP/s for MFU; 0 = look up the device kind
+  config.peak_flops_per_device = 0.0    # FLOP/s for MFU; 0 = the device's (table; CPU: measured)
   config.parameter_table = False        # also log every parameter's shape and statistics
   # 'a,b': a jax.profiler trace of train steps a+1..b into <workdir>/tensorboard
   # (TensorBoard's Profile tab, or Perfetto); '' = none.

@@ -9,13 +9,15 @@ event file is written through `odetransformer.fileio` (`_ObjectEventFile`).
 Metrics are averaged over the interval since the last write and then reset (not since
 step 0): the loss is a token-weighted mean (sum of losses / sum of target weights).
 """
+import functools
 import math
 import time
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
 
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import logging
 from clu import metrics as clu_metrics
 
@@ -164,28 +166,65 @@ class MetricWriter:
       self._writer = None
 
 
-# Dense peak FLOP/s per device, used for MFU. Accelerators: bf16 dense peak (MFU is
-# conventionally quoted against it even for f32 runs). CPU: the ~300 GFLOP/s f32
-# matmul peak XLA reaches on the 2-core reference machine (DESIGN.md §8), for the
-# whole host since JAX exposes one CPU device. Substrings are matched in order.
+# Dense peak FLOP/s per accelerator, used for MFU: the bf16 dense peak (MFU is
+# conventionally quoted against it even for f32 runs). Substrings of
+# '<platform> <device_kind>' are matched in order. A CPU's peak is measured instead
+# (`measured_matmul_flops`): no table entry could fit every host.
 _PEAK_FLOPS = (
     ("TPU v6 lite", 918e12), ("TPU v6e", 918e12), ("TPU v5 lite", 197e12),
     ("TPU v5e", 197e12), ("TPU v5p", 459e12), ("TPU v5", 459e12), ("TPU v4", 275e12),
     ("TPU v3", 123e12), ("H200", 989e12), ("H100", 989e12), ("A100", 312e12),
-    ("B200", 2250e12), ("L40S", 362e12), ("L4", 121e12), ("A10G", 70e12), ("cpu", 300e9),
+    ("B200", 2250e12), ("L40S", 362e12), ("L4", 121e12), ("A10G", 70e12),
 )
 
 
-def peak_flops_per_device(device: Optional[jax.Device] = None, override: float = 0.0) -> float:
-  """Peak FLOP/s of one device (`override` > 0 wins); 0.0 when unknown."""
+class PeakFlops(NamedTuple):
+  """The MFU denominator of one device and where it came from (for the log)."""
+  flops: float   # FLOP/s; 0.0 = unknown (MFU is not reported)
+  source: str
+
+
+@functools.lru_cache(maxsize=None)
+def measured_matmul_flops(device: jax.Device, dtype: str = "float32", n: int = 1024,
+                          reps: int = 3) -> float:
+  """FLOP/s of the fastest of `reps` n×n `dtype` matmuls on `device` (after one call
+  that compiles), measured once per process and device: a fraction of a second. Runs
+  on a mesh of `device` alone, whatever mesh the caller has set (a training run's)."""
+  best = math.inf
+  with jax.set_mesh(jax.sharding.Mesh(np.array([device]), ("device",))):
+    x = jax.device_put(jnp.ones((n, n), dtype), device)
+    matmul = jax.jit(lambda a: a @ a)
+    matmul(x).block_until_ready()
+    for _ in range(reps):
+      start = time.perf_counter()
+      matmul(x).block_until_ready()
+      best = min(best, time.perf_counter() - start)
+  return 2 * n ** 3 / best
+
+
+def device_peak_flops(device: Optional[jax.Device] = None, override: float = 0.0,
+                      dtype: str = "float32") -> PeakFlops:
+  """The peak FLOP/s of one device that MFU divides by, for training and benchmarks alike.
+
+  `override` > 0 (`--config.peak_flops_per_device`) wins; an accelerator's comes from
+  the bf16 dense-peak table; a CPU's is measured (`measured_matmul_flops` in the run's
+  compute `dtype`; XLA:CPU's devices share the host's cores, so this is the host's);
+  an unknown accelerator gives 0 (no MFU).
+  """
   if override and override > 0:
-    return float(override)
-  device = device or jax.devices()[0]
+    return PeakFlops(float(override), "--config.peak_flops_per_device")
+  device = device or jax.local_devices()[0]
+  if device.platform == "cpu":
+    dtype = jax.dtypes.canonicalize_dtype(dtype).name   # float64 only under x64
+    return PeakFlops(measured_matmul_flops(device, dtype),
+                     f"measured: fastest of 3 {dtype} 1024x1024 matmuls on this host, "
+                     "once per process")
   kind = f"{device.platform} {device.device_kind}"
   for key, value in _PEAK_FLOPS:
     if key.lower() in kind.lower():
-      return value
-  return 0.0
+      return PeakFlops(value, f"{device.device_kind}: bf16 dense peak")
+  return PeakFlops(0.0, f"unknown device kind {device.device_kind!r}: no MFU; set "
+                        "--config.peak_flops_per_device")
 
 
 def format_duration(seconds: float) -> str:

@@ -217,7 +217,9 @@ def _train(config, saved_config, cfg, mesh, rules, tx, schedule, ds, writer, ckp
   param_norm = steps_lib.make_param_norm(layout)
   batch_sharding = sharding_lib.batch_sharding(mesh, rules)
   tokens_per_step = config.global_batch_size * config.seq_len
-  peak = metrics_lib.peak_flops_per_device(override=config.peak_flops_per_device)
+  peak, source = metrics_lib.device_peak_flops(override=config.peak_flops_per_device,
+                                               dtype=cfg.dtype)
+  metrics_lib.log(f"MFU against {peak / 1e9:,.1f} GFLOP/s per device ({source})")
   if jax.devices()[0].platform != "cpu":
     peak *= jax.device_count()      # XLA:CPU's devices share one host's cores
   progress = metrics_lib.Progress(config.num_train_steps, start_step, tokens_per_step, fpt,

@@ -4,11 +4,13 @@ The measurements themselves are the benchmarks' job; these runs keep the scripts
 rotting between the occasions they are run for real (the GPU command of the README
 included) and check that each reported figure is the one its own lines imply.
 """
+import json
 import math
 import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -255,3 +257,103 @@ def test_step_time_and_llama_block_flags_reach_the_runs(tmp_path):
   for mode in ("fixed", "random_shift"):
     cfg = config_lib.model_config(any_n.make_config(args, mode, 0, "c"))
     assert (cfg.train_time_grid, cfg.step_time) == (mode, "end")
+
+
+def test_code_version_is_a_hash_of_the_sources(tmp_path):
+  """The same .py files (anywhere) give the same version; a one-byte edit of any of them,
+  or a new one, another; other files do not count."""
+  from benchmarks import common   # pylint: disable=g-import-not-at-top
+  trees = [tmp_path / "a", tmp_path / "b"]
+  for root in trees:
+    for tree in common.CODE_TREES:
+      (root / tree / "sub").mkdir(parents=True)
+      (root / tree / "sub" / "m.py").write_text(f"X = '{tree}'\n")
+  a, b = (common.code_version.__wrapped__(str(root)) for root in trees)
+  assert a == b and re.fullmatch(r"[0-9a-f]{12}", a)
+  (trees[1] / "configs" / "notes.md").write_text("not code")
+  assert common.code_version.__wrapped__(str(trees[1])) == a
+  (trees[1] / "benchmarks" / "sub" / "m.py").write_text("X = 'benchmarkz'\n")
+  edited = common.code_version.__wrapped__(str(trees[1]))
+  (trees[0] / "input_pipeline" / "new.py").write_text("")
+  assert len({a, edited, common.code_version.__wrapped__(str(trees[0]))}) == 3
+  assert re.fullmatch(r"[0-9a-f]{12}", common.code_version())   # this repository's
+
+
+def _fake_training(monkeypatch, calls):
+  """train.train_and_evaluate as the benchmarks see it, without training: a 'checkpoint'
+  file holds the step a run reached; a call resumes from it and trains to the end."""
+  from benchmarks import common   # pylint: disable=g-import-not-at-top
+
+  def fake(config, workdir):
+    ckpt = pathlib.Path(workdir, "ckpt")
+    start = int(ckpt.read_text()) if ckpt.exists() else 0
+    ckpt.write_text(str(config.num_train_steps))
+    calls.append((workdir, start))
+    hist = [(s, 5.0 - s) for s in range(start + 1, config.num_train_steps + 1)]
+    return {"start_step": start, "step": config.num_train_steps, "loss_history": hist,
+            "eval": {"perplexity": 100.0 + start}}
+  monkeypatch.setattr(common.train, "train_and_evaluate", fake)
+
+
+def test_keyed_run_reuses_a_workdir_only_under_the_same_code_and_config(
+    tmp_path, monkeypatch, capsys):
+  from benchmarks import common   # pylint: disable=g-import-not-at-top
+  from tiny import tiny_config    # pylint: disable=g-import-not-at-top
+  calls = []
+  _fake_training(monkeypatch, calls)
+  wd, code = str(tmp_path / "run"), common.code_version()
+  config = tiny_config(tmp_path / "cache", 4)
+  assert common.keyed_run(config, wd)[1] == ""                        # trained now
+  assert json.loads((tmp_path / "run" / common.RUN_KEY_FILE).read_text()) == \
+      common.run_key(config)
+  _, note = common.keyed_run(config, wd)                               # finished: reused
+  assert note == f"read back from {wd} (code {code}, trained earlier: 4 steps)"
+  (tmp_path / "run" / "ckpt").write_text("2")                          # interrupted at 2
+  assert common.keyed_run(config, wd)[1] == f"resumed at step 2 of 4 from {wd} (code {code})"
+  assert [start for _, start in calls] == [0, 4, 2]
+  # Another config (here the schedule's length): moved aside, trained afresh.
+  longer = tiny_config(tmp_path / "cache", 6)
+  assert common.keyed_run(longer, wd)[1] == "" and calls[-1] == (wd, 0)
+  assert (tmp_path / f"run.stale-{code}" / "ckpt").read_text() == "4"  # kept, not deleted
+  assert (f"{wd} was made under another config: moved to {wd}.stale-{code}, training "
+          f"afresh (code {code})") in capsys.readouterr().out
+  # Other code (the same config): moved aside too.
+  monkeypatch.setattr(common, "code_version", lambda: "0123456789ab")
+  assert common.keyed_run(longer, wd)[1] == "" and calls[-1] == (wd, 0)
+  assert (tmp_path / f"run.stale-{code}-1" / "ckpt").read_text() == "6"
+  assert f"made under code {code}: moved" in capsys.readouterr().out
+  # A run from before keys (no key file) is not trusted either.
+  (tmp_path / "run" / common.RUN_KEY_FILE).unlink()
+  assert common.keyed_run(longer, wd)[1] == "" and calls[-1] == (wd, 0)
+  assert (tmp_path / "run.stale-unkeyed" / "ckpt").exists()
+  # A fine-tuning run's key holds its init run's key: a retrained init changes it.
+  ft = tiny_config(tmp_path / "cache", 2)
+  ft.init_from = wd
+  assert common.run_key(ft)["init_from"] == common.run_key(longer)
+
+
+def test_any_n_scores_are_read_back_only_for_the_same_code(tmp_path, monkeypatch):
+  from benchmarks import any_n, common   # pylint: disable=g-import-not-at-top
+  calls, scored = [], []
+  _fake_training(monkeypatch, calls)
+
+  def fake_evaluate(workdir, counts, max_batches):
+    scored.append(workdir)
+    return [types.SimpleNamespace(perplexity=50.0 + n, num_tokens=1000) for n in counts]
+  monkeypatch.setattr(any_n.evaluate, "evaluate", fake_evaluate)
+  args = any_n.parse_args(["--steps=4", "--num_steps=2", "--rounds=0"])
+  config = any_n.make_config(args, "fixed", 0, str(tmp_path / "cache"))
+  wd, code = str(tmp_path / "fixed_seed0"), common.code_version()
+  row, line = any_n.train_and_score(config, wd, 16)
+  assert line.startswith("train loss 4.000 -> 1.000 | ppl N=1 51.00 | N=2 52.00") and \
+      len(scored) == 1
+  again, line = any_n.train_and_score(config, wd, 16)
+  assert again == row and len(scored) == 1
+  assert line.startswith(f"read back from {wd}/any_n_scores.json (code {code}, trained "
+                         "earlier: 4 steps) | ppl N=1 51.00")
+  _, line = any_n.train_and_score(config, wd, 8)                      # other eval batches
+  assert len(scored) == 2 and line.startswith(
+      f"read back from {wd} (code {code}, trained earlier: 4 steps), scored now | ppl")
+  monkeypatch.setattr(common, "code_version", lambda: "0123456789ab")
+  _, line = any_n.train_and_score(config, wd, 8)                      # other code: afresh
+  assert len(scored) == 3 and calls[-1] == (wd, 0) and line.startswith("train loss")

@@ -74,9 +74,27 @@ def test_lora_with_embeddings_changes_only_adapters_and_embeddings(pretrained, t
   for name, w in reference.stack.params.items():   # frozen layers: bit for bit
     np.testing.assert_array_equal(np.asarray(tuned.stack.params[name][...]), np.asarray(w[...]))
   assert not np.array_equal(np.asarray(tuned.embed[...]), np.asarray(reference.embed[...]))
-  b = np.asarray(tuned.stack.lora["wq"]["b"][...])
-  # Trained, though slowly: gradients of 1e-6-sized factors sit below Adam's ε (1e-8).
-  assert np.abs(b - b0).max() > 0
+  # That the adapters train (and help): test_lora_steps_lower_the_held_out_loss.
+
+
+def test_lora_steps_lower_the_held_out_loss(pretrained, tmp_path):
+  """Four LoRA steps (rank 2 on every layer matrix, B = 0 at the start, lr 3e-2) lower
+  the eval split's loss by at least 0.03 nats from step 0's (the pre-trained model's
+  function), while the layers and embeddings stay bit for bit: the gain is the
+  adapters'. (0.066 nats measured; held-out: the eval split is not trained on.)"""
+  base, _ = pretrained
+  c = ft_config(pretrained, "lora", 4, steps=4, targets="wq,wk,wv,wo,w1,w2")
+  c.optim.learning_rate = 3e-2
+  c.eval_every_steps = 4
+  train.train_and_evaluate(c, tmp_path)
+  losses = eval_losses(tmp_path)
+  assert sorted(losses) == [0, 4]
+  assert losses[4] <= losses[0] - 0.03, losses
+  tuned = loading.load_model(str(tmp_path)).model
+  reference = materialize(loading.load_model(str(base / "run")).model, 4, fold_dt=False)
+  for name, w in reference.stack.params.items():
+    np.testing.assert_array_equal(np.asarray(tuned.stack.params[name][...]), np.asarray(w[...]))
+  np.testing.assert_array_equal(np.asarray(tuned.embed[...]), np.asarray(reference.embed[...]))
 
 
 ODE = ModelConfig(vocab_size=61, d_model=16, num_heads=2, mlp_dim=32, num_steps=4,

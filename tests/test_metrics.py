@@ -1,6 +1,8 @@
 """Token-weighted metrics, log lines, TensorBoard events and the checkpoint round trip."""
+import functools
 import json
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -61,8 +63,33 @@ def test_progress_rates_and_peak_lookup():
   assert out["tokens_per_sec"] == pytest.approx(5000, rel=0.05)
   assert out["mfu"] == pytest.approx(5.0, rel=0.05)
   assert out["eta_s"] == pytest.approx(18.0, rel=0.05)
-  assert metrics.peak_flops_per_device(override=5.0) == 5.0
-  assert metrics.peak_flops_per_device() > 0            # CPU entry
+
+
+def test_one_peak_definition_table_measured_or_override(monkeypatch):
+  """Accelerators from the table, a CPU measured once per process (the same value again,
+  no second measurement), an override wins, an unknown kind gives no MFU."""
+  calls = []
+  real = metrics.measured_matmul_flops.__wrapped__
+  monkeypatch.setattr(metrics, "measured_matmul_flops", functools.lru_cache()(
+      lambda *a: calls.append(a) or real(*a)))
+  cpu = jax.local_devices()[0]
+  first = metrics.device_peak_flops(dtype="bfloat16")
+  assert first.flops > 0 and first.source.startswith("measured: fastest of 3 bfloat16 ")
+  assert metrics.device_peak_flops(dtype="bfloat16") == first and calls == [(cpu, "bfloat16")]
+  assert metrics.device_peak_flops(override=5.0) == (5.0, "--config.peak_flops_per_device")
+  h100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+  assert metrics.device_peak_flops(h100) == (989e12, "NVIDIA H100 80GB HBM3: bf16 dense peak")
+  odd = types.SimpleNamespace(platform="gpu", device_kind="Quantum 9000")
+  assert metrics.device_peak_flops(odd).flops == 0.0
+  assert len(calls) == 1
+
+
+def test_measured_peak_is_the_fastest_matmul(monkeypatch):
+  """2·n³ FLOPs over the fastest of the timed calls (the compiling call is not timed)."""
+  clock = iter([10.0, 10.5, 11.0, 11.25, 12.0, 13.0])    # calls of 0.5, 0.25 and 1 s
+  monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+  flops = metrics.measured_matmul_flops.__wrapped__(jax.local_devices()[0], "float32", 64, 3)
+  assert flops == 2 * 64 ** 3 / 0.25
 
 
 def test_tensorboard_events_round_trip(tmp_path):
