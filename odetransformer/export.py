@@ -269,7 +269,7 @@ def export_model(model: LanguageModel, sp_model: bytes, out: str, *, context: in
                  shard_bytes: int = SHARD_BYTES) -> Exported:
   """Writes `model` (its tokenizer: the SentencePiece `sp_model`; `context`: its
   training sequence length) as the Hugging Face directory `out`."""
-  disc = discrete_model(model, num_steps)
+  disc = nnx.jit(discrete_model, static_argnums=1)(model, num_steps)   # not op by op
   cfg = disc.config
   state = {k: v.astype(DTYPES[dtype]) for k, v in hf_state_dict(disc).items()}
   files = hf_tokenizer.tokenizer_files(
@@ -453,14 +453,15 @@ def main(argv, flag_values=None):
 def define_flags(flag_values=None):
   from absl import flags  # pylint: disable=g-import-not-at-top
   fv = flags.FLAGS if flag_values is None else flag_values
-  define = lambda kind, name, default, text, **kw: getattr(flags, f"DEFINE_{kind}")(
-      name, default, text, flag_values=fv, **kw)
+  define = lambda kind, name, default, text: getattr(flags, f"DEFINE_{kind}")(
+      name, default, text, flag_values=fv)
   define("string", "workdir", None, "Training run directory (config.json + checkpoints/).")
   define("string", "out", None, "Directory to write the Hugging Face model into.")
   define("integer", "step", None, "Checkpoint step (default: the latest).")
   define("integer", "num_steps", None, "Euler steps N an ODE is materialised at "
          "(default: the training K); discrete models: their own depth.")
-  define("enum", "dtype", "float32", "Weights' dtype.", enum_values=sorted(DTYPES))
+  flags.DEFINE_enum("dtype", "float32", sorted(DTYPES), "Weights' dtype (float32 or "
+                    "bfloat16).", flag_values=fv)
   define("bool", "verify", False, "Load the export with transformers (CPU) and compare "
          "logits and greedy generation with this model; exit 1 if they differ.")
   define("bool", "checkpoint_allow_unverified", False, UNVERIFIED_FLAG_HELP)
