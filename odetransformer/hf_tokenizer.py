@@ -5,7 +5,11 @@ SentencePiece ids, merges ordered as SentencePiece applies them (the pair whose 
 piece scores highest first), byte fallback, the dummy-prefix '▁' and spaces as '▁'.
 The special pieces (<pad>, <unk>, <s>, </s>) are special tokens of the tokenizer, and
 `split_special_tokens` keeps their spellings in text ordinary characters, as
-SentencePiece reads them ("<unk>" in a text is five characters, not id 1).
+SentencePiece reads them ("<unk>" in a text is five characters, not id 1). The
+beginning-of-sequence token is the end-of-text one, as GPT-2's: training never uses
+<s>; a document follows the previous one's </s>, so that is the context a model has
+seen before a document's first token (lm-evaluation-harness conditions on the `bos`
+token).
 
 Only what `input_pipeline.tokenizer.train` makes is converted (BPE, identity
 normalisation, no whitespace squeezing); another model is a one-line UserError.
@@ -39,10 +43,10 @@ def _check(proto, where: str) -> None:
 
 def special_ids(model_proto: bytes) -> dict:
   """{'bos_token_id': .., 'eos_token_id': .., 'pad_token_id': ..} of a SentencePiece
-  model (None where it has none)."""
+  model (None where it has none); bos is eos (module docstring)."""
   trainer = sentencepiece_model_pb2.ModelProto.FromString(model_proto).trainer_spec
   return {f"{k}_token_id": (i if i >= 0 else None) for k, i in
-          (("bos", trainer.bos_id), ("eos", trainer.eos_id), ("pad", trainer.pad_id))}
+          (("bos", trainer.eos_id), ("eos", trainer.eos_id), ("pad", trainer.pad_id))}
 
 
 def tokenizer_files(model_proto: bytes, model_max_length: int, where: str = "") -> dict:
@@ -96,7 +100,7 @@ def tokenizer_files(model_proto: bytes, model_max_length: int, where: str = "") 
       "add_bos_token": False, "add_eos_token": False,
       "pad_token": pieces[trainer.pad_id].piece if trainer.pad_id >= 0 else None,
       "unk_token": unk,
-      "bos_token": pieces[trainer.bos_id].piece if trainer.bos_id >= 0 else None,
+      "bos_token": pieces[trainer.eos_id].piece if trainer.eos_id >= 0 else None,
       "eos_token": pieces[trainer.eos_id].piece if trainer.eos_id >= 0 else None,
   }
   return {"tokenizer.json": json.dumps(tokenizer, ensure_ascii=False),

@@ -105,6 +105,15 @@ def test_each_kind_loads_in_transformers_with_our_logits(kind, flavour, options,
   assert_agrees(e)
 
 
+def test_verify_fails_on_a_wrong_export(sp_model, tmp_path):
+  """The check can fail: a directory whose config says another norm epsilon."""
+  e = export.export_model(model_of("gpt", "gpt"), sp_model, str(tmp_path), context=32)
+  config = json.loads((tmp_path / "config.json").read_text())
+  (tmp_path / "config.json").write_text(json.dumps(dict(config, layer_norm_epsilon=1e-2)))
+  a = export.verify(e)
+  assert not a.ok and a.max_error > export.TOLERANCE * a.scale and "NO" in a.describe()
+
+
 def test_gcs_run_exports_to_gcs_as_it_does_locally(run, gcs_bucket, tmp_path):
   """A gs:// workdir exported to a gs:// directory: the same files as from local paths."""
   from odetransformer import fileio  # pylint: disable=g-import-not-at-top
@@ -150,8 +159,9 @@ def test_tokenizer_gives_sentencepiece_ids_on_real_text(sp_model, tmp_path):
   ids = tok.encode(text, add_special_tokens=False)
   assert ids == sp.encode(text)
   assert len(ids) > 1000 and any(i in range(4, 260) for i in ids)   # byte fallback ran
+  # bos = eos: a document follows an eos in training, never SentencePiece's <s>
   assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == (sp.eos_id(), sp.pad_id(),
-                                                                   sp.bos_id())
+                                                                   sp.eos_id())
   assert tok.decode(ids) == sp.decode(ids) == text
   assert tok.decode(ids + [sp.eos_id()], skip_special_tokens=True) == text
   assert tok.convert_ids_to_tokens(sp.eos_id()) == sp.id_to_piece(sp.eos_id())
