@@ -1,20 +1,29 @@
 """Export to a Hugging Face directory: transformers (torch, CPU) loads each model kind and
 gives our logits and greedy generations; the tokenizer gives SentencePiece's ids on real
 text; higher-order ODEs are refused; the command line's --verify passes on a trained run."""
+import atexit
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+# transformers copies a directory's modeling file into this cache (default: ~/.cache).
+_MODULES = tempfile.mkdtemp(prefix="odet_hf_modules_")
+atexit.register(shutil.rmtree, _MODULES, ignore_errors=True)
+os.environ.setdefault("HF_MODULES_CACHE", _MODULES)
 torch = pytest.importorskip("torch", reason="export's --verify and these tests need torch "
                             "and transformers (pip install -r requirements-export.txt)")
 transformers = pytest.importorskip("transformers")
+# Tiny models: one thread per op is faster than two on a shared 2-core machine.
+torch.set_num_threads(1)
 
 from conftest import shared_data_path  # pylint: disable=g-import-not-at-top
 from odetransformer import export, loading, train  # pylint: disable=g-import-not-at-top
@@ -171,8 +180,8 @@ def test_command_line_verify_on_a_trained_run(run, tmp_path):
   out = tmp_path / "hf"
   cmd = [sys.executable, "-m", "odetransformer.export", f"--workdir={run}", f"--out={out}",
          "--num_steps=3", "--verify"]
-  r = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
-                     timeout=300)
+  r = subprocess.run(cmd, cwd=ROOT, env=cpu_env(OMP_NUM_THREADS=1), capture_output=True,
+                     text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   line = next(l for l in r.stdout.splitlines() if l.startswith("verify:"))
   print(line)
