@@ -45,8 +45,9 @@ from flax import nnx
 
 from odetransformer import fileio, hf_tokenizer, loading
 from odetransformer.checkpointing import UNVERIFIED_FLAG_HELP
+from odetransformer.config import model_config
 from odetransformer.errors import UserError
-from odetransformer.materialize import materialize
+from odetransformer.materialize import check_materializable, materialize
 from odetransformer.model import LanguageModel, build_from_values
 
 SHARD_BYTES = 5 * 2**30          # a larger model is written in shards of at most this
@@ -62,22 +63,29 @@ SAMPLE_TEXT = ("The 3 solvers ran 1,024 steps in 12.5 s.\n\n    def f(x):\n\t  r
 # --------------------------------------------------------------------------------------
 # The model as discrete layers
 # --------------------------------------------------------------------------------------
+def check_exportable(cfg, num_steps: Optional[int]) -> None:
+  """A one-line UserError unless a model of config `cfg` exports at `num_steps`."""
+  if cfg.is_ode:
+    try:
+      check_materializable(cfg, cfg.num_steps if num_steps is None else num_steps)
+    except ValueError as e:
+      raise UserError(f"cannot export this {cfg.kind} model: {e}") from e
+  elif num_steps is not None and num_steps != cfg.num_steps:
+    raise UserError(f"--num_steps={num_steps}: a discrete '{cfg.kind}' model has "
+                    f"{cfg.num_steps} layers; leave --num_steps out")
+
+
 def discrete_model(model: LanguageModel, num_steps: Optional[int] = None) -> LanguageModel:
   """The function that is exported, as a discrete model with plain stored weights:
   an ODE materialised at `num_steps` Euler steps (default: its K, dt folded into the
   output projections); a discrete model's own layers, LoRA merged and out_proj_scale
   folded in. Float32 compute. A one-line UserError when there is no such model."""
   cfg = model.config
+  check_exportable(cfg, num_steps)
   if cfg.is_ode:
-    try:
-      disc = materialize(model, cfg.num_steps if num_steps is None else num_steps)
-    except ValueError as e:
-      raise UserError(f"cannot export this {cfg.kind} model: {e}") from e
+    disc = materialize(model, cfg.num_steps if num_steps is None else num_steps)
     cfg, layers = disc.config, disc.stack.layers()
   else:
-    if num_steps is not None and num_steps != cfg.num_steps:
-      raise UserError(f"--num_steps={num_steps}: a discrete '{cfg.kind}' model has "
-                      f"{cfg.num_steps} layers; leave --num_steps out")
     layers, disc = model.stack.layers(), model
   cfg = dataclasses.replace(cfg, lora_rank=0, out_proj_scale=1.0, dtype="float32",
                             param_dtype="float32", dropout_rate=0.0)
@@ -430,6 +438,9 @@ def main(argv, flag_values=None):
     raise UserError(f"--step={f.step} must be a checkpoint step >= 0 (or left out)")
   if f.num_steps is not None and f.num_steps <= 0:
     raise UserError(f"--num_steps={f.num_steps} must be a positive integer")
+  config = loading.load_run_config(f.workdir)   # refusals before loading anything
+  check_exportable(model_config(config, vocab_size=config.data.get("vocab_size")),
+                   f.num_steps)
   if f.verify:
     try:
       import torch, transformers  # pylint: disable=g-import-not-at-top,multiple-imports,unused-import

@@ -92,6 +92,9 @@ def assert_agrees(e):
                                "tie_embeddings": False}, "float32",
      "OdeTransformerForCausalLM"),
     ("shared", "llama", {}, "float32", "OdeTransformerForCausalLM"),
+    # A fine-tuned materialisation: dt as out_proj_scale, LoRA adapters (merged).
+    ("parallel", "gpt", {"out_proj_scale": 0.5, "lora_rank": 2, "lora_targets": ("wq", "w2")},
+     "float32", "OdeTransformerForCausalLM"),
 ])
 def test_each_kind_loads_in_transformers_with_our_logits(kind, flavour, options, dtype,
                                                          architecture, sp_model, tmp_path):
@@ -147,6 +150,20 @@ def test_higher_order_ode_is_refused(solver, tmp_path):
     export.export_model(model, b"", str(tmp_path / "hf"), context=32)
   assert "\n" not in str(info.value) and "only an Euler ODE" in str(info.value)
   assert not (tmp_path / "hf").exists()
+
+
+def test_command_line_refuses_rk4_before_loading(tmp_path):
+  """A run's config.json alone (no checkpoint): the refusal comes before any loading."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from odetransformer import checkpointing  # pylint: disable=g-import-not-at-top
+  c = tiny_config(tmp_path / "cache")
+  c.model.solver = "rk4"
+  checkpointing.save_config(c, str(tmp_path))
+  fv = export.define_flags(flags.FlagValues())
+  fv(["export", f"--workdir={tmp_path}", f"--out={tmp_path / 'hf'}"])
+  with pytest.raises(UserError, match="solver is 'rk4'") as info:
+    export.main(["export"], fv)
+  assert "\n" not in str(info.value) and not (tmp_path / "hf").exists()
 
 
 def test_discrete_model_keeps_its_depth(sp_model, tmp_path):
