@@ -25,6 +25,18 @@ from odetransformer.solvers import stage_times
 _DT_ROLES = ("out", "out_bias")
 
 
+def check_materializable(cfg, num_steps: int) -> None:
+  """ValueError (one line) unless a model of config `cfg` materialises at `num_steps`."""
+  if not cfg.is_ode:
+    raise ValueError(f"only ODE models materialise; this model is kind={cfg.kind!r}")
+  if cfg.solver != "euler":
+    raise ValueError(f"only an Euler ODE is N plain layers; this model's solver is "
+                     f"{cfg.solver!r} (decode it with decode.Decoder, fine-tune it with "
+                     "finetune.method='continuous')")
+  if num_steps <= 0:
+    raise ValueError(f"num_steps={num_steps} must be positive")
+
+
 def materialize(model: LanguageModel, num_steps: int, fold_dt: bool = True) -> LanguageModel:
   """Returns the `num_steps`-layer discrete parallel model equal to the N-step Euler solve.
 
@@ -36,14 +48,7 @@ def materialize(model: LanguageModel, num_steps: int, fold_dt: bool = True) -> L
       and set `out_proj_scale = dt` (False; see the module docstring).
   """
   cfg = model.config
-  if not cfg.is_ode:
-    raise ValueError(f"only ODE models materialise; this model is kind={cfg.kind!r}")
-  if cfg.solver != "euler":
-    raise ValueError(f"only an Euler ODE is N plain layers; this model's solver is "
-                     f"{cfg.solver!r} (decode it with decode.Decoder, fine-tune it with "
-                     "finetune.method='continuous')")
-  if num_steps <= 0:
-    raise ValueError(f"num_steps={num_steps} must be positive")
+  check_materializable(cfg, num_steps)
   dt = 1.0 / num_steps
   if cfg.kind == "diffeqformer":
     ts = stage_times(num_steps, "euler", cfg.step_time)[:, 0]

@@ -1,0 +1,213 @@
+"""Export to a Hugging Face directory: transformers (torch, CPU) loads each model kind and
+gives our logits and greedy generations; the tokenizer gives SentencePiece's ids on real
+text; higher-order ODEs are refused; the command line's --verify passes on a trained run."""
+import atexit
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+# transformers copies a directory's modeling file into this cache (default: ~/.cache).
+_MODULES = tempfile.mkdtemp(prefix="odet_hf_modules_")
+atexit.register(shutil.rmtree, _MODULES, ignore_errors=True)
+os.environ.setdefault("HF_MODULES_CACHE", _MODULES)
+torch = pytest.importorskip("torch", reason="export's --verify and these tests need torch "
+                            "and transformers (pip install -r requirements-export.txt)")
+transformers = pytest.importorskip("transformers")
+# Tiny models: one thread per op is faster than two on a shared 2-core machine.
+torch.set_num_threads(1)
+
+from conftest import shared_data_path  # pylint: disable=g-import-not-at-top
+from odetransformer import export, loading, train  # pylint: disable=g-import-not-at-top
+from odetransformer.config import ModelConfig  # pylint: disable=g-import-not-at-top
+from odetransformer.errors import UserError  # pylint: disable=g-import-not-at-top
+from odetransformer.model import LanguageModel  # pylint: disable=g-import-not-at-top
+from tiny import cpu_env, tiny_config  # pylint: disable=g-import-not-at-top
+
+pytestmark = pytest.mark.xdist_group("test_export")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MAX_LEN = 48      # room for a prompt and 32 generated tokens (learned positions)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """A 1-step DiffEqFormer run (gpt flavour, K=2) on the embedded corpus."""
+  c = tiny_config(tmp_path_factory.mktemp("data"), num_train_steps=1)
+  c.global_batch_size = c.eval_batch_size = 2
+  c.data.eval_max_batches = 1
+  c.model.max_len = MAX_LEN
+  w = tmp_path_factory.mktemp("run")
+  train.train_and_evaluate(c, str(w))
+  return str(w)
+
+
+@pytest.fixture(scope="module")
+def sp_model(run):
+  return pathlib.Path(loading.tokenizer_path(run)).read_bytes()
+
+
+def model_of(kind, flavour, **options):
+  """A tiny model of `kind` with random weights, none at its initial value (biases, norm
+  shifts non-zero, norm scales 1 ± noise), so a misplaced one shows in the logits.
+  Filled from numpy: no op-by-op compilation."""
+  cfg = ModelConfig(kind=kind, flavour=flavour, vocab_size=512, d_model=32, num_heads=2,
+                    mlp_dim=64, num_steps=2, max_len=MAX_LEN, time_embed_dim=8,
+                    time_sinusoids=8, remat_policy="none", norm_eps=1e-4, rope_base=500.0,
+                    **options)
+  with nnx.use_eager_sharding(False):
+    abstract = nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  rng = np.random.default_rng(3)
+  flat = []
+  for path, v in nnx.to_flat_state(state):
+    x = rng.normal(size=v.shape) * 0.5 / np.sqrt(v.shape[-1])
+    if any("scale" in str(p) for p in path) and path[-1] not in ("proj", "kernel"):
+      x = x + 1.0
+    flat.append((path, v.replace(jnp.asarray(x, jnp.float32))))
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def assert_agrees(e):
+  a = export.verify(e)
+  print(f"{e.architecture} ({e.source.config.kind}/{e.source.config.flavour}, {e.dtype}): "
+        f"{a.describe()}")
+  assert a.max_error <= export.TOLERANCE * a.scale, a.describe()
+  assert a.ours == a.theirs and len(a.ours[1]) > 0
+  assert a.tokens_equal
+  return a
+
+
+@pytest.mark.parametrize("kind,flavour,options,dtype,architecture", [
+    ("gpt", "gpt", {}, "float32", "GPT2LMHeadModel"),
+    ("gpt", "llama", {"tie_embeddings": False}, "bfloat16", "LlamaForCausalLM"),
+    ("diffeqformer", "llama", {"llama_block": "reference", "step_time": "end",
+                               "tie_embeddings": False}, "float32",
+     "OdeTransformerForCausalLM"),
+    ("shared", "llama", {}, "float32", "OdeTransformerForCausalLM"),
+    # A fine-tuned materialisation: dt as out_proj_scale, LoRA adapters (merged).
+    ("parallel", "gpt", {"out_proj_scale": 0.5, "lora_rank": 2, "lora_targets": ("wq", "w2")},
+     "float32", "OdeTransformerForCausalLM"),
+])
+def test_each_kind_loads_in_transformers_with_our_logits(kind, flavour, options, dtype,
+                                                         architecture, sp_model, tmp_path):
+  """The GPT-flavour DiffEqFormer: test_command_line_verify_on_a_trained_run."""
+  model = model_of(kind, flavour, **options)
+  num_steps = 3 if model.config.is_ode else None     # N != K: a materialisation
+  out = tmp_path / "hf"
+  e = export.export_model(model, sp_model, str(out), context=32, num_steps=num_steps,
+                          dtype=dtype, shard_bytes=40_000)
+  assert e.architecture == architecture and e.num_steps == (num_steps or 2)
+  config = json.loads((out / "config.json").read_text())
+  assert config["architectures"] == [architecture] and config["dtype"] == dtype
+  assert ("auto_map" in config) == (architecture == "OdeTransformerForCausalLM")
+  assert (out / export.MODELING_FILE).exists() == ("auto_map" in config)
+  index = json.loads((out / "model.safetensors.index.json").read_text())   # sharded
+  assert len(set(index["weight_map"].values())) > 1
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  with safe_open(str(out / sorted(set(index["weight_map"].values()))[0]), "pt") as f:
+    assert f.get_tensor(next(iter(f.keys()))).dtype == getattr(torch, dtype)
+  assert_agrees(e)
+
+
+def test_verify_fails_on_a_wrong_export(sp_model, tmp_path):
+  """The check can fail: a directory whose config says another norm epsilon."""
+  e = export.export_model(model_of("gpt", "gpt"), sp_model, str(tmp_path), context=32)
+  config = json.loads((tmp_path / "config.json").read_text())
+  (tmp_path / "config.json").write_text(json.dumps(dict(config, layer_norm_epsilon=1e-2)))
+  a = export.verify(e)
+  assert not a.ok and a.max_error > export.TOLERANCE * a.scale and "NO" in a.describe()
+
+
+def test_gcs_run_exports_to_gcs_as_it_does_locally(run, gcs_bucket, tmp_path):
+  """A gs:// workdir exported to a gs:// directory: the same files as from local paths."""
+  from odetransformer import fileio  # pylint: disable=g-import-not-at-top
+  gs_run, gs_out = f"{gcs_bucket}/export-run", f"{gcs_bucket}/export-hf"
+  fileio.copy_tree(run, gs_run)
+  export.export(gs_run, gs_out, dtype="bfloat16")
+  export.export(run, str(tmp_path / "hf"), dtype="bfloat16")
+  names = sorted(os.listdir(tmp_path / "hf"))
+  assert sorted(fileio.listdir(gs_out)) == names and "model.safetensors" in names
+  for name in names:
+    local = (tmp_path / "hf" / name).read_bytes()
+    remote = fileio.read_bytes(fileio.join(gs_out, name))
+    if name == "README.md":    # names the source run
+      local = local.replace(run.encode(), gs_run.encode())
+    assert remote == local, name
+
+
+@pytest.mark.parametrize("solver", ["midpoint", "rk4"])
+def test_higher_order_ode_is_refused(solver, tmp_path):
+  model = model_of("diffeqformer", "gpt", solver=solver)
+  with pytest.raises(UserError, match=f"solver is '{solver}'") as info:
+    export.export_model(model, b"", str(tmp_path / "hf"), context=32)
+  assert "\n" not in str(info.value) and "only an Euler ODE" in str(info.value)
+  assert not (tmp_path / "hf").exists()
+
+
+def test_command_line_refuses_rk4_before_loading(tmp_path):
+  """A run's config.json alone (no checkpoint): the refusal comes before any loading."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from odetransformer import checkpointing  # pylint: disable=g-import-not-at-top
+  c = tiny_config(tmp_path / "cache")
+  c.model.solver = "rk4"
+  checkpointing.save_config(c, str(tmp_path))
+  fv = export.define_flags(flags.FlagValues())
+  fv(["export", f"--workdir={tmp_path}", f"--out={tmp_path / 'hf'}"])
+  with pytest.raises(UserError, match="solver is 'rk4'") as info:
+    export.main(["export"], fv)
+  assert "\n" not in str(info.value) and not (tmp_path / "hf").exists()
+
+
+def test_discrete_model_keeps_its_depth(sp_model, tmp_path):
+  with pytest.raises(UserError, match="has 2 layers; leave --num_steps out"):
+    export.export_model(model_of("gpt", "gpt"), sp_model, str(tmp_path), context=32,
+                        num_steps=4)
+
+
+def test_tokenizer_gives_sentencepiece_ids_on_real_text(sp_model, tmp_path):
+  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  page = shared_data_path("wikitext-2", "test.txt").read_text(encoding="utf-8")[:6000]
+  text = (page + "\n\n   three  spaces,\ttab, 2026-11-25 3.14159 \u00e9t\u00e9 na\u00efve "
+          "\u6771\u4eac \U0001f680 <unk> </s> <s>\n")
+  files = export.hf_tokenizer.tokenizer_files(sp_model, 32)
+  for name, data in files.items():
+    (tmp_path / name).write_text(data, encoding="utf-8")
+  tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+  sp = spm.SentencePieceProcessor(model_proto=sp_model)
+  ids = tok.encode(text, add_special_tokens=False)
+  assert ids == sp.encode(text)
+  assert len(ids) > 1000 and any(i in range(4, 260) for i in ids)   # byte fallback ran
+  # bos = eos: a document follows an eos in training, never SentencePiece's <s>
+  assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == (sp.eos_id(), sp.pad_id(),
+                                                                   sp.eos_id())
+  assert tok.decode(ids) == sp.decode(ids) == text
+  assert tok.decode(ids + [sp.eos_id()], skip_special_tokens=True) == text
+  assert tok.convert_ids_to_tokens(sp.eos_id()) == sp.id_to_piece(sp.eos_id())
+
+
+def test_command_line_verify_on_a_trained_run(run, tmp_path):
+  out = tmp_path / "hf"
+  cmd = [sys.executable, "-m", "odetransformer.export", f"--workdir={run}", f"--out={out}",
+         "--num_steps=3", "--verify"]
+  r = subprocess.run(cmd, cwd=ROOT, env=cpu_env(OMP_NUM_THREADS=1), capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  line = next(l for l in r.stdout.splitlines() if l.startswith("verify:"))
+  print(line)
+  assert "identical" in line and "yes" in line
+  card = (out / "README.md").read_text()
+  assert run in card and "step 1" in card and "N = 3" in card
+  assert line[len("verify: "):] in card
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True)
+  assert model.config.num_hidden_layers == 3
+  assert sorted(os.listdir(out)) == sorted([
+      "README.md", "config.json", "generation_config.json", "model.safetensors",
+      export.MODELING_FILE, "tokenizer.json", "tokenizer_config.json"])
