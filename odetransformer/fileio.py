@@ -16,6 +16,7 @@ all it takes; `configure_emulator` (run when this module is imported) derives wh
 other libraries need from it.
 """
 import hashlib
+import io
 import os
 from typing import Union
 
@@ -166,6 +167,23 @@ def write_bytes_atomic(p: PathLike, data: bytes) -> None:
 
 def write_text_atomic(p: PathLike, text: str) -> None:
   write_bytes_atomic(p, text.encode("utf-8"))
+
+
+def write_npz(p: PathLike, **arrays) -> None:
+  """`np.savez` of `arrays` as the file `p`."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  buf = io.BytesIO()
+  np.savez(buf, **arrays)
+  write_bytes_atomic(p, buf.getvalue())
+
+
+def write_figure(p: PathLike, fig, **savefig_kwargs) -> None:
+  """A matplotlib figure as the file `p`, in the format its extension names unless
+  `savefig_kwargs` give one."""
+  savefig_kwargs.setdefault("format", path(p).suffix.lstrip(".") or None)
+  buf = io.BytesIO()
+  fig.savefig(buf, **savefig_kwargs)
+  write_bytes_atomic(p, buf.getvalue())
 
 
 def remove(p: PathLike) -> None:

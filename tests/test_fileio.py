@@ -14,7 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROUTED = ("odetransformer/checkpointing.py", "odetransformer/train.py",
           "odetransformer/workdir_lock.py", "odetransformer/metrics.py",
           "odetransformer/health.py", "odetransformer/loading.py",
-          "odetransformer/finetune.py", "odetransformer/evaluate.py")
+          "odetransformer/finetune.py", "odetransformer/evaluate.py",
+          "odetransformer/analysis/spectra.py", "odetransformer/analysis/lyapunov.py",
+          "odetransformer/analysis/clustering.py")
 # (module, function): why a local-file call there is right.
 ALLOWED = {
     # flock needs a local file descriptor: this branch runs only for local workdirs.

@@ -31,7 +31,6 @@ over several devices, this program deadlocked on XLA:CPU, so no --mesh_shape her
 import dataclasses
 import html
 import json
-import os
 import re
 import sys
 from typing import Callable, Optional, Sequence
@@ -42,7 +41,7 @@ import numpy as np
 from absl import logging
 
 from odetransformer import blocks
-from odetransformer import host, loading
+from odetransformer import fileio, host, loading
 from odetransformer.analysis import fields
 from odetransformer.checkpointing import UNVERIFIED_FLAG_HELP
 
@@ -324,28 +323,26 @@ def render_png(pieces, res: Sensitivity, path: str, title: str = "") -> None:
   fig.suptitle(f"{title}: output position {res.position} ({pieces[res.position]!r}, outlined); "
                f"colour min–max over the tokens before it; Spearman ρ = {rho:.2f}",
                fontsize=10, y=1.0 - 0.08 / height, va="top")
-  fig.savefig(path, dpi=120)
+  fileio.write_figure(path, fig, dpi=120)
   plt.close(fig)
 
 
 def write_outputs(res: Sensitivity, pieces: Sequence[str], out_dir: str,
                   title: str = "") -> dict:
-  os.makedirs(out_dir, exist_ok=True)
-  paths = {name: os.path.join(out_dir, f"lyapunov.{name}")
+  """lyapunov.{json,npz,html,png} in `out_dir` (a local directory or a URL such as
+  gs://...); returns name -> path."""
+  paths = {name: fileio.join(out_dir, f"lyapunov.{name}")
            for name in ("json", "npz", "html", "png")}
-  with open(paths["json"], "w") as f:
-    json.dump({"position": res.position, "num_steps": res.num_steps, "dt": res.dt,
-               "axis": res.axis_label,
-               "spearman_lyapunov_attention": map_correlation(res),
-               "tokens": [{"index": i, "id": int(t), "piece": pieces[i],
-                           "lyapunov": float(res.scores[i]),
-                           "attention": float(res.attention[i])}
-                          for i, t in enumerate(res.tokens)]}, f, indent=1, ensure_ascii=False)
-  np.savez(paths["npz"], tokens=res.tokens, position=res.position, exponents=res.exponents,
-           scores=res.scores, attention=res.attention, attention_steps=res.attention_steps,
-           times=res.times, dt=res.dt)
-  with open(paths["html"], "w", encoding="utf-8") as f:
-    f.write(render_html(list(pieces), res, title))
+  fileio.write_text_atomic(paths["json"], json.dumps(
+      {"position": res.position, "num_steps": res.num_steps, "dt": res.dt,
+       "axis": res.axis_label, "spearman_lyapunov_attention": map_correlation(res),
+       "tokens": [{"index": i, "id": int(t), "piece": pieces[i],
+                   "lyapunov": float(res.scores[i]), "attention": float(res.attention[i])}
+                  for i, t in enumerate(res.tokens)]}, indent=1, ensure_ascii=False))
+  fileio.write_npz(paths["npz"], tokens=res.tokens, position=res.position,
+                   exponents=res.exponents, scores=res.scores, attention=res.attention,
+                   attention_steps=res.attention_steps, times=res.times, dt=res.dt)
+  fileio.write_text_atomic(paths["html"], render_html(list(pieces), res, title))
   render_png(list(pieces), res, paths["png"], title)
   return paths
 
@@ -375,7 +372,7 @@ def parse_args(argv):
   p.add_argument("--text", required=True, help="the text to analyse")
   p.add_argument("--position", type=int, default=-1,
                  help="output position o (token index; negative counts from the end)")
-  p.add_argument("--out", required=True, help="output directory")
+  p.add_argument("--out", required=True, help="output directory (local or gs://...)")
   p.add_argument("--num_steps", type=int, default=None,
                  help="Euler steps K for ODE models (default: the trained K)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
@@ -419,7 +416,7 @@ def main(argv: Optional[list] = None) -> Sensitivity:
                            f"tokens; pass one in [{-len(ids)}, {len(ids) - 1}]")
   res = sensitivity(loaded.model, ids, args.position, args.num_steps, args.jacobian_chunk)
   pieces = [piece_text(sp, i) for i in ids]
-  title = f"{cfg.kind} ({os.path.basename(os.path.normpath(args.workdir))}, step {loaded.step})"
+  title = f"{cfg.kind} ({fileio.path(args.workdir).name}, step {loaded.step})"
   if jax.process_index() == 0:   # every process computed it; one writes
     paths = write_outputs(res, pieces, args.out, title)
     print(summary_line(res, pieces))
