@@ -23,10 +23,9 @@ and steps (the usual attention-based explanation).
     python -m odetransformer.analysis.lyapunov --workdir=W --text="..." [--position=-1] --out=DIR
 
 writes DIR/lyapunov.json (scores), DIR/lyapunov.npz (full spectra), DIR/lyapunov.html
-and DIR/lyapunov.png (the text coloured by each map, side by side). One sequence's
-Jacobians: the model loads whole on one device of each process (under `jax.distributed`
-when launched as several processes, each computing the same; process 0 writes). Sharded
-over several devices, this program deadlocked on XLA:CPU, so no --mesh_shape here.
+and DIR/lyapunov.png (the text coloured by each map, side by side). The model loads on
+the run's mesh (or --mesh_shape=1,-1,1 ...), under `jax.distributed` when launched as
+several processes; process 0 writes.
 """
 import dataclasses
 import html
@@ -71,6 +70,19 @@ def _tangent_step(j_dd, q_dd, dt):
   return q, jnp.log(jnp.abs(jnp.diagonal(r)))
 
 
+def _tangent_steps(jac_ldd, q_ldd, dt):
+  """`_tangent_step` of every token: one batched QR, or on CPU one QR per token.
+
+  jaxlib's CPU QR kernel splits a batch of matrices over XLA:CPU's intra-op thread pool
+  and blocks its own pool thread until the parts are done; when a sharded program runs
+  it on as many devices as the pool has threads, every thread waits and none is left to
+  do the parts (a deadlock). One matrix per call is computed on the calling thread.
+  """
+  if jax.default_backend() == "cpu":
+    return jax.lax.map(lambda jq: _tangent_step(*jq, dt), (jac_ldd, q_ldd))
+  return jax.vmap(_tangent_step, in_axes=(0, 0, None))(jac_ldd, q_ldd, dt)
+
+
 def tangent_exponents(field: Callable, x0_ld, step_weights, dt: float, position: int,
                       chunk: Optional[int] = None):
   """Finite-time Lyapunov exponents of every input token for output `position`.
@@ -89,12 +101,11 @@ def tangent_exponents(field: Callable, x0_ld, step_weights, dt: float, position:
   length, d = x0_ld.shape
   o = position % length
   num_steps = jax.tree.leaves(step_weights)[0].shape[0]
-  tangent = jax.vmap(_tangent_step, in_axes=(0, 0, None))
 
   def body(carry, p):
     x, q, logs = carry
     jac, f = jacobian_row(field, x, p, o, chunk)
-    q, log_r = tangent(jac, q, dt)
+    q, log_r = _tangent_steps(jac, q, dt)
     return (x + dt * f, q, logs + log_r), x
 
   q0 = jnp.broadcast_to(jnp.eye(d, dtype=x0_ld.dtype), (length, d, d))
@@ -164,10 +175,10 @@ def sensitivity(model, tokens_l: Sequence[int], position: int = -1,
     return exps, att, traj
 
   exps, att, traj = run(x0, steps.weights)
-  exps, att = np.asarray(exps, np.float64), np.asarray(att, np.float64)
+  exps, att = loading.to_host(exps, np.float64), loading.to_host(att, np.float64)
   return Sensitivity(tokens=tokens, position=o, exponents=exps, scores=exps.max(-1),
                      attention=att.mean(axis=(0, 1)), attention_steps=att,
-                     trajectory=np.asarray(traj), dt=steps.dt,
+                     trajectory=loading.to_host(traj), dt=steps.dt,
                      num_steps=len(steps.times), times=steps.times,
                      axis_label=steps.axis_label)
 
@@ -376,6 +387,7 @@ def parse_args(argv):
   p.add_argument("--num_steps", type=int, default=None,
                  help="Euler steps K for ODE models (default: the trained K)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  p.add_argument("--mesh_shape", default="", help=loading.MESH_SHAPE_HELP)
   p.add_argument("--checkpoint_allow_unverified", action="store_true", help=UNVERIFIED_FLAG_HELP)
   p.add_argument("--tokenizer", default=None, help="SentencePiece .model (default: the run's)")
   p.add_argument("--prepend_eos", action="store_true",
@@ -395,9 +407,10 @@ def main(argv: Optional[list] = None) -> Sensitivity:
                            "Euler steps (or left out: the trained K)")
   if args.jacobian_chunk is not None and args.jacobian_chunk <= 0:
     raise errors.UserError(f"--jacobian_chunk={args.jacobian_chunk} must be positive")
+  loading.parse_mesh_shape(args.mesh_shape)
   loading.load_run_config(args.workdir)
   host.initialize_distributed()   # several processes: jax.distributed, as main.py
-  loaded = load_model(args.workdir, step=args.step, mesh=loading.local_mesh(),
+  loaded = load_model(args.workdir, step=args.step, mesh_shape=args.mesh_shape,
                       allow_unverified=args.checkpoint_allow_unverified)
   cfg = loaded.model_config
   sp = load_tokenizer(args.workdir, args.tokenizer)
