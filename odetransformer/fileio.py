@@ -37,6 +37,9 @@ def configure_emulator() -> str:
   - tensorstore (orbax's arrays): `TENSORSTORE_GCS_HTTP_URL` (its GCS endpoint) and
     `GOOGLE_AUTH_TOKEN_FOR_TESTING` (a fixed bearer token instead of looking for
     credentials); it reads both when its first GCS store opens, after imports.
+  - google-cloud-cpp (array_record's GCS reader, so TFDS data under a gs:// data_dir):
+    `CLOUD_STORAGE_EMULATOR_ENDPOINT`; without it the reader looks for real GCS and its
+    credentials (minutes of retries offline).
   - gcsfs (etils.epath, so the rest of this module): anonymous access, and
     `GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`, read when gcsfs is imported: otherwise its
     file system asks the Storage Control gRPC API for each bucket's type, which an
@@ -51,6 +54,7 @@ def configure_emulator() -> str:
     url = "http://" + url
   os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", url)
   os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+  os.environ.setdefault("CLOUD_STORAGE_EMULATOR_ENDPOINT", url)
   os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
   import fsspec  # pylint: disable=g-import-not-at-top
   fsspec.config.conf.setdefault("gcs", {}).setdefault("token", "anon")

@@ -109,7 +109,7 @@ def test_same_results_on_local_and_gs(root):
 
 def test_emulator_variables_derive_from_storage_emulator_host(monkeypatch):
   for key in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
-              "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"):
+              "CLOUD_STORAGE_EMULATOR_ENDPOINT", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"):
     monkeypatch.delenv(key, raising=False)
   monkeypatch.delenv(fileio.EMULATOR_VAR, raising=False)
   assert fileio.configure_emulator() == ""
@@ -118,6 +118,7 @@ def test_emulator_variables_derive_from_storage_emulator_host(monkeypatch):
   monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "mine")        # the user's wins
   assert fileio.configure_emulator() == "http://127.0.0.1:4443"
   assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:4443"
+  assert os.environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"] == "http://127.0.0.1:4443"
   assert os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] == "mine"
   assert os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] == "false"
 
