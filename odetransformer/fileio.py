@@ -38,8 +38,8 @@ def configure_emulator() -> str:
     `GOOGLE_AUTH_TOKEN_FOR_TESTING` (a fixed bearer token instead of looking for
     credentials); it reads both when its first GCS store opens, after imports.
   - google-cloud-cpp (array_record's GCS reader, so TFDS data under a gs:// data_dir):
-    `CLOUD_STORAGE_EMULATOR_ENDPOINT`; without it the reader looks for real GCS and its
-    credentials (minutes of retries offline).
+    `CLOUD_STORAGE_EMULATOR_ENDPOINT`; without it the reader looks for the real service
+    and its credentials, retrying until it gives up.
   - gcsfs (etils.epath, so the rest of this module): anonymous access, and
     `GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`, read when gcsfs is imported: otherwise its
     file system asks the Storage Control gRPC API for each bucket's type, which an
