@@ -27,7 +27,6 @@ anything is loaded.
 import contextlib
 import dataclasses
 import functools
-import io
 import logging as std_logging
 import math
 import os
@@ -324,10 +323,8 @@ def main(argv, flag_values=None):
     results.append(evaluate_model(loaded.model, data.batches(), n, loaded.rules))
   say(format_table(results, cfg.num_steps))
   if f.plot and jax.process_index() == 0:
-    png = io.BytesIO()
-    plot_table(results, cfg.num_steps, title=f"{f.workdir} (step {loaded.step})").savefig(
-        png, format="png", dpi=120)
-    fileio.write_bytes_atomic(f.plot, png.getvalue())
+    fig = plot_table(results, cfg.num_steps, title=f"{f.workdir} (step {loaded.step})")
+    fileio.write_figure(f.plot, fig, format="png", dpi=120)
     say(f"plot: {f.plot}")
 
 

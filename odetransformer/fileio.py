@@ -16,6 +16,7 @@ all it takes; `configure_emulator` (run when this module is imported) derives wh
 other libraries need from it.
 """
 import hashlib
+import io
 import os
 from typing import Union
 
@@ -36,6 +37,9 @@ def configure_emulator() -> str:
   - tensorstore (orbax's arrays): `TENSORSTORE_GCS_HTTP_URL` (its GCS endpoint) and
     `GOOGLE_AUTH_TOKEN_FOR_TESTING` (a fixed bearer token instead of looking for
     credentials); it reads both when its first GCS store opens, after imports.
+  - google-cloud-cpp (array_record's GCS reader, so TFDS data under a gs:// data_dir):
+    `CLOUD_STORAGE_EMULATOR_ENDPOINT`; without it the reader looks for the real service
+    and its credentials, retrying until it gives up.
   - gcsfs (etils.epath, so the rest of this module): anonymous access, and
     `GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`, read when gcsfs is imported: otherwise its
     file system asks the Storage Control gRPC API for each bucket's type, which an
@@ -50,6 +54,7 @@ def configure_emulator() -> str:
     url = "http://" + url
   os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", url)
   os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+  os.environ.setdefault("CLOUD_STORAGE_EMULATOR_ENDPOINT", url)
   os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
   import fsspec  # pylint: disable=g-import-not-at-top
   fsspec.config.conf.setdefault("gcs", {}).setdefault("token", "anon")
@@ -166,6 +171,23 @@ def write_bytes_atomic(p: PathLike, data: bytes) -> None:
 
 def write_text_atomic(p: PathLike, text: str) -> None:
   write_bytes_atomic(p, text.encode("utf-8"))
+
+
+def write_npz(p: PathLike, **arrays) -> None:
+  """`np.savez` of `arrays` as the file `p`."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  buf = io.BytesIO()
+  np.savez(buf, **arrays)
+  write_bytes_atomic(p, buf.getvalue())
+
+
+def write_figure(p: PathLike, fig, **savefig_kwargs) -> None:
+  """A matplotlib figure as the file `p`, in the format its extension names unless
+  `savefig_kwargs` give one."""
+  savefig_kwargs.setdefault("format", path(p).suffix.lstrip(".") or None)
+  buf = io.BytesIO()
+  fig.savefig(buf, **savefig_kwargs)
+  write_bytes_atomic(p, buf.getvalue())
 
 
 def remove(p: PathLike) -> None:

@@ -96,12 +96,6 @@ def load_run_config(workdir: str):
                     "restore it, or resume the run with main.py to rewrite it") from e
 
 
-def local_mesh() -> jax.sharding.Mesh:
-  """A 1-device mesh on this process's first device (each process its own copy)."""
-  return sharding.make_mesh(ml_collections.ConfigDict({"shape": (1, 1, 1)}),
-                            jax.local_devices()[:1])
-
-
 def load_model(workdir: str, step: Optional[int] = None, mesh=None, *, mesh_shape: str = "",
                rules=None, allow_unverified: bool = False) -> Loaded:
   """The model of the latest (or given) checkpoint in `workdir` that restores.

@@ -77,11 +77,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     loss)] at each log line, 'num_params': parameter count}.
   """
   workdir = os.fspath(workdir)
-  fileio.check_encodable(workdir, "--workdir")
-  for key in ("init_from", "data.tokenizer_path", "data.cache_dir", "data.data_dir"):
-    value = config.get(key.split(".")[0]) if "." not in key else config.data.get(key[5:])
-    if isinstance(value, str) and value:
-      fileio.check_encodable(value, f"--config.{key}")
+  paths = {"--workdir": workdir, "--config.init_from": config.get("init_from")}
+  for key in ("tokenizer_path", "cache_dir", "data_dir"):
+    paths[f"--config.data.{key}"] = config.data.get(key)
+  for flag, value in paths.items():
+    if value:
+      fileio.check_encodable(value, flag)
   if config.get("init_from"):
     config = finetune.prepare_config(ml_collections.ConfigDict(config.to_dict()))
   # Validation first: a config error leaves the workdir untouched (nothing created).

@@ -14,7 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROUTED = ("odetransformer/checkpointing.py", "odetransformer/train.py",
           "odetransformer/workdir_lock.py", "odetransformer/metrics.py",
           "odetransformer/health.py", "odetransformer/loading.py",
-          "odetransformer/finetune.py", "odetransformer/evaluate.py")
+          "odetransformer/finetune.py", "odetransformer/evaluate.py",
+          "odetransformer/analysis/spectra.py", "odetransformer/analysis/lyapunov.py",
+          "odetransformer/analysis/clustering.py")
 # (module, function): why a local-file call there is right.
 ALLOWED = {
     # flock needs a local file descriptor: this branch runs only for local workdirs.
@@ -107,7 +109,7 @@ def test_same_results_on_local_and_gs(root):
 
 def test_emulator_variables_derive_from_storage_emulator_host(monkeypatch):
   for key in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
-              "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"):
+              "CLOUD_STORAGE_EMULATOR_ENDPOINT", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"):
     monkeypatch.delenv(key, raising=False)
   monkeypatch.delenv(fileio.EMULATOR_VAR, raising=False)
   assert fileio.configure_emulator() == ""
@@ -116,6 +118,7 @@ def test_emulator_variables_derive_from_storage_emulator_host(monkeypatch):
   monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "mine")        # the user's wins
   assert fileio.configure_emulator() == "http://127.0.0.1:4443"
   assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:4443"
+  assert os.environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"] == "http://127.0.0.1:4443"
   assert os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] == "mine"
   assert os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] == "false"
 

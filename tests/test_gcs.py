@@ -5,7 +5,9 @@ command) is checked against an uninterrupted local run, then read by the tools; 
 corrupt checkpoint on gs:// falls back; the lock refuses a second run. The data cache
 stays local (data.cache_dir). No local directory named `gs:` may appear anywhere."""
 import contextlib
+import dataclasses
 import io
+import json
 import os
 import pathlib
 import re
@@ -23,6 +25,7 @@ from absl import logging as absl_logging
 from test_train import ROOT, fast_compiles  # pylint: disable=unused-import
 from test_reliability import config, main_cmd, subprocess_env
 from odetransformer import checkpointing, evaluate, fileio, generate, train
+from odetransformer.analysis import lyapunov, spectra
 from odetransformer import metrics as metrics_lib
 from odetransformer.workdir_lock import WorkdirInUseError, WorkdirLock
 
@@ -161,4 +164,34 @@ def test_finetune_from_gs_starts_at_the_pretrained_loss(gs_run, reference, cache
   train.train_and_evaluate(c, str(tmp_path))
   eval_loss = dict(metrics_lib.read_scalars(str(tmp_path / "tensorboard"))["eval/loss"])[0]
   np.testing.assert_allclose(eval_loss, reference[2], rtol=1e-5)
+  _no_local_gs_dir()
+
+
+
+@pytest.mark.parametrize("tool,args", [(spectra, ["--grid=3"]),
+                                       (lyapunov, ["--text=def f(x):"])])
+def test_analysis_reads_and_writes_gs(tool, args, gs_run, gcs_bucket):
+  """An analysis tool reads the gs:// run and writes --out=gs://: its files, whose .npz
+  holds the arrays the tool returned and whose .json parses."""
+  name = tool.__name__.rsplit(".", 1)[-1]
+  out = f"{gcs_bucket}/analysis/{name}"
+  with contextlib.redirect_stdout(io.StringIO()) as printed:
+    res = tool.main([f"--workdir={gs_run[0]}", f"--out={out}", *args])
+  files = fileio.walk_files(out)
+  assert {f.rsplit(".", 1)[-1] for f in files} == {"npz", "json", "png"} | (
+      {"html"} if tool is lyapunov else set()), files
+  wrote = printed.getvalue().split("\nwrote ")[1]
+  assert sorted(wrote.strip().split(", ")) == [f"{out}/{f}" for f in files], wrote
+  arrays = np.load(io.BytesIO(fileio.read_bytes(fileio.join(out, f"{name}.npz"))))
+  fields = dataclasses.asdict(res)
+  compared = set(arrays.files) & set(fields)     # every field but the trajectory
+  assert len(compared) >= 6, compared
+  for key in compared:
+    np.testing.assert_array_equal(arrays[key], fields[key], err_msg=key)
+  for f in files:
+    data = fileio.read_bytes(fileio.join(out, f))
+    if f.endswith(".json"):
+      json.loads(data)
+    elif f.endswith(".png"):
+      assert data.startswith(b"\x89PNG"), f
   _no_local_gs_dir()

@@ -31,6 +31,7 @@ from input_pipeline import pipeline
 from input_pipeline import prepare
 from input_pipeline import sources
 from input_pipeline import tokenizer as tokenizer_lib
+from odetransformer import fileio
 from tiny import config_flags, cpu_env, tiny_config
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
@@ -562,6 +563,24 @@ def test_openwebtext_prepare_path_on_fake_documents(tmp_path):
   # the pipeline then reads it like any prepared corpus
   corpus = sources.open_corpus(_cfg_for("openwebtext", tmp_path), str(tmp_path))
   assert corpus.eval_split == "test" and len(corpus.eval) == len(test)
+
+
+def test_prepared_corpus_reads_from_gs(tmp_path, gcs_bucket):
+  """A TFDS (array_record) corpus under a gs:// data_dir: TFDS finds it through epath,
+  array_record's own GCS reader reads it (at the emulator fileio points it to); the same
+  records as the local copy it was copied from."""
+  docs = [f"document {i}: " + "lorem ipsum " * (i % 7 + 1) for i in range(100)]
+  corpora.Openwebtext(data_dir=str(tmp_path / "tfds"), file_format="array_record",
+                      raw_documents=lambda: iter(docs), test_fraction=0.1).download_and_prepare()
+  remote = f"{gcs_bucket}/tfds-{tmp_path.name}"
+  fileio.copy_tree(tmp_path / "tfds", remote)
+  local, gs = (sources.open_corpus(_cfg_for("openwebtext", d), str(tmp_path / "cache"))
+               for d in (tmp_path / "tfds", remote))
+  assert gs.fingerprint == local.fingerprint
+  for split in ("train", "eval"):
+    texts = [[src[i]["text"] for i in range(len(src))]
+             for src in (getattr(gs, split), getattr(local, split))]
+    assert texts[0] == texts[1] and texts[0], split
 
 
 def _cfg_for(source, data_dir):

@@ -9,10 +9,13 @@ device) for 2 steps, and runs the evaluate command (its flags, its main) on the
 fine-tuned run and on the pre-trained ODE (at N=4, trained at K=2). Checked: the
 fine-tuning losses and evaluations, and evaluate's losses and perplexities, of the
 2-process job equal the 1-process job's (1e-5); only process 0 prints; the 8-device
-evaluation equals the 1-device one computed in this process.
+evaluation equals the 1-device one computed in this process. The 2-process job also runs
+the lyapunov command on the pre-trained ODE on a (2, 2, 2) mesh, checked against this
+process's 1-device analysis.
 """
 import dataclasses
 import json
+import os
 import pathlib
 import socket
 import subprocess
@@ -20,9 +23,11 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 
-from odetransformer import evaluate, train
+from odetransformer import evaluate, loading, train
+from odetransformer.analysis import lyapunov
 from tiny import cpu_env, tiny_config
 
 pytestmark = pytest.mark.xdist_group("test_tools_multihost")
@@ -40,6 +45,7 @@ DRIVER = textwrap.dedent("""
     import ml_collections
     from absl import flags
     from odetransformer import evaluate, train
+    from odetransformer.analysis import lyapunov
     from tiny import tiny_config
 
     c = tiny_config(os.environ["ODET_CACHE"], num_train_steps=2)
@@ -69,11 +75,20 @@ DRIVER = textwrap.dedent("""
       with contextlib.redirect_stdout(io.StringIO()) as out:
         evaluate.main([], fv)
       printed[name] = out.getvalue()
+    lyap = {}
+    if jax.process_count() > 1:   # (the 1-process result is the test's own, on 1 device)
+      with contextlib.redirect_stdout(io.StringIO()) as out:
+        res = lyapunov.main([f"--workdir={os.environ['ODET_PRE']}", "--text=def f(x):",
+                             "--mesh_shape=2,2,2", f"--out={os.environ['ODET_WORKDIR']}_lyapunov"])
+      printed["lyapunov"] = out.getvalue()
+      lyap = {"tokens": res.tokens.tolist(), "exponents": res.exponents.tolist(),
+              "attention": res.attention.tolist()}
     with open(os.environ["ODET_RESULT"], "w") as f:
       json.dump({"process_index": jax.process_index(), "process_count": jax.process_count(),
                  "device_count": jax.device_count(),
                  "losses": [[s, float(l)] for s, l in ft["loss_history"]],
-                 "eval": ft["eval"], "evaluate": results, "printed": printed}, f)
+                 "eval": ft["eval"], "evaluate": results, "printed": printed,
+                 "lyapunov": lyap}, f)
     """)
 
 
@@ -166,8 +181,9 @@ def test_two_process_evaluate_equals_one_process(runs):
 
 def test_only_process_0_prints(runs):
   _, _, two = runs
-  for name in ("ft", "pre"):
-    assert "perplexity" in two[0]["printed"][name]
+  for name, words in (("ft", "perplexity"), ("pre", "perplexity"),
+                      ("lyapunov", "lyapunov: output position")):
+    assert words in two[0]["printed"][name]
     assert two[1]["printed"][name] == ""
 
 
@@ -181,3 +197,18 @@ def test_eight_device_evaluate_equals_one_device(runs):
       r = next(got)
       assert r["num_tokens"] == want.num_tokens
       _assert_same_scores(r, dataclasses.asdict(want))
+
+
+def test_two_process_lyapunov_on_a_mesh_equals_one_device(runs):
+  """lyapunov on a (2, 2, 2) mesh (data, fsdp and tensor sharded: where XLA:CPU once
+  deadlocked) as 2 processes × 4 devices, against this process's own on 1 device;
+  process 0 wrote the outputs."""
+  tmp, _, two = runs
+  tokens = two[0]["lyapunov"]["tokens"]
+  want = lyapunov.sensitivity(loading.load_model(str(tmp / "pre")).model, tokens)
+  for r in two:
+    assert r["lyapunov"]["tokens"] == tokens and len(tokens) > 3
+    np.testing.assert_allclose(r["lyapunov"]["exponents"], want.exponents, rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(r["lyapunov"]["attention"], want.attention, rtol=1e-6)
+  assert sorted(os.listdir(tmp / "two_lyapunov")) == [
+      "lyapunov.html", "lyapunov.json", "lyapunov.npz", "lyapunov.png"]

@@ -30,13 +30,14 @@ and DIR/clustering_dispersion.png (dispersion vs t).
 """
 import dataclasses
 import json
-import os
 import sys
 from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from odetransformer import fileio
 
 NUM_TOKENS = 40
 DIM = 3
@@ -236,7 +237,7 @@ def plot_trajectories(results: dict, path: str, horizon: float = HORIZON) -> Non
     if idx == 0:
       ax.legend(fontsize=7, loc="upper left")
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fileio.write_figure(path, fig, dpi=110)
   plt.close(fig)
 
 
@@ -255,26 +256,26 @@ def plot_dispersion(results: dict, path: str, horizon: float = HORIZON) -> None:
   ax.set_title("token dispersion (draw 0)")
   ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fileio.write_figure(path, fig, dpi=110)
   plt.close(fig)
 
 
 def write_outputs(results: dict, out_dir: str, settings: dict) -> dict:
-  os.makedirs(out_dir, exist_ok=True)
-  paths = {"json": os.path.join(out_dir, "clustering.json"),
-           "npz": os.path.join(out_dir, "clustering.npz"),
-           "png": os.path.join(out_dir, "clustering.png"),
-           "dispersion_png": os.path.join(out_dir, "clustering_dispersion.png")}
-  with open(paths["json"], "w") as f:
-    json.dump({"settings": settings,
-               "cases": {c: r.numbers() for c, r in results.items()},
-               "summary": summary_line(results)}, f, indent=1)
+  """clustering.json, clustering.npz and the two PNGs in `out_dir` (a local directory or
+  a URL such as gs://...); returns name -> path."""
+  paths = {"json": fileio.join(out_dir, "clustering.json"),
+           "npz": fileio.join(out_dir, "clustering.npz"),
+           "png": fileio.join(out_dir, "clustering.png"),
+           "dispersion_png": fileio.join(out_dir, "clustering_dispersion.png")}
+  fileio.write_text_atomic(paths["json"], json.dumps(
+      {"settings": settings, "cases": {c: r.numbers() for c, r in results.items()},
+       "summary": summary_line(results)}, indent=1))
   arrays = {}
   for c, r in results.items():
     arrays[f"{c}_trajectory"] = r.trajectory
     arrays[f"{c}_beta"] = r.beta
     arrays[f"{c}_dispersion"] = r.dispersion
-  np.savez(paths["npz"], **arrays)
+  fileio.write_npz(paths["npz"], **arrays)
   plot_trajectories(results, paths["png"], settings["horizon"])
   plot_dispersion(results, paths["dispersion_png"], settings["horizon"])
   return paths
@@ -286,7 +287,7 @@ def parse_args(argv):
   p = errors.ArgumentParser(
       prog="python -m odetransformer.analysis.clustering",
       description="App. C.8: attention-only token dynamics on the sphere, weights β(t)·W0.")
-  p.add_argument("--out", required=True, help="output directory")
+  p.add_argument("--out", required=True, help="output directory (local or gs://...)")
   p.add_argument("--seed", type=int, default=0, help="initial tokens and weight draws")
   p.add_argument("--num_draws", type=int, default=8, help="random W0 draws per case")
   p.add_argument("--horizon", type=float, default=HORIZON, help="T (dt = T / num_steps)")

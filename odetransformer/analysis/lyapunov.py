@@ -23,15 +23,13 @@ and steps (the usual attention-based explanation).
     python -m odetransformer.analysis.lyapunov --workdir=W --text="..." [--position=-1] --out=DIR
 
 writes DIR/lyapunov.json (scores), DIR/lyapunov.npz (full spectra), DIR/lyapunov.html
-and DIR/lyapunov.png (the text coloured by each map, side by side). One sequence's
-Jacobians: the model loads whole on one device of each process (under `jax.distributed`
-when launched as several processes, each computing the same; process 0 writes). Sharded
-over several devices, this program deadlocked on XLA:CPU, so no --mesh_shape here.
+and DIR/lyapunov.png (the text coloured by each map, side by side). The model loads on
+the run's mesh (or --mesh_shape=1,-1,1 ...), under `jax.distributed` when launched as
+several processes; process 0 writes.
 """
 import dataclasses
 import html
 import json
-import os
 import re
 import sys
 from typing import Callable, Optional, Sequence
@@ -42,7 +40,7 @@ import numpy as np
 from absl import logging
 
 from odetransformer import blocks
-from odetransformer import host, loading
+from odetransformer import fileio, host, loading
 from odetransformer.analysis import fields
 from odetransformer.checkpointing import UNVERIFIED_FLAG_HELP
 
@@ -72,6 +70,19 @@ def _tangent_step(j_dd, q_dd, dt):
   return q, jnp.log(jnp.abs(jnp.diagonal(r)))
 
 
+def _tangent_steps(jac_ldd, q_ldd, dt):
+  """`_tangent_step` of every token: one batched QR, or on CPU one QR per token.
+
+  jaxlib's CPU QR kernel splits a batch of matrices over XLA:CPU's intra-op thread pool
+  and blocks its own pool thread until the parts are done; when a sharded program runs
+  it on as many devices as the pool has threads, every thread waits and none is left to
+  do the parts (a deadlock). One matrix per call is computed on the calling thread.
+  """
+  if jax.default_backend() == "cpu":
+    return jax.lax.map(lambda jq: _tangent_step(*jq, dt), (jac_ldd, q_ldd))
+  return jax.vmap(_tangent_step, in_axes=(0, 0, None))(jac_ldd, q_ldd, dt)
+
+
 def tangent_exponents(field: Callable, x0_ld, step_weights, dt: float, position: int,
                       chunk: Optional[int] = None):
   """Finite-time Lyapunov exponents of every input token for output `position`.
@@ -90,12 +101,11 @@ def tangent_exponents(field: Callable, x0_ld, step_weights, dt: float, position:
   length, d = x0_ld.shape
   o = position % length
   num_steps = jax.tree.leaves(step_weights)[0].shape[0]
-  tangent = jax.vmap(_tangent_step, in_axes=(0, 0, None))
 
   def body(carry, p):
     x, q, logs = carry
     jac, f = jacobian_row(field, x, p, o, chunk)
-    q, log_r = tangent(jac, q, dt)
+    q, log_r = _tangent_steps(jac, q, dt)
     return (x + dt * f, q, logs + log_r), x
 
   q0 = jnp.broadcast_to(jnp.eye(d, dtype=x0_ld.dtype), (length, d, d))
@@ -165,10 +175,10 @@ def sensitivity(model, tokens_l: Sequence[int], position: int = -1,
     return exps, att, traj
 
   exps, att, traj = run(x0, steps.weights)
-  exps, att = np.asarray(exps, np.float64), np.asarray(att, np.float64)
+  exps, att = loading.to_host(exps, np.float64), loading.to_host(att, np.float64)
   return Sensitivity(tokens=tokens, position=o, exponents=exps, scores=exps.max(-1),
                      attention=att.mean(axis=(0, 1)), attention_steps=att,
-                     trajectory=np.asarray(traj), dt=steps.dt,
+                     trajectory=loading.to_host(traj), dt=steps.dt,
                      num_steps=len(steps.times), times=steps.times,
                      axis_label=steps.axis_label)
 
@@ -324,28 +334,26 @@ def render_png(pieces, res: Sensitivity, path: str, title: str = "") -> None:
   fig.suptitle(f"{title}: output position {res.position} ({pieces[res.position]!r}, outlined); "
                f"colour min–max over the tokens before it; Spearman ρ = {rho:.2f}",
                fontsize=10, y=1.0 - 0.08 / height, va="top")
-  fig.savefig(path, dpi=120)
+  fileio.write_figure(path, fig, dpi=120)
   plt.close(fig)
 
 
 def write_outputs(res: Sensitivity, pieces: Sequence[str], out_dir: str,
                   title: str = "") -> dict:
-  os.makedirs(out_dir, exist_ok=True)
-  paths = {name: os.path.join(out_dir, f"lyapunov.{name}")
+  """lyapunov.{json,npz,html,png} in `out_dir` (a local directory or a URL such as
+  gs://...); returns name -> path."""
+  paths = {name: fileio.join(out_dir, f"lyapunov.{name}")
            for name in ("json", "npz", "html", "png")}
-  with open(paths["json"], "w") as f:
-    json.dump({"position": res.position, "num_steps": res.num_steps, "dt": res.dt,
-               "axis": res.axis_label,
-               "spearman_lyapunov_attention": map_correlation(res),
-               "tokens": [{"index": i, "id": int(t), "piece": pieces[i],
-                           "lyapunov": float(res.scores[i]),
-                           "attention": float(res.attention[i])}
-                          for i, t in enumerate(res.tokens)]}, f, indent=1, ensure_ascii=False)
-  np.savez(paths["npz"], tokens=res.tokens, position=res.position, exponents=res.exponents,
-           scores=res.scores, attention=res.attention, attention_steps=res.attention_steps,
-           times=res.times, dt=res.dt)
-  with open(paths["html"], "w", encoding="utf-8") as f:
-    f.write(render_html(list(pieces), res, title))
+  fileio.write_text_atomic(paths["json"], json.dumps(
+      {"position": res.position, "num_steps": res.num_steps, "dt": res.dt,
+       "axis": res.axis_label, "spearman_lyapunov_attention": map_correlation(res),
+       "tokens": [{"index": i, "id": int(t), "piece": pieces[i],
+                   "lyapunov": float(res.scores[i]), "attention": float(res.attention[i])}
+                  for i, t in enumerate(res.tokens)]}, indent=1, ensure_ascii=False))
+  fileio.write_npz(paths["npz"], tokens=res.tokens, position=res.position,
+                   exponents=res.exponents, scores=res.scores, attention=res.attention,
+                   attention_steps=res.attention_steps, times=res.times, dt=res.dt)
+  fileio.write_text_atomic(paths["html"], render_html(list(pieces), res, title))
   render_png(list(pieces), res, paths["png"], title)
   return paths
 
@@ -375,10 +383,11 @@ def parse_args(argv):
   p.add_argument("--text", required=True, help="the text to analyse")
   p.add_argument("--position", type=int, default=-1,
                  help="output position o (token index; negative counts from the end)")
-  p.add_argument("--out", required=True, help="output directory")
+  p.add_argument("--out", required=True, help="output directory (local or gs://...)")
   p.add_argument("--num_steps", type=int, default=None,
                  help="Euler steps K for ODE models (default: the trained K)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  p.add_argument("--mesh_shape", default="", help=loading.MESH_SHAPE_HELP)
   p.add_argument("--checkpoint_allow_unverified", action="store_true", help=UNVERIFIED_FLAG_HELP)
   p.add_argument("--tokenizer", default=None, help="SentencePiece .model (default: the run's)")
   p.add_argument("--prepend_eos", action="store_true",
@@ -398,9 +407,10 @@ def main(argv: Optional[list] = None) -> Sensitivity:
                            "Euler steps (or left out: the trained K)")
   if args.jacobian_chunk is not None and args.jacobian_chunk <= 0:
     raise errors.UserError(f"--jacobian_chunk={args.jacobian_chunk} must be positive")
+  loading.parse_mesh_shape(args.mesh_shape)
   loading.load_run_config(args.workdir)
   host.initialize_distributed()   # several processes: jax.distributed, as main.py
-  loaded = load_model(args.workdir, step=args.step, mesh=loading.local_mesh(),
+  loaded = load_model(args.workdir, step=args.step, mesh_shape=args.mesh_shape,
                       allow_unverified=args.checkpoint_allow_unverified)
   cfg = loaded.model_config
   sp = load_tokenizer(args.workdir, args.tokenizer)
@@ -419,7 +429,7 @@ def main(argv: Optional[list] = None) -> Sensitivity:
                            f"tokens; pass one in [{-len(ids)}, {len(ids) - 1}]")
   res = sensitivity(loaded.model, ids, args.position, args.num_steps, args.jacobian_chunk)
   pieces = [piece_text(sp, i) for i in ids]
-  title = f"{cfg.kind} ({os.path.basename(os.path.normpath(args.workdir))}, step {loaded.step})"
+  title = f"{cfg.kind} ({fileio.path(args.workdir).name}, step {loaded.step})"
   if jax.process_index() == 0:   # every process computed it; one writes
     paths = write_outputs(res, pieces, args.out, title)
     print(summary_line(res, pieces))

@@ -21,14 +21,13 @@ launched as several processes; process 0 writes.
 """
 import dataclasses
 import json
-import os
 import sys
 from typing import Optional
 
 import jax
 import numpy as np
 
-from odetransformer import host, loading
+from odetransformer import fileio, host, loading
 from odetransformer.analysis import fields
 from odetransformer.checkpointing import UNVERIFIED_FLAG_HELP
 
@@ -122,7 +121,7 @@ def summary_line(spectra: Spectra) -> str:
 
 def save_npz(spectra: Spectra, path: str) -> None:
   spreads = spread_along(spectra)
-  np.savez(path, times=spectra.times, axis_label=spectra.axis_label, kind=spectra.kind,
+  fileio.write_npz(path, times=spectra.times, axis_label=spectra.axis_label, kind=spectra.kind,
            qk=spectra.qk, ov=spectra.ov, ff=spectra.ff,
            qk_spread=spreads["qk"], ov_spread=spreads["ov"], ff_spread=spreads["ff"])
 
@@ -177,7 +176,7 @@ def plot_heads(eigs, times, axis_label: str, title: str, path: str, max_cols: in
       ax.tick_params(labelsize=7)
   fig.suptitle(title)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fileio.write_figure(path, fig, dpi=110)
   plt.close(fig)
 
 
@@ -197,25 +196,24 @@ def plot_ff(eigs, times, axis_label: str, title: str, path: str):
     ax.set_xlabel(axis_label)
   fig.suptitle(title)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fileio.write_figure(path, fig, dpi=110)
   plt.close(fig)
 
 
 def write_outputs(spectra: Spectra, out_dir: str) -> dict:
-  """spectra.npz, spectra_summary.json and the three PNGs; returns name -> path."""
-  os.makedirs(out_dir, exist_ok=True)
-  paths = {"npz": os.path.join(out_dir, "spectra.npz"),
-           "summary": os.path.join(out_dir, "spectra_summary.json"),
-           "qk": os.path.join(out_dir, "spectra_qk.png"),
-           "ov": os.path.join(out_dir, "spectra_ov.png"),
-           "ff": os.path.join(out_dir, "spectra_ff.png")}
+  """spectra.npz, spectra_summary.json and the three PNGs in `out_dir` (a local
+  directory or a URL such as gs://...); returns name -> path."""
+  paths = {"npz": fileio.join(out_dir, "spectra.npz"),
+           "summary": fileio.join(out_dir, "spectra_summary.json"),
+           "qk": fileio.join(out_dir, "spectra_qk.png"),
+           "ov": fileio.join(out_dir, "spectra_ov.png"),
+           "ff": fileio.join(out_dir, "spectra_ff.png")}
   save_npz(spectra, paths["npz"])
   spreads = spread_along(spectra)
-  with open(paths["summary"], "w") as f:
-    json.dump({"kind": spectra.kind, "axis": spectra.axis_label,
-               "times": spectra.times.tolist(),
-               "spread": {k: v.tolist() for k, v in spreads.items()},
-               "summary": summary_line(spectra)}, f, indent=1)
+  fileio.write_text_atomic(paths["summary"], json.dumps(
+      {"kind": spectra.kind, "axis": spectra.axis_label, "times": spectra.times.tolist(),
+       "spread": {k: v.tolist() for k, v in spreads.items()},
+       "summary": summary_line(spectra)}, indent=1))
   where = f"({spectra.kind})"
   plot_heads(spectra.qk, spectra.times, spectra.axis_label,
              f"eigenvalues of W_Q,h W_K,hᵀ per head {where}", paths["qk"])
@@ -233,7 +231,7 @@ def parse_args(argv):
       prog="python -m odetransformer.analysis.spectra",
       description="Eigenvalues of W_QK, W_OV per head and of W_1 W_2, along t or per layer.")
   p.add_argument("--workdir", required=True, help="training run directory (main.py --workdir)")
-  p.add_argument("--out", required=True, help="output directory for .npz, .json and PNGs")
+  p.add_argument("--out", required=True, help="output directory (local or gs://...) for .npz, .json and PNGs")
   p.add_argument("--grid", type=int, default=64,
                  help="points t in [0, 1] for ODE models (discrete models: every layer)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
