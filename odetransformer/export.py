@@ -1,7 +1,10 @@
 r"""A trained model as a Hugging Face model directory, and a check that its logits agree.
 
   python -m odetransformer.export --workdir=W --out=DIR [--step=S] [--num_steps=N] \
-      [--dtype=float32|bfloat16] [--verify]
+      [--dtype=float32|bfloat16] [--verify] [--mesh_shape=1,-1,1]
+
+One process restores the checkpoint sharded over its devices (the run's mesh, or
+`--mesh_shape`) and gathers each weight to host memory as it writes it.
 
 DIR then loads with `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
 `AutoTokenizer.from_pretrained(DIR)`:
@@ -258,13 +261,17 @@ class Exported:
 
 def export(workdir: str, out: str, *, step: Optional[int] = None,
            num_steps: Optional[int] = None, dtype: str = "float32",
-           allow_unverified: bool = False) -> Exported:
+           allow_unverified: bool = False, mesh_shape: str = "") -> Exported:
   """Writes the Hugging Face directory `out` for checkpoint `step` (default: the
-  latest) of run `workdir`; see the module docstring."""
+  latest) of run `workdir`, restored sharded on the run's mesh over this process's
+  devices (or `mesh_shape`); see the module docstring."""
   if dtype not in DTYPES:
     raise UserError(f"--dtype={dtype!r}: choose one of {sorted(DTYPES)}")
   fileio.check_encodable(out, "--out")
-  loaded = loading.load_model(workdir, step=step, mesh=loading.local_mesh(),
+  if jax.process_count() > 1:
+    raise UserError("export runs as one process (its devices may be several): start it "
+                    "without JAX_COORDINATOR_ADDRESS / a multi-host launcher")
+  loaded = loading.load_model(workdir, step=step, mesh_shape=mesh_shape,
                               allow_unverified=allow_unverified)
   sp_model = fileio.read_bytes(loading.tokenizer_path(workdir, loaded.config))
   return export_model(loaded.model, sp_model, out, context=int(loaded.config.seq_len),
@@ -447,8 +454,9 @@ def main(argv, flag_values=None):
     except ModuleNotFoundError as e:
       raise UserError(f"--verify needs {e.name}; fix: pip install -r "
                       "requirements-export.txt, or export without --verify") from e
+  loading.parse_mesh_shape(f.mesh_shape)
   e = export(f.workdir, f.out, step=f.step, num_steps=f.num_steps, dtype=f.dtype,
-             allow_unverified=f.checkpoint_allow_unverified)
+             allow_unverified=f.checkpoint_allow_unverified, mesh_shape=f.mesh_shape)
   print(f"exported step {e.step} of {f.workdir} to {f.out}: {e.architecture}, "
         f"N={e.num_steps}, {e.dtype}")
   if f.verify:
@@ -476,6 +484,7 @@ def define_flags(flag_values=None):
   define("bool", "verify", False, "Load the export with transformers (CPU) and compare "
          "logits and greedy generation with this model; exit 1 if they differ.")
   define("bool", "checkpoint_allow_unverified", False, UNVERIFIED_FLAG_HELP)
+  define("string", "mesh_shape", "", loading.MESH_SHAPE_HELP)
   define("bool", "verbose", False, "Show the traceback of a user error as well.")
   flags.mark_flag_as_required("workdir", flag_values=fv)
   flags.mark_flag_as_required("out", flag_values=fv)
