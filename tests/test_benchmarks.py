@@ -284,7 +284,8 @@ def _fake_training(monkeypatch, calls):
   file holds the step a run reached; a call resumes from it and trains to the end."""
   from benchmarks import common   # pylint: disable=g-import-not-at-top
 
-  def fake(config, workdir):
+  def fake(config, workdir, stop_at_step=0):
+    del stop_at_step
     ckpt = pathlib.Path(workdir, "ckpt")
     start = int(ckpt.read_text()) if ckpt.exists() else 0
     ckpt.write_text(str(config.num_train_steps))
