@@ -70,8 +70,10 @@ def parse_args(argv=None):
   p.add_argument("--seed_steps", type=int, default=1000)
   p.add_argument("--eval_every", type=int, default=500, help="score both splits every "
                  "this many steps (and at the end)")
-  p.add_argument("--eval_batches", type=int, default=0, help="batches per split and "
-                 "score (0 = the whole split)")
+  p.add_argument("--eval_batches", type=int, default=0, help="batches per split of the "
+                 "final score (0 = the whole split)")
+  p.add_argument("--curve_batches", type=int, default=100, help="batches per split of "
+                 "the scores before the end (0 = the whole split)")
   p.add_argument("--checkpoint_every", type=int, default=100)
   p.add_argument("--log_every", type=int, default=25)
   p.add_argument("--stop_after", type=int, default=0, help="train and score up to this "
@@ -217,14 +219,15 @@ def run_points(args, kind: str, seed: int, steps: int, root: str, stop: int,
   points = [s for s in range(args.eval_every, steps, args.eval_every)] + [steps]
   done = {}
   for point in (s for s in points if s <= stop):
+    batches = args.eval_batches if point == steps else args.curve_batches
     entry = stored.get(str(point))
-    if entry and entry["eval_batches"] == args.eval_batches:
+    if entry and entry["eval_batches"] == batches:
       entry = dict(entry, note=f"read back from {evals_path} (code {common.code_version()})")
     else:
       r, note = common.keyed_run(config, workdir, stop_at_step=point if point < steps else 0)
       stored = _read_json(evals_path)      # empty when keyed_run moved a stale run aside
-      entry = dict(score(workdir, point, args.data_dir, args.eval_batches),
-                   eval_batches=args.eval_batches, num_params=int(r["num_params"]),
+      entry = dict(score(workdir, point, args.data_dir, batches), eval_batches=batches,
+                   num_params=int(r["num_params"]),
                    documents_read=text.documents_read(r["data_state"], seed))
       stored[str(point)] = entry
       _write_json(evals_path, stored)
@@ -232,7 +235,7 @@ def run_points(args, kind: str, seed: int, steps: int, root: str, stop: int,
     done[point] = entry
     print(f"seed {seed} step {point:>6} {kind:13s} | valid ppl "
           f"{entry['valid']['perplexity']:9.2f} | test ppl {entry['test']['perplexity']:9.2f} "
-          f"| {entry['note']}", flush=True)
+          f"| {entry['test']['tokens']:,} test tokens | {entry['note']}", flush=True)
   return done
 
 
@@ -259,13 +262,14 @@ def write_table(root: str, curves: dict, tokens_per_step: int) -> list:
       for split in SPLITS:
         row[f"{kind}_{split}"] = curves[kind][step][split]["perplexity"]
     row["test_ratio"] = row["diffeqformer_test"] / row["gpt_test"]
+    row["test_tokens_scored"] = curves["gpt"][step]["test"]["tokens"]
     rows.append(row)
   _write_json(os.path.join(root, "single_epoch.json"), rows)
   lines = ["| step | tokens | DiffEqFormer valid | DiffEqFormer test | GPT valid | GPT test "
-           "| test ratio |", "|---|---|---|---|---|---|---|"]
+           "| test ratio | test tokens scored |", "|---|---|---|---|---|---|---|---|"]
   lines += [f"| {r['step']} | {r['tokens']:,} | {r['diffeqformer_valid']:.2f} | "
             f"{r['diffeqformer_test']:.2f} | {r['gpt_valid']:.2f} | {r['gpt_test']:.2f} | "
-            f"{r['test_ratio']:.3f} |" for r in rows]
+            f"{r['test_ratio']:.3f} | {r['test_tokens_scored']:,} |" for r in rows]
   with open(os.path.join(root, "single_epoch.md"), "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
