@@ -225,6 +225,13 @@ def run_points(args, kind: str, seed: int, steps: int, root: str, stop: int,
       entry = dict(entry, note=f"read back from {evals_path} (code {common.code_version()})")
     else:
       r, note = common.keyed_run(config, workdir, stop_at_step=point if point < steps else 0)
+      if r["step"] < point:                # SIGTERM or Ctrl-C: saved, stopped
+        raise UserError(f"{workdir} stopped at step {r['step']} (interrupted); fix: run the "
+                        "same command again to continue from its checkpoint")
+      if r["step"] > point:                # already past it, with its score lost
+        print(f"seed {seed} step {point:>6} {kind:13s} | not scored: {workdir} is at step "
+              f"{r['step']} and scores only the step it stops at", flush=True)
+        continue
       stored = _read_json(evals_path)      # empty when keyed_run moved a stale run aside
       entry = dict(score(workdir, point, args.data_dir, batches), eval_batches=batches,
                    num_params=int(r["num_params"]),
@@ -256,7 +263,7 @@ def single_epoch_check(config, epoch: dict, steps: int, documents_read: int) -> 
 def write_table(root: str, curves: dict, tokens_per_step: int) -> list:
   """The seed-0 learning curves as markdown, JSON and a PNG in `root`; returns the rows."""
   rows = []
-  for step in sorted(curves["gpt"]):
+  for step in sorted(set(curves["gpt"]) & set(curves["diffeqformer"])):
     row = {"step": step, "tokens": step * tokens_per_step}
     for kind in KINDS:
       for split in SPLITS:
