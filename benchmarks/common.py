@@ -205,8 +205,8 @@ def _move_aside(workdir: str, old) -> str:
 
 
 def keyed_run(config, workdir: str, stop_at_step: int = 0) -> tuple:
-  """`train.train_and_evaluate(config, workdir, stop_at_step)`, reusing what `workdir` holds only when
-  its recorded `run_key` is this one's.
+  """`train.train_and_evaluate(config, workdir, stop_at_step)`, reusing what `workdir`
+  holds only when its recorded `run_key` is this one's.
 
   A non-empty workdir with another key (other code or config, or none recorded) is
   moved aside (nothing is deleted; a line says where) and the run trains afresh. With

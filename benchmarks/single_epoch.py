@@ -305,9 +305,10 @@ def main(argv=None):
   text = TrainingText(config, root)
   epoch = text.epoch
   most = max_single_epoch_steps(config, epoch)
-  longest = max([args.steps] + ([args.seed_steps] if args.seeds > 1 else []))
+  flag, longest = max([("steps", args.steps)] + (
+      [("seed_steps", args.seed_steps)] if args.seeds > 1 else []), key=lambda x: x[1])
   if longest > most:
-    raise UserError(f"--steps/--seed_steps={longest} needs a second epoch: one pass over "
+    raise UserError(f"--{flag}={longest} needs a second epoch: one pass over "
                     f"{args.data_dir}/train-*.txt holds {epoch['tokens']:,} tokens, enough "
                     f"for {most} steps of {config.global_batch_size} x {config.seq_len + 1}; "
                     f"fix: at most {most} steps, or more text")

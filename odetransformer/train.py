@@ -73,8 +73,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   """Trains (resuming from `workdir` when it holds checkpoints) and evaluates.
 
   `stop_at_step` (0 = none) ends the call at that step, below `num_train_steps`, with a
-  checkpoint there and no evaluation; the schedule stays `num_train_steps`' and a later
-  call (with a later stop, or none) continues from that checkpoint.
+  checkpoint there and no end-of-run evaluation; the schedule stays `num_train_steps`'
+  and a later call (with a later stop, or none) continues from that checkpoint.
 
   Returns:
     {'start_step': step resumed from (0 if fresh), 'step': final step, 'train': last

@@ -419,8 +419,10 @@ def test_single_epoch_resumes_and_serves_no_token_twice(tmp_path, capsys):
       f"{ppl['diffeqformer', 4][1] / ppl['gpt', 4][1]:.3f} (steps 4, tokens 256)")
   assert (tmp_path / "runs" / "single_epoch.png").stat().st_size > 0
   most = int(_num(_find(rf"one epoch holds {NUM} steps of 64 tokens$", out).group(1)))
-  with pytest.raises(UserError, match=rf"--steps/--seed_steps={most + 1} needs a second epoch"):
+  with pytest.raises(UserError, match=rf"^--steps={most + 1} needs a second epoch"):
     single_epoch.main(flags[:2] + ["--preset=tiny", f"--steps={most + 1}"])
+  with pytest.raises(UserError, match=rf"^--seed_steps={most + 1} needs a second epoch"):
+    single_epoch.main(flags[:4] + ["--seeds=2", f"--seed_steps={most + 1}"])
 
 
 def test_single_epoch_detects_a_second_epoch(tmp_path):
