@@ -189,6 +189,11 @@ def run_key(config) -> dict:
   return key
 
 
+def is_current(config, workdir: str) -> bool:
+  """Whether `workdir` holds a run of this code and config (`keyed_run` would reuse it)."""
+  return _read_key(workdir) == run_key(config)
+
+
 def _move_aside(workdir: str, old) -> str:
   """Renames a workdir made under another key to `<workdir>.stale-<its code>[-i]`."""
   base = f"{workdir}.stale-{(old or {}).get('code', 'unkeyed')}"
@@ -199,9 +204,9 @@ def _move_aside(workdir: str, old) -> str:
   return dest
 
 
-def keyed_run(config, workdir: str) -> tuple:
-  """`train.train_and_evaluate(config, workdir)`, reusing what `workdir` holds only when
-  its recorded `run_key` is this one's.
+def keyed_run(config, workdir: str, stop_at_step: int = 0) -> tuple:
+  """`train.train_and_evaluate(config, workdir, stop_at_step)`, reusing what `workdir`
+  holds only when its recorded `run_key` is this one's.
 
   A non-empty workdir with another key (other code or config, or none recorded) is
   moved aside (nothing is deleted; a line says where) and the run trains afresh. With
@@ -220,7 +225,7 @@ def keyed_run(config, workdir: str) -> tuple:
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, RUN_KEY_FILE), "w", encoding="utf-8") as f:
     json.dump(key, f, indent=1, sort_keys=True)
-  result = train.train_and_evaluate(config, workdir)
+  result = train.train_and_evaluate(config, workdir, stop_at_step=stop_at_step)
   start, step = int(result["start_step"]), int(result["step"])
   if start == 0:
     return result, ""

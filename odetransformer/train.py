@@ -68,13 +68,19 @@ def check_config(config, mesh, rules):
   metrics_lib.ProfileWindow.parse(config.get("profile_steps", ""))
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       stop_at_step: int = 0) -> dict:
   """Trains (resuming from `workdir` when it holds checkpoints) and evaluates.
+
+  `stop_at_step` (0 = none) ends the call at that step, below `num_train_steps`, with a
+  checkpoint there and no end-of-run evaluation; the schedule stays `num_train_steps`'
+  and a later call (with a later stop, or none) continues from that checkpoint.
 
   Returns:
     {'start_step': step resumed from (0 if fresh), 'step': final step, 'train': last
     logged train scalars, 'eval': last eval scalars, 'loss_history': [(step, train
-    loss)] at each log line, 'num_params': parameter count}.
+    loss)] at each log line, 'num_params': parameter count, 'data_state': the training
+    iterator's state at 'step'}.
   """
   workdir = os.fspath(workdir)
   paths = {"--workdir": workdir, "--config.init_from": config.get("init_from")}
@@ -129,7 +135,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     ckpt.install_sigterm_handler()   # SIGTERM and Ctrl-C: save at the current step, stop
     try:
       with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-        return _train(config, saved_config, cfg, mesh, rules, tx, schedule, ds, writer, ckpt)
+        return _train(config, saved_config, cfg, mesh, rules, tx, schedule, ds, writer, ckpt,
+                      stop_at_step)
     finally:
       ckpt.close()          # waits for a pending async save, restores the SIGTERM handler
       writer.close()
@@ -204,7 +211,8 @@ def _every(step: int, every: int, last: int) -> bool:
   return step == last or (every > 0 and step % every == 0)
 
 
-def _train(config, saved_config, cfg, mesh, rules, tx, schedule, ds, writer, ckpt) -> dict:
+def _train(config, saved_config, cfg, mesh, rules, tx, schedule, ds, writer, ckpt,
+           stop_at_step: int = 0) -> dict:
   """Creates or restores the TrainState and runs the loop (under the mesh and rules)."""
   train_iter = iter(ds.train)
   layout, state, rng, start_step, resumed = _restore_or_init(config, cfg, tx, mesh, ckpt,
@@ -230,6 +238,7 @@ def _train(config, saved_config, cfg, mesh, rules, tx, schedule, ds, writer, ckp
   health = health_lib.HealthCheck(ckpt.directory, start_step if resumed else None,
                                   skip_limit, optim_config=config.optim)
   last = int(config.num_train_steps)
+  stop = min(last, int(stop_at_step)) if stop_at_step else last
 
   def run_eval(step):
     t = time.perf_counter()
@@ -257,7 +266,7 @@ def _train(config, saved_config, cfg, mesh, rules, tx, schedule, ds, writer, ckp
     metrics_lib.log(f"already at step {start_step} >= num_train_steps={last}")
   elif start_step == 0 and config.get("init_from"):
     eval_scalars = run_eval(0)     # the starting point: the pre-trained model on this data
-  while step < last:
+  while step < stop:
     batch = sharding_lib.global_batch_from_local(
         steps_lib.local_batch(next(train_iter)), batch_sharding, config.global_batch_size)
     first = step == start_step
@@ -274,7 +283,7 @@ def _train(config, saved_config, cfg, mesh, rules, tx, schedule, ds, writer, ckp
       progress.mark(step)
 
     preempted = ckpt.reached_preemption(step)
-    if _every(step, config.log_every_steps, last) or preempted or first:
+    if _every(step, config.log_every_steps, last) or preempted or first or step == stop:
       train_scalars = metrics_lib.summarize(train_metrics.compute())
       train_metrics = None
       train_scalars["param_norm"] = float(param_norm(state))
@@ -286,7 +295,7 @@ def _train(config, saved_config, cfg, mesh, rules, tx, schedule, ds, writer, ckp
     if _every(step, config.eval_every_steps, last):
       eval_scalars = run_eval(step)
       progress.mark(step)
-    if _every(step, config.checkpoint_every_steps, last) or preempted:
+    if _every(step, config.checkpoint_every_steps, last) or preempted or step == stop:
       save(step, force=preempted)
     if preempted:
       metrics_lib.log(f"stopping at step {step} after preemption; checkpoint saved")
@@ -296,4 +305,5 @@ def _train(config, saved_config, cfg, mesh, rules, tx, schedule, ds, writer, ckp
     eval_scalars = run_eval(step)
   ckpt.wait_until_finished()
   return {"start_step": start_step, "step": step, "train": train_scalars,
-          "eval": eval_scalars, "loss_history": history, "num_params": num_params}
+          "eval": eval_scalars, "loss_history": history, "num_params": num_params,
+          "data_state": train_iter.get_state() if hasattr(train_iter, "get_state") else None}

@@ -285,7 +285,8 @@ def _fake_training(monkeypatch, calls):
   file holds the step a run reached; a call resumes from it and trains to the end."""
   from benchmarks import common   # pylint: disable=g-import-not-at-top
 
-  def fake(config, workdir):
+  def fake(config, workdir, stop_at_step=0):
+    del stop_at_step
     ckpt = pathlib.Path(workdir, "ckpt")
     start = int(ckpt.read_text()) if ckpt.exists() else 0
     ckpt.write_text(str(config.num_train_steps))
@@ -358,3 +359,98 @@ def test_any_n_scores_are_read_back_only_for_the_same_code(tmp_path, monkeypatch
   monkeypatch.setattr(common, "code_version", lambda: "0123456789ab")
   _, line = any_n.train_and_score(config, wd, 8)                      # other code: afresh
   assert len(scored) == 3 and calls[-1] == (wd, 0) and line.startswith("train loss")
+
+
+def _single_epoch_text(tmp_path):
+  """A small wikipedia-2015 layout: two training files, valid and test."""
+  wiki = shared_data_path("wikipedia-2015")
+  data = tmp_path / "data"
+  data.mkdir()
+  for name, chars in (("train-00.txt", 30_000), ("train-01.txt", 30_000),
+                      ("valid.txt", 6_000), ("test.txt", 6_000)):
+    text = (wiki / name).read_text(encoding="utf-8")[:chars]
+    (data / name).write_text(text, encoding="utf-8")
+  return data
+
+
+def test_single_epoch_resumes_and_serves_no_token_twice(tmp_path, capsys):
+  """Tiny shape, 4 steps (not the issue's 200: the same code paths in seconds), scored
+  every 2: a run stopped at step 2 continues there (its step-2 scores read back, not
+  retrained), the table and the last line are the scored lines', and a step count past
+  one epoch is refused at exactly the count the run announced."""
+  from benchmarks import single_epoch   # pylint: disable=g-import-not-at-top
+  from input_pipeline import local_text   # pylint: disable=g-import-not-at-top
+  from odetransformer.errors import UserError   # pylint: disable=g-import-not-at-top
+  data = _single_epoch_text(tmp_path)
+  flags = [f"--data_dir={data}", f"--workdir={tmp_path / 'runs'}", "--preset=tiny",
+           "--steps=4", "--eval_every=2", "--checkpoint_every=2", "--eval_batches=1",
+           "--curve_batches=1", "--log_every=2"]
+  single_epoch.main(flags + ["--stop_after=2"])
+  first = capsys.readouterr().out
+  assert "stopped after step 2 (--stop_after)" in first and "step      4" not in first
+  single_epoch.main(flags)
+  out = capsys.readouterr().out
+  ppl = {}
+  for kind in ("diffeqformer", "gpt"):
+    for step in (2, 4):
+      pattern = (rf"^seed 0 step\s+{step} {kind}\s+\| valid ppl\s+{NUM} \| test ppl\s+{NUM} "
+                 r"\| 64 test tokens \| (.*)$")
+      m = _find(pattern, out)
+      ppl[kind, step] = (_num(m.group(1)), _num(m.group(2)))
+      if step == 2:                     # trained before the stop, read back now
+        assert m.group(3).startswith("read back from") and m.group(0).split("|")[1:3] == \
+            _find(pattern, first).group(0).split("|")[1:3]
+      else:                             # continued from the step-2 checkpoint
+        assert m.group(3).startswith(f"resumed at step 2 of 4 from {tmp_path / 'runs'}")
+  for step in (2, 4):
+    (ov, ot), (gv, gt) = ppl["diffeqformer", step], ppl["gpt", step]
+    _find(rf"^\| {step} \| {step * 64} \| {ov:.2f} \| {ot:.2f} \| {gv:.2f} \| {gt:.2f} \| "
+          rf"{ot / gt:.3f} \| 64 \|$", out)
+  docs = sum(len(local_text.split_documents(p.read_text(encoding="utf-8")))
+             for p in sorted(data.glob("train-*.txt")))
+  m = _find(rf"^tokens seen per model: 256 \(4 steps x 2 rows x 32 targets\); documents "
+            rf"read {NUM} of {docs} \({NUM} tokens\): single epoch, no token position of the "
+            r"training text served twice$", out)
+  assert 1 <= _num(m.group(1)) <= docs
+  n_ode, n_gpt = map(_num, _find(rf"^parameters: diffeqformer {NUM} \| gpt {NUM}: the "
+                                 rf"DiffEqFormer holds {NUM}x", out).group(1, 2))
+  assert f"holds {n_ode / n_gpt:.1f}x GPT's parameters" in out
+  assert out.strip().splitlines()[-1] == (
+      f"single-epoch diffeqformer/gpt test perplexity ratio: "
+      f"{ppl['diffeqformer', 4][1] / ppl['gpt', 4][1]:.3f} (steps 4, tokens 256)")
+  assert (tmp_path / "runs" / "single_epoch.png").stat().st_size > 0
+  most = int(_num(_find(rf"one epoch holds {NUM} steps of 64 tokens$", out).group(1)))
+  with pytest.raises(UserError, match=rf"^--steps={most + 1} needs a second epoch"):
+    single_epoch.main(flags[:2] + ["--preset=tiny", f"--steps={most + 1}"])
+  with pytest.raises(UserError, match=rf"^--seed_steps={most + 1} needs a second epoch"):
+    single_epoch.main(flags[:4] + ["--seeds=2", f"--seed_steps={most + 1}"])
+
+
+def test_single_epoch_detects_a_second_epoch(tmp_path):
+  """The documents-read check on the real pipeline: within the first epoch it counts
+  fewer documents than the corpus holds; a stream read past it is refused."""
+  from benchmarks import single_epoch   # pylint: disable=g-import-not-at-top
+  from input_pipeline import pipeline   # pylint: disable=g-import-not-at-top
+  from odetransformer.errors import UserError   # pylint: disable=g-import-not-at-top
+  args = single_epoch.parse_args([f"--data_dir={_single_epoch_text(tmp_path)}",
+                                  "--preset=tiny"])
+  config = single_epoch.make_config(args, "gpt", 0, 4, str(tmp_path))
+  text = single_epoch.TrainingText(config, str(tmp_path))
+  train = pipeline.train_dataset(
+      text.documents, text.tokenizer.serialized_model_proto(), seq_len=config.seq_len,
+      global_batch_size=2, process_index=0, process_count=1,
+      text_key=config.data.text_key, seed=0, shuffle_buffer=config.data.shuffle_buffer,
+      worker_count=0)
+  it = iter(train)
+  epoch, steps = text.epoch, 0
+  while steps * 2 * (config.seq_len + 1) <= epoch["tokens"]:   # one epoch's rows, and more
+    next(it)
+    steps += 1
+    if steps == 4:
+      read = text.documents_read(it.get_state(), 0)
+      assert 1 <= read < epoch["documents"]
+      single_epoch.single_epoch_check(config, epoch, steps, read)
+  read = text.documents_read(it.get_state(), 0)
+  assert read > epoch["documents"]
+  with pytest.raises(UserError, match="served twice"):
+    single_epoch.single_epoch_check(config, epoch, steps, read)

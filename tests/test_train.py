@@ -52,7 +52,8 @@ def fast_compiles():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """Three 6-step runs: A preempted at step 4, A again (resumes), B uninterrupted."""
+  """6-step runs: A preempted at step 4, A again (resumes), B uninterrupted, C stopped at
+  step 3 (`stop_at_step`) then continued."""
   base = tmp_path_factory.mktemp("train")
   cache = base / "cache"
   wd_a, wd_b = base / "a", base / "b"
@@ -62,8 +63,12 @@ def runs(tmp_path_factory):
   with compiled_functions() as resume_compiles:
     resumed = train.train_and_evaluate(tiny_config(cache, 6), str(wd_a))
   fresh = train.train_and_evaluate(tiny_config(cache, 6), str(wd_b))
+  wd_c = base / "c"
+  stopped = train.train_and_evaluate(tiny_config(cache, 6), str(wd_c), stop_at_step=3)
+  continued = train.train_and_evaluate(tiny_config(cache, 6), str(wd_c))
   return dict(first=first, resumed=resumed, fresh=fresh, wd_a=wd_a, wd_b=wd_b,
-              resume_compiles=resume_compiles)
+              resume_compiles=resume_compiles, stopped=stopped, continued=continued,
+              wd_c=wd_c)
 
 
 @contextlib.contextmanager
@@ -143,6 +148,22 @@ def test_resume_is_exact(runs):
     np.testing.assert_allclose(loss, hist_b[step], rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                params_a, params_b)
+
+
+def test_stop_at_step_saves_there_and_the_next_call_continues_exactly(runs):
+  """Stopped at 3 (the schedule still 6 steps') + continued == 6 straight."""
+  stopped, continued = runs["stopped"], runs["continued"]
+  assert (stopped["start_step"], stopped["step"]) == (0, 3)
+  assert (runs["wd_c"] / "checkpoints" / "3").is_dir()          # saved at the stop
+  assert stopped["data_state"]["num_shards"] == 1               # the iterator's state
+  assert (continued["start_step"], continued["step"]) == (3, 6)
+  hist_b = dict(runs["fresh"]["loss_history"])
+  for step, loss in stopped["loss_history"] + continued["loss_history"]:
+    np.testing.assert_allclose(loss, hist_b[step], rtol=1e-6)
+  _, params_c = _final_params(runs["wd_c"])
+  _, params_b = _final_params(runs["wd_b"])
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               params_c, params_b)
 
 
 def test_finetune_lora_starts_at_the_pretrained_model(runs, tmp_path):
