@@ -147,7 +147,8 @@ out = {}
 for name in CASES:
   one, start = run(name, (1, 1, 1), jax.devices()[:1])
   out[name] = {"one": one}
-  for shape in ((1, 8, 1), (2, 4, 1), (1, 2, 4)):
+  # The fine-tuning cases on the two meshes that use all three axes (compiles cost time).
+  for shape in ((1, 8, 1), (2, 4, 1), (1, 2, 4)) if name == "ode_gpt" else ((2, 4, 1), (1, 2, 4)):
     out[name][str(shape)] = run(name, shape, jax.devices(), start)[0]
 print(json.dumps(out))
 """
@@ -156,8 +157,8 @@ print(json.dumps(out))
 def test_loss_and_gradients_on_8_device_meshes_equal_one_device(tmp_path):
   """DiffEqFormer (both flavours), continuous and LoRA fine-tuning: the real
   train step's loss, gradient norm and every gradient, and (DiffEqFormer) the eval
-  step's loss, on the (1,8,1), (2,4,1), (1,2,4) meshes equal the 1-device ones to
-  float32 rounding (sums in another order)."""
+  step's loss, on the (1,8,1), (2,4,1), (1,2,4) meshes (the fine-tuning cases on the
+  last two) equal the 1-device ones to float32 rounding (sums in another order)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   from tiny import run_on_8_cpu_devices  # pylint: disable=g-import-not-at-top
   out, _ = run_on_8_cpu_devices(_EQUALITY_SCRIPT, tmp_path, timeout=1800)
@@ -169,7 +170,7 @@ def test_loss_and_gradients_on_8_device_meshes_equal_one_device(tmp_path):
       assert len(grads) == 6 and all("lora" in key for key in grads), sorted(grads)
     else:
       assert len(grads) >= 8, (name, sorted(grads))
-    assert len(runs) == 3, (name, sorted(runs))
+    assert len(runs) == (3 if name == "ode_gpt" else 2), (name, sorted(runs))
     if name == "ode_gpt":
       # The eval step's loss is the train step's (no dropout, the uniform time grid).
       np.testing.assert_allclose(eval_loss, loss, rtol=1e-6, err_msg=name)

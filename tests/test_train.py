@@ -423,7 +423,7 @@ def test_default_model_learns_wikitext2(kind, tmp_path_factory):
   cache = tmp_path_factory.getbasetemp() / "wt2_cache"
   c = default.get_config()
   c.model.kind = kind
-  c.num_train_steps = 40
+  c.num_train_steps = 25
   c.log_every_steps = 1
   c.eval_every_steps = 0
   c.checkpoint_every_steps = 0
