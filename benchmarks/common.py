@@ -171,12 +171,24 @@ def code_version(root: str = str(REPO_ROOT)) -> str:
   return digest.hexdigest()[:12]
 
 
-def _read_key(workdir: str):
+def read_json(path: str):
+  """The JSON value in file `path`; None when it is missing or unreadable."""
   try:
-    with open(os.path.join(workdir, RUN_KEY_FILE), encoding="utf-8") as f:
+    with open(path, encoding="utf-8") as f:
       return json.load(f)
   except (OSError, ValueError):
     return None
+
+
+def write_json(path: str, value) -> None:
+  """Writes `value` as JSON to `path` atomically (a temporary file, then a rename)."""
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump(value, f, indent=1, sort_keys=True)
+  os.replace(path + ".tmp", path)
+
+
+def _read_key(workdir: str):
+  return read_json(os.path.join(workdir, RUN_KEY_FILE))
 
 
 def run_key(config) -> dict:
@@ -223,8 +235,7 @@ def keyed_run(config, workdir: str, stop_at_step: int = 0) -> tuple:
       print(f"{workdir} was made under {why}: moved to {_move_aside(workdir, old)}, "
             f"training afresh (code {key['code']})", flush=True)
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, RUN_KEY_FILE), "w", encoding="utf-8") as f:
-    json.dump(key, f, indent=1, sort_keys=True)
+  write_json(os.path.join(workdir, RUN_KEY_FILE), key)
   result = train.train_and_evaluate(config, workdir, stop_at_step=stop_at_step)
   start, step = int(result["start_step"]), int(result["step"])
   if start == 0:

@@ -34,7 +34,6 @@ GPT's parameters at the same shape; the parameter line says how many times.
 """
 import argparse
 import glob
-import json
 import os
 import sys
 import tempfile
@@ -123,20 +122,6 @@ def make_config(args, kind: str, seed: int, steps: int, root: str):
   return c
 
 
-def _read_json(path: str) -> dict:
-  try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return {}
-
-
-def _write_json(path: str, value) -> None:
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    json.dump(value, f, indent=1, sort_keys=True)
-  os.replace(path + ".tmp", path)
-
-
 class TrainingText:
   """The runs' training documents and tokenizer (prepared and trained once, in `root`)."""
 
@@ -155,7 +140,7 @@ class TrainingText:
   def _count(self, path: str) -> dict:
     """Documents and tokens in one pass (each document + eos, as the pipeline makes
     them), counted once and kept at `path` under the tokenizer's and corpus's hashes."""
-    stored = _read_json(path)
+    stored = common.read_json(path) or {}
     if stored.get("key") == self.key:
       return stored
     key = self.config.data.text_key
@@ -165,7 +150,7 @@ class TrainingText:
     counted = {"key": self.key, "documents": len(lengths), "tokens": sum(lengths),
                "longest_document": max(lengths),
                "vocab_size": self.tokenizer.get_piece_size()}
-    _write_json(path, counted)
+    common.write_json(path, counted)
     return counted
 
   def documents_read(self, data_state, seed: int) -> int:
@@ -215,7 +200,7 @@ def run_points(args, kind: str, seed: int, steps: int, root: str, stop: int,
   config = make_config(args, kind, seed, steps, root)
   workdir = os.path.join(root, f"{kind}_seed{seed}_steps{steps}")
   evals_path = os.path.join(workdir, EVALS_FILE)
-  stored = _read_json(evals_path) if common.is_current(config, workdir) else {}
+  stored = (common.read_json(evals_path) or {}) if common.is_current(config, workdir) else {}
   points = [s for s in range(args.eval_every, steps, args.eval_every)] + [steps]
   done = {}
   for point in (s for s in points if s <= stop):
@@ -232,12 +217,12 @@ def run_points(args, kind: str, seed: int, steps: int, root: str, stop: int,
         print(f"seed {seed} step {point:>6} {kind:13s} | not scored: {workdir} is at step "
               f"{r['step']} and scores only the step it stops at", flush=True)
         continue
-      stored = _read_json(evals_path)      # empty when keyed_run moved a stale run aside
+      stored = common.read_json(evals_path) or {}   # empty when keyed_run moved a stale run aside
       entry = dict(score(workdir, point, args.data_dir, batches), eval_batches=batches,
                    num_params=int(r["num_params"]),
                    documents_read=text.documents_read(r["data_state"], seed))
       stored[str(point)] = entry
-      _write_json(evals_path, stored)
+      common.write_json(evals_path, stored)
       entry = dict(entry, note=note or "trained now")
     done[point] = entry
     print(f"seed {seed} step {point:>6} {kind:13s} | valid ppl "
@@ -271,7 +256,7 @@ def write_table(root: str, curves: dict, tokens_per_step: int) -> list:
     row["test_ratio"] = row["diffeqformer_test"] / row["gpt_test"]
     row["test_tokens_scored"] = curves["gpt"][step]["test"]["tokens"]
     rows.append(row)
-  _write_json(os.path.join(root, "single_epoch.json"), rows)
+  common.write_json(os.path.join(root, "single_epoch.json"), rows)
   lines = ["| step | tokens | DiffEqFormer valid | DiffEqFormer test | GPT valid | GPT test "
            "| test ratio | test tokens scored |", "|---|---|---|---|---|---|---|---|"]
   lines += [f"| {r['step']} | {r['tokens']:,} | {r['diffeqformer_valid']:.2f} | "
