@@ -15,7 +15,7 @@ when started again with the same command.
 On a machine without GPU or TPU, JAX_PLATFORMS=cpu is set unless you set JAX_PLATFORMS
 yourself (JAX then skips probing accelerator runtimes). ODET_HUGEPAGES=1 makes a CPU run
 ~20% faster on Linux: the process re-executes itself once with glibc's huge-page tunable
-(odetransformer/hugepages.py says when; off by default, never on GPU/TPU hosts).
+(odetransformer/runtime/hugepages.py says when; off by default, never on GPU/TPU hosts).
 
 Multi-host runs call `jax.distributed.initialize()` when the environment says there are
 several processes (JAX_COORDINATOR_ADDRESS, a SLURM or Open MPI job of several tasks, a
@@ -32,8 +32,8 @@ from absl import logging
 from ml_collections import config_flags
 
 from odetransformer import errors
-from odetransformer import host
-from odetransformer import hugepages
+from odetransformer.runtime import host
+from odetransformer.runtime import hugepages
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/default.py; override any of its "
@@ -65,7 +65,7 @@ def main(argv):
     raise errors.UserError(f"unexpected arguments {argv[1:]}; flags take the form "
                            "--name=value (see --helpshort)")
   config = errors.load_config_flag(_CONFIG)
-  from odetransformer import checkpointing  # pylint: disable=g-import-not-at-top
+  from odetransformer.train import checkpointing  # pylint: disable=g-import-not-at-top
   checkpointing.quiet_library_logs()   # orbax and TFDS: warnings and errors only
   # Imported after flag parsing: grain workers read absl flags, which must be parsed.
   import jax  # pylint: disable=g-import-not-at-top
@@ -81,8 +81,8 @@ def main(argv):
   elif hugepages.opted_in(os.environ):
     logging.info("%s=1 has no effect here: %s", hugepages.SWITCH, hugepages.reason_not_here())
 
-  from odetransformer import train  # pylint: disable=g-import-not-at-top
-  train.train_and_evaluate(config, _WORKDIR.value)   # a UserError: one line (run_cli)
+  from odetransformer.train import loop  # pylint: disable=g-import-not-at-top
+  loop.train_and_evaluate(config, _WORKDIR.value)   # a UserError: one line (run_cli)
 
 
 def _run():

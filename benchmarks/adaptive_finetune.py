@@ -65,8 +65,8 @@ from absl import logging  # noqa: E402  pylint: disable=g-import-not-at-top
 
 from benchmarks import common  # noqa: E402  pylint: disable=g-import-not-at-top
 from configs import default  # noqa: E402  pylint: disable=g-import-not-at-top
-from odetransformer import evaluate  # noqa: E402  pylint: disable=g-import-not-at-top
-from odetransformer.time_grid import TRAIN_TIME_GRIDS  # noqa: E402  pylint: disable=g-import-not-at-top
+from odetransformer.tools import evaluate  # noqa: E402  pylint: disable=g-import-not-at-top
+from odetransformer.model.time_grid import TRAIN_TIME_GRIDS  # noqa: E402  pylint: disable=g-import-not-at-top
 
 METHODS = ("continuous", "full", "lora")
 LORA_TARGETS = "wq,wk,wv,wo,w1,w2"     # every linear map of a layer

@@ -32,7 +32,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from odetransformer import checkpointing, fileio
+from odetransformer.runtime import fileio
+from odetransformer.train import checkpointing
 
 ARRAYS_PER_PART = 16     # model, mu and nu: 16 arrays each
 

@@ -40,11 +40,11 @@ from flax import nnx  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from configs import default as default_config  # noqa: E402
-from odetransformer import memory  # noqa: E402
-from odetransformer import optimizer as optimizer_lib  # noqa: E402
-from odetransformer import sharding as sharding_lib  # noqa: E402
-from odetransformer import steps  # noqa: E402
-from odetransformer import config as config_lib  # noqa: E402
+from odetransformer.tools import memory  # noqa: E402
+from odetransformer.train import optimizer as optimizer_lib  # noqa: E402
+from odetransformer.train import sharding as sharding_lib  # noqa: E402
+from odetransformer.train import steps  # noqa: E402
+from odetransformer.model import config as config_lib  # noqa: E402
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 MESHES = ((1, 8, 1), (2, 4, 1), (1, 2, 4))
@@ -52,7 +52,7 @@ MiB = 2 ** 20
 
 # `--tiny`: compiles in seconds (compile time follows the program, not its shapes), its
 # heads and batch split over every mesh above, and its buffers are large enough that
-# `odetransformer.memory`'s estimate is not dominated by XLA's small fixed ones.
+# `odetransformer.tools.memory`'s estimate is not dominated by XLA's small fixed ones.
 TINY = dict(model=dict(vocab_size=4096, d_model=128, num_heads=4, mlp_dim=512, num_steps=2,
                        max_len=128, time_embed_dim=16, time_sinusoids=16),
             seq_len=128, batch=8)
@@ -271,7 +271,7 @@ def main(argv=None):
             f"{sum(ode['static'].values()) / max(1, sum(gpt['static'].values())):.2f}); "
             f"peak memory {ode['peak'] / gpt['peak']:.2f} × gpt, "
             f"{ode['peak'] / budget:.2f} of 1.10 × gpt + hypernetwork shard")
-  print(f"odetransformer.memory estimate / compiled peak: from {min(estimates):.3f} to "
+  print(f"odetransformer.tools.memory estimate / compiled peak: from {min(estimates):.3f} to "
         f"{max(estimates):.3f} over {len(estimates)} steps")
   print(f"memory target (ode ≤ 1.10 × gpt + its hypernetwork shard) "
         f"{'met' if mem_ok else 'NOT met'} on every mesh")

@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from odetransformer import hugepages
+from odetransformer.runtime import hugepages
 
 # As main.py does (with ODET_HUGEPAGES=1 on a CPU host), before jax is imported; only when
 # a benchmark is the program (`python -m benchmarks.NAME`): importing this module from a
@@ -36,8 +36,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import default as default_config  # noqa: E402
-from odetransformer import optimizer, sharding, steps, train  # noqa: E402
-from odetransformer.config import ModelConfig  # noqa: E402
+from odetransformer.train import optimizer, sharding, steps, loop  # noqa: E402
+from odetransformer.model.config import ModelConfig  # noqa: E402
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The source trees whose code computes a benchmark's runs and scores.
@@ -217,7 +217,7 @@ def _move_aside(workdir: str, old) -> str:
 
 
 def keyed_run(config, workdir: str, stop_at_step: int = 0) -> tuple:
-  """`train.train_and_evaluate(config, workdir, stop_at_step)`, reusing what `workdir`
+  """`loop.train_and_evaluate(config, workdir, stop_at_step)`, reusing what `workdir`
   holds only when its recorded `run_key` is this one's.
 
   A non-empty workdir with another key (other code or config, or none recorded) is
@@ -236,7 +236,7 @@ def keyed_run(config, workdir: str, stop_at_step: int = 0) -> tuple:
             f"training afresh (code {key['code']})", flush=True)
   os.makedirs(workdir, exist_ok=True)
   write_json(os.path.join(workdir, RUN_KEY_FILE), key)
-  result = train.train_and_evaluate(config, workdir, stop_at_step=stop_at_step)
+  result = loop.train_and_evaluate(config, workdir, stop_at_step=stop_at_step)
   start, step = int(result["start_step"]), int(result["step"])
   if start == 0:
     return result, ""

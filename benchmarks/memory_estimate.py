@@ -1,4 +1,4 @@
-"""`python -m odetransformer.memory`'s analytic estimate against the compiled train step.
+"""`python -m odetransformer.tools.memory`'s analytic estimate against the compiled train step.
 
 For each shape, model (DiffEqFormer, GPT) and mesh (data, fsdp, tensor) of 8 host CPU
 devices, builds the training config, and prints the analytic per-device total
@@ -34,7 +34,7 @@ import jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.collectives import MESHES, make_config  # noqa: E402
 from configs import owt_small  # noqa: E402
-from odetransformer import memory  # noqa: E402
+from odetransformer.tools import memory  # noqa: E402
 
 MiB = 2 ** 20
 SHAPES = ("bench-small", "owt_small")
@@ -70,7 +70,7 @@ def main(argv=None):
     sys.exit(f"error: jax has {jax.device_count()} devices, not {NUM_DEVICES}: run as a "
              "program (`python -m benchmarks.memory_estimate`) so XLA_FLAGS is set first")
   print(f"per-device MiB on {NUM_DEVICES} host devices: the analytic estimate "
-        "(odetransformer.memory) and the compiled train step's memory analysis")
+        "(odetransformer.tools.memory) and the compiled train step's memory analysis")
   print(f"{'shape, remat':27s} {'model':12s} {'mesh':9s} {'estimate':>10s} "
         f"{'compiled':>10s} {'ratio':>6s}  estimate's peak temporaries")
   ratios = []

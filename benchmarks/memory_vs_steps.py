@@ -17,7 +17,7 @@ between the two largest K.
 import argparse
 
 from benchmarks import common
-from odetransformer.param_count import layer_params
+from odetransformer.model.param_count import layer_params
 
 MiB = 2 ** 20
 

@@ -27,8 +27,8 @@ from absl import logging
 
 from benchmarks import common
 from configs import default
-from odetransformer.config import LLAMA_BLOCKS
-from odetransformer.solvers import STEP_TIMES
+from odetransformer.model.config import LLAMA_BLOCKS
+from odetransformer.model.solvers import STEP_TIMES
 
 
 def make_config(args, kind: str, seed: int, cache_dir: str):

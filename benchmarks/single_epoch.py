@@ -1,7 +1,7 @@
 """Single epoch: DiffEqFormer vs GPT pre-trained on one pass of real text, no token twice.
 
 Both models (gpt flavour, the same width, heads and K = L, the authors' initialisation)
-train through the product's own loop (`odetransformer.train.train_and_evaluate`, via
+train through the product's own loop (`odetransformer.train.loop.train_and_evaluate`, via
 `common.keyed_run`) on the training files of DIR, with one SentencePiece tokenizer
 trained once for both, the same data order (the seed), batch and AdamW schedule. Every
 `--eval_every` steps and at the end, each model's checkpoint is scored on DIR/valid.txt
@@ -46,9 +46,9 @@ import input_pipeline
 from input_pipeline import iterator_state
 from input_pipeline import pipeline
 from input_pipeline import sources
-from odetransformer import checkpointing
-from odetransformer import evaluate
-from odetransformer import loading
+from odetransformer.train import checkpointing
+from odetransformer.tools import evaluate
+from odetransformer.train import loading
 from odetransformer.errors import UserError
 
 KINDS = ("diffeqformer", "gpt")

@@ -16,10 +16,10 @@ import jax
 from flax import nnx
 
 from benchmarks import common
-from odetransformer import metrics
-from odetransformer.config import KINDS
-from odetransformer.materialize import materialize
-from odetransformer.param_count import count_params, flops_per_token
+from odetransformer.train import metrics
+from odetransformer.model.config import KINDS
+from odetransformer.model.materialize import materialize
+from odetransformer.model.param_count import count_params, flops_per_token
 
 
 def main():
@@ -61,7 +61,7 @@ def main():
     print(f"{kind}/gpt train tokens/s ratio: {tps[kind] / tps['gpt']:.2f} "
           f"(per round: {common.paired_spread(rounds['gpt'], rounds[kind])})")
   print(f"(MFU against {peak / 1e12:.3f} TFLOP/s: {source}; the training log's definition, "
-        "odetransformer.metrics.device_peak_flops)")
+        "odetransformer.train.metrics.device_peak_flops)")
 
   # Inference: the materialised DiffEqFormer (plain parallel layers) vs GPT, forward only.
   ode_model = trainers["diffeqformer"].ts.merge(trainers["diffeqformer"].state)[0]

@@ -21,8 +21,8 @@ step 500 and only evaluates.
 import ml_collections
 
 from input_pipeline.config import get_config as get_data_config
-from odetransformer.config import default_model_config
-from odetransformer.sharding import rules_to_config
+from odetransformer.model.config import default_model_config
+from odetransformer.train.sharding import rules_to_config
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -45,7 +45,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.global_batch_size = 16         # rows per optimizer step, all devices together
   config.eval_batch_size = 16           # rows per evaluation batch, all devices together
 
-  # --- model: all keys in odetransformer/config.py; vocab_size comes from the tokenizer
+  # --- model: all keys in odetransformer/model/config.py; vocab_size comes from the tokenizer
   config.model = default_model_config()
   config.model.kind = "diffeqformer"    # 'gpt' for the baseline (num_steps = layers)
   config.model.d_model = 128
@@ -64,7 +64,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.vocab_size = 2048         # SentencePiece vocabulary trained on the train split
   config.data.eval_max_batches = 16     # bound evaluation time (16 × 16 × 128 tokens)
 
-  # --- optimizer: AdamW, 1% warm-up, cosine to 0.1 × peak (odetransformer/optimizer.py)
+  # --- optimizer: AdamW, 1% warm-up, cosine to 0.1 × peak (odetransformer/train/optimizer.py)
   config.optim = ml_collections.ConfigDict()
   config.optim.name = "adamw"
   config.optim.learning_rate = 1e-3     # peak (3e-3 made the grad norm climb after ~150 steps)
@@ -88,7 +88,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.mesh = ml_collections.ConfigDict()
   config.mesh.shape = (1, -1, 1)        # default: fully sharded data parallel
   # Logical axis -> mesh axes ('data,fsdp' = both, '' = replicated); every name of
-  # odetransformer/axes.py LOGICAL_AXES must be present.
+  # odetransformer/model/axes.py LOGICAL_AXES must be present.
   config.mesh.rules = rules_to_config()
 
   # --- metrics -------------------------------------------------------------------------

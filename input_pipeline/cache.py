@@ -21,7 +21,7 @@ import os
 from absl import logging
 
 from input_pipeline.errors import DataError
-from odetransformer import fileio
+from odetransformer.runtime import fileio
 
 LOCK_FILE = ".prepare.lock"
 INCOMPLETE_PREFIX = "incomplete."

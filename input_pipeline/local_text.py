@@ -19,7 +19,7 @@ from tensorflow_datasets.core.utils import tqdm_utils
 
 from input_pipeline import cache
 from input_pipeline.errors import DataError
-from odetransformer import fileio
+from odetransformer.runtime import fileio
 
 # A document is built from whole paragraphs (runs of lines between blank lines) up to
 # about this many characters; a longer paragraph is cut at line ends, a longer line

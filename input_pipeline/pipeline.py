@@ -38,7 +38,7 @@ same number of batches.
 Preparation: process 0 prepares local text and trains the tokenizer while the others
 wait, then they open the cache; jobs sharing a local cache take turns on its lock, and a
 damaged cache or a full disk is one line (`input_pipeline.cache`). Caches, tokenizers and
-text files go through `odetransformer.fileio`: a tokenizer may be read from or cached on
+text files go through `odetransformer.runtime.fileio`: a tokenizer may be read from or cached on
 gs://; local text is prepared into a local cache only (a gs:// one is refused).
 
 Batch convention (train and eval), all arrays [local_batch, seq_len]:
@@ -75,7 +75,7 @@ from input_pipeline import tokenizer as tokenizer_lib
 from input_pipeline import workers
 from input_pipeline.errors import DataError
 from input_pipeline.iterator_state import restore_iterator_state  # re-exported
-from odetransformer import fileio
+from odetransformer.runtime import fileio
 
 Batch = dict[str, np.ndarray]
 _TOKENS = "tokens"

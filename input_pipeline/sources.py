@@ -17,7 +17,7 @@ from input_pipeline import corpora
 from input_pipeline import embedded
 from input_pipeline import local_text
 from input_pipeline.errors import DataError
-from odetransformer import fileio
+from odetransformer.runtime import fileio
 
 SOURCES = "'embedded', 'local', 'tfds:<name>', 'openwebtext', 'wikitext103'"
 

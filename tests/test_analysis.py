@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from odetransformer import blocks
+from odetransformer.model import blocks
 from odetransformer.analysis import clustering, fields, lyapunov, spectra
-from odetransformer.config import ModelConfig
-from odetransformer.model import create_model
+from odetransformer.model.config import ModelConfig
+from odetransformer.model.transformer import create_model
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
 pytestmark = pytest.mark.xdist_group("test_analysis")
@@ -42,18 +42,18 @@ def random_model(cfg: ModelConfig, seed: int):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
   """A DiffEqFormer (gpt flavour) trained for 2 steps on the embedded corpus."""
-  from odetransformer import train  # pylint: disable=g-import-not-at-top
+  from odetransformer.train import loop  # pylint: disable=g-import-not-at-top
   from tiny import tiny_run_config  # pylint: disable=g-import-not-at-top
   c = tiny_run_config(tmp_path_factory.mktemp("analysis_data"))
   c.checkpoint_async = False
   wd = tmp_path_factory.mktemp("analysis_run")
-  train.train_and_evaluate(c, str(wd))
+  loop.train_and_evaluate(c, str(wd))
   return str(wd)
 
 
 @pytest.fixture(scope="module")
 def ode_model(workdir):
-  from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
+  from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
   return load_model(workdir).model
 
 

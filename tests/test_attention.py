@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from configs import default
-from odetransformer import blocks
-from odetransformer import config as config_lib
-from odetransformer import sharding
+from odetransformer.model import blocks
+from odetransformer.model import config as config_lib
+from odetransformer.train import sharding
 from odetransformer.errors import ConfigError
 
 PLATFORM = blocks._platform()  # pylint: disable=protected-access
@@ -187,7 +187,8 @@ import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 from configs import default
-from odetransformer import blocks, sharding
+from odetransformer.model import blocks
+from odetransformer.train import sharding
 from test_attention import _inputs
 
 c = default.get_config()

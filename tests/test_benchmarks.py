@@ -241,7 +241,7 @@ def test_step_time_and_llama_block_flags_reach_the_runs(tmp_path):
   """quality's --step_time/--llama_block set the DiffEqFormer's model fields (the
   baseline keeps the standard block); any_n's --step_time sets both modes'."""
   from benchmarks import any_n, quality   # pylint: disable=g-import-not-at-top
-  from odetransformer import config as config_lib   # pylint: disable=g-import-not-at-top
+  from odetransformer.model import config as config_lib   # pylint: disable=g-import-not-at-top
   text = tmp_path / "t.txt"
   text.write_text("x", encoding="utf-8")
   files = [f"--train_text={text}", f"--eval_text={text}"]

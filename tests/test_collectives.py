@@ -66,7 +66,7 @@ def test_parser_counts_a_known_all_gather_exactly_and_weights_loops():
 
 
 def test_collectives_benchmark_at_tiny_shape():
-  """Also `odetransformer.memory`'s analytic estimate: within ±15% of each compiled
+  """Also `odetransformer.tools.memory`'s analytic estimate: within ±15% of each compiled
   step's per-device peak (both models and flavours). On the mesh that splits the
   parameters two ways at once, (1, 2, 4): fsdp and tensor; the benchmark's default also
   runs (1, 8, 1) and (2, 4, 1), whose data axis tests/test_sharding.py covers."""
@@ -80,7 +80,7 @@ def test_collectives_benchmark_at_tiny_shape():
   assert len(rows) == 1 * 2 * 2, out                          # meshes × flavours × models
   estimates = [float(est) / float(peak) for *_, peak, est in rows]
   assert all(0.85 <= e <= 1.15 for e in estimates), out
-  m = re.search(r"^odetransformer.memory estimate / compiled peak: from ([0-9.]+) to "
+  m = re.search(r"^odetransformer.tools.memory estimate / compiled peak: from ([0-9.]+) to "
                 r"([0-9.]+) over 4 steps$", out, re.MULTILINE)
   assert m, out
   # The rows print MiB to 0.1: each row's true ratio lies within these bounds, so the

@@ -14,11 +14,13 @@ from absl import flags
 from flax import nnx
 
 from input_pipeline import local_text
-from odetransformer import errors, evaluate, generate, train
-from odetransformer.config import ModelConfig
-from odetransformer import loading
-from odetransformer.loading import load_model
-from odetransformer.model import create_model
+from odetransformer import errors
+from odetransformer.tools import evaluate, generate
+from odetransformer.train import loop
+from odetransformer.model.config import ModelConfig
+from odetransformer.train import loading
+from odetransformer.train.loading import load_model
+from odetransformer.model.transformer import create_model
 from tiny import tiny_run_config
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
@@ -54,7 +56,7 @@ def tiny_config(cache_dir):
 def run(tmp_path_factory):
   """(workdir, train_and_evaluate's result) of a 2-step DiffEqFormer run (K=3)."""
   workdir = tmp_path_factory.mktemp("run")
-  result = train.train_and_evaluate(tiny_config(tmp_path_factory.mktemp("data")), str(workdir))
+  result = loop.train_and_evaluate(tiny_config(tmp_path_factory.mktemp("data")), str(workdir))
   return str(workdir), result
 
 
@@ -192,7 +194,7 @@ def test_evaluate_command_line_plots_the_printed_table(run, eval_file, tmp_path,
 def test_token_scores_equal_a_numpy_reference():
   """The one scorer (train-loop eval, evaluate, lm-eval) against float64 numpy, with a
   masked token, a bf16 input and a tie-free argmax."""
-  from odetransformer.losses import token_cross_entropy, token_scores
+  from odetransformer.train.losses import token_cross_entropy, token_scores
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(3, 5, 7)).astype(np.float32)
   targets = rng.integers(0, 7, (3, 5)).astype(np.int32)

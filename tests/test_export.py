@@ -26,10 +26,11 @@ transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
 
 from conftest import shared_data_path  # pylint: disable=g-import-not-at-top
-from odetransformer import export, loading, train  # pylint: disable=g-import-not-at-top
-from odetransformer.config import ModelConfig  # pylint: disable=g-import-not-at-top
+from odetransformer.tools import export  # pylint: disable=g-import-not-at-top
+from odetransformer.train import loading, loop
+from odetransformer.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
 from odetransformer.errors import UserError  # pylint: disable=g-import-not-at-top
-from odetransformer.model import LanguageModel  # pylint: disable=g-import-not-at-top
+from odetransformer.model.transformer import LanguageModel  # pylint: disable=g-import-not-at-top
 from tiny import cpu_env, tiny_config  # pylint: disable=g-import-not-at-top
 
 pytestmark = pytest.mark.xdist_group("test_export")
@@ -45,7 +46,7 @@ def run(tmp_path_factory):
   c.data.eval_max_batches = 1
   c.model.max_len = MAX_LEN
   w = tmp_path_factory.mktemp("run")
-  train.train_and_evaluate(c, str(w))
+  loop.train_and_evaluate(c, str(w))
   return str(w)
 
 
@@ -128,7 +129,7 @@ def test_verify_fails_on_a_wrong_export(sp_model, tmp_path):
 
 def test_gcs_run_exports_to_gcs_as_it_does_locally(run, gcs_bucket, tmp_path):
   """A gs:// workdir exported to a gs:// directory: the same files as from local paths."""
-  from odetransformer import fileio  # pylint: disable=g-import-not-at-top
+  from odetransformer.runtime import fileio  # pylint: disable=g-import-not-at-top
   gs_run, gs_out = f"{gcs_bucket}/export-run", f"{gcs_bucket}/export-hf"
   fileio.copy_tree(run, gs_run)
   export.export(gs_run, gs_out, dtype="bfloat16")
@@ -155,7 +156,7 @@ def test_higher_order_ode_is_refused(solver, tmp_path):
 def test_command_line_refuses_rk4_before_loading(tmp_path):
   """A run's config.json alone (no checkpoint): the refusal comes before any loading."""
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from odetransformer import checkpointing  # pylint: disable=g-import-not-at-top
+  from odetransformer.train import checkpointing  # pylint: disable=g-import-not-at-top
   c = tiny_config(tmp_path / "cache")
   c.model.solver = "rk4"
   checkpointing.save_config(c, str(tmp_path))
@@ -195,7 +196,7 @@ def test_tokenizer_gives_sentencepiece_ids_on_real_text(sp_model, tmp_path):
 
 def test_command_line_verify_on_a_trained_run(run, tmp_path):
   out = tmp_path / "hf"
-  cmd = [sys.executable, "-m", "odetransformer.export", f"--workdir={run}", f"--out={out}",
+  cmd = [sys.executable, "-m", "odetransformer.tools.export", f"--workdir={run}", f"--out={out}",
          "--num_steps=3", "--verify"]
   r = subprocess.run(cmd, cwd=ROOT, env=cpu_env(OMP_NUM_THREADS=1), capture_output=True,
                      text=True, timeout=300)

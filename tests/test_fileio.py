@@ -1,4 +1,4 @@
-"""The one I/O layer (odetransformer/fileio.py): the same results on a local directory
+"""The one I/O layer (odetransformer/runtime/fileio.py): the same results on a local directory
 and on gs:// (a GCS emulator), and no module routed through it touches a workdir path
 with local-file calls of its own (a static scan)."""
 import ast
@@ -6,24 +6,24 @@ import os
 
 import pytest
 
-from odetransformer import fileio
+from odetransformer.runtime import fileio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Modules whose workdir, checkpoint, config and tokenizer paths go through fileio.
-ROUTED = ("odetransformer/checkpointing.py", "odetransformer/train.py",
-          "odetransformer/workdir_lock.py", "odetransformer/metrics.py",
-          "odetransformer/health.py", "odetransformer/loading.py",
-          "odetransformer/finetune.py", "odetransformer/evaluate.py",
+ROUTED = ("odetransformer/train/checkpointing.py", "odetransformer/train/loop.py",
+          "odetransformer/runtime/workdir_lock.py", "odetransformer/train/metrics.py",
+          "odetransformer/train/health.py", "odetransformer/train/loading.py",
+          "odetransformer/train/finetune.py", "odetransformer/tools/evaluate.py",
           "odetransformer/analysis/spectra.py", "odetransformer/analysis/lyapunov.py",
           "odetransformer/analysis/clustering.py")
 # (module, function): why a local-file call there is right.
 ALLOWED = {
     # flock needs a local file descriptor: this branch runs only for local workdirs.
-    ("odetransformer/workdir_lock.py", "_acquire_flock"): "flock (local paths only)",
-    ("odetransformer/workdir_lock.py", "_write_fd"): "flock (local paths only)",
-    ("odetransformer/workdir_lock.py", "_check_flock"): "flock (local paths only)",
-    ("odetransformer/workdir_lock.py", "release"): "flock (local paths only)",
+    ("odetransformer/runtime/workdir_lock.py", "_acquire_flock"): "flock (local paths only)",
+    ("odetransformer/runtime/workdir_lock.py", "_write_fd"): "flock (local paths only)",
+    ("odetransformer/runtime/workdir_lock.py", "_check_flock"): "flock (local paths only)",
+    ("odetransformer/runtime/workdir_lock.py", "release"): "flock (local paths only)",
 }
 _OS_FILE_CALLS = {"makedirs", "mkdir", "listdir", "remove", "rmdir", "replace", "rename",
                   "walk", "open", "scandir", "stat", "unlink"}
@@ -75,7 +75,7 @@ def test_routed_modules_use_only_fileio_for_paths():
       for function, line, what in local_file_calls(f.read()):
         if (module, function) not in ALLOWED:
           bad.append(f"{module}:{line} {what} in {function}")
-  assert not bad, "use odetransformer.fileio instead: " + "; ".join(bad)
+  assert not bad, "use odetransformer.runtime.fileio instead: " + "; ".join(bad)
 
 
 @pytest.fixture(params=["local", "gs"])
@@ -124,7 +124,7 @@ def test_emulator_variables_derive_from_storage_emulator_host(monkeypatch):
 
 
 @pytest.mark.parametrize("command", [["main.py", "--config=configs/default.py"],
-                                     ["-m", "odetransformer.evaluate"]])
+                                     ["-m", "odetransformer.tools.evaluate"]])
 def test_undecodable_path_is_one_line_before_any_work(command, tmp_path):
   """A non-ASCII --workdir under LC_ALL=C with UTF-8 mode off reaches Python as lone
   surrogates, which tensorstore and SentencePiece cannot take: refused in one line

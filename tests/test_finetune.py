@@ -1,4 +1,4 @@
-"""Fine-tuning through the real entry point (train.train_and_evaluate with init_from),
+"""Fine-tuning through the real entry point (loop.train_and_evaluate with init_from),
 and what a fine-tuning update of a materialised ODE means at each N."""
 import dataclasses
 import json
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from odetransformer import finetune, loading, metrics as metrics_lib, train
-from odetransformer.config import ModelConfig
-from odetransformer.materialize import materialize
-from odetransformer.model import create_model
-from odetransformer.solvers import stage_times
+from odetransformer.train import finetune, loading, metrics as metrics_lib, loop
+from odetransformer.model.config import ModelConfig
+from odetransformer.model.materialize import materialize
+from odetransformer.model.transformer import create_model
+from odetransformer.model.solvers import stage_times
 from test_train import fast_compiles, tiny_config  # noqa: F401  (fixture: compile cache)
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.xdist_group("test_finetune")
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
   base = tmp_path_factory.mktemp("pre")
-  result = train.train_and_evaluate(tiny_config(base / "cache", 4), str(base / "run"))
+  result = loop.train_and_evaluate(tiny_config(base / "cache", 4), str(base / "run"))
   return base, result
 
 
@@ -44,11 +44,11 @@ def eval_losses(workdir):
 
 
 def test_continuous_at_other_steps_runs_and_resumes(pretrained, tmp_path):
-  first = train.train_and_evaluate(ft_config(pretrained, "continuous", 5, steps=2), tmp_path)
+  first = loop.train_and_evaluate(ft_config(pretrained, "continuous", 5, steps=2), tmp_path)
   assert (first["start_step"], first["step"]) == (0, 2)
   saved = json.loads((tmp_path / "config.json").read_text())["model"]
   assert saved["kind"] == "diffeqformer" and saved["num_steps"] == 5
-  again = train.train_and_evaluate(ft_config(pretrained, "continuous", 5, steps=4), tmp_path)
+  again = loop.train_and_evaluate(ft_config(pretrained, "continuous", 5, steps=4), tmp_path)
   assert (again["start_step"], again["step"]) == (2, 4)
   assert np.isfinite(again["eval"]["loss"])
 
@@ -56,7 +56,7 @@ def test_continuous_at_other_steps_runs_and_resumes(pretrained, tmp_path):
 def test_full_at_training_k_starts_at_the_ode_loss(pretrained, tmp_path):
   """Materialised at N = K, step 0 evaluates the same function as the pre-trained ODE."""
   _, pre = pretrained
-  train.train_and_evaluate(ft_config(pretrained, "full", 0, steps=2), tmp_path)
+  loop.train_and_evaluate(ft_config(pretrained, "full", 0, steps=2), tmp_path)
   np.testing.assert_allclose(eval_losses(tmp_path)[0], pre["eval"]["loss"], rtol=1e-5)
   assert json.loads((tmp_path / "config.json").read_text())["model"]["kind"] == "parallel"
 
@@ -67,7 +67,7 @@ def test_lora_with_embeddings_changes_only_adapters_and_embeddings(pretrained, t
   start = finetune.initial_model_state(c, finetune.finetune_model_config(c))
   b0 = np.asarray(nnx.to_pure_dict(start)["stack"]["lora"]["wq"]["b"])
   assert b0.shape == (3, 2, 32) and 0 < np.abs(b0).max() < 1e-5   # 1e-6·N(0, 1)
-  train.train_and_evaluate(c, tmp_path)
+  loop.train_and_evaluate(c, tmp_path)
   tuned = loading.load_model(str(tmp_path)).model
   assert tuned.config.out_proj_scale == pytest.approx(1 / 3)
   reference = materialize(loading.load_model(str(base / "run")).model, 3, fold_dt=False)
@@ -86,7 +86,7 @@ def test_lora_steps_lower_the_held_out_loss(pretrained, tmp_path):
   c = ft_config(pretrained, "lora", 4, steps=4, targets="wq,wk,wv,wo,w1,w2")
   c.optim.learning_rate = 3e-2
   c.eval_every_steps = 4
-  train.train_and_evaluate(c, tmp_path)
+  loop.train_and_evaluate(c, tmp_path)
   losses = eval_losses(tmp_path)
   assert sorted(losses) == [0, 4]
   assert losses[4] <= losses[0] - 0.03, losses
@@ -185,7 +185,7 @@ def test_mismatched_width_is_a_clear_error(pretrained, tmp_path):
   c = ft_config(pretrained, "full", 0)
   c.model.d_model = 64
   with pytest.raises(ValueError, match=r"model.d_model=64 differs from the pre-trained"):
-    train.train_and_evaluate(c, tmp_path / "ft")
+    loop.train_and_evaluate(c, tmp_path / "ft")
   assert not (tmp_path / "ft").exists()
 
 

@@ -24,10 +24,12 @@ from absl import logging as absl_logging
 
 from test_train import ROOT, fast_compiles  # pylint: disable=unused-import
 from test_reliability import config, main_cmd, subprocess_env
-from odetransformer import checkpointing, evaluate, fileio, generate, train
+from odetransformer.runtime import fileio
+from odetransformer.tools import evaluate, generate
+from odetransformer.train import checkpointing, loop
 from odetransformer.analysis import lyapunov, spectra
-from odetransformer import metrics as metrics_lib
-from odetransformer.workdir_lock import WorkdirInUseError, WorkdirLock
+from odetransformer.train import metrics as metrics_lib
+from odetransformer.runtime.workdir_lock import WorkdirInUseError, WorkdirLock
 
 pytestmark = pytest.mark.xdist_group("test_gcs")   # module fixtures once, on one worker
 STEPS = 6
@@ -43,7 +45,7 @@ def reference(cache, tmp_path_factory):
   """An uninterrupted local run (in-process): its workdir, {step: train loss} and final
   eval loss."""
   wd = tmp_path_factory.mktemp("gcs_reference")
-  result = train.train_and_evaluate(config(cache, STEPS, checkpoint_every_steps=1), str(wd))
+  result = loop.train_and_evaluate(config(cache, STEPS, checkpoint_every_steps=1), str(wd))
   return wd, dict(result["loss_history"]), result["eval"]["loss"]
 
 
@@ -146,7 +148,7 @@ def test_gs_lock_refuses_a_second_run(gs_run, cache):
   before = fileio.walk_files(wd)
   try:
     with pytest.raises(WorkdirInUseError, match=f"is in use by PID {os.getpid()} on host "):
-      train.train_and_evaluate(config(cache, STEPS + 2), wd)
+      loop.train_and_evaluate(config(cache, STEPS + 2), wd)
     assert fileio.walk_files(wd) == before
   finally:
     holder.release()
@@ -161,7 +163,7 @@ def test_finetune_from_gs_starts_at_the_pretrained_loss(gs_run, reference, cache
   c.finetune = ml_collections.ConfigDict(dict(
       method="full", num_steps=0, lora_rank=2, lora_alpha=4.0, targets="wq,wo",
       train_embeddings=False, lora_init="zero_b"))
-  train.train_and_evaluate(c, str(tmp_path))
+  loop.train_and_evaluate(c, str(tmp_path))
   eval_loss = dict(metrics_lib.read_scalars(str(tmp_path / "tensorboard"))["eval/loss"])[0]
   np.testing.assert_allclose(eval_loss, reference[2], rtol=1e-5)
   _no_local_gs_dir()

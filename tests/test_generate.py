@@ -11,10 +11,11 @@ import pytest
 from absl import flags
 from flax import nnx
 
-from odetransformer import generate, loading
-from odetransformer.config import ModelConfig
-from odetransformer.decode import Decoder
-from odetransformer.model import create_model
+from odetransformer.tools import generate
+from odetransformer.train import loading
+from odetransformer.model.config import ModelConfig
+from odetransformer.model.decode import Decoder
+from odetransformer.model.transformer import create_model
 from test_model import _perturb_hypernet
 
 VOCAB = 97

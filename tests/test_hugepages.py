@@ -1,5 +1,5 @@
-"""The huge-page re-exec (odetransformer/hugepages.py) and the CPU-host test it relies on
-(odetransformer/host.py): off by default, on when opted in on a CPU host, never on a
+"""The huge-page re-exec (odetransformer/runtime/hugepages.py) and the CPU-host test it relies on
+(odetransformer/runtime/host.py): off by default, on when opted in on a CPU host, never on a
 GPU/TPU host; when it happens it keeps the process, and large host buffers are then
 really backed by huge pages."""
 import os
@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from odetransformer import errors, host, hugepages
+from odetransformer import errors
+from odetransformer.runtime import host, hugepages
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -21,7 +22,7 @@ _CHILD = f"""
 import ctypes, os, sys
 sys.path.insert(0, {str(ROOT)!r})
 print("start", os.getpid(), os.environ.get("GLIBC_TUNABLES"), flush=True)
-from odetransformer import host, hugepages
+from odetransformer.runtime import host, hugepages
 if sys.argv[1:] == ["gpu"]:
   host.accelerator_devices = lambda root="/": ["/dev/nvidia0"]
 hugepages.reexec_with_huge_pages()

@@ -85,6 +85,63 @@ def test_cycle_finder_sees_a_planted_circle(tmp_path):
 
 def test_no_import_circle():
   graph = import_graph()
-  assert "odetransformer.train" in graph and graph["odetransformer.train"]
+  assert "odetransformer.train.loop" in graph and graph["odetransformer.train.loop"]
   cycle = find_cycle(graph)
   assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+# Imports only go down: each room may import the rooms listed for it (and itself).
+LAYERS = {
+    "odetransformer.errors": (),
+    "odetransformer.runtime": ("odetransformer.errors",),
+    "odetransformer.model": ("odetransformer.errors",),
+    "input_pipeline": ("odetransformer.errors", "odetransformer.runtime"),
+    "odetransformer.train": ("odetransformer.errors", "odetransformer.runtime",
+                             "odetransformer.model", "input_pipeline"),
+    "odetransformer.analysis": ("odetransformer.errors", "odetransformer.runtime",
+                                "odetransformer.model", "input_pipeline", "odetransformer.train"),
+    "odetransformer.tools": ("odetransformer.errors", "odetransformer.runtime",
+                             "odetransformer.model", "input_pipeline", "odetransformer.train"),
+}
+
+
+def _room(module: str):
+  for room in sorted(LAYERS, key=len, reverse=True):
+    if module == room or module.startswith(room + "."):
+      return room
+  return None
+
+
+def layer_violations(graph: dict) -> list:
+  """['a -> b', ...]: imports from a room into one it may not import."""
+  bad = []
+  for module, deps in sorted(graph.items()):
+    room = _room(module)
+    if room is None:
+      continue
+    for dep in sorted(deps):
+      target = _room(dep)
+      if target is not None and target != room and target not in LAYERS[room]:
+        bad.append(f"{module} -> {dep}")
+  return bad
+
+
+def test_layer_check_sees_an_upward_import():
+  graph = {"odetransformer.model.blocks": {"odetransformer.errors"},
+           "odetransformer.train.loop": {"odetransformer.model.blocks"}}
+  assert layer_violations(graph) == []
+  graph["odetransformer.model.blocks"].add("odetransformer.train.loop")
+  graph["odetransformer.model.decode"] = {"odetransformer.runtime.fileio"}
+  assert layer_violations(graph) == ["odetransformer.model.blocks -> odetransformer.train.loop",
+                                     "odetransformer.model.decode -> odetransformer.runtime.fileio"]
+
+
+def test_imports_only_go_down():
+  graph = import_graph()
+  every_module = set(graph)
+  for room in LAYERS:
+    assert any(_room(m) == room for m in every_module), f"no module in {room}"
+  unplaced = sorted(m for m in every_module
+                    if m.startswith("odetransformer.") and _room(m) is None)
+  assert unplaced == [], f"modules outside every room: {unplaced}"
+  assert layer_violations(graph) == []

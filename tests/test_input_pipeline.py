@@ -31,7 +31,7 @@ from input_pipeline import pipeline
 from input_pipeline import prepare
 from input_pipeline import sources
 from input_pipeline import tokenizer as tokenizer_lib
-from odetransformer import fileio
+from odetransformer.runtime import fileio
 from tiny import config_flags, cpu_env, tiny_config
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.

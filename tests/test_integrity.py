@@ -16,7 +16,9 @@ from absl import flags
 from absl import logging as absl_logging
 from test_reliability import config, main_cmd, snapshot, start_and_wait_for_checkpoint
 from test_train import _final_params, fast_compiles  # pylint: disable=unused-import
-from odetransformer import checkpointing, errors, generate, loading, train
+from odetransformer import errors
+from odetransformer.tools import generate
+from odetransformer.train import checkpointing, loading, loop
 
 pytestmark = pytest.mark.xdist_group("test_integrity")
 
@@ -32,7 +34,7 @@ def cache(tmp_path_factory):
 def trained(cache, tmp_path_factory):
   """A 6-step run's workdir: checkpoints 2, 4 and 6 (to be copied by tests)."""
   wd = tmp_path_factory.mktemp("trained")
-  train.train_and_evaluate(config(cache, 6, checkpoint_every_steps=2), str(wd))
+  loop.train_and_evaluate(config(cache, 6, checkpoint_every_steps=2), str(wd))
   assert checkpointing.finalized_steps(str(wd)) == [2, 4, 6]
   return wd
 
@@ -113,7 +115,7 @@ def test_checkpoint_without_its_record_is_refused_unless_allowed(run_copy, cache
     (run_copy / "checkpoints" / str(step) / "model" / checkpointing.INTEGRITY_FILE).unlink()
   before = snapshot(run_copy / "checkpoints")
   with pytest.raises(checkpointing.UnverifiedCheckpointError) as err:
-    train.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2), str(run_copy))
+    loop.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2), str(run_copy))
   msg = str(err.value)
   assert "step 6" in msg and "no integrity record (model" in msg and "\n" not in msg
   assert "--config.checkpoint_allow_unverified=true" in msg
@@ -132,7 +134,7 @@ def test_checkpoint_without_its_record_is_refused_unless_allowed(run_copy, cache
   msg = str(err.value)
   assert "no integrity record" in msg and "--checkpoint_allow_unverified" in msg
   assert "\n" not in msg
-  r = train.train_and_evaluate(
+  r = loop.train_and_evaluate(
       config(cache, 8, checkpoint_every_steps=2, checkpoint_allow_unverified=True),
       str(run_copy))
   assert (r["start_step"], r["step"]) == (6, 8)
@@ -159,7 +161,7 @@ def test_resume_with_another_batch_shape_or_seed_is_refused(change, needle, run_
   """Used to resume silently: no longer an exact continuation."""
   before = snapshot(run_copy / "checkpoints")
   with pytest.raises(errors.ConfigError) as err:
-    train.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2, **change),
+    loop.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2, **change),
                              str(run_copy))
   msg = str(err.value)
   assert needle in msg and "--config.resume_with_changes=true" in msg and "\n" not in msg
@@ -176,11 +178,11 @@ def test_resume_on_other_data_is_refused_unless_accepted(run_copy, cache, monkey
                       lambda *a, **k: _WithContentHash(create(*a, **k), "corpus-B"))
   before = snapshot(run_copy / "checkpoints")
   with pytest.raises(errors.ConfigError) as err:
-    train.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2), str(run_copy))
+    loop.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2), str(run_copy))
   assert f"training data content {trained_on[:40]!r} -> 'corpus-B'" in str(err.value)
   assert "--config.resume_with_changes=true" in str(err.value)
   assert snapshot(run_copy / "checkpoints") == before
-  r = train.train_and_evaluate(
+  r = loop.train_and_evaluate(
       config(cache, 8, checkpoint_every_steps=2, resume_with_changes=True), str(run_copy))
   assert (r["start_step"], r["step"]) == (6, 8)
   meta = checkpointing.stored_fingerprint(str(run_copy))[1]
@@ -191,7 +193,7 @@ def test_a_model_change_is_not_accepted_by_resume_with_changes(run_copy, cache):
   c = config(cache, 8, checkpoint_every_steps=2, resume_with_changes=True)
   c.model.mlp_dim = 128
   with pytest.raises(errors.ConfigError, match="model.mlp_dim 64 -> 128"):
-    train.train_and_evaluate(c, str(run_copy))
+    loop.train_and_evaluate(c, str(run_copy))
 
 
 def test_reader_whose_step_is_rotated_away_reads_the_newest(run_copy, tmp_path, monkeypatch,

@@ -1,7 +1,7 @@
 """The lm-evaluation-harness adapter on a tiny trained checkpoint: log-likelihoods equal
 direct model scoring, is_greedy equals an argmax check, rolling windows and greedy
 generation equal plain loops, and a local LAMBADA-format task runs offline, in process
-and through `python -m odetransformer.lm_eval`."""
+and through `python -m odetransformer.tools.lm_eval`."""
 import glob
 import json
 import math
@@ -21,8 +21,8 @@ lm_eval = pytest.importorskip(
 
 from lm_eval.api.instance import Instance  # pylint: disable=g-import-not-at-top
 
-from odetransformer import train  # pylint: disable=g-import-not-at-top
-from odetransformer.lm_eval_model import ODETransformerLM  # pylint: disable=g-import-not-at-top
+from odetransformer.train import loop  # pylint: disable=g-import-not-at-top
+from odetransformer.tools.lm_eval_model import ODETransformerLM  # pylint: disable=g-import-not-at-top
 from tiny import tiny_run_config  # pylint: disable=g-import-not-at-top
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
@@ -40,7 +40,7 @@ def workdir(tmp_path_factory):
   c = tiny_run_config(tmp_path_factory.mktemp("data"))
   c.model.max_len = 64
   w = tmp_path_factory.mktemp("run")
-  train.train_and_evaluate(c, str(w))
+  loop.train_and_evaluate(c, str(w))
   return str(w)
 
 
@@ -180,14 +180,14 @@ def expected_metrics(lm, reference):
 
 
 def test_command_line_runs_a_local_lambada_task(workdir, lm, reference, tmp_path):
-  """`python -m odetransformer.lm_eval` registers the model and runs the example task
+  """`python -m odetransformer.tools.lm_eval` registers the model and runs the example task
   offline (its jsonl given by absolute path) through the harness's own CLI; the
   task's perplexity and accuracy equal those of direct scoring."""
   tasks = local_task(tmp_path)
   out = tmp_path / "out"
   env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
              HF_DATASETS_CACHE=str(tmp_path / "hf_cache"))
-  cmd = [sys.executable, "-m", "odetransformer.lm_eval", "--model", "odetransformer",
+  cmd = [sys.executable, "-m", "odetransformer.tools.lm_eval", "--model", "odetransformer",
          "--model_args", f"workdir={workdir},num_steps={NUM_STEPS},max_length={MAX_LENGTH}",
          "--include_path", str(tasks), "--tasks", "lambada_local",
          "--batch_size", "3", "--output_path", str(out)]

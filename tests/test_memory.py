@@ -1,4 +1,4 @@
-"""odetransformer.memory: per-device memory report (analytic and compiled paths)."""
+"""odetransformer.tools.memory: per-device memory report (analytic and compiled paths)."""
 import json
 import math
 import os
@@ -9,9 +9,10 @@ import sys
 import jax
 
 from configs import default
-from odetransformer import blocks, memory
-from odetransformer import config as config_lib
-from odetransformer.param_count import count_params
+from odetransformer.model import blocks
+from odetransformer.tools import memory
+from odetransformer.model import config as config_lib
+from odetransformer.model.param_count import count_params
 from tiny import config_flags, cpu_env, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -42,7 +43,7 @@ def small_config():
 def _cli(tmp_path, *args, timeout=150):
   out = tmp_path / "report.json"
   env = cpu_env()
-  r = subprocess.run([sys.executable, "-m", "odetransformer.memory", *args, f"--json={out}"],
+  r = subprocess.run([sys.executable, "-m", "odetransformer.tools.memory", *args, f"--json={out}"],
                      cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=timeout)
   assert r.returncode == 0, r.stderr[-3000:]
   return r.stdout, json.loads(out.read_text())
@@ -118,7 +119,7 @@ def test_large_config_uses_the_analytic_path_and_a_verdict(tmp_path):
 
 
 def test_bad_mesh_is_a_one_line_error(tmp_path):
-  r = subprocess.run([sys.executable, "-m", "odetransformer.memory",
+  r = subprocess.run([sys.executable, "-m", "odetransformer.tools.memory",
                       "--config=configs/default.py", "--num_devices=4",
                       "--config.mesh.shape=3,-1,1"], cwd=str(ROOT), capture_output=True,
                      text=True, timeout=60, env=dict(os.environ, JAX_PLATFORMS="cpu"))

@@ -11,8 +11,8 @@ import optax
 import pytest
 from flax import nnx
 
-from odetransformer import checkpointing
-from odetransformer import metrics
+from odetransformer.train import checkpointing
+from odetransformer.train import metrics
 
 
 def _step_metrics(loss_sum, weight_sum, grad_norm, lr, applied=1.0):

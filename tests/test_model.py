@@ -10,12 +10,12 @@ import optax
 import pytest
 from flax import nnx
 
-from odetransformer import solvers
-from odetransformer.config import ModelConfig, default_model_config
-from odetransformer.losses import token_cross_entropy
-from odetransformer.materialize import materialize
-from odetransformer.model import create_model
-from odetransformer.time_embedding import time_embedding
+from odetransformer.model import solvers
+from odetransformer.model.config import ModelConfig, default_model_config
+from odetransformer.train.losses import token_cross_entropy
+from odetransformer.model.materialize import materialize
+from odetransformer.model.transformer import create_model
+from odetransformer.model.time_embedding import time_embedding
 
 TINY = ModelConfig(vocab_size=97, d_model=32, num_heads=4, mlp_dim=64, num_steps=4,
                    max_len=32, time_embed_dim=8, time_sinusoids=6, time_hidden=16,
@@ -453,7 +453,7 @@ def test_every_rk4_field_evaluation_draws_its_own_dropout_masks(monkeypatch):
   """rk4 evaluates the field 4 times per step (the 2nd and 3rd at the same time): each
   evaluation's two dropout masks (attention, FFN) come from keys of their own, as do the
   embeddings'. Keys are recorded as the model runs."""
-  from odetransformer import blocks
+  from odetransformer.model import blocks
   seen, dropout = [], blocks._dropout
 
   def recording(x, rate, key):
@@ -533,7 +533,7 @@ def test_generate_weights_and_gradients_match_a_loop_in_float64(k):
   """W[k] = P·h_k + P0 for every k (one einsum over the unreshaped P [*shape, d_t]);
   its VJP is the closed form dP = Σ_k dW_k ⊗ h_k, dh_k = Σ dW_k·P, dP0 = Σ_k dW_k,
   computed here entry by entry in float64."""
-  from odetransformer.hypernet import generate_weights
+  from odetransformer.model.hypernet import generate_weights
   shape, d_t = (5, 3, 4), 7
   rng = np.random.default_rng(k)
   h = rng.normal(size=(k, d_t))
@@ -557,7 +557,7 @@ def test_generate_weights_and_gradients_match_a_loop_in_float64(k):
 
 
 def test_param_count_matches_allocated_model_and_gpt2():
-  from odetransformer.param_count import count_params, paper_config
+  from odetransformer.model.param_count import count_params, paper_config
   for cfg in (TINY, dataclasses.replace(TINY, kind="gpt"),
               dataclasses.replace(TINY, flavour="llama", shared_time_mlp=True)):
     allocated = sum(x.size for x in jax.tree.leaves(nnx.state(create_model(cfg), nnx.Param)))
@@ -570,8 +570,8 @@ def test_param_count_matches_allocated_model_and_gpt2():
 
 
 def test_lora_starts_at_base_trains_adapters_only_and_merges():
-  from odetransformer.lora import merge_lora
-  from odetransformer.model import Frozen, LoraParam
+  from odetransformer.model.lora import merge_lora
+  from odetransformer.model.transformer import Frozen, LoraParam
   base = materialize(create_model(TINY, seed=20), 5)
   cfg = dataclasses.replace(base.config, lora_rank=2, lora_alpha=4.0,
                             lora_targets=("wq", "wo", "w2"))

@@ -10,7 +10,7 @@ The same tiny run three ways, each in fresh subprocesses (device counts and
 
 Each process runs main.py's own entry point (flags, multi-host detection from
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, `jax.distributed`
-initialisation, then `train.train_and_evaluate`), recording its training batches and the
+initialisation, then `loop.train_and_evaluate`), recording its training batches and the
 run's result. All runs split the data into 2 input shards (`data.input_shards`), so the
 1-process reference sees the global batches of the 2-process runs. Checked: losses of
 part1 + part2 equal ref's (1e-5), and at every step the two processes held disjoint
@@ -31,8 +31,8 @@ import time
 
 import pytest
 
-from odetransformer import checkpointing
-from odetransformer import metrics as metrics_lib
+from odetransformer.train import checkpointing
+from odetransformer.train import metrics as metrics_lib
 from tiny import cpu_env
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
@@ -47,7 +47,8 @@ DRIVER = textwrap.dedent("""
     import time
     T0 = time.time()
     import main as main_lib
-    from odetransformer import checkpointing, errors, steps, train
+    from odetransformer import errors
+    from odetransformer.train import checkpointing, steps, loop
     from tiny import config_flags, tiny_config
 
     c = tiny_config(os.environ["ODET_CACHE"], num_train_steps=int(os.environ.get("ODET_STEPS", 4)))
@@ -93,11 +94,11 @@ DRIVER = textwrap.dedent("""
         batches.append(out["inputs"].tolist())
       return out
     steps.local_batch = recording
-    train_and_evaluate = train.train_and_evaluate
+    train_and_evaluate = loop.train_and_evaluate
     def recorded(config, workdir):
       result.update(train_and_evaluate(config, workdir))
       return result
-    train.train_and_evaluate = recorded
+    loop.train_and_evaluate = recorded
 
     sys.argv = ["main.py", f"--config={config_file}",
                 f"--workdir={os.environ['ODET_WORKDIR']}", *config_flags(c, base)]
@@ -114,7 +115,7 @@ DRIVER = textwrap.dedent("""
     if os.environ.get("ODET_EVALUATE"):   # then the evaluate command on the run, here
       import contextlib, io
       from absl import flags
-      from odetransformer import evaluate
+      from odetransformer.tools import evaluate
       fv = evaluate.define_flags(flags.FlagValues())
       fv(["evaluate", f"--workdir={os.environ['ODET_WORKDIR']}", "--max_batches=1"])
       with contextlib.redirect_stdout(io.StringIO()) as printed:

@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 
 from configs import default
-from odetransformer import optimizer
-from odetransformer.config import ModelConfig
-from odetransformer.model import create_model
+from odetransformer.train import optimizer
+from odetransformer.model.config import ModelConfig
+from odetransformer.model.transformer import create_model
 
 
 def _optim(**kw):

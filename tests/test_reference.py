@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from odetransformer.model import create_model
+from odetransformer.model.transformer import create_model
 from test_model import TINY, _np, _perturb_hypernet, tokens
 
 

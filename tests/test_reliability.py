@@ -22,9 +22,10 @@ import pytest
 from test_train import ROOT, TINY_FLAGS, _final_params, fast_compiles, tiny_config  # pylint: disable=unused-import
 from input_pipeline import DataError
 from tiny import cpu_env
-from odetransformer import checkpointing
-from odetransformer import metrics as metrics_lib
-from odetransformer import errors, health, steps, train
+from odetransformer.train import checkpointing
+from odetransformer.train import metrics as metrics_lib
+from odetransformer import errors
+from odetransformer.train import health, steps, loop
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
 pytestmark = pytest.mark.xdist_group("test_reliability")
@@ -99,7 +100,7 @@ def params_equal(a, b):
 def reference(cache, tmp_path_factory):
   """An uninterrupted 8-step run (checkpoint every step; in-process)."""
   wd = tmp_path_factory.mktemp("reference")
-  r = train.train_and_evaluate(config(cache, 8, checkpoint_every_steps=1), str(wd))
+  r = loop.train_and_evaluate(config(cache, 8, checkpoint_every_steps=1), str(wd))
   return dict(result=r, workdir=wd, params=_final_params(wd))
 
 
@@ -177,7 +178,7 @@ def test_nonfinite_stops_and_keeps_last_good_checkpoint(trained, cache, tmp_path
   c = config(cache, 6, checkpoint_every_steps=1, log_every_steps=100)
   c.optim.learning_rate = 1e30
   with pytest.raises(health.DivergenceError) as err:
-    train.train_and_evaluate(c, str(tmp_path))
+    loop.train_and_evaluate(c, str(tmp_path))
   msg = str(err.value)
   assert msg.startswith("non-finite training values at step 3 (") and "\n" not in msg
   assert f"last good checkpoint: step 2 in {tmp_path / 'checkpoints'}" in msg
@@ -195,7 +196,7 @@ def test_nonfinite_before_any_checkpoint(cache, tmp_path):
   c.optim.learning_rate = 1e30
   c.optim.warmup_frac = 0.0
   with pytest.raises(health.DivergenceError, match=r"at step 1 .*no checkpoint was written yet"):
-    train.train_and_evaluate(c, str(tmp_path))
+    loop.train_and_evaluate(c, str(tmp_path))
   assert checkpointing.finalized_steps(str(tmp_path)) == []
 
 
@@ -222,7 +223,7 @@ def test_skip_nonfinite_steps_skips_a_bad_batch_and_finishes(cache, tmp_path, mo
   _poison_train_batches(monkeypatch, {3})
   c = config(cache, 6, checkpoint_every_steps=2, log_every_steps=2)
   c.optim.skip_nonfinite_steps = 1
-  out = train.train_and_evaluate(c, str(tmp_path / "skip"))
+  out = loop.train_and_evaluate(c, str(tmp_path / "skip"))
   assert out["step"] == 6 and np.isfinite(out["train"]["loss"])
   skipped = metrics_lib.read_scalars(str(tmp_path / "skip" / "tensorboard"))[
       "train/skipped_steps"]
@@ -234,7 +235,7 @@ def test_skip_nonfinite_steps_skips_a_bad_batch_and_finishes(cache, tmp_path, mo
   _poison_train_batches(monkeypatch, {3})
   c.optim.skip_nonfinite_steps = 0
   with pytest.raises(health.DivergenceError, match=r"at step 3 \(loss nan, gradient norm nan"):
-    train.train_and_evaluate(c, str(tmp_path / "stop"))
+    loop.train_and_evaluate(c, str(tmp_path / "stop"))
   assert checkpointing.finalized_steps(str(tmp_path / "stop")) == [2]
 
 
@@ -246,7 +247,7 @@ def test_skip_nonfinite_steps_stops_after_too_many_in_a_row(cache, tmp_path, mon
   c = config(cache, 8, checkpoint_every_steps=2, log_every_steps=100)
   c.optim.skip_nonfinite_steps = 2
   with pytest.raises(health.DivergenceError) as err:
-    train.train_and_evaluate(c, str(tmp_path))
+    loop.train_and_evaluate(c, str(tmp_path))
   msg = str(err.value)
   assert msg.startswith("non-finite training values at step 5 (3 steps in a row skipped "
                         "from step 3 on, more than optim.skip_nonfinite_steps=2)"), msg
@@ -263,7 +264,7 @@ _EIGHT_DEVICES = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
     from test_reliability import config
     from test_train import _final_params
-    from odetransformer import train
+    from odetransformer.train import loop
     assert jax.device_count() == 8, jax.devices()
     wd1, wd8, cache = sys.argv[2:5]
     step, params = _final_params(wd1)                  # 1-device checkpoint on 8 devices
@@ -272,7 +273,7 @@ _EIGHT_DEVICES = textwrap.dedent("""
     assert len(flat) == len(ref.files)
     for path, x in flat:
       np.testing.assert_array_equal(x, ref[jax.tree_util.keystr(path)])
-    r = train.train_and_evaluate(config(cache, 4, global_batch_size=8, eval_batch_size=8), wd8)
+    r = loop.train_and_evaluate(config(cache, 4, global_batch_size=8, eval_batch_size=8), wd8)
     assert (r["start_step"], r["step"]) == (2, 4), r
     _, params = _final_params(wd8)
     np.savez(wd8 + "/params.npz", **{jax.tree_util.keystr(p): x
@@ -289,7 +290,7 @@ def _save_npz(path, params):
 def test_checkpoint_moves_between_1_and_8_devices(cache, tmp_path):
   wd1, wd8 = tmp_path / "one", tmp_path / "eight"
   c = lambda n: config(cache, n, global_batch_size=8, eval_batch_size=8)
-  train.train_and_evaluate(c(2), str(wd1))
+  loop.train_and_evaluate(c(2), str(wd1))
   _, params1 = _final_params(wd1)
   _save_npz(wd1 / "params.npz", params1)
   shutil.copytree(wd1, wd8)
@@ -307,7 +308,7 @@ def test_checkpoint_moves_between_1_and_8_devices(cache, tmp_path):
   for path, x in flat:
     np.testing.assert_array_equal(x, ref[jax.tree_util.keystr(path)])
   # ...and training continues on 1 device.
-  r = train.train_and_evaluate(c(6), str(wd8))
+  r = loop.train_and_evaluate(c(6), str(wd8))
   assert (r["start_step"], r["step"]) == (4, 6)
   assert all(np.isfinite(loss) for _, loss in r["loss_history"])
 
@@ -321,7 +322,7 @@ def _corrupt(step_dir):
 
 
 def test_corrupt_checkpoint_falls_back_or_stops(cache, tmp_path):
-  train.train_and_evaluate(config(cache, 4), str(tmp_path))      # checkpoints 2 and 4
+  loop.train_and_evaluate(config(cache, 4), str(tmp_path))      # checkpoints 2 and 4
   ck = tmp_path / "checkpoints"
   assert checkpointing.finalized_steps(str(tmp_path)) == [2, 4]
   good2 = tmp_path / "good2"
@@ -330,12 +331,12 @@ def test_corrupt_checkpoint_falls_back_or_stops(cache, tmp_path):
   _corrupt(ck / "4")
   before = snapshot(ck)
   with pytest.raises(checkpointing.CheckpointError, match=r"no checkpoint in .* restores"):
-    train.train_and_evaluate(config(cache, 6), str(tmp_path))
+    loop.train_and_evaluate(config(cache, 6), str(tmp_path))
   assert snapshot(ck) == before                                   # nothing moved or written
 
   shutil.rmtree(ck / "2")
   shutil.copytree(good2, ck / "2")
-  r = train.train_and_evaluate(config(cache, 6), str(tmp_path))   # 4 corrupt, 2 good
+  r = loop.train_and_evaluate(config(cache, 6), str(tmp_path))   # 4 corrupt, 2 good
   assert (r["start_step"], r["step"]) == (2, 6)
   assert [p.name.split("-")[0] for p in (tmp_path / "corrupt_checkpoints").iterdir()] == ["4"]
   assert checkpointing.finalized_steps(str(tmp_path)) == [2, 4, 6]
@@ -348,7 +349,7 @@ def test_checkpoint_of_another_array_layout_stops_with_what_to_do(trained, cache
                                                                  monkeypatch):
   """A checkpoint whose arrays the code lays out differently (P d_t-major, as before
   2026-11-22) under the same config: one error that says so, and nothing moved."""
-  from odetransformer import hypernet
+  from odetransformer.model import hypernet
   wd = tmp_path / "run"
   shutil.copytree(trained, wd)
   init = hypernet.WeightGenerator.__init__
@@ -361,13 +362,13 @@ def test_checkpoint_of_another_array_layout_stops_with_what_to_do(trained, cache
   monkeypatch.setattr(hypernet.WeightGenerator, "__init__", d_t_major_init)
   before = snapshot(wd / "checkpoints")
   with pytest.raises(checkpointing.CheckpointError) as raised:
-    train.train_and_evaluate(config(cache, 4), str(wd))
+    loop.train_and_evaluate(config(cache, 4), str(wd))
   message = str(raised.value)
   assert "\n" not in message and "[d_t, *weight axes]" in message, message
   assert "laid out differently" in message and "not compatible" in message, message
   assert snapshot(wd / "checkpoints") == before                  # nothing moved or written
   # Evaluation, generation and fine-tuning load the model alone: the same error there.
-  from odetransformer import loading
+  from odetransformer.train import loading
   with pytest.raises(ValueError, match=r"laid out differently .*\[d_t, \*weight axes\]"):
     loading.load_model(str(wd))
   assert snapshot(wd / "checkpoints") == before
@@ -377,7 +378,7 @@ def test_checkpoint_of_another_array_layout_stops_with_what_to_do(trained, cache
 def trained(cache, tmp_path_factory):
   """A 2-step run's workdir (checkpoint at 2), to be copied by tests."""
   wd = tmp_path_factory.mktemp("trained")
-  train.train_and_evaluate(config(cache, 2), str(wd))
+  loop.train_and_evaluate(config(cache, 2), str(wd))
   return wd
 
 
@@ -393,7 +394,7 @@ def trained(cache, tmp_path_factory):
 def test_bad_config_is_one_error_and_writes_nothing(cache, tmp_path, overrides, error, match):
   wd = tmp_path / "wd"
   with pytest.raises(error, match=match) as err:
-    train.train_and_evaluate(config(cache, 2, **overrides), str(wd))
+    loop.train_and_evaluate(config(cache, 2, **overrides), str(wd))
   assert "\n" not in str(err.value)
   assert not wd.exists()
 
@@ -407,7 +408,7 @@ def test_incompatible_workdir_is_refused_untouched(trained, cache, tmp_path):
   c.model.mlp_dim = 128
   c.model.remat_policy = "full"        # allowed to differ: not reported
   with pytest.raises(errors.ConfigError) as err:
-    train.train_and_evaluate(c, str(wd))
+    loop.train_and_evaluate(c, str(wd))
   msg = str(err.value)
   assert "holds checkpoints (step 2) of a different model, data or tokenizer" in msg
   assert "model.mlp_dim 64 -> 128" in msg and "model.num_heads 2 -> 4" in msg
@@ -535,7 +536,7 @@ def test_misuse_is_one_line_and_changes_nothing(case, run_copy, cache, tmp_path)
     needles = ("holds no training run",)
   elif case == "generate_all_corrupt":
     _flip_a_bit(wd / "checkpoints" / "2")
-    args = ["-m", "odetransformer.generate", f"--workdir={wd}", "--prompt=def"]
+    args = ["-m", "odetransformer.tools.generate", f"--workdir={wd}", "--prompt=def"]
     needles = ("no checkpoint in", "corrupt", "crc32c")
   elif case in ("binary_text", "latin1_text"):
     wd = tmp_path / "fresh"
@@ -561,7 +562,7 @@ def test_misuse_is_one_line_and_changes_nothing(case, run_copy, cache, tmp_path)
 
 
 def test_tools_read_the_config_from_the_checkpoint_without_config_json(run_copy):
-  from odetransformer import loading
+  from odetransformer.train import loading
   (run_copy / "config.json").unlink()
   loaded = loading.load_model(str(run_copy))
   assert loaded.step == 2 and loaded.model_config.d_model == 32
@@ -605,7 +606,7 @@ def test_read_only_mount_is_one_line(cache, tmp_path):
 def test_workdir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, caplog):
   """flock semantics: a second open of the lock (here in this process) is refused
   naming the holder; once the holder is gone the next run takes over with a warning."""
-  from odetransformer import workdir_lock
+  from odetransformer.runtime import workdir_lock
   wd = tmp_path / "wd"
   first = workdir_lock.WorkdirLock(str(wd)).acquire()
   holder = (wd / ".lock").read_text()
@@ -629,7 +630,7 @@ def test_second_run_on_a_live_workdir_exits_at_once(run_copy, cache):
   main.py does; the second is the real command."""
   holder = subprocess.Popen(
       [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-       "from odetransformer.workdir_lock import WorkdirLock; "
+       "from odetransformer.runtime.workdir_lock import WorkdirLock; "
        "WorkdirLock(sys.argv[2]).acquire(); print('locked', flush=True); time.sleep(600)",
        str(ROOT), str(run_copy)], cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
       text=True)
@@ -648,7 +649,7 @@ def test_second_run_on_a_live_workdir_exits_at_once(run_copy, cache):
 
 def test_flipped_bits_are_reported_as_corruption_and_fall_back(reference, cache, tmp_path):
   """Used to restore without a word (orbax checks no data checksum) and diverge."""
-  from odetransformer import loading
+  from odetransformer.train import loading
   wd = tmp_path / "wd"
   shutil.copytree(reference["workdir"], wd)
   assert checkpointing.finalized_steps(str(wd)) == [6, 7, 8]
@@ -657,7 +658,7 @@ def test_flipped_bits_are_reported_as_corruption_and_fall_back(reference, cache,
                      match=r"checkpoints/8 is corrupt: an array chunk's crc32c differs"):
     loading.load_model(str(wd), step=8)
   assert loading.load_model(str(wd)).step == 7               # tools: the previous one
-  r = train.train_and_evaluate(config(cache, 8, checkpoint_every_steps=1), str(wd))
+  r = loop.train_and_evaluate(config(cache, 8, checkpoint_every_steps=1), str(wd))
   assert (r["start_step"], r["step"]) == (7, 8)
   assert [p.name.split("-")[0] for p in (wd / "corrupt_checkpoints").iterdir()] == ["8"]
   step, params = _final_params(wd)

@@ -1,11 +1,11 @@
 """A resume holds one TrainState: restored into the abstract (sharded) targets, with no
-created state beside it (`train._restore_or_init`)."""
+created state beside it (`loop._restore_or_init`)."""
 import gc
 import threading
 
 import jax
 
-from odetransformer import checkpointing, train
+from odetransformer.train import checkpointing, loop
 from tiny import tiny_config
 
 
@@ -23,12 +23,12 @@ def test_resume_peak_live_device_bytes_are_one_state(tmp_path, monkeypatch):
   config = tiny_config(tmp_path / "cache", num_train_steps=2)
   config.eval_every_steps = 0
   workdir = str(tmp_path / "run")
-  train.train_and_evaluate(config, workdir)          # leaves a checkpoint at step 2
+  loop.train_and_evaluate(config, workdir)          # leaves a checkpoint at step 2
 
   samples, states = [], []
   sample = lambda: samples.append(_live_bytes())
   restore_latest = checkpointing.Checkpointer.restore_latest
-  restore_or_init = train._restore_or_init
+  restore_or_init = loop._restore_or_init
 
   def measured_restore(self, *args):
     sample()
@@ -57,7 +57,7 @@ def test_resume_peak_live_device_bytes_are_one_state(tmp_path, monkeypatch):
   monkeypatch.setattr(train, "_restore_or_init", measured_restore_or_init)
   gc.collect()            # the baseline holds no garbage that the resume would free
   before = _live_bytes()
-  resumed = train.train_and_evaluate(config, workdir)   # at step 2 already: restore, eval
+  resumed = loop.train_and_evaluate(config, workdir)   # at step 2 already: restore, eval
   assert resumed["start_step"] == 2 and len(states) == 1
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(states[0]))
   assert len(samples) >= 3 and state_bytes > 0

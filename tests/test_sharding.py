@@ -3,8 +3,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import default
-from odetransformer import sharding
-from odetransformer.axes import LOGICAL_AXES
+from odetransformer.train import sharding
+from odetransformer.model.axes import LOGICAL_AXES
 
 
 def test_mesh_shape_minus_one_takes_the_rest():
@@ -79,8 +79,8 @@ import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 from tiny import tiny_config
-from odetransformer import sharding, steps
-from odetransformer import config as config_lib
+from odetransformer.train import sharding, steps
+from odetransformer.model import config as config_lib
 assert jax.device_count() == 8, jax.devices()
 
 # A stand-in optimizer whose state is the gradient it was given (and no update): the

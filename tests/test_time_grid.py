@@ -9,12 +9,13 @@ import optax
 import pytest
 from flax import nnx
 
-from odetransformer import sharding as sharding_lib
-from odetransformer import solvers, steps, time_grid
-from odetransformer import config as config_lib
-from odetransformer.config import ModelConfig
-from odetransformer.losses import token_cross_entropy
-from odetransformer.model import create_model
+from odetransformer.train import sharding as sharding_lib
+from odetransformer.model import solvers, time_grid
+from odetransformer.train import steps
+from odetransformer.model import config as config_lib
+from odetransformer.model.config import ModelConfig
+from odetransformer.train.losses import token_cross_entropy
+from odetransformer.model.transformer import create_model
 from test_model import (TINY, _np, _perturb_hypernet, linear_ode_problem, ref_field, ref_norm,
                         ref_weights, tokens)
 from tiny import tiny_config
@@ -222,7 +223,7 @@ def test_train_step_solves_on_the_grid_drawn_from_its_rng():
 def test_new_model_fields_match_fingerprints_written_before_them():
   """A checkpoint written before model.step_time / model.llama_block existed resumes
   under their defaults (its meaning then); a stored value that differs does not."""
-  from odetransformer import checkpointing   # pylint: disable=g-import-not-at-top
+  from odetransformer.train import checkpointing   # pylint: disable=g-import-not-at-top
   c = tiny_config("/unused")
   new = checkpointing.fingerprint(c)
   assert new["model"]["step_time"] == "start" and new["model"]["llama_block"] == "paper"

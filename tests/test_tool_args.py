@@ -21,7 +21,9 @@ import pytest
 from absl import flags
 from absl import logging as absl_logging
 
-from odetransformer import checkpointing, errors, evaluate, generate, health
+from odetransformer import errors
+from odetransformer.tools import evaluate, generate
+from odetransformer.train import checkpointing, health
 from tiny import config_flags, cpu_env, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -67,7 +69,7 @@ def refusal(command, workdir, flag) -> str:
 
 
 def test_generate_refuses_in_one_stderr_line(workdir):
-  proc = run(["-m", "odetransformer.generate", f"--workdir={workdir}", "--max_new_tokens=0"])
+  proc = run(["-m", "odetransformer.tools.generate", f"--workdir={workdir}", "--max_new_tokens=0"])
   assert "--max_new_tokens=0 must be a positive number" in error_line(proc)
 
 
@@ -93,7 +95,7 @@ def test_evaluate_refuses(workdir, flag, needle):
 
 
 def test_evaluate_plot_refuses_a_directory(workdir):
-  proc = run(["-m", "odetransformer.evaluate", f"--workdir={workdir}", f"--plot={workdir}"])
+  proc = run(["-m", "odetransformer.tools.evaluate", f"--workdir={workdir}", f"--plot={workdir}"])
   assert f"--plot={workdir} is a directory" in error_line(proc)
   assert sorted(os.listdir(workdir)) == ["config.json"]   # no probe file left
 
@@ -123,7 +125,8 @@ def test_run_mesh_follows_the_run_or_the_flag():
   --mesh_shape value wins and a misfit one is a one-line error."""
   import jax  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
-  from odetransformer import errors, loading  # pylint: disable=g-import-not-at-top
+  from odetransformer import errors  # pylint: disable=g-import-not-at-top
+  from odetransformer.train import loading
   n = jax.device_count()
   run = lambda shape: ml_collections.ConfigDict({"mesh": {"shape": shape}})
   assert dict(loading.run_mesh(run((1, 1, -1))).shape) == {"data": 1, "fsdp": 1, "tensor": n}
@@ -136,7 +139,7 @@ def test_run_mesh_follows_the_run_or_the_flag():
 
 
 def test_lm_eval_drops_writing_options_on_other_processes():
-  from odetransformer import lm_eval  # pylint: disable=g-import-not-at-top
+  from odetransformer.tools import lm_eval  # pylint: disable=g-import-not-at-top
   argv = ["lm_eval", "--model", "odetransformer", "--output_path", "out", "--log_samples",
           "--tasks", "t", "-o=out2", "-s", "--wandb_args", "project=p", "--limit", "3"]
   assert lm_eval.without_writing_options(argv) == [

@@ -1,5 +1,5 @@
 """Downstream jobs on a mesh and on several processes: fine-tuning from a checkpoint
-(`init_from`) and `odetransformer.evaluate`, as 2 processes × 4 CPU devices on 127.0.0.1
+(`init_from`) and `odetransformer.tools.evaluate`, as 2 processes × 4 CPU devices on 127.0.0.1
 (`jax.distributed`, initialised by `host.initialize_distributed` as main.py does)
 against 1 process × 8 devices, and the 8-device evaluation against 1 device.
 
@@ -26,7 +26,8 @@ import time
 import numpy as np
 import pytest
 
-from odetransformer import evaluate, loading, train
+from odetransformer.tools import evaluate
+from odetransformer.train import loading, loop
 from odetransformer.analysis import lyapunov
 from tiny import cpu_env, tiny_config
 
@@ -39,12 +40,13 @@ EVAL_FLAGS = ("--batch_size=6", "--max_batches=2")   # 6 rows (2 input shards): 
 DRIVER = textwrap.dedent("""
     import contextlib, dataclasses, io, json, os, sys
     sys.path[:0] = [os.environ["ODET_ROOT"], os.path.join(os.environ["ODET_ROOT"], "tests")]
-    from odetransformer import host
+    from odetransformer.runtime import host
     host.initialize_distributed()        # what main.py and the tools do first
     import jax
     import ml_collections
     from absl import flags
-    from odetransformer import evaluate, train
+    from odetransformer.tools import evaluate
+    from odetransformer.train import loop
     from odetransformer.analysis import lyapunov
     from tiny import tiny_config
 
@@ -57,7 +59,7 @@ DRIVER = textwrap.dedent("""
     c.finetune = ml_collections.ConfigDict(dict(
         method="full", num_steps=3, lora_rank=0, lora_alpha=1.0, targets="wq",
         train_embeddings=False, lora_init="zero_b"))
-    ft = train.train_and_evaluate(c, os.environ["ODET_WORKDIR"])
+    ft = loop.train_and_evaluate(c, os.environ["ODET_WORKDIR"])
 
     results = []
     evaluate_model = evaluate.evaluate_model
@@ -140,7 +142,7 @@ def runs(tmp_path_factory):
   pre = tmp / "pre"
   c = tiny_config(tmp / "cache", num_train_steps=2)
   c.eval_every_steps = 0
-  train.train_and_evaluate(c, str(pre))          # also caches the tokenizer and data
+  loop.train_and_evaluate(c, str(pre))          # also caches the tokenizer and data
   one = _group(tmp, "one", 8, 1, pre)[0]
   two = _group(tmp, "two", 4, 2, pre)
   return tmp, one, two

@@ -20,13 +20,13 @@ from flax import nnx
 
 from configs import default
 from conftest import shared_data_path
-from odetransformer import checkpointing
-from odetransformer import metrics as metrics_lib
-from odetransformer import optimizer as optimizer_lib
-from odetransformer import sharding as sharding_lib
-from odetransformer import steps, train
-from odetransformer import config as config_lib
-from odetransformer.model import create_model
+from odetransformer.train import checkpointing
+from odetransformer.train import metrics as metrics_lib
+from odetransformer.train import optimizer as optimizer_lib
+from odetransformer.train import sharding as sharding_lib
+from odetransformer.train import steps, loop
+from odetransformer.model import config as config_lib
+from odetransformer.model.transformer import create_model
 
 from tiny import config_flags, run_on_8_cpu_devices, tiny_config  # noqa: E402  (tiny_config re-exported for other test modules)
 
@@ -59,13 +59,13 @@ def runs(tmp_path_factory):
   wd_a, wd_b = base / "a", base / "b"
   with pytest.MonkeyPatch.context() as mp:   # a SIGTERM arriving during step 4
     mp.setattr(checkpointing.Checkpointer, "reached_preemption", lambda self, step: step == 4)
-    first = train.train_and_evaluate(tiny_config(cache, 6), str(wd_a))
+    first = loop.train_and_evaluate(tiny_config(cache, 6), str(wd_a))
   with compiled_functions() as resume_compiles:
-    resumed = train.train_and_evaluate(tiny_config(cache, 6), str(wd_a))
-  fresh = train.train_and_evaluate(tiny_config(cache, 6), str(wd_b))
+    resumed = loop.train_and_evaluate(tiny_config(cache, 6), str(wd_a))
+  fresh = loop.train_and_evaluate(tiny_config(cache, 6), str(wd_b))
   wd_c = base / "c"
-  stopped = train.train_and_evaluate(tiny_config(cache, 6), str(wd_c), stop_at_step=3)
-  continued = train.train_and_evaluate(tiny_config(cache, 6), str(wd_c))
+  stopped = loop.train_and_evaluate(tiny_config(cache, 6), str(wd_c), stop_at_step=3)
+  continued = loop.train_and_evaluate(tiny_config(cache, 6), str(wd_c))
   return dict(first=first, resumed=resumed, fresh=fresh, wd_a=wd_a, wd_b=wd_b,
               resume_compiles=resume_compiles, stopped=stopped, continued=continued,
               wd_c=wd_c)
@@ -174,7 +174,7 @@ def test_finetune_lora_starts_at_the_pretrained_model(runs, tmp_path):
   c.finetune = ml_collections.ConfigDict(dict(
       method="lora", num_steps=0, lora_rank=4, lora_alpha=8.0, targets="wq,wv",
       train_embeddings=False))
-  r = train.train_and_evaluate(c, str(tmp_path))
+  r = loop.train_and_evaluate(c, str(tmp_path))
   evals = dict(metrics_lib.read_scalars(str(tmp_path / "tensorboard"))["eval/loss"])
   np.testing.assert_allclose(evals[0], runs["fresh"]["eval"]["loss"], rtol=1e-5)
   assert r["step"] == 2 and (tmp_path / "tokenizer.model").exists()
@@ -363,7 +363,8 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     from flax import nnx
     sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
     from test_train import tiny_config
-    from odetransformer import config as config_lib, optimizer, sharding, steps
+    from odetransformer.model import config as config_lib
+    from odetransformer.train import optimizer, sharding, steps
     assert jax.device_count() == 8, jax.devices()
 
     c = tiny_config("/unused")
@@ -436,7 +437,7 @@ def test_default_model_learns_wikitext2(kind, tmp_path_factory):
   c.data.tokenizer_sample_bytes = 400_000
   c.data.eval_max_batches = 2
   c.data.cache_dir = str(cache)
-  r = train.train_and_evaluate(c, str(tmp_path_factory.mktemp(f"wt2_{kind}")))
+  r = loop.train_and_evaluate(c, str(tmp_path_factory.mktemp(f"wt2_{kind}")))
   losses = [loss for _, loss in r["loss_history"]]
   assert losses[0] > math.log(2048) - 0.5          # starts near uniform
   assert np.mean(losses[-5:]) < losses[0] - 1.0    # and clearly learns

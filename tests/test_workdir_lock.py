@@ -13,8 +13,9 @@ import pytest
 from test_train import ROOT, fast_compiles  # pylint: disable=unused-import
 from test_reliability import (assert_one_line_error, main_cmd, start_and_wait_for_checkpoint,
                               subprocess_env)
-from odetransformer import checkpointing, fileio
-from odetransformer.workdir_lock import WorkdirInUseError, WorkdirLock
+from odetransformer.runtime import fileio
+from odetransformer.train import checkpointing
+from odetransformer.runtime.workdir_lock import WorkdirInUseError, WorkdirLock
 
 
 def test_object_lock_refuses_takes_over_stale_and_notices_loss(gcs_bucket, caplog):

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from odetransformer import fileio
+from odetransformer.runtime import fileio
 
 NUM_TOKENS = 40
 DIM = 3

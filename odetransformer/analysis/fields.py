@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from odetransformer import blocks
-from odetransformer.solvers import stage_times
+from odetransformer.model import blocks
+from odetransformer.model.solvers import stage_times
 
 
 @dataclasses.dataclass

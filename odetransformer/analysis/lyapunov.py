@@ -39,10 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from odetransformer import blocks
-from odetransformer import fileio, host, loading
+from odetransformer.model import blocks
+from odetransformer.runtime import fileio, host
+from odetransformer.train import loading
 from odetransformer.analysis import fields
-from odetransformer.checkpointing import UNVERIFIED_FLAG_HELP
+from odetransformer.train.checkpointing import UNVERIFIED_FLAG_HELP
 
 
 # --------------------------------------------------------------------------- numerics
@@ -187,7 +188,7 @@ def sensitivity(model, tokens_l: Sequence[int], position: int = -1,
 def load_tokenizer(workdir: str, path: Optional[str] = None):
   """`path` if given, else the run's tokenizer (`loading.load_tokenizer`)."""
   from input_pipeline import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
-  from odetransformer import checkpointing, loading  # pylint: disable=g-import-not-at-top
+  from odetransformer.train import checkpointing, loading  # pylint: disable=g-import-not-at-top
   if path:
     return tokenizer_lib.load(path, int(checkpointing.load_config(workdir).data.vocab_size))
   return loading.load_tokenizer(workdir)
@@ -401,7 +402,7 @@ def main(argv: Optional[list] = None) -> Sensitivity:
   """The command line; a bad flag or workdir is a UserError (one line: errors.run_cli)."""
   args = parse_args(sys.argv[1:] if argv is None else argv)
   from odetransformer import errors  # pylint: disable=g-import-not-at-top
-  from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
+  from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
   if args.num_steps is not None and args.num_steps <= 0:
     raise errors.UserError(f"--num_steps={args.num_steps} must be a positive number of "
                            "Euler steps (or left out: the trained K)")

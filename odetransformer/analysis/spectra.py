@@ -27,9 +27,10 @@ from typing import Optional
 import jax
 import numpy as np
 
-from odetransformer import fileio, host, loading
+from odetransformer.runtime import fileio, host
+from odetransformer.train import loading
 from odetransformer.analysis import fields
-from odetransformer.checkpointing import UNVERIFIED_FLAG_HELP
+from odetransformer.train.checkpointing import UNVERIFIED_FLAG_HELP
 
 
 @dataclasses.dataclass
@@ -244,7 +245,7 @@ def main(argv: Optional[list] = None) -> Spectra:
   """The command line; a bad flag or workdir is a UserError (one line: errors.run_cli)."""
   args = parse_args(sys.argv[1:] if argv is None else argv)
   from odetransformer import errors  # pylint: disable=g-import-not-at-top
-  from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
+  from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
   if args.grid < 2:
     raise errors.UserError(f"--grid={args.grid}: an ODE's spectra need at least 2 points "
                            "t in [0, 1]; pass --grid=2 or more (default 64)")

@@ -27,10 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from odetransformer import blocks, checkpointing, fileio, loading, sharding
-from odetransformer.config import ModelConfig, model_config
+from odetransformer.model import blocks
+from odetransformer.runtime import fileio
+from odetransformer.train import checkpointing, loading, sharding
+from odetransformer.model.config import ModelConfig, model_config
 from odetransformer.errors import ConfigError
-from odetransformer.materialize import materialize
+from odetransformer.model.materialize import materialize
 
 METHODS = ("continuous", "full", "lora")
 LORA_INITS = ("zero_b", "small")

@@ -1,6 +1,6 @@
 r"""Perplexity of a trained model over a whole split, at one or several solver step counts.
 
-  python -m odetransformer.evaluate --workdir=W [--num_steps=6,9,12,18,24] \
+  python -m odetransformer.tools.evaluate --workdir=W [--num_steps=6,9,12,18,24] \
       [--data=SOURCE | --data=local:GLOB] [--split=SPLIT] [--data_dir=DIR] \
       [--seq_len=L] [--batch_size=B] [--max_batches=0] [--step=S] [--plot=PATH.png] \
       [--mesh_shape=1,-1,1]
@@ -39,12 +39,14 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from odetransformer import axes, checkpointing, fileio, host, loading, sharding
-from odetransformer.config import model_config
-from odetransformer.checkpointing import UNVERIFIED_FLAG_HELP
+from odetransformer.model import axes
+from odetransformer.runtime import fileio, host
+from odetransformer.train import checkpointing, loading, sharding
+from odetransformer.model.config import model_config
+from odetransformer.train.checkpointing import UNVERIFIED_FLAG_HELP
 from odetransformer.errors import UserError
-from odetransformer.losses import token_scores
-from odetransformer.model import LanguageModel
+from odetransformer.train.losses import token_scores
+from odetransformer.model.transformer import LanguageModel
 
 _LOCAL_PREFIX = "local:"
 
@@ -198,7 +200,7 @@ def evaluate(workdir: str, num_steps: Sequence[Optional[int]] = (None,), *, step
              mesh_shape: str = "", **data_kwargs) -> list:
   """Loads the checkpoint (on the run's mesh, or `mesh_shape`) and returns a `Result` per
   entry of `num_steps`."""
-  from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
+  from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
   loaded = load_model(workdir, step=step, mesh_shape=mesh_shape)
   for n in num_steps:
     loaded.model.resolve_num_steps(n)  # fail before reading data
@@ -295,7 +297,7 @@ def main(argv, flag_values=None):
   process 0 prints and writes the plot."""
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
-  from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
+  from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS if flag_values is None else flag_values
   quiet_orbax(cli=True)

@@ -17,7 +17,7 @@ glibc reads tunables only when a process starts, hence the re-exec (same PID, sa
 arguments). It happens only when all of these hold:
 
 - `ODET_HUGEPAGES=1` (unset or 0: off, the default; any other value is an error);
-- this is a CPU host (`odetransformer/host.py`: no GPU or TPU device, and JAX_PLATFORMS
+- this is a CPU host (`odetransformer/runtime/host.py`: no GPU or TPU device, and JAX_PLATFORMS
   unset or `cpu`). Accelerator hosts never re-execute: a step's buffers live on the
   device there, and the process a launcher started stays as it started;
 - GLIBC_TUNABLES is not set (your own tunables are kept as they are);
@@ -28,7 +28,7 @@ import os
 import sys
 from typing import Mapping, Optional
 
-from odetransformer import host
+from odetransformer.runtime import host
 from odetransformer.errors import UserError
 
 SWITCH = "ODET_HUGEPAGES"

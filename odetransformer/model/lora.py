@@ -1,7 +1,7 @@
 """Merging LoRA adapters into their base weights (for export as a plain model)."""
 import dataclasses
 
-from odetransformer.model import LanguageModel, build_from_values
+from odetransformer.model.transformer import LanguageModel, build_from_values
 
 
 def merge_lora(model: LanguageModel) -> LanguageModel:

@@ -19,8 +19,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from odetransformer.model import LanguageModel, build_from_values
-from odetransformer.solvers import stage_times
+from odetransformer.model.transformer import LanguageModel, build_from_values
+from odetransformer.model.solvers import stage_times
 
 _DT_ROLES = ("out", "out_bias")
 

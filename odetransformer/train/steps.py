@@ -1,6 +1,6 @@
 """The jitted functions of training: state creation, the train and eval steps, evaluation.
 
-The loop (`odetransformer/train.py`) carries one `TrainState`: an nnx.State with two
+The loop (`odetransformer/train/loop.py`) carries one `TrainState`: an nnx.State with two
 named parts, `state["model"]` and `state["optimizer"]` (the AdamW moments and step
 count), created already sharded inside one jit (no full replica on any host). A
 `StateLayout` describes it without allocating: graphdef, abstract shapes and the
@@ -24,13 +24,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from odetransformer import axes as axes_lib
-from odetransformer import metrics as metrics_lib
-from odetransformer import sharding as sharding_lib
-from odetransformer import time_grid as time_grid_lib
-from odetransformer.config import ModelConfig
-from odetransformer.losses import token_cross_entropy, token_scores
-from odetransformer.model import create_model
+from odetransformer.model import axes as axes_lib
+from odetransformer.train import metrics as metrics_lib
+from odetransformer.train import sharding as sharding_lib
+from odetransformer.model import time_grid as time_grid_lib
+from odetransformer.model.config import ModelConfig
+from odetransformer.train.losses import token_cross_entropy, token_scores
+from odetransformer.model.transformer import create_model
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
 

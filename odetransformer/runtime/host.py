@@ -1,7 +1,7 @@
 """Whether this run is on CPU, decided before jax is imported (stdlib only).
 
 JAX picks its platform when it first initialises its backends; by then it is too late
-to re-execute the process (odetransformer/hugepages.py) or to spare a CPU machine the
+to re-execute the process (odetransformer/runtime/hugepages.py) or to spare a CPU machine the
 probing of accelerator runtimes that are installed but have no device. So this module
 answers from what the operating system shows:
 

@@ -1,12 +1,12 @@
 """Will it fit? Per-device memory of a config's training state on an N-device mesh.
 
-  python -m odetransformer.memory --config=configs/owt_large.py --num_devices=64 \
+  python -m odetransformer.tools.memory --config=configs/owt_large.py --num_devices=64 \
       [--config.mesh.shape=1,-1,1] [--device_memory_gib=80] [--compile | --nocompile]
 
 Run as a program, this module makes `--num_devices` fake CPU devices
 (`XLA_FLAGS=--xla_force_host_platform_device_count=N`, set before jax is imported) and
 builds the config's ('data', 'fsdp', 'tensor') mesh and logical-axis rules on them, the
-same way `train.train_and_evaluate` does. Then either
+same way `loop.train_and_evaluate` does. Then either
 
 * compiled (`--compile`, or the default when the model has fewer than
   `--compile_max_params` parameters): the real train step (`steps.make_train_step`) is
@@ -56,7 +56,7 @@ def _force_host_device_count(argv) -> None:
 
 if __name__ == "__main__":
   if "jax" in sys.modules:   # cannot happen with `python -m`; guard against misuse
-    print("warning: jax was imported before odetransformer.memory; --num_devices may "
+    print("warning: jax was imported before odetransformer.tools.memory; --num_devices may "
           "be ignored", file=sys.stderr)
   _force_host_device_count(sys.argv)
 
@@ -72,12 +72,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from odetransformer import blocks, hypernet
-from odetransformer import optimizer as optimizer_lib
-from odetransformer import sharding as sharding_lib
-from odetransformer import config as config_lib
-from odetransformer import errors, steps, train
-from odetransformer import model as model_lib
+from odetransformer.model import blocks, hypernet
+from odetransformer.train import optimizer as optimizer_lib
+from odetransformer.train import sharding as sharding_lib
+from odetransformer.model import config as config_lib
+from odetransformer import errors
+from odetransformer.train import steps, loop
+from odetransformer.model import transformer as model_lib
 
 GIB = 1024 ** 3
 DEFAULT_COMPILE_MAX_PARAMS = 50_000_000
@@ -268,7 +269,7 @@ def memory_report(config, *, compile_step: Optional[bool] = None,
     rules = sharding_lib.logical_axis_rules(config.mesh)
   except sharding_lib.MeshError as e:
     raise errors.ConfigError(str(e)) from e
-  train.check_config(config, mesh, rules)
+  loop.check_config(config, mesh, rules)
   cfg = config_lib.model_config(config, config.data.vocab_size)
   tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps, ode=cfg.is_ode)
 
@@ -397,7 +398,7 @@ def main(argv):
   if flag_values.num_devices and jax.device_count() != flag_values.num_devices:
     raise errors.UserError(
         f"asked for {flag_values.num_devices} devices but jax has {jax.device_count()} "
-        f"({jax.devices()[0].platform}); run as `python -m odetransformer.memory` so "
+        f"({jax.devices()[0].platform}); run as `python -m odetransformer.tools.memory` so "
         "XLA_FLAGS is set before jax loads")
   config = errors.load_config_flag(flags.FLAGS["config"])
   report = memory_report(config, compile_step=flag_values.compile,

@@ -40,7 +40,7 @@ from typing import Optional
 
 from absl import logging
 
-from odetransformer import fileio
+from odetransformer.runtime import fileio
 from odetransformer.errors import UserError
 
 LOCK_FILE = ".lock"

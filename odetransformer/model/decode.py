@@ -33,11 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from odetransformer import blocks
-from odetransformer.config import ModelConfig
-from odetransformer.materialize import materialize
-from odetransformer.model import LanguageModel
-from odetransformer.solvers import STAGE_NODES, TABLEAUX, rk_step
+from odetransformer.model import blocks
+from odetransformer.model.config import ModelConfig
+from odetransformer.model.materialize import materialize
+from odetransformer.model.transformer import LanguageModel
+from odetransformer.model.solvers import STAGE_NODES, TABLEAUX, rk_step
 
 
 

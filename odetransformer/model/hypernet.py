@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from odetransformer.axes import constrain_weight
-from odetransformer.blocks import ParamSpec, layer_param_specs
-from odetransformer.config import ModelConfig
-from odetransformer.time_embedding import time_embedding
+from odetransformer.model.axes import constrain_weight
+from odetransformer.model.blocks import ParamSpec, layer_param_specs
+from odetransformer.model.config import ModelConfig
+from odetransformer.model.time_embedding import time_embedding
 
 
 class TimeMLP(nnx.Module):

@@ -66,8 +66,8 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
-from odetransformer import fileio
-from odetransformer import workdir_lock
+from odetransformer.runtime import fileio
+from odetransformer.runtime import workdir_lock
 from odetransformer.errors import ConfigError, UserError
 
 CHECKPOINT_DIR = "checkpoints"

@@ -20,11 +20,12 @@ from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from odetransformer import checkpointing, fileio, sharding
-from odetransformer.checkpointing import TOKENIZER_FILE
-from odetransformer.config import ModelConfig, model_config
+from odetransformer.runtime import fileio
+from odetransformer.train import checkpointing, sharding
+from odetransformer.train.checkpointing import TOKENIZER_FILE
+from odetransformer.model.config import ModelConfig, model_config
 from odetransformer.errors import UserError
-from odetransformer.model import LanguageModel, create_model
+from odetransformer.model.transformer import LanguageModel, create_model
 
 
 MESH_SHAPE_HELP = ("Device mesh (data,fsdp,tensor) to load the model on, e.g. 1,-1,1 "

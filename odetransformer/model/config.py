@@ -10,8 +10,8 @@ import dataclasses
 import ml_collections
 
 from odetransformer.errors import ConfigError
-from odetransformer.solvers import STEP_TIMES
-from odetransformer.time_grid import TRAIN_TIME_GRIDS
+from odetransformer.model.solvers import STEP_TIMES
+from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
 
 KINDS = ("diffeqformer", "gpt", "parallel", "shared")
 FLAVOURS = ("gpt", "llama")
@@ -43,7 +43,7 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.time_hidden = 0            # H: hypernetwork MLP hidden width; 0 = d_t, as the authors' code
   c.shared_time_mlp = False    # App. D.2 ablation: one MLP shared by all weights
   c.solver = "euler"           # 'euler' | 'midpoint' | 'rk4' (ODE kinds only)
-  # Where a step evaluates the field (odetransformer/solvers.py): 'start' = Euler's step
+  # Where a step evaluates the field (odetransformer/model/solvers.py): 'start' = Euler's step
   # k at t = k/K (the textbook scheme); 'end' = at (k+1)/K, the authors' code's scheme
   # (midpoint's nodes reflected too; RK4 the same under both). 'start' is the default
   # because every earlier run and checkpoint used it.
@@ -55,7 +55,7 @@ def default_model_config() -> ml_collections.ConfigDict:
   # is the paper's model, and Llama checkpoints written before this field hold no norm
   # shifts, so they restore only under it.
   c.llama_block = "paper"
-  # Training time grid per batch (ODE kinds; odetransformer/time_grid.py): 'fixed' = k/K;
+  # Training time grid per batch (ODE kinds; odetransformer/model/time_grid.py): 'fixed' = k/K;
   # 'random_shift' = interior times shifted by dt0 ~ U(0, 2/K): every solver's evaluation
   # points cover [0, 1) under step_time='start' and (0, 1] under 'end';
   # 'random_offset' = dt0 ~ U(0, 1/K), the authors' scheme: Euler is never evaluated
@@ -81,7 +81,7 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.hyper_init_std = 0.02      # std of P (weights' generators) and of the time MLPs' kernels;
                                # static parts P0 and all MLP biases start at 0 (haliax Linear init)
   c.hyper_bias_init_std = 1e-4 # std of P of the bias generators (qkvflow TemporalLinear f_b)
-  # LoRA on a discrete model's stacked layers (fine-tuning; odetransformer/finetune.py):
+  # LoRA on a discrete model's stacked layers (fine-tuning; odetransformer/train/finetune.py):
   c.lora_rank = 0              # 0 = no adapters; > 0 freezes the layers and trains A·B
   c.lora_alpha = 16.0          # adapter scale alpha / rank
   c.lora_targets = "wq,wk,wv,wo"   # comma-separated layer weights to adapt (wq wk wv wo w1 w2 w3)

@@ -1,6 +1,6 @@
 r"""A trained model as a Hugging Face model directory, and a check that its logits agree.
 
-  python -m odetransformer.export --workdir=W --out=DIR [--step=S] [--num_steps=N] \
+  python -m odetransformer.tools.export --workdir=W --out=DIR [--step=S] [--num_steps=N] \
       [--dtype=float32|bfloat16] [--verify] [--mesh_shape=1,-1,1]
 
 One process restores the checkpoint sharded over its devices (the run's mesh, or
@@ -46,12 +46,14 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from odetransformer import fileio, hf_tokenizer, loading
-from odetransformer.checkpointing import UNVERIFIED_FLAG_HELP
-from odetransformer.config import model_config
+from odetransformer.runtime import fileio
+from odetransformer.tools import hf_tokenizer
+from odetransformer.train import loading
+from odetransformer.train.checkpointing import UNVERIFIED_FLAG_HELP
+from odetransformer.model.config import model_config
 from odetransformer.errors import UserError
-from odetransformer.materialize import check_materializable, materialize
-from odetransformer.model import LanguageModel, build_from_values
+from odetransformer.model.materialize import check_materializable, materialize
+from odetransformer.model.transformer import LanguageModel, build_from_values
 
 SHARD_BYTES = 5 * 2**30          # a larger model is written in shards of at most this
 TOLERANCE = 1e-4                 # --verify: max |Δlogit| <= TOLERANCE * max |logit|
@@ -203,7 +205,7 @@ def hf_config(cfg, context: int, dtype: str, special: dict) -> dict:
             "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
             "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
             "attention_bias": False, "mlp_bias": False, **common}
-  from odetransformer.blocks import REFERENCE_LLAMA_NORM_EPS  # pylint: disable=g-import-not-at-top
+  from odetransformer.model.blocks import REFERENCE_LLAMA_NORM_EPS  # pylint: disable=g-import-not-at-top
   reference = cfg.llama_block == "reference"
   block_norm = ("layer" if cfg.flavour == "gpt" else "rms_shift" if reference else "rms")
   module = os.path.splitext(MODELING_FILE)[0]
@@ -438,7 +440,7 @@ def main(argv, flag_values=None):
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from odetransformer.evaluate import quiet_orbax  # pylint: disable=g-import-not-at-top
+  from odetransformer.tools.evaluate import quiet_orbax  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS if flag_values is None else flag_values
   quiet_orbax(cli=True)
   if f.step is not None and f.step < 0:

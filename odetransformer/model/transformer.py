@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from odetransformer import blocks, solvers
-from odetransformer.axes import constrain
-from odetransformer.config import ModelConfig
-from odetransformer.hypernet import HyperNetwork
-from odetransformer.solvers import fixed_step_solve, grid_stage_times, stage_times
-from odetransformer.time_grid import check_time_grid
+from odetransformer.model import blocks, solvers
+from odetransformer.model.axes import constrain
+from odetransformer.model.config import ModelConfig
+from odetransformer.model.hypernet import HyperNetwork
+from odetransformer.model.solvers import fixed_step_solve, grid_stage_times, stage_times
+from odetransformer.model.time_grid import check_time_grid
 
 EMBED_STD = 0.02
 # As the authors' models (levanter's embeddings): GPT-2's learned positions N(0, 0.01²);

@@ -2,7 +2,7 @@
 
 `token_cross_entropy` is the training loss (sums over the batch). `token_scores` scores
 rows — negative log-likelihood, target count, argmax hits — for the train loop's
-evaluation (pre-training and fine-tuning), `odetransformer.evaluate` and the lm-eval
+evaluation (pre-training and fine-tuning), `odetransformer.tools.evaluate` and the lm-eval
 adapter alike, so they all measure the same thing.
 """
 import jax

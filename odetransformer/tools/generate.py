@@ -1,6 +1,6 @@
 r"""Sampling from a trained model with a KV cache.
 
-  python -m odetransformer.generate --workdir=W --prompt="def main(" \
+  python -m odetransformer.tools.generate --workdir=W --prompt="def main(" \
       [--num_steps=N] [--max_new_tokens=64] [--temperature=0.8] [--top_k=0] [--top_p=1.0] \
       [--seed=0] [--num_samples=1] [--step=S] [--mesh_shape=1,-1,1]
 
@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from odetransformer import loading
-from odetransformer.checkpointing import UNVERIFIED_FLAG_HELP
+from odetransformer.train import loading
+from odetransformer.train.checkpointing import UNVERIFIED_FLAG_HELP
 from odetransformer.errors import UserError
-from odetransformer.decode import Decoder, KVCache
+from odetransformer.model.decode import Decoder, KVCache
 
 PAD_ID = 0
 # Below either, samples are locally plausible at best: the paper's smallest runs
@@ -187,7 +187,7 @@ def what_to_expect(num_params: int, steps: int, tokens: Optional[int] = None) ->
             "coherent text needs a paper-sized config (e.g. configs/owt_small.py, ~10 B "
             "tokens) and hours of GPU/TPU time.")
   return (f"What to expect: {model} is at the paper's scale; its samples are as good as "
-          "its validation perplexity (python -m odetransformer.evaluate) says.")
+          "its validation perplexity (python -m odetransformer.tools.evaluate) says.")
 
 
 def strip_after_eos(ids: Sequence[int], eos_id: int) -> list:
@@ -241,8 +241,9 @@ def main(argv, flag_values=None):
   only process 0 prints."""
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
-  from odetransformer import evaluate, host  # pylint: disable=g-import-not-at-top
-  from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
+  from odetransformer.runtime import host  # pylint: disable=g-import-not-at-top
+  from odetransformer.tools import evaluate
+  from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   flags_ = flags.FLAGS if flag_values is None else flag_values
   evaluate.quiet_orbax(cli=True)

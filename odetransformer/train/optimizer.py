@@ -9,7 +9,7 @@ applies to one of two groups, chosen by `optim.weight_decay_on`:
     authors' code (SDML-KU/qkvflow train_lm.py) decays exactly this group for its ODE
     models: the hypernetworks' generators are not decayed.
   * 'matrices': every parameter with ≥ 2 dimensions except norms and biases (by path
-    name, `odetransformer.axes.is_decayed`), as GPT-2/nanoGPT and the authors' GPT
+    name, `odetransformer.model.axes.is_decayed`), as GPT-2/nanoGPT and the authors' GPT
     baselines do.
   * 'auto' (default): 'embeddings' for ODE kinds, 'matrices' for discrete ones.
 """
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from odetransformer.axes import is_decayed
+from odetransformer.model.axes import is_decayed
 from odetransformer.errors import UserError
 
 
@@ -51,7 +51,7 @@ def learning_rate_schedule(optim_config, num_train_steps: int):
   return schedule
 
 
-# Top-level model attributes that hold embeddings (odetransformer.model.LanguageModel).
+# Top-level model attributes that hold embeddings (odetransformer.model.transformer.LanguageModel).
 EMBEDDINGS = ("embed", "pos_embed", "head")
 DECAY_GROUPS = ("auto", "embeddings", "matrices")
 

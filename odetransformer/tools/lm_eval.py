@@ -1,14 +1,14 @@
 r"""lm-evaluation-harness with odetransformer checkpoints.
 
-  python -m odetransformer.lm_eval --model odetransformer \
+  python -m odetransformer.tools.lm_eval --model odetransformer \
       --model_args workdir=W,num_steps=N --tasks TASK [--include_path DIR] \
       [--batch_size 8] [--limit 100] [--output_path OUT]
 
 The harness's own `lm_eval` command cannot see project models: this entry point
-imports `odetransformer.lm_eval_model` (which registers the model class under the name
+imports `odetransformer.tools.lm_eval_model` (which registers the model class under the name
 'odetransformer') and then runs the harness's CLI (`lm_eval.__main__.cli_evaluate`)
 in the same process, with the same arguments. Needs the optional dependencies in
-requirements-eval.txt. Model arguments: see odetransformer/lm_eval_model.py. A user
+requirements-eval.txt. Model arguments: see odetransformer/tools/lm_eval_model.py. A user
 error of ours (a workdir without a run, checkpoints that do not restore) is one line on
 stderr and exit status 2 (`--verbose` for the traceback).
 
@@ -21,7 +21,8 @@ import multiprocessing
 import os
 import sys
 
-from odetransformer import errors, host
+from odetransformer import errors
+from odetransformer.runtime import host
 
 # Harness options that write results; only process 0 keeps them (flag -> takes a value).
 _WRITING_OPTIONS = {"--output_path": True, "-o": True, "--log_samples": False, "-s": False,
@@ -56,7 +57,7 @@ def main() -> None:
       sys.argv = without_writing_options(sys.argv)
       sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
   try:
-    from odetransformer import lm_eval_model  # pylint: disable=g-import-not-at-top,unused-import
+    from odetransformer.tools import lm_eval_model  # pylint: disable=g-import-not-at-top,unused-import
     from lm_eval.__main__ import cli_evaluate  # pylint: disable=g-import-not-at-top
   except ModuleNotFoundError as e:
     if e.name and e.name.split(".")[0] == "lm_eval":

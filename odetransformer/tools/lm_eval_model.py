@@ -3,7 +3,7 @@
 Importing this module registers `ODETransformerLM` under the name 'odetransformer'
 (it needs `lm_eval`, an optional dependency: requirements-eval.txt). The plain
 `lm_eval` CLI cannot import project models, so run the harness through
-`python -m odetransformer.lm_eval` (odetransformer/lm_eval.py), which imports this
+`python -m odetransformer.tools.lm_eval` (odetransformer/tools/lm_eval.py), which imports this
 module first.
 
 model_args (comma-separated key=value):
@@ -40,10 +40,10 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from odetransformer import loading, sharding
-from odetransformer.decode import Decoder
-from odetransformer.generate import Sampler, strip_after_eos
-from odetransformer.losses import token_scores
+from odetransformer.train import loading, sharding
+from odetransformer.model.decode import Decoder
+from odetransformer.tools.generate import Sampler, strip_after_eos
+from odetransformer.train.losses import token_scores
 
 _log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 8
@@ -72,8 +72,8 @@ class ODETransformerLM(TemplateLM):
     if model is None:
       if not workdir:
         raise ValueError("odetransformer needs model_args workdir=<training run directory>")
-      from odetransformer import evaluate  # pylint: disable=g-import-not-at-top
-      from odetransformer.loading import load_model  # pylint: disable=g-import-not-at-top
+      from odetransformer.tools import evaluate  # pylint: disable=g-import-not-at-top
+      from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
       evaluate.quiet_orbax()
       loaded = load_model(str(workdir), step=None if step in (None, "") else int(step),
                           mesh_shape=str(mesh_shape or "").replace(";", ","))
@@ -159,7 +159,7 @@ class ODETransformerLM(TemplateLM):
     rows come back from every process."""
     if self._mesh is None:
       return jax.device_get(self._scorer(self._state, inputs, targets, weights))
-    from odetransformer import evaluate  # pylint: disable=g-import-not-at-top
+    from odetransformer.tools import evaluate  # pylint: disable=g-import-not-at-top
     batch = evaluate.global_batch({"inputs": inputs, "targets": targets, "weights": weights},
                                   self._mesh, self._rules)
     with evaluate.mesh_context(self._mesh, self._rules):

@@ -1,6 +1,6 @@
 """The device mesh and the logical-axis rules that map model axes onto it.
 
-Parameters and activations carry logical axis names (`odetransformer.axes.LOGICAL_AXES`);
+Parameters and activations carry logical axis names (`odetransformer.model.axes.LOGICAL_AXES`);
 only the rules here (overridable from `config.mesh.rules`) say which mesh axis each one
 is split over (MaxText's `logical_axis_rules`). The mesh has three axes:
 
@@ -40,7 +40,7 @@ class MeshError(UserError, ValueError):
 
 
 def _logical_axes() -> tuple:
-  from odetransformer.axes import LOGICAL_AXES  # pylint: disable=g-import-not-at-top
+  from odetransformer.model.axes import LOGICAL_AXES  # pylint: disable=g-import-not-at-top
   return tuple(LOGICAL_AXES)
 
 

@@ -4,7 +4,7 @@ TensorBoard events are written with tensorboardX, not clu.metric_writers: the la
 imports TensorFlow at import time, and TF would more than double
 the virtualenv (1.1 GB -> 2.5 GB) for nothing else. `clu.metrics` itself needs no TF
 and is what the train and eval steps return. On an object store (`gs://` workdir) the
-event file is written through `odetransformer.fileio` (`_ObjectEventFile`).
+event file is written through `odetransformer.runtime.fileio` (`_ObjectEventFile`).
 
 Metrics are averaged over the interval since the last write and then reset (not since
 step 0): the loss is a token-weighted mean (sum of losses / sum of target weights).
@@ -21,7 +21,7 @@ import numpy as np
 from absl import logging
 from clu import metrics as clu_metrics
 
-from odetransformer import fileio
+from odetransformer.runtime import fileio
 
 
 @flax.struct.dataclass

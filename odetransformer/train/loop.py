@@ -1,13 +1,13 @@
 """The training loop: `train_and_evaluate(config, workdir)`.
 
 One run: mesh and logical-axis rules from `config.mesh` → datasets (process-local
-batches) → the TrainState (model and AdamW state, `odetransformer/steps.py`) created
+batches) → the TrainState (model and AdamW state, `odetransformer/train/steps.py`) created
 already sharded → resume from the newest checkpoint in `workdir`, or start from
-`init_from` (a fine-tuning run, `odetransformer/finetune.py`), or from scratch → a loop
+`init_from` (a fine-tuning run, `odetransformer/train/finetune.py`), or from scratch → a loop
 of the jitted, donated train step with periodic logging, evaluation and async
 checkpoints → a final evaluation and save. Non-finite values stop the run without
-touching its good checkpoints (`odetransformer/health.py`); SIGTERM and Ctrl-C save and
-stop (`odetransformer/checkpointing.py`).
+touching its good checkpoints (`odetransformer/train/health.py`); SIGTERM and Ctrl-C save and
+stop (`odetransformer/train/checkpointing.py`).
 """
 import os
 import time
@@ -20,18 +20,18 @@ from clu import parameter_overview
 from flax import nnx
 
 import input_pipeline
-from odetransformer import checkpointing
-from odetransformer import fileio
-from odetransformer import finetune
-from odetransformer import health as health_lib
-from odetransformer import metrics as metrics_lib
-from odetransformer import optimizer as optimizer_lib
-from odetransformer import sharding as sharding_lib
-from odetransformer import steps as steps_lib
-from odetransformer.config import model_config
+from odetransformer.train import checkpointing
+from odetransformer.runtime import fileio
+from odetransformer.train import finetune
+from odetransformer.train import health as health_lib
+from odetransformer.train import metrics as metrics_lib
+from odetransformer.train import optimizer as optimizer_lib
+from odetransformer.train import sharding as sharding_lib
+from odetransformer.train import steps as steps_lib
+from odetransformer.model.config import model_config
 from odetransformer.errors import ConfigError
-from odetransformer.param_count import flops_per_token
-from odetransformer.workdir_lock import WorkdirLock
+from odetransformer.model.param_count import flops_per_token
+from odetransformer.runtime.workdir_lock import WorkdirLock
 
 
 def check_config(config, mesh, rules):

@@ -1,6 +1,6 @@
 """Parameter and FLOP counts without allocating a model (`nnx.eval_shape`).
 
-`python -m odetransformer.param_count` prints the table for the paper's shapes
+`python -m odetransformer.model.param_count` prints the table for the paper's shapes
 (Table 3) at d_t = 96, S = 128, DiffEqFormer beside its GPT baseline (GPT vocab 50304,
 Llama vocab 32000, tied embeddings; hypernetwork MLP hidden width H = d):
 
@@ -19,9 +19,9 @@ import dataclasses
 import jax
 from flax import nnx
 
-from odetransformer.blocks import layer_param_specs
-from odetransformer.config import ModelConfig
-from odetransformer.model import LanguageModel
+from odetransformer.model.blocks import layer_param_specs
+from odetransformer.model.config import ModelConfig
+from odetransformer.model.transformer import LanguageModel
 
 PAPER_SHAPES = {
     # name: (flavour, layers, d_model, heads, mlp_dim, vocab)

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax.core import spmd as core_spmd
 
-from odetransformer.axes import constrain
-from odetransformer.config import ModelConfig
+from odetransformer.model.axes import constrain
+from odetransformer.model.config import ModelConfig
 from odetransformer.errors import ConfigError
 
 

@@ -1,0 +1,8 @@
+"""Training: the loop (`loop.train_and_evaluate`), the jitted steps, optimizer, losses,
+metrics, health checks, the mesh and sharding rules, checkpoints (save, integrity,
+restore, resume fingerprints), loading a trained run, and fine-tuning's start from a
+pre-trained run.
+
+May import: `odetransformer.model`, `odetransformer.runtime`, `odetransformer.errors`,
+`input_pipeline`; never `odetransformer.tools` or `odetransformer.analysis`.
+"""
