@@ -1,4 +1,4 @@
-"""`python -m odetransformer.tools.memory`'s analytic estimate against the compiled train step.
+"""`python -m odetransformer.memory`'s analytic estimate against the compiled train step.
 
 For each shape, model (DiffEqFormer, GPT) and mesh (data, fsdp, tensor) of 8 host CPU
 devices, builds the training config, and prints the analytic per-device total

@@ -141,7 +141,22 @@ def test_imports_only_go_down():
   every_module = set(graph)
   for room in LAYERS:
     assert any(_room(m) == room for m in every_module), f"no module in {room}"
-  unplaced = sorted(m for m in every_module
-                    if m.startswith("odetransformer.") and _room(m) is None)
+  unplaced = sorted(m for m in every_module if m.startswith("odetransformer.")
+                    and _room(m) is None and m not in LAUNCHERS)
   assert unplaced == [], f"modules outside every room: {unplaced}"
   assert layer_violations(graph) == []
+
+
+# The public commands `python -m odetransformer.NAME`: launchers that import nothing and
+# run `odetransformer.tools.NAME` as __main__.
+LAUNCHERS = tuple(f"odetransformer.{name}"
+                  for name in ("evaluate", "generate", "export", "lm_eval", "memory"))
+
+
+def test_public_commands_are_launchers_of_the_tools():
+  graph = import_graph()
+  for launcher in LAUNCHERS:
+    name = launcher.rpartition(".")[2]
+    assert graph[launcher] == set() and f"odetransformer.tools.{name}" in graph
+    with open(os.path.join(ROOT, "odetransformer", name + ".py"), encoding="utf-8") as f:
+      assert f'run_module("odetransformer.tools.{name}", run_name="__main__"' in f.read()

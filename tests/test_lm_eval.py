@@ -1,7 +1,7 @@
 """The lm-evaluation-harness adapter on a tiny trained checkpoint: log-likelihoods equal
 direct model scoring, is_greedy equals an argmax check, rolling windows and greedy
 generation equal plain loops, and a local LAMBADA-format task runs offline, in process
-and through `python -m odetransformer.tools.lm_eval`."""
+and through `python -m odetransformer.lm_eval`."""
 import glob
 import json
 import math
@@ -180,7 +180,7 @@ def expected_metrics(lm, reference):
 
 
 def test_command_line_runs_a_local_lambada_task(workdir, lm, reference, tmp_path):
-  """`python -m odetransformer.tools.lm_eval` registers the model and runs the example task
+  """`python -m odetransformer.lm_eval` registers the model and runs the example task
   offline (its jsonl given by absolute path) through the harness's own CLI; the
   task's perplexity and accuracy equal those of direct scoring."""
   tasks = local_task(tmp_path)

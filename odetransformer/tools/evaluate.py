@@ -1,6 +1,6 @@
 r"""Perplexity of a trained model over a whole split, at one or several solver step counts.
 
-  python -m odetransformer.tools.evaluate --workdir=W [--num_steps=6,9,12,18,24] \
+  python -m odetransformer.evaluate --workdir=W [--num_steps=6,9,12,18,24] \
       [--data=SOURCE | --data=local:GLOB] [--split=SPLIT] [--data_dir=DIR] \
       [--seq_len=L] [--batch_size=B] [--max_batches=0] [--step=S] [--plot=PATH.png] \
       [--mesh_shape=1,-1,1]

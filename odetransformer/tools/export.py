@@ -1,6 +1,6 @@
 r"""A trained model as a Hugging Face model directory, and a check that its logits agree.
 
-  python -m odetransformer.tools.export --workdir=W --out=DIR [--step=S] [--num_steps=N] \
+  python -m odetransformer.export --workdir=W --out=DIR [--step=S] [--num_steps=N] \
       [--dtype=float32|bfloat16] [--verify] [--mesh_shape=1,-1,1]
 
 One process restores the checkpoint sharded over its devices (the run's mesh, or

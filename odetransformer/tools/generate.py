@@ -1,6 +1,6 @@
 r"""Sampling from a trained model with a KV cache.
 
-  python -m odetransformer.tools.generate --workdir=W --prompt="def main(" \
+  python -m odetransformer.generate --workdir=W --prompt="def main(" \
       [--num_steps=N] [--max_new_tokens=64] [--temperature=0.8] [--top_k=0] [--top_p=1.0] \
       [--seed=0] [--num_samples=1] [--step=S] [--mesh_shape=1,-1,1]
 
@@ -187,7 +187,7 @@ def what_to_expect(num_params: int, steps: int, tokens: Optional[int] = None) ->
             "coherent text needs a paper-sized config (e.g. configs/owt_small.py, ~10 B "
             "tokens) and hours of GPU/TPU time.")
   return (f"What to expect: {model} is at the paper's scale; its samples are as good as "
-          "its validation perplexity (python -m odetransformer.tools.evaluate) says.")
+          "its validation perplexity (python -m odetransformer.evaluate) says.")
 
 
 def strip_after_eos(ids: Sequence[int], eos_id: int) -> list:

@@ -1,6 +1,6 @@
 """Parallel-block transformer for Hugging Face transformers (`trust_remote_code=True`).
 
-`python -m odetransformer.tools.export` copies this file into an exported directory as
+`python -m odetransformer.export` copies this file into an exported directory as
 `modeling_odetransformer.py`; it imports only torch and transformers. The model is a
 DiffEqFormer (or weight-sharing ODE) materialised at N Euler steps, or a discrete
 parallel-block model: layer k adds Attn(N1(x)) + FFN(N2(x)) to x, the step size dt

@@ -1,6 +1,6 @@
 r"""lm-evaluation-harness with odetransformer checkpoints.
 
-  python -m odetransformer.tools.lm_eval --model odetransformer \
+  python -m odetransformer.lm_eval --model odetransformer \
       --model_args workdir=W,num_steps=N --tasks TASK [--include_path DIR] \
       [--batch_size 8] [--limit 100] [--output_path OUT]
 

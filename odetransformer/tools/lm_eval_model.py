@@ -3,7 +3,7 @@
 Importing this module registers `ODETransformerLM` under the name 'odetransformer'
 (it needs `lm_eval`, an optional dependency: requirements-eval.txt). The plain
 `lm_eval` CLI cannot import project models, so run the harness through
-`python -m odetransformer.tools.lm_eval` (odetransformer/tools/lm_eval.py), which imports this
+`python -m odetransformer.lm_eval` (odetransformer/tools/lm_eval.py), which imports this
 module first.
 
 model_args (comma-separated key=value):

@@ -1,6 +1,6 @@
 """Will it fit? Per-device memory of a config's training state on an N-device mesh.
 
-  python -m odetransformer.tools.memory --config=configs/owt_large.py --num_devices=64 \
+  python -m odetransformer.memory --config=configs/owt_large.py --num_devices=64 \
       [--config.mesh.shape=1,-1,1] [--device_memory_gib=80] [--compile | --nocompile]
 
 Run as a program, this module makes `--num_devices` fake CPU devices
@@ -398,7 +398,7 @@ def main(argv):
   if flag_values.num_devices and jax.device_count() != flag_values.num_devices:
     raise errors.UserError(
         f"asked for {flag_values.num_devices} devices but jax has {jax.device_count()} "
-        f"({jax.devices()[0].platform}); run as `python -m odetransformer.tools.memory` so "
+        f"({jax.devices()[0].platform}); run as `python -m odetransformer.memory` so "
         "XLA_FLAGS is set before jax loads")
   config = errors.load_config_flag(flags.FLAGS["config"])
   report = memory_report(config, compile_step=flag_values.compile,
