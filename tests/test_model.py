@@ -570,8 +570,7 @@ def test_param_count_matches_allocated_model_and_gpt2():
 
 
 def test_lora_starts_at_base_trains_adapters_only_and_merges():
-  from odetransformer.model.lora import merge_lora
-  from odetransformer.model.transformer import Frozen, LoraParam
+  from odetransformer.model.lora import Frozen, LoraParam, merge_lora
   base = materialize(create_model(TINY, seed=20), 5)
   cfg = dataclasses.replace(base.config, lora_rank=2, lora_alpha=4.0,
                             lora_targets=("wq", "wo", "w2"))
