@@ -13,12 +13,10 @@ tokens per call against a cache of keys and values:
 | parallel                      | its L parallel blocks                               |
 
 The cache is `[slots, b, max_len, heads, head_dim]` (keys and values), where a slot is
-one evaluation of a block: a layer of a discrete or materialised model, or one stage of
-a higher-order solver step (rk4: 4 per step, each attending over its own keys). It is
-written at per-row positions, so rows of a batch may hold prompts of different lengths:
-a row's query at cache position p attends to positions 0…p of that row only. Positions
-beyond p may hold stale values (a right-padded prompt's tail); they are never attended
-and are overwritten before they become visible.
+one evaluation of a block: a layer of a discrete or materialised model, or one field
+evaluation of a higher-order solver step (rk4: 4 per step, each attending over its own
+keys). It is written at per-row positions, so rows of a batch may hold prompts of
+different lengths (`blocks.LayerCache` says how).
 
 Nothing of the block or the solver is written here: a decode step is the model's own
 solve (`solvers.fixed_step_solve`) of its own block (`blocks.block_fn`) given a

@@ -21,6 +21,9 @@ Two conventions place the nodes within a step (`model.step_time`, `stage_nodes`)
 
 A non-uniform grid 0 = g_0 < g_1 < … < g_K = 1 (`grid_stage_times`) has a step size
 per step, dt_k = g_{k+1} - g_k; the solver then scans the step sizes beside the inputs.
+
+This module is the one place that walks a method's stages (tableaux, stage times, the
+step): the model's forward pass and cached decoding both run `fixed_step_solve`.
 """
 import functools
 from typing import Any, Callable, NamedTuple, Optional
@@ -226,9 +229,12 @@ def fixed_step_solve(field: Callable[..., Any], x0, stage_inputs, dt,
              + ([dt] if per_step else [])}
   if num_steps is not None:
     lengths.add(num_steps)
+  if not lengths:
+    raise ValueError("no stage input has a step axis (every leaf is [1, 1, ...]); "
+                     "pass num_steps")
   if len(lengths) != 1:
     raise ValueError(f"the stage inputs, dt and num_steps disagree on the number of steps "
-                     f"({sorted(lengths)}); pass [K, ...] inputs or num_steps")
+                     f"({sorted(lengths)}); give them one K")
   num_steps = lengths.pop()
   if per_step:
     dt = jnp.asarray(dt).astype(x0.dtype)

@@ -173,7 +173,7 @@ class LanguageModel(nnx.Module):
     return {name: w[:, 0] for name, w in weights.items()}
 
   def embed_tokens(self, tokens_bl, positions_bl):
-    """The initial state x_0 [b, t, d] in the state dtype."""
+    """The initial state x_0 [b, l, d] in the state dtype."""
     cfg = self.config
     dtype = state_dtype(cfg)
     x = jnp.take(constrain(self.embed[...], ("vocab", "embed")), tokens_bl, axis=0)
