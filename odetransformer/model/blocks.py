@@ -190,8 +190,8 @@ def _splash_attention(q_blnh, k_bsnh, v_bsnh, mask: Optional[SegmentMask], inter
   Under a mesh it runs per shard (`shard_map`): batch and heads split as the activation
   rules split them, the sequence whole."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
-  t = q_blnh.shape[1]
-  block = math.gcd(t, 512)
+  length = q_blnh.shape[1]
+  block = math.gcd(length, 512)
   sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                             block_q_dkv=block, block_kv_dkv=block,
                             block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
@@ -201,7 +201,7 @@ def _splash_attention(q_blnh, k_bsnh, v_bsnh, mask: Optional[SegmentMask], inter
     # [b, l, n, h] -> [b, n, l, h]; the kernel takes one example's heads at a time.
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q * scale, k, v))
     kernel = splash.make_splash_mha(
-        splash.MultiHeadMask([splash.CausalMask((t, t))] * q.shape[1]),
+        splash.MultiHeadMask([splash.CausalMask((length, length))] * q.shape[1]),
         block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
     def one(q, k, v, *s):

@@ -5,11 +5,11 @@ answer one question, `stack.step_weights(times [K, S], dtype)`: the layer params
 solver's stage times. The scan (`solvers.fixed_step_solve`), materialisation, decoding
 and the analysis all ask it (through `LanguageModel.step_weights`):
 
-| kind           | step weights                                         | update        |
-|----------------|------------------------------------------------------|---------------|
-| diffeqformer   | W(t) from `HyperNetwork`, [K, S, …], before the scan  | x + dt·F      |
-| shared         | one layer, the same at every step (Zhong et al.), [1, 1, …] | x + dt·F |
-| gpt / parallel | stacked [L, …] params (`DiscreteStack`), [L, 1, …]    | x + block(x)  |
+| kind           | step weights                                              | update       |
+|----------------|-----------------------------------------------------------|--------------|
+| diffeqformer   | W(t) from `HyperNetwork`, [K, S, …], made before the scan | x + dt·F     |
+| shared         | one layer at every step (Zhong et al.), [1, 1, …]         | x + dt·F     |
+| gpt / parallel | stacked layers (`DiscreteStack`), [L, 1, …]               | x + block(x) |
 
 `num_steps` is a call-time argument: an ODE's parameters hold no K.
 """
