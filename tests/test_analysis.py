@@ -156,7 +156,7 @@ def test_model_spectra_match_per_head_products(request, name):
   d, n, h = cfg.d_model, cfg.num_heads, cfg.head_dim
   if cfg.kind == "gpt":
     assert res.axis_label == "layer" and len(res.times) == cfg.num_steps
-    weights = {k: np.asarray(v, np.float64) for k, v in model.stack.layers().items()}
+    weights = {k: np.asarray(v, np.float64) for k, v in model.layer_weights().items()}
   else:
     assert res.axis_label == "t" and len(res.times) == 5
     np.testing.assert_allclose(res.times, np.linspace(0, 1, 5), atol=1e-7)

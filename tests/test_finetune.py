@@ -118,7 +118,8 @@ def test_unfolded_materialisation_stores_w_of_t_and_keeps_dt_as_a_scale():
   for n in (2, 5):
     unfolded, folded = materialize(model, n, fold_dt=False), materialize(model, n)
     assert (unfolded.config.out_proj_scale, folded.config.out_proj_scale) == (1 / n, 1.0)
-    w_t = model.stack(stage_times(n, "euler")[:, 0], jnp.float32)
+    w_t = {k: w[:, 0] for k, w in model.stack.step_weights(stage_times(n, "euler"),
+                                                          jnp.float32).items()}
     for name, w in unfolded.stack.params.items():
       np.testing.assert_array_equal(np.asarray(w[...]), np.asarray(w_t[name]))
     np.testing.assert_allclose(np.asarray(folded.stack.params["wo"][...]),

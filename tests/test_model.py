@@ -248,6 +248,35 @@ def test_solver_order(method, order, step_time):
     np.testing.assert_allclose(rates, order, atol=0.15)
 
 
+def test_solver_broadcasts_constant_inputs_and_returns_evaluation_outputs():
+  """A [1, 1] stage input (a weight-shared layer) is the same at every stage, closed over
+  rather than copied K·S times: the solve equals the one with the input copied to
+  [K, S]. Per-evaluation outputs come back [K, E] (the first evaluation of step k sees
+  x_k). Inputs of another leading shape, or no K at all, are refused."""
+  a = jnp.array([[-0.5, 2.0], [-2.0, -0.5]])
+  x0, k, method = jnp.array([1.0, 0.3]), 3, "rk4"
+  ts = solvers.stage_times(k, method)
+  field = lambda x, inp: jnp.cos(inp["t"]) * (inp["a"] @ x)
+  copied = solvers.fixed_step_solve(
+      field, x0, {"t": ts, "a": jnp.broadcast_to(a, ts.shape + a.shape)}, 1.0 / k, method)
+  shared = {"t": ts, "a": a[None, None]}
+  x, traj, outs = solvers.fixed_step_solve(
+      lambda x, inp: (field(x, inp), x), x0, shared, 1.0 / k, method,
+      return_trajectory=True, eval_outputs=True)
+  np.testing.assert_array_equal(np.asarray(x), np.asarray(copied))
+  assert outs.shape == (k, solvers.num_evals(method), 2)
+  np.testing.assert_array_equal(np.asarray(outs[:, 0]), np.asarray(traj))
+  with pytest.raises(ValueError, match=r"leading axes \(3, 1\); expected \[K, 3\]"):
+    solvers.fixed_step_solve(field, x0, {"t": ts[:, :1], "a": a[None, None]}, 1.0 / k, method)
+  with pytest.raises(ValueError, match="pass num_steps"):
+    solvers.fixed_step_solve(lambda x, b: b @ x, x0, a[None, None], 0.5, "euler")
+  np.testing.assert_allclose(   # (I + A/2)² x0: two Euler steps of dx/dt = A x
+      np.asarray(solvers.fixed_step_solve(lambda x, b: b @ x, x0, a[None, None], 0.5,
+                                          "euler", num_steps=2)),
+      np.linalg.matrix_power(np.eye(2) + np.asarray(a) / 2, 2) @ np.asarray(x0), rtol=0,
+      atol=1e-6)   # float32 state of O(1)
+
+
 def test_model_solver_converges():
   """Each solver reaches its order on a real (smooth in t) transformer field.
 
@@ -570,8 +599,7 @@ def test_param_count_matches_allocated_model_and_gpt2():
 
 
 def test_lora_starts_at_base_trains_adapters_only_and_merges():
-  from odetransformer.model.lora import merge_lora
-  from odetransformer.model.transformer import Frozen, LoraParam
+  from odetransformer.model.lora import Frozen, LoraParam, merge_lora
   base = materialize(create_model(TINY, seed=20), 5)
   cfg = dataclasses.replace(base.config, lora_rank=2, lora_alpha=4.0,
                             lora_targets=("wq", "wo", "w2"))

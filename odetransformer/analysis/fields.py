@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from odetransformer.model import blocks
-from odetransformer.model.solvers import stage_times
+from odetransformer.model.solvers import broadcast_stages, stage_times
 
 
 @dataclasses.dataclass
@@ -27,31 +27,20 @@ class StepWeights:
   axis_label: str      # 't' or 'layer'
 
 
-def is_continuous(cfg) -> bool:
-  """True when the model's weights are a function of t (ODE kinds)."""
-  return cfg.kind in ("diffeqformer", "shared")
-
-
 def weights_at(model, ts, dtype=jnp.float32) -> dict:
-  """Layer params at times `ts` [T] of an ODE model: name -> [T, *shape]."""
-  cfg = model.config
-  ts = jnp.asarray(ts, jnp.float32)
-  if cfg.kind == "diffeqformer":
-    # One compiled program instead of dozens of eagerly dispatched small ones.
-    weights = nnx.jit(lambda stack, ts: stack(ts, jnp.float32))(model.stack, ts)
-    return {n: w.astype(dtype) for n, w in weights.items()}
-  if cfg.kind == "shared":
-    return {n: jnp.broadcast_to(w.astype(dtype), ts.shape + w.shape)
-            for n, w in model.stack.layer().items()}
-  raise ValueError(f"kind={cfg.kind!r} has no weights along t; use layer_weights")
+  """Layer params at times `ts` [T] of an ODE model: name -> [T, *shape] (computed in
+  float32, returned in `dtype`)."""
+  if not model.config.is_ode:
+    raise ValueError(f"kind={model.config.kind!r} has no weights along t; use layer_weights")
+  ts = jnp.asarray(ts, jnp.float32)[:, None]
+  # One compiled program instead of dozens of eagerly dispatched small ones.
+  weights = nnx.jit(lambda stack, ts: stack.step_weights(ts, jnp.float32))(model.stack, ts)
+  return {n: w[:, 0].astype(dtype) for n, w in broadcast_stages(weights, ts).items()}
 
 
 def layer_weights(model, dtype=jnp.float32) -> dict:
   """The L layers of a discrete model: name -> [L, *shape]."""
-  cfg = model.config
-  if is_continuous(cfg):
-    raise ValueError(f"kind={cfg.kind!r} is an ODE; use weights_at")
-  return {n: w.astype(dtype) for n, w in model.stack.layers().items()}
+  return model.layer_weights(dtype)
 
 
 def euler_steps(model, num_steps: Optional[int] = None, dtype=jnp.float32) -> StepWeights:
@@ -59,7 +48,7 @@ def euler_steps(model, num_steps: Optional[int] = None, dtype=jnp.float32) -> St
   step_time='end' (ODE kinds), or the layers."""
   cfg = model.config
   k = model.resolve_num_steps(num_steps)
-  if is_continuous(cfg):
+  if cfg.is_ode:
     ts = stage_times(k, "euler", cfg.step_time)[:, 0]
     return StepWeights(weights_at(model, ts, dtype), 1.0 / k, np.asarray(ts), "t")
   return StepWeights(layer_weights(model, dtype), 1.0, np.arange(k, dtype=np.float32), "layer")
@@ -71,7 +60,7 @@ def vector_field(cfg, length: int) -> Callable:
   The parallel block for ODE and 'parallel' models; GPT's sequential block returned as
   its residual update for 'gpt' models. No dropout.
   """
-  block = blocks.sequential_block if cfg.kind == "gpt" else blocks.parallel_block
+  block = blocks.block_fn(cfg)
   positions = jnp.arange(length, dtype=jnp.int32)[None]
 
   def field(x_ld, p):

@@ -77,7 +77,7 @@ def compute_spectra(model, grid: int = 64, chunk: int = 16) -> Spectra:
   `chunk` layers whatever the grid.
   """
   cfg = model.config
-  if fields.is_continuous(cfg):
+  if cfg.is_ode:
     if grid < 2:
       raise ValueError(f"grid={grid} must be at least 2 points")
     times = np.linspace(0.0, 1.0, grid, dtype=np.float32)

@@ -211,6 +211,12 @@ class ModelConfig:
   def is_ode(self) -> bool:
     return self.kind in ("diffeqformer", "shared")
 
+  @property
+  def block(self) -> str:
+    """'sequential' (GPT-2/Llama pre-norm blocks: the 'gpt' kind) or 'parallel' (an ODE's
+    field, and the 'parallel' kind's layers)."""
+    return "sequential" if self.kind == "gpt" else "parallel"
+
 
 def model_config(config: ml_collections.ConfigDict, vocab_size=None) -> ModelConfig:
   """The typed model config of a run's config; `vocab_size` (the tokenizer's) overrides

@@ -27,8 +27,9 @@ Initialisation, as the authors' code (SDML-KU/qkvflow) does it, each value a fie
 - Norms' Γ/Β (scale = 1 + Γ·h(t), shift = Β·h(t)) start at zero: a fresh model's norms
   are plain LayerNorm/RMSNorm.
 - No depth scaling: the solver already multiplies each update by dt = 1/K.
-On WikiText-2 at small scale this init, with unscaled input embeddings, is what takes
-DiffEqFormer from ~11% worse than GPT to parity (`benchmarks/quality.py`).
+With unscaled input embeddings, this init is what brings DiffEqFormer to GPT's quality
+at small scale on WikiText-2: `python -m benchmarks.quality --data_dir=DIR`, figures in
+benchmarks/README.md ("Quality").
 """
 
 import jax
@@ -111,7 +112,8 @@ class WeightGenerator(nnx.Module):
 
 
 class HyperNetwork(nnx.Module):
-  """All time-dependent layer params of a DiffEqFormer block."""
+  """All time-dependent layer params of a DiffEqFormer block: the layer-weight source
+  of 'diffeqformer' (`transformer.weight_source`)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.specs = layer_param_specs(cfg)
@@ -131,8 +133,9 @@ class HyperNetwork(nnx.Module):
       return {g: h for g in self.groups}
     return {g: self.mlps[g](t) for g in self.groups}
 
-  def __call__(self, ts, dtype):
-    """Layer params at times `ts` (any shape [...]): name -> [..., *shape]."""
+  def step_weights(self, ts, dtype):
+    """Layer params W(t) at times `ts` (the solver's [K, S], or any shape [...]):
+    name -> [..., *shape] in `dtype`."""
     flat = ts.reshape(-1)
     codes = self.codes(flat)
     out = {}

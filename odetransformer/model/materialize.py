@@ -19,8 +19,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from odetransformer.model.transformer import LanguageModel, build_from_values
-from odetransformer.model.solvers import stage_times
+from odetransformer.model.solvers import broadcast_stages, stage_times
+from odetransformer.model.transformer import LanguageModel
 
 _DT_ROLES = ("out", "out_bias")
 
@@ -50,16 +50,13 @@ def materialize(model: LanguageModel, num_steps: int, fold_dt: bool = True) -> L
   cfg = model.config
   check_materializable(cfg, num_steps)
   dt = 1.0 / num_steps
-  if cfg.kind == "diffeqformer":
-    ts = stage_times(num_steps, "euler", cfg.step_time)[:, 0]
-    layers = model.stack(ts, jnp.float32)
-  else:
-    layers = {n: jnp.broadcast_to(v, (num_steps,) + v.shape)
-              for n, v in model.stack.layer().items()}
+  ts = stage_times(num_steps, "euler", cfg.step_time)
+  weights = broadcast_stages(model.stack.step_weights(ts, jnp.float32), ts)
+  layers = {n: w[:, 0] for n, w in weights.items()}
   if fold_dt:
     specs = model.stack.specs
     layers = {n: (w * dt if specs[n].role in _DT_ROLES else w) for n, w in layers.items()}
 
   new_cfg = dataclasses.replace(cfg, kind="parallel", num_steps=num_steps,
                                 out_proj_scale=1.0 if fold_dt else dt)
-  return build_from_values(new_cfg, layers, model)
+  return model.with_layers(new_cfg, layers)

@@ -21,9 +21,12 @@ Two conventions place the nodes within a step (`model.step_time`, `stage_nodes`)
 
 A non-uniform grid 0 = g_0 < g_1 < … < g_K = 1 (`grid_stage_times`) has a step size
 per step, dt_k = g_{k+1} - g_k; the solver then scans the step sizes beside the inputs.
+
+This module is the one place that walks a method's stages (tableaux, stage times, the
+step): the model's forward pass and cached decoding both run `fixed_step_solve`.
 """
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +74,7 @@ TABLEAUX = {
 
 def rk_step(field: Callable[[Any, int], Any], method: str, x, dt):
   """One step x_k -> x_{k+1} of `method`; `field(x_in, e)` is its e-th field evaluation
-  (at stage TABLEAUX[method].stages[e]). Used by the solver and by cached decoding."""
+  (at stage TABLEAUX[method].stages[e]); `fixed_step_solve` scans it."""
   tableau = TABLEAUX[method]
   ks = []
   for e, row in enumerate(tableau.a):
@@ -114,26 +117,78 @@ def grid_stage_times(grid, method: str, step_time: str = "start"):
   return jnp.stack(ts, axis=1), dts
 
 
-def _step(field, method):
-  """One step (x_k, (inputs, eval_inputs), dt) -> x_{k+1}; `inputs` has a leading stage
-  axis of size S, `eval_inputs` (None, or leaves [E, ...]) one of field evaluations."""
+def num_evals(method: str) -> int:
+  """Field evaluations E of one `method` step (rk4: 4, its 2nd and 3rd at one stage)."""
+  return len(TABLEAUX[method].stages)
+
+
+def solve_times(num_steps: int, method: str, step_time: str = "start", time_grid=None):
+  """(stage times [K, S], dt) of a K-step solve: the uniform grid's (dt = 1/K, a python
+  float) or, given a `time_grid` [K+1], its own (dt [K], `grid_stage_times`)."""
+  if time_grid is not None:
+    return grid_stage_times(time_grid, method, step_time)
+  return stage_times(num_steps, method, step_time), 1.0 / num_steps
+
+
+def broadcast_stages(stage_inputs, times):
+  """`stage_inputs` with every leaf [K, S, ...]: a leaf [1, 1, ...] (the same at every
+  stage, see `fixed_step_solve`) copied to the [K, S] of `times`."""
+  return jax.tree.map(lambda a: jnp.broadcast_to(a, times.shape + a.shape[2:]), stage_inputs)
+
+
+def _step(field, method, constants, with_outputs):
+  """One step (x_k, (inputs, eval_inputs), dt) -> (x_{k+1}, outputs [E, ...] or None).
+
+  `inputs` is a list of the per-step input leaves (each [S, ...]) and `constants` the
+  step-independent ones (the same at every stage); `eval_inputs` (None, or leaves
+  [E, ...]) has one entry per field evaluation, and so have the field's `outputs`."""
   stages = TABLEAUX[method].stages
 
   def step(x, inp, dt):
     inp, ev = inp
+    outputs = []
 
     def f(x_in, e):
-      at = jax.tree.map(lambda a: a[stages[e]], inp)
-      if ev is None:
-        return field(x_in, at)
-      return field(x_in, at, jax.tree.map(lambda a: a[e], ev))
-    return rk_step(f, method, x, dt)
+      at = constants(jax.tree.map(lambda a: a[stages[e]], inp))
+      out = field(x_in, at) if ev is None else field(x_in, at, jax.tree.map(lambda a: a[e], ev))
+      if with_outputs:
+        out, aux = out
+        outputs.append(aux)
+      return out
+    x = rk_step(f, method, x, dt)
+    return x, (jax.tree.map(lambda *a: jnp.stack(a), *outputs) if with_outputs else None)
   return step
 
 
-def fixed_step_solve(field: Callable[[Any, Any], Any], x0, stage_inputs, dt,
+def _split_constants(stage_inputs, num_stages: int):
+  """(per-step leaves, rebuild): leaves [K, S, ...] are scanned; a leaf of leading shape
+  [1, 1] is the same at every step and stage, closed over instead of copied K·S times;
+  `rebuild(per-step leaves at one stage)` is the input tree at that stage."""
+  leaves, treedef = jax.tree.flatten(stage_inputs)
+  constant = []
+  for leaf in leaves:
+    lead = tuple(jnp.shape(leaf)[:2])
+    if lead == (1, 1):
+      constant.append(True)
+    elif len(lead) == 2 and lead[1] == num_stages:
+      constant.append(False)
+    else:
+      raise ValueError(f"a stage input has leading axes {lead}; expected [K, {num_stages}] "
+                       "(steps, stages) or [1, 1] (the same at every stage)")
+  fixed = [leaf[0, 0] for leaf, c in zip(leaves, constant) if c]
+  scanned = [leaf for leaf, c in zip(leaves, constant) if not c]
+
+  def rebuild(at):
+    it_scanned, it_fixed = iter(at), iter(fixed)
+    return jax.tree.unflatten(treedef, [next(it_fixed) if c else next(it_scanned)
+                                        for c in constant])
+  return scanned, rebuild
+
+
+def fixed_step_solve(field: Callable[..., Any], x0, stage_inputs, dt,
                      method: str = "euler", remat_policy: str = "none",
-                     return_trajectory: bool = False, eval_inputs=None):
+                     return_trajectory: bool = False, eval_inputs=None,
+                     num_steps: Optional[int] = None, eval_outputs: bool = False):
   """Integrates dx/dt = field(x, inputs(t)) with K fixed steps.
 
   Args:
@@ -141,7 +196,8 @@ def fixed_step_solve(field: Callable[[Any, Any], Any], x0, stage_inputs, dt,
     x0: initial state (an array).
     stage_inputs: pytree whose leaves are [K, S, ...]: the field's inputs at
       `stage_times(K, method)` (or `grid_stage_times(grid, method)`); K is read from the
-      leading axis.
+      leading axis. A leaf [1, 1, ...] is the same at every step and stage (broadcast as
+      numpy would, without K·S copies: a weight-shared layer).
     dt: step size: a python float (uniform steps), or a [K] array of per-step sizes
       (a non-uniform grid; scanned with the inputs and cast to x0's dtype, so a
       bfloat16 state stays bfloat16 as it does with a python float).
@@ -150,36 +206,53 @@ def fixed_step_solve(field: Callable[[Any, Any], Any], x0, stage_inputs, dt,
       step in the backward pass, keeping only the carry (and saved dots).
     return_trajectory: also return the states before each step, [K, ...].
     eval_inputs: optional pytree whose leaves are [K, E, ...], one entry per field
-      evaluation of a step (E = len(TABLEAUX[method].stages); rk4's 2nd and 3rd
-      evaluations share a stage, not these), e.g. dropout keys; when given, the field
-      is called as `field(x, inputs_at_one_time, eval_inputs_at_one_evaluation)`.
+      evaluation of a step (E = `num_evals(method)`; rk4's 2nd and 3rd evaluations
+      share a stage, not these), e.g. dropout keys or KV-cache slots; when given, the
+      field is called as `field(x, inputs_at_one_time, eval_inputs_at_one_evaluation)`.
+    num_steps: K, needed only when no input has a K axis (every leaf [1, 1, ...] and a
+      float dt).
+    eval_outputs: the field returns `(dx/dt, output)`; the outputs of every evaluation
+      are returned stacked [K, E, ...] (e.g. a KV cache's updated slots).
   Returns:
-    x_K, or (x_K, [x_0 … x_{K-1}]) with return_trajectory.
+    x_K, followed by [x_0 … x_{K-1}] with return_trajectory and by the outputs with
+    eval_outputs (a tuple when either is asked for).
   """
   if method not in STAGE_NODES:
     raise ValueError(f"unknown solver {method!r}; choose one of {sorted(STAGE_NODES)}")
   if remat_policy not in REMAT_POLICIES:
     raise ValueError(f"unknown remat_policy {remat_policy!r}; "
                      f"choose one of {sorted(REMAT_POLICIES)}")
-  step = _step(field, method)
+  scanned, rebuild = _split_constants(stage_inputs, len(STAGE_NODES[method]))
+  step = _step(field, method, rebuild, eval_outputs)
   per_step = not isinstance(dt, (int, float))
+  lengths = {a.shape[0] for a in scanned + jax.tree.leaves(eval_inputs)
+             + ([dt] if per_step else [])}
+  if num_steps is not None:
+    lengths.add(num_steps)
+  if not lengths:
+    raise ValueError("no stage input has a step axis (every leaf is [1, 1, ...]); "
+                     "pass num_steps")
+  if len(lengths) != 1:
+    raise ValueError(f"the stage inputs, dt and num_steps disagree on the number of steps "
+                     f"({sorted(lengths)}); give them one K")
+  num_steps = lengths.pop()
   if per_step:
     dt = jnp.asarray(dt).astype(x0.dtype)
-    num_steps = jax.tree.leaves(stage_inputs)[0].shape[0]
     if dt.shape != (num_steps,):
       raise ValueError(f"dt has shape {dt.shape}; expected a float or ({num_steps},), "
                        "one step size per step")
-    xs = ((stage_inputs, eval_inputs), dt)
+    xs = ((scanned, eval_inputs), dt)
   else:
     # A uniform dt stays a constant of the program (closed over, not traced).
     step = functools.partial(step, dt=dt)
-    xs = (stage_inputs, eval_inputs)
+    xs = (scanned, eval_inputs)
   if remat_policy != "none":
     step = jax.checkpoint(step, policy=REMAT_POLICIES[remat_policy])
 
   def body(x, xs_k):
-    x_next = step(x, *xs_k) if per_step else step(x, xs_k)
-    return x_next, (x if return_trajectory else None)
+    x_next, out = step(x, *xs_k) if per_step else step(x, xs_k)
+    return x_next, ((x if return_trajectory else None), out)
 
-  x, traj = jax.lax.scan(body, x0, xs)
-  return (x, traj) if return_trajectory else x
+  x, (traj, outs) = jax.lax.scan(body, x0, xs, length=num_steps)
+  results = (x,) + ((traj,) if return_trajectory else ()) + ((outs,) if eval_outputs else ())
+  return results if len(results) > 1 else x

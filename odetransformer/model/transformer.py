@@ -1,12 +1,15 @@
 """The language model: embeddings → one solver scan over layer params → norm → head.
 
-Three weight sources feed the same scan core (`solvers.fixed_step_solve`):
+Three layer-weight sources (`LanguageModel.stack`, picked by kind in `weight_source`)
+answer one question, `stack.step_weights(times [K, S], dtype)`: the layer params at the
+solver's stage times. The scan (`solvers.fixed_step_solve`), materialisation, decoding
+and the analysis all ask it (through `LanguageModel.step_weights`):
 
-| kind           | per-step params                                  | update        |
-|----------------|--------------------------------------------------|---------------|
-| diffeqformer   | W(t_k) from `HyperNetwork`, generated before scan | x + dt·F      |
-| shared         | one layer, the same at every step (Zhong et al.)  | x + dt·F      |
-| gpt / parallel | stacked [L, …] params (`DiscreteStack`)          | x + block(x)  |
+| kind           | step weights                                              | update       |
+|----------------|-----------------------------------------------------------|--------------|
+| diffeqformer   | W(t) from `HyperNetwork`, [K, S, …], made before the scan | x + dt·F     |
+| shared         | one layer at every step (Zhong et al.), [1, 1, …]         | x + dt·F     |
+| gpt / parallel | stacked layers (`DiscreteStack`), [L, 1, …]               | x + block(x) |
 
 `num_steps` is a call-time argument: an ODE's parameters hold no K.
 """
@@ -17,11 +20,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from odetransformer.model import blocks, solvers
+from odetransformer.model import blocks, lora, solvers
 from odetransformer.model.axes import constrain
 from odetransformer.model.config import ModelConfig
 from odetransformer.model.hypernet import HyperNetwork
-from odetransformer.model.solvers import fixed_step_solve, grid_stage_times, stage_times
 from odetransformer.model.time_grid import check_time_grid
 
 EMBED_STD = 0.02
@@ -29,6 +31,8 @@ EMBED_STD = 0.02
 # Llama's token embeddings N(0, 1) when untied (tied, they are also the head: 0.02).
 POS_EMBED_STD = 0.01
 LLAMA_EMBED_STD = 1.0
+# The model's weights outside its layer-weight source.
+_TOP_LEVEL = ("embed", "pos_embed", "final_norm_scale", "final_norm_shift", "head")
 
 
 def state_dtype(cfg: ModelConfig):
@@ -43,29 +47,21 @@ def _init_layer_param(key, spec: blocks.ParamSpec, std: float, dtype, lead=()):
   return (jnp.ones if spec.role == "norm_scale" else jnp.zeros)(shape, dtype)
 
 
-class Frozen(nnx.Variable):
-  """A weight held fixed in training: not an `nnx.Param`, so it gets no gradient and no
-  optimizer state (LoRA's base weights), yet it is checkpointed and sharded as usual."""
-
-
-class LoraParam(nnx.Param):
-  """A LoRA factor (A or B)."""
-
-
 class DiscreteStack(nnx.Module):
-  """L independent layers, stored stacked [L, …] (logical axis 'layers').
+  """L independent layers, stored stacked [L, …] (logical axis 'layers'): a layer-weight
+  source (see `LanguageModel.stack`) whose weights ignore t.
 
-  With `cfg.lora_rank > 0` the layers are `Frozen` and each target weight gets
-  adapters A [L, in, r] ~ N(0, 1/in), B [L, r, out] = 0: W = W0 + (alpha/r)·A·B, equal
-  to W0 at initialisation.
+  With `cfg.lora_rank > 0` the layers are `lora.Frozen` and each target weight gets
+  adapters (`lora.init_adapters`): W = W0 + (alpha/r)·A·B, equal to W0 at
+  initialisation.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     dtype = jnp.dtype(cfg.param_dtype)
     self.specs = blocks.layer_param_specs(cfg)
-    self.lora_scale = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
+    self.lora_scale = lora.scale(cfg)
     self.out_proj_scale = cfg.out_proj_scale
-    var = Frozen if cfg.lora_rank else nnx.Param
+    var = lora.Frozen if cfg.lora_rank else nnx.Param
     params = {}
     for name, spec in self.specs.items():
       # GPT-2 initialisation: N(0, 0.02²), output projections scaled by 1/√(2L).
@@ -75,33 +71,24 @@ class DiscreteStack(nnx.Module):
           out_sharding=("layers",) + spec.axes)
     self.params = nnx.Dict(params)
     if cfg.lora_rank:
-      adapters = {}
-      for name in cfg.lora_targets:
-        spec = self.specs[name]
-        n_in = math.prod(spec.shape[:spec.n_in])
-        n_out = math.prod(spec.shape[spec.n_in:])
-        a = jax.random.normal(rngs.params(), (cfg.num_steps, n_in, cfg.lora_rank), dtype)
-        adapters[name] = nnx.Dict(
-            a=LoraParam(a / math.sqrt(n_in), out_sharding=("layers", None, None)),
-            b=LoraParam(jnp.zeros((cfg.num_steps, cfg.lora_rank, n_out), dtype),
-                        out_sharding=("layers", None, None)))
-      self.lora = nnx.Dict(adapters)
+      self.lora = lora.init_adapters(cfg, self.specs, rngs)
 
-  def layers(self):
+  def step_weights(self, times, dtype):
+    """The L layers as L one-stage Euler steps, name -> [L, 1, *shape] in `dtype`
+    (`times` is ignored): LoRA updates and `out_proj_scale` applied in the param dtype."""
+    del times
     out = {name: p[...] for name, p in self.params.items()}
     if self.lora_scale:
-      for name, ab in self.lora.items():
-        w = out[name]
-        delta = jnp.einsum("lir,lro->lio", ab["a"][...], ab["b"][...])
-        out[name] = w + (self.lora_scale * delta).reshape(w.shape).astype(w.dtype)
+      out = lora.apply(out, self.lora, self.lora_scale)
     if self.out_proj_scale != 1.0:   # a materialised ODE's dt, over W and its LoRA update
       out = {name: (w * self.out_proj_scale if self.specs[name].role in ("out", "out_bias")
                     else w) for name, w in out.items()}
-    return out
+    return {name: w.astype(dtype)[:, None] for name, w in out.items()}
 
 
 class SharedLayer(nnx.Module):
-  """One layer used at every solver step: the weight-sharing ODE."""
+  """One layer used at every solver step (the weight-sharing ODE): a layer-weight source
+  whose weights are the same at every t."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     dtype = jnp.dtype(cfg.param_dtype)
@@ -112,8 +99,26 @@ class SharedLayer(nnx.Module):
                                           dtype), out_sharding=spec.axes)
         for name, spec in self.specs.items()})
 
-  def layer(self):
-    return {name: p[...] for name, p in self.params.items()}
+  def step_weights(self, times, dtype):
+    """The layer at every time of `times` [K, S]: name -> [1, 1, *shape] in `dtype`, which
+    the solver broadcasts over the steps and stages (`solvers.broadcast_stages`)."""
+    del times
+    return {name: p[...].astype(dtype)[None, None] for name, p in self.params.items()}
+
+
+def weight_source(cfg: ModelConfig, rngs: nnx.Rngs):
+  """The model's layer-weight source for `cfg.kind`: the one place a kind picks one.
+
+  Every source has `specs` (name -> `blocks.ParamSpec`) and answers
+  `step_weights(times [K, S], dtype) -> name -> [K, S, *shape]`, the layer params at the
+  solver's stage times: W(t) for the hypernetwork, [1, 1, *shape] (broadcast) for the
+  shared layer, [L, 1, *shape] for a discrete stack, which ignores the times.
+  """
+  if cfg.kind == "diffeqformer":
+    return HyperNetwork(cfg, rngs=rngs)
+  if cfg.kind == "shared":
+    return SharedLayer(cfg, rngs=rngs)
+  return DiscreteStack(cfg, rngs=rngs)
 
 
 class LanguageModel(nnx.Module):
@@ -124,7 +129,7 @@ class LanguageModel(nnx.Module):
     dtype = jnp.dtype(cfg.param_dtype)
     d = cfg.d_model
     # With LoRA, the non-layer weights train only when asked to.
-    var = Frozen if cfg.lora_rank and not cfg.lora_train_embeddings else nnx.Param
+    var = lora.Frozen if cfg.lora_rank and not cfg.lora_train_embeddings else nnx.Param
     embed_std = (LLAMA_EMBED_STD if cfg.flavour == "llama" and not cfg.tie_embeddings
                  else EMBED_STD)
     self.embed = var(jax.random.normal(rngs.params(), (cfg.vocab_size, d), dtype)
@@ -132,12 +137,9 @@ class LanguageModel(nnx.Module):
     if cfg.flavour == "gpt":
       self.pos_embed = var(jax.random.normal(rngs.params(), (cfg.max_len, d), dtype)
                                  * POS_EMBED_STD, out_sharding=("length", "embed"))
-    if cfg.kind == "diffeqformer":
-      self.stack = HyperNetwork(cfg, rngs=rngs)
-    elif cfg.kind == "shared":
-      self.stack = SharedLayer(cfg, rngs=rngs)
-    else:
-      self.stack = DiscreteStack(cfg, rngs=rngs)
+    # `stack` is the layer-weight source (`weight_source`; a hypernetwork for
+    # 'diffeqformer'): the name is kept, checkpoints store its state under it.
+    self.stack = weight_source(cfg, rngs)
     self.final_norm_scale = var(jnp.ones((d,), dtype), out_sharding=("embed",))
     if cfg.flavour == "gpt":
       self.final_norm_shift = var(jnp.zeros((d,), dtype), out_sharding=("embed",))
@@ -146,38 +148,48 @@ class LanguageModel(nnx.Module):
                             * EMBED_STD, out_sharding=("embed", "vocab"))
 
   # ---------------------------------------------------------------------------------
-  def step_params(self, num_steps: int, time_grid=None):
-    """Per-step layer params and step size for the solver: ([K, S, …] dict, dt); on a
-    `time_grid` [K+1] (DiffEqFormer) dt is the [K] steps of the grid."""
-    cfg = self.config
-    dtype = jnp.dtype(cfg.dtype)
-    if cfg.kind == "diffeqformer":
-      if time_grid is not None:
-        ts, dts = grid_stage_times(time_grid, cfg.solver, cfg.step_time)
-        return self.stack(ts, dtype), dts
-      ts = stage_times(num_steps, cfg.solver, cfg.step_time)
-      return self.stack(ts, dtype), 1.0 / num_steps
-    layers = self.stack.layers()
-    return {k: v.astype(dtype)[:, None] for k, v in layers.items()}, 1.0
+  def step_weights(self, num_steps: Optional[int] = None, time_grid=None, dtype=None):
+    """What the solver scans: (layer params name -> [K, S, *shape], dt, method).
 
-  def embed_tokens(self, tokens_bt, positions_bt):
-    """The initial state x_0 [b, t, d] in the state dtype."""
+    ODE kinds: the stack's weights at the stage times of K = `num_steps` uniform steps
+    (dt = 1/K) or of `time_grid` [K+1] (dt [K]), solved by `model.solver`. Discrete
+    kinds: their L layers, [L, 1, *shape], as Euler steps with dt = 1. `dtype`: default
+    the compute dtype.
+    """
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype if dtype is None else dtype)
+    if not cfg.is_ode:
+      return self.stack.step_weights(None, dtype), 1.0, "euler"
+    times, dt = solvers.solve_times(self.resolve_num_steps(num_steps), cfg.solver,
+                                    cfg.step_time, time_grid)
+    return self.stack.step_weights(times, dtype), dt, cfg.solver
+
+  def layer_weights(self, dtype=None):
+    """A discrete model's L layers, name -> [L, *shape] (its step weights, one stage)."""
+    if self.config.is_ode:
+      raise ValueError(f"kind={self.config.kind!r} is an ODE: its weights are W(t) "
+                       "(step_weights, or materialize it)")
+    weights, _, _ = self.step_weights(dtype=dtype)
+    return {name: w[:, 0] for name, w in weights.items()}
+
+  def embed_tokens(self, tokens_bl, positions_bl):
+    """The initial state x_0 [b, l, d] in the state dtype."""
     cfg = self.config
     dtype = state_dtype(cfg)
-    x = jnp.take(constrain(self.embed[...], ("vocab", "embed")), tokens_bt, axis=0)
+    x = jnp.take(constrain(self.embed[...], ("vocab", "embed")), tokens_bl, axis=0)
     if cfg.flavour == "gpt":
-      x = x + jnp.take(constrain(self.pos_embed[...], ("length", "embed")), positions_bt, axis=0)
+      x = x + jnp.take(constrain(self.pos_embed[...], ("length", "embed")), positions_bl, axis=0)
     return (x * cfg.embed_scale).astype(dtype)
 
-  def logits(self, x_btd):
+  def logits(self, x_bld):
     cfg = self.config
     shift = self.final_norm_shift[...] if cfg.flavour == "gpt" else None
     dtype = jnp.dtype(cfg.dtype)
-    x = blocks.norm(x_btd, self.final_norm_scale[...], shift, cfg.norm_eps).astype(dtype)
+    x = blocks.norm(x_bld, self.final_norm_scale[...], shift, cfg.norm_eps).astype(dtype)
     if cfg.tie_embeddings:
-      logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dtype))
+      logits = jnp.einsum("bld,vd->blv", x, self.embed[...].astype(dtype))
     else:
-      logits = jnp.einsum("btd,dv->btv", x, self.head[...].astype(dtype))
+      logits = jnp.einsum("bld,dv->blv", x, self.head[...].astype(dtype))
     return constrain(logits, ("batch", "length", "vocab"))
 
   def resolve_num_steps(self, num_steps: Optional[int]) -> int:
@@ -235,54 +247,39 @@ class LanguageModel(nnx.Module):
       x = blocks._dropout(x, cfg.dropout_rate, embed_rng)
     x = constrain(x, ("batch", "length", "embed"))
     mask = blocks.attention_mask(segment_ids_bl)
-    block = blocks.sequential_block if cfg.kind == "gpt" else blocks.parallel_block
-
-    if cfg.kind == "shared":
-      shared = {n: v.astype(jnp.dtype(cfg.dtype)) for n, v in self.stack.layer().items()}
-      if time_grid is None:
-        inputs, dt = {"t": stage_times(k, cfg.solver, cfg.step_time)}, 1.0 / k
-      else:
-        ts, dt = grid_stage_times(time_grid, cfg.solver, cfg.step_time)
-        inputs = {"t": ts}
-      get = lambda inp: shared
-    else:
-      weights, dt = self.step_params(k, time_grid)
-      inputs = {"w": weights}
-      get = lambda inp: inp["w"]
-    method = cfg.solver if cfg.is_ode else "euler"
+    block = blocks.block_fn(cfg)
+    weights, dt, method = self.step_weights(k, time_grid)
     keys = None
     if use_dropout:   # one key per field evaluation (rk4's 2nd and 3rd share a time)
-      n_evals = len(solvers.TABLEAUX[method].stages)
+      n_evals = solvers.num_evals(method)
       keys = jax.random.split(dropout_rng, k * n_evals).reshape(k, n_evals)
     compute = jnp.dtype(cfg.dtype)
 
-    def field(x_btd, inp, key=None):   # the block in the compute dtype, x in the state's
-      out = block(x_btd.astype(compute), get(inp), cfg, mask, positions_bl, key)
-      return constrain(out, ("batch", "length", "embed")).astype(x_btd.dtype)
+    def field(x_bld, p, key=None):   # the block in the compute dtype, x in the state's
+      out = block(x_bld.astype(compute), p, cfg, mask, positions_bl, key)
+      return constrain(out, ("batch", "length", "embed")).astype(x_bld.dtype)
 
-    out = fixed_step_solve(field, x, inputs, dt, method, cfg.remat_policy,
-                           return_trajectory=return_trajectory, eval_inputs=keys)
+    out = solvers.fixed_step_solve(field, x, weights, dt, method, cfg.remat_policy,
+                                   return_trajectory=return_trajectory, eval_inputs=keys,
+                                   num_steps=k)
     if return_trajectory:
       x, traj = out
       return self.logits(x), traj
     return self.logits(out)
 
-
-_TOP_LEVEL = ("embed", "pos_embed", "final_norm_scale", "final_norm_shift", "head")
-
-
-def build_from_values(cfg: ModelConfig, layers: dict, source: "LanguageModel"):
-  """A discrete model with stacked `layers` and `source`'s embeddings/norm/head, built
-  without random initialisation (every leaf is given). Unsharded, like `create_model`
-  outside a mesh."""
-  with nnx.use_eager_sharding(False):
-    abstract = nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract)
-  values = {name: getattr(source, name)[...] for name in _TOP_LEVEL if hasattr(abstract, name)}
-  values["stack"] = {"params": {n: jnp.asarray(w, jnp.dtype(cfg.param_dtype))
-                                for n, w in layers.items()}}
-  nnx.replace_by_pure_dict(state, values)
-  return nnx.merge(graphdef, state)
+  def with_layers(self, cfg: ModelConfig, layers: dict) -> "LanguageModel":
+    """A discrete model of config `cfg` with the stacked `layers` (name -> [L, *shape])
+    and this model's embeddings, final norm and head, built without random
+    initialisation (every leaf is given). Unsharded, like `create_model` outside a
+    mesh."""
+    with nnx.use_eager_sharding(False):
+      abstract = nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    values = {name: getattr(self, name)[...] for name in _TOP_LEVEL if hasattr(abstract, name)}
+    values["stack"] = {"params": {n: jnp.asarray(w, jnp.dtype(cfg.param_dtype))
+                                  for n, w in layers.items()}}
+    nnx.replace_by_pure_dict(state, values)
+    return nnx.merge(graphdef, state)
 
 
 def create_model(cfg: ModelConfig, *, seed: int = 0, rngs: Optional[nnx.Rngs] = None):

@@ -53,7 +53,7 @@ from odetransformer.train.checkpointing import UNVERIFIED_FLAG_HELP
 from odetransformer.model.config import model_config
 from odetransformer.errors import UserError
 from odetransformer.model.materialize import check_materializable, materialize
-from odetransformer.model.transformer import LanguageModel, build_from_values
+from odetransformer.model.transformer import LanguageModel
 
 SHARD_BYTES = 5 * 2**30          # a larger model is written in shards of at most this
 TOLERANCE = 1e-4                 # --verify: max |Δlogit| <= TOLERANCE * max |logit|
@@ -87,20 +87,16 @@ def discrete_model(model: LanguageModel, num_steps: Optional[int] = None) -> Lan
   folded in. Float32 compute. A one-line UserError when there is no such model."""
   cfg = model.config
   check_exportable(cfg, num_steps)
-  if cfg.is_ode:
-    disc = materialize(model, cfg.num_steps if num_steps is None else num_steps)
-    cfg, layers = disc.config, disc.stack.layers()
-  else:
-    layers, disc = model.stack.layers(), model
-  cfg = dataclasses.replace(cfg, lora_rank=0, out_proj_scale=1.0, dtype="float32",
+  disc = (materialize(model, cfg.num_steps if num_steps is None else num_steps)
+          if cfg.is_ode else model)
+  cfg = dataclasses.replace(disc.config, lora_rank=0, out_proj_scale=1.0, dtype="float32",
                             param_dtype="float32", dropout_rate=0.0)
-  return build_from_values(cfg, {n: jnp.asarray(w, jnp.float32) for n, w in layers.items()},
-                           disc)
+  return disc.with_layers(cfg, disc.layer_weights(jnp.float32))
 
 
 def hf_architecture(cfg) -> str:
   """The transformers class a discrete model of config `cfg` is exported as."""
-  if cfg.kind == "gpt":
+  if cfg.block == "sequential":
     return "GPT2LMHeadModel" if cfg.flavour == "gpt" else "LlamaForCausalLM"
   return "OdeTransformerForCausalLM"
 
@@ -124,7 +120,7 @@ def hf_state_dict(model: LanguageModel) -> dict:
   cfg = model.config
   d = cfg.d_model
   top = _top_level(model)
-  layers = {n: np.asarray(w, np.float32) for n, w in model.stack.layers().items()}
+  layers = {n: np.asarray(w, np.float32) for n, w in model.layer_weights(jnp.float32).items()}
   linear = lambda w: w.reshape(d, -1).T         # [d, n, h] / [d, f] -> torch [out, in]
   out_linear = lambda w: w.reshape(-1, d).T     # [n, h, d] / [f, d] -> torch [d, in]
   sd = {}

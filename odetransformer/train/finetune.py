@@ -20,14 +20,13 @@ its checkpoints, so it resumes, evaluates and generates like any other. Only its
 start reads `init_from`. The tokenizer is the pre-training run's.
 """
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from odetransformer.model import blocks
+from odetransformer.model import blocks, lora
 from odetransformer.runtime import fileio
 from odetransformer.train import checkpointing, loading, sharding
 from odetransformer.model.config import ModelConfig, model_config
@@ -198,10 +197,8 @@ def small_lora_factors(cfg: ModelConfig, seed: int) -> dict:
   dtype = jnp.dtype(cfg.param_dtype)
   out = {}
   for i, name in enumerate(cfg.lora_targets):
-    spec = specs[name]
-    n_in, n_out = math.prod(spec.shape[:spec.n_in]), math.prod(spec.shape[spec.n_in:])
+    a_shape, b_shape = lora.factor_shapes(specs[name], cfg.lora_rank, cfg.num_steps)
     ka, kb = jax.random.split(jax.random.fold_in(key, i))
-    out[name] = {
-        "a": SMALL_LORA_STD * jax.random.normal(ka, (cfg.num_steps, n_in, cfg.lora_rank), dtype),
-        "b": SMALL_LORA_STD * jax.random.normal(kb, (cfg.num_steps, cfg.lora_rank, n_out), dtype)}
+    out[name] = {"a": SMALL_LORA_STD * jax.random.normal(ka, a_shape, dtype),
+                 "b": SMALL_LORA_STD * jax.random.normal(kb, b_shape, dtype)}
   return out
