@@ -65,8 +65,8 @@ def main(argv):
     raise errors.UserError(f"unexpected arguments {argv[1:]}; flags take the form "
                            "--name=value (see --helpshort)")
   config = errors.load_config_flag(_CONFIG)
-  from odetransformer.train import checkpointing  # pylint: disable=g-import-not-at-top
-  checkpointing.quiet_library_logs()   # orbax and TFDS: warnings and errors only
+  from odetransformer.runtime.logs import quiet_library_logs  # pylint: disable=g-import-not-at-top
+  quiet_library_logs()   # orbax and TFDS: warnings and errors only
   # Imported after flag parsing: grain workers read absl flags, which must be parsed.
   import jax  # pylint: disable=g-import-not-at-top
   if _cpu_by_default:

@@ -41,9 +41,10 @@ from flax import nnx
 
 from odetransformer.model import axes
 from odetransformer.runtime import fileio, host
-from odetransformer.train import checkpointing, loading, sharding
+from odetransformer.train import loading, sharding
+from odetransformer.runtime.logs import quiet_library_logs
+from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 from odetransformer.model.config import model_config
-from odetransformer.train.checkpointing import UNVERIFIED_FLAG_HELP
 from odetransformer.errors import UserError
 from odetransformer.train.losses import token_scores
 from odetransformer.model.transformer import LanguageModel
@@ -57,7 +58,7 @@ def quiet_orbax(cli: bool = False) -> None:
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   if cli and absl_logging.get_verbosity() >= absl_logging.INFO:
     absl_logging.set_verbosity(absl_logging.WARNING)
-  checkpointing.quiet_library_logs(std_logging.ERROR)
+  quiet_library_logs(std_logging.ERROR)
 
 
 # --------------------------------------------------------------------------------------
