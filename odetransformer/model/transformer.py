@@ -146,17 +146,18 @@ class LanguageModel(nnx.Module):
                             * EMBED_STD, out_sharding=("embed", "vocab"))
 
   # ---------------------------------------------------------------------------------
-  def step_params(self, num_steps: int, time_grid=None):
+  def step_params(self, num_steps: int, time_grid=None, param_rules=None):
     """Per-step layer params and step size for the solver: ([K, S, …] dict, dt); on a
-    `time_grid` [K+1] (DiffEqFormer) dt is the [K] steps of the grid."""
+    `time_grid` [K+1] (DiffEqFormer) dt is the [K] steps of the grid. Generated weights
+    are sharded by `param_rules` (see `__call__`)."""
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     if cfg.kind == "diffeqformer":
       if time_grid is not None:
         ts, dts = grid_stage_times(time_grid, cfg.solver, cfg.step_time)
-        return self.stack(ts, dtype), dts
+        return self.stack(ts, dtype, param_rules), dts
       ts = stage_times(num_steps, cfg.solver, cfg.step_time)
-      return self.stack(ts, dtype), 1.0 / num_steps
+      return self.stack(ts, dtype, param_rules), 1.0 / num_steps
     layers = self.stack.layers()
     return {k: v.astype(dtype)[:, None] for k, v in layers.items()}, 1.0
 
@@ -192,7 +193,8 @@ class LanguageModel(nnx.Module):
 
   def __call__(self, tokens_bl, *, segment_ids_bl=None, positions_bl=None,
                num_steps: Optional[int] = None, deterministic: bool = True,
-               dropout_rng=None, return_trajectory: bool = False, time_grid=None):
+               dropout_rng=None, return_trajectory: bool = False, time_grid=None,
+               param_rules=None):
     """Logits [b, l, vocab] in the compute dtype.
 
     Args:
@@ -207,6 +209,10 @@ class LanguageModel(nnx.Module):
       time_grid: optional [K+1] increasing times from 0 to 1 (ODE kinds): step k goes
         from time_grid[k] to time_grid[k+1]; default the uniform grid of `num_steps`
         steps. Training draws random grids with `model.train_time_grid`.
+      param_rules: the logical-axis rules the parameters are sharded by, under a mesh:
+        weights generated in the call (DiffEqFormer's W(t)) are constrained by them, so
+        each lives where its parameters do, while activations follow the rules in
+        force. None: generated weights follow the rules in force too.
     """
     cfg = self.config
     if time_grid is not None:
@@ -246,7 +252,7 @@ class LanguageModel(nnx.Module):
         inputs = {"t": ts}
       get = lambda inp: shared
     else:
-      weights, dt = self.step_params(k, time_grid)
+      weights, dt = self.step_params(k, time_grid, param_rules)
       inputs = {"w": weights}
       get = lambda inp: inp["w"]
     method = cfg.solver if cfg.is_ode else "euler"

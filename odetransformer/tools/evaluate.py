@@ -39,7 +39,6 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from odetransformer.model import axes
 from odetransformer.runtime import fileio, host
 from odetransformer.train import loading, sharding
 from odetransformer.runtime.logs import quiet_library_logs
@@ -67,9 +66,9 @@ def quiet_orbax(cli: bool = False) -> None:
 def _score_batch(graphdef, num_steps, rules, state, batch):
   """(sum of weighted target NLL, sum of weights, weighted correct argmax), float32."""
   model = nnx.merge(graphdef, state)
-  with axes.weight_rules(rules):   # generated W(t) sharded as the parameters are
-    logits = model(batch["inputs"], segment_ids_bl=batch.get("segment_ids"),
-                   positions_bl=batch.get("positions"), num_steps=num_steps)
+  logits = model(batch["inputs"], segment_ids_bl=batch.get("segment_ids"),
+                 positions_bl=batch.get("positions"), num_steps=num_steps,
+                 param_rules=rules)   # generated W(t) sharded as the parameters are
   scores = token_scores(logits, batch["targets"], batch["weights"])
   return tuple(jnp.sum(scores[k]) for k in ("nll", "weight", "correct"))
 
