@@ -55,7 +55,7 @@ def test_resume_peak_live_device_bytes_are_one_state(tmp_path, monkeypatch):
     return out
 
   monkeypatch.setattr(Checkpointer, "restore_latest", measured_restore)
-  monkeypatch.setattr(train, "_restore_or_init", measured_restore_or_init)
+  monkeypatch.setattr(loop, "_restore_or_init", measured_restore_or_init)
   gc.collect()            # the baseline holds no garbage that the resume would free
   before = _live_bytes()
   resumed = loop.train_and_evaluate(config, workdir)   # at step 2 already: restore, eval
