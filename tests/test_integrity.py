@@ -226,3 +226,20 @@ def test_reader_whose_step_is_rotated_away_reads_the_newest(run_copy, tmp_path, 
   logged = caplog.text.lower()
   assert "was deleted while being read" in logged
   assert "corrupt" not in logged and "does not restore" not in logged
+
+
+def test_checkpoints_naming_the_handlers_module_before_the_split_restore(run_copy, cache):
+  """Orbax records each item's handler by module path in the step's metadata: those
+  written before train/checkpointing.py became the train/checkpoint/ package name the
+  old module. They load and resume all the same, to the same values."""
+  step, values = _params(run_copy)
+  for path in (run_copy / "checkpoints").glob("*/_CHECKPOINT_METADATA"):
+    text = path.read_text()
+    assert "odetransformer.train.checkpoint.integrity._Integrity" in text, text
+    path.write_text(text.replace("odetransformer.train.checkpoint.integrity.",
+                                 "odetransformer.train.checkpointing."))
+  old_step, old_values = _params(run_copy)
+  assert old_step == step == 6
+  assert all(np.array_equal(a, b) for a, b in zip(old_values, values))
+  r = loop.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2), str(run_copy))
+  assert (r["start_step"], r["step"]) == (6, 8)

@@ -31,7 +31,6 @@ import time
 
 import pytest
 
-from odetransformer.train.checkpoint.manager import Checkpointer
 from odetransformer.train.checkpoint.paths import finalized_steps
 from odetransformer.train import metrics as metrics_lib
 from tiny import cpu_env
@@ -51,7 +50,6 @@ DRIVER = textwrap.dedent("""
     from odetransformer import errors
     from odetransformer.train import steps, loop
     from odetransformer.train.checkpoint.manager import Checkpointer
-    from odetransformer.train.checkpoint.paths import finalized_steps
     from tiny import config_flags, tiny_config
 
     c = tiny_config(os.environ["ODET_CACHE"], num_train_steps=int(os.environ.get("ODET_STEPS", 4)))
