@@ -21,7 +21,7 @@ class _LibraryLogs(std_logging.Filter):
   Drops orbax and TFDS records below `min_level` (their INFO lines: dozens per
   checkpoint, and TFDS narrating the preparation of a local corpus file by file; tools
   that only read a checkpoint raise it to ERROR). Orbax logs a failed background save
-  with a traceback per thread (~200 lines); the CheckpointError that follows says it in
+  with a traceback per thread; the CheckpointError that follows says it in
   one line: its error lines are kept, their tracebacks dropped (kept with --verbose).
   """
 
