@@ -161,7 +161,7 @@ def test_generate_command_line(run, capsys):
 
 @pytest.mark.parametrize("module", ["evaluate", "generate"])
 def test_command_lines_report_a_missing_run(module, tmp_path):
-  r = subprocess.run([sys.executable, "-m", f"odetransformer.{module}",
+  r = subprocess.run([sys.executable, "-m", f"odetransformer.tools.{module}",
                       f"--workdir={tmp_path / 'nothing'}"], cwd=ROOT, capture_output=True,
                      text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert r.returncode == 2, r.stderr[-2000:]
