@@ -14,8 +14,9 @@ when started again with the same command.
 
 On a machine without GPU or TPU, JAX_PLATFORMS=cpu is set unless you set JAX_PLATFORMS
 yourself (JAX then skips probing accelerator runtimes). ODET_HUGEPAGES=1 makes a CPU run
-~20% faster on Linux: the process re-executes itself once with glibc's huge-page tunable
-(odetransformer/runtime/hugepages.py says when; off by default, never on GPU/TPU hosts).
+faster on Linux (benchmarks/README.md, Huge pages): the process re-executes itself once
+with glibc's huge-page tunable (odetransformer/runtime/hugepages.py says when; off by
+default, never on GPU/TPU hosts).
 
 Multi-host runs call `jax.distributed.initialize()` when the environment says there are
 several processes (JAX_COORDINATOR_ADDRESS, a SLURM or Open MPI job of several tasks, a
@@ -65,8 +66,8 @@ def main(argv):
     raise errors.UserError(f"unexpected arguments {argv[1:]}; flags take the form "
                            "--name=value (see --helpshort)")
   config = errors.load_config_flag(_CONFIG)
-  from odetransformer.train import checkpointing  # pylint: disable=g-import-not-at-top
-  checkpointing.quiet_library_logs()   # orbax and TFDS: warnings and errors only
+  from odetransformer.runtime.logs import quiet_library_logs  # pylint: disable=g-import-not-at-top
+  quiet_library_logs()   # orbax and TFDS: warnings and errors only
   # Imported after flag parsing: grain workers read absl flags, which must be parsed.
   import jax  # pylint: disable=g-import-not-at-top
   if _cpu_by_default:

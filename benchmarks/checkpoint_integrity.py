@@ -1,7 +1,7 @@
 """Save and restore time of a checkpoint with and without its integrity checks.
 
 "with integrity" saves the checkpoint's four items through the training code's handlers
-(`checkpointing.integrity_item_handlers`): arrays as zarr3 with a crc32c per chunk,
+(`odetransformer.train.checkpoint.integrity`): arrays as zarr3 with a crc32c per chunk,
 each item's other files hashed into integrity.json before the commit; the restore
 checks the records, and tensorstore every chunk's crc32c. "orbax default" is the same
 save and restore through orbax's standard handlers (zarr2, no checksum of the data). "+ sha256" adds what the previous design did on process 0: a
@@ -33,7 +33,12 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from odetransformer.runtime import fileio
-from odetransformer.train import checkpointing
+from odetransformer.runtime.logs import quiet_library_logs
+from odetransformer.train.checkpoint.integrity import (ArraysRestore, ArraysSave, JsonRestore,
+                                                       JsonSave, files_under,
+                                                       integrity_item_handlers,
+                                                       verify_integrity_record)
+from odetransformer.train.checkpoint.paths import checkpoint_dir
 
 ARRAYS_PER_PART = 16     # model, mu and nu: 16 arrays each
 
@@ -73,7 +78,7 @@ class Timer:
 
 
 def _sha256_all(step_dir: str):
-  for rel in checkpointing.files_under(step_dir):
+  for rel in files_under(step_dir):
     fileio.sha256(fileio.join(step_dir, rel))
 
 
@@ -83,12 +88,12 @@ def save_and_restore(workdir, model, opt, save: Timer, restore: Timer, *,
   through the training code's handlers (and the record checked before the restore),
   else through orbax's standard ones; with `sha256`, the old design's hash of every
   file after the save and before the restore."""
-  handlers = checkpointing.integrity_item_handlers() if integrity else None
-  save_arrays = checkpointing.ArraysSave if integrity else ocp.args.StandardSave
-  save_json = checkpointing.JsonSave if integrity else ocp.args.JsonSave
-  step_dir = fileio.join(checkpointing.checkpoint_dir(workdir), "1")
+  handlers = integrity_item_handlers() if integrity else None
+  save_arrays = ArraysSave if integrity else ocp.args.StandardSave
+  save_json = JsonSave if integrity else ocp.args.JsonSave
+  step_dir = fileio.join(checkpoint_dir(workdir), "1")
   mngr = ocp.CheckpointManager(
-      checkpointing.checkpoint_dir(workdir), item_handlers=handlers,
+      checkpoint_dir(workdir), item_handlers=handlers,
       options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True,
                                            enable_async_checkpointing=True))
   with save.measure():
@@ -100,10 +105,10 @@ def save_and_restore(workdir, model, opt, save: Timer, restore: Timer, *,
       _sha256_all(step_dir)
   targets = {"model": nnx.to_pure_dict(abstract(model)), "opt": nnx.to_pure_dict(abstract(opt))}
   if integrity:
-    args = {item: checkpointing.ArraysRestore(
+    args = {item: ArraysRestore(
         item=t, restore_args=ocp.checkpoint_utils.construct_restore_args(t))
             for item, t in targets.items()}
-    args.update(meta=checkpointing.JsonRestore(), data=checkpointing.JsonRestore())
+    args.update(meta=JsonRestore(), data=JsonRestore())
   else:
     args = {item: ocp.args.StandardRestore(t) for item, t in targets.items()}
     args.update(meta=ocp.args.JsonRestore(), data=ocp.args.JsonRestore())
@@ -112,7 +117,7 @@ def save_and_restore(workdir, model, opt, save: Timer, restore: Timer, *,
       _sha256_all(step_dir)
     if integrity:
       for item in args:
-        checkpointing.verify_integrity_record(fileio.join(step_dir, item))
+        verify_integrity_record(fileio.join(step_dir, item))
     restored = mngr.restore(1, args=ocp.args.Composite(**args))
     jax.block_until_ready((restored["model"], restored["opt"]))
   mngr.close()
@@ -132,7 +137,7 @@ def main(argv=None):
   parser.add_argument("--dir", default="", help="where to write (default: a temporary "
                       "directory on the local disk)")
   args = parser.parse_args(argv)
-  checkpointing.quiet_library_logs()
+  quiet_library_logs()
   model, opt = make_states(args.gib)
   nbytes = sum(x.nbytes for x in jax.tree.leaves((model, opt)))
   print(f"state {nbytes / 2**30:.2f} GiB ({len(jax.tree.leaves((model, opt)))} float32 "

@@ -46,7 +46,8 @@ import input_pipeline
 from input_pipeline import iterator_state
 from input_pipeline import pipeline
 from input_pipeline import sources
-from odetransformer.train import checkpointing
+from odetransformer.runtime.logs import quiet_library_logs
+from odetransformer.train.checkpoint.fingerprint import tokenizer_sha256
 from odetransformer.tools import evaluate
 from odetransformer.train import loading
 from odetransformer.errors import UserError
@@ -133,7 +134,7 @@ class TrainingText:
         process_index=0, process_count=1)
     self.tokenizer = ds.tokenizer
     self.documents = sources.open_corpus(config.data, config.data.cache_dir).train
-    self.key = {"tokenizer": checkpointing.tokenizer_sha256(ds.tokenizer_path),
+    self.key = {"tokenizer": tokenizer_sha256(ds.tokenizer_path),
                 "corpus": ds.content_hash}
     self.epoch = self._count(os.path.join(root, EPOCH_FILE))
 
@@ -282,7 +283,7 @@ def write_table(root: str, curves: dict, tokens_per_step: int) -> list:
 def main(argv=None):
   args = parse_args(argv)
   logging.set_verbosity(logging.INFO)        # the training loop's progress lines
-  checkpointing.quiet_library_logs()
+  quiet_library_logs()
   root = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="odet_single_epoch_"))
   os.makedirs(root, exist_ok=True)
   print(f"workdir {root}", flush=True)

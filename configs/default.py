@@ -10,13 +10,9 @@ Command:
 GPT baseline (same width, depth, data and schedule):
   python main.py --config=configs/default.py --config.model.kind=gpt --workdir=/tmp/odet_default_gpt
 
-Expect on a 2-core CPU: about 2 m 20 s of wall time (2 m 17 s measured on a quiet
-machine); the first step, with compilation, takes
-seconds; training loss 7.65 (≈ ln 2048) at step 1, 4.88 at step 250, 4.52 at step 500;
-evaluation perplexity 131.3 at step 250 and 105.0 at step 500, where the GPT baseline
-above gets 129.1 and 105.1 (repeat runs on one machine give the same numbers; another
-CPU type may differ in the last digits). A second run on the same workdir resumes at
-step 500 and only evaluates.
+Expect minutes on a CPU: the wall time, training losses and evaluation perplexities of
+both commands are in benchmarks/README.md (Quality). A second run on the same workdir
+resumes at step 500 and only evaluates.
 """
 import ml_collections
 

@@ -14,8 +14,9 @@ which the embedded pre-training corpus (top-level modules only) never contains;
 offline on every machine. Any text works: --config.data.train_files=GLOB
 --config.data.eval_files=GLOB. The tokenizer is always the pre-training run's.
 
-Expect on a 2-core CPU: ~1-2 minutes; the first evaluation (step 0 of LoRA) equals the
-pre-trained model's loss on this text, and the loss falls from there.
+Expect: the first evaluation (step 0 of LoRA) equals the pre-trained model's loss on
+this text, and the loss falls from there; the time it takes is in benchmarks/README.md
+(Quality).
 """
 import ml_collections
 

@@ -156,10 +156,10 @@ def test_higher_order_ode_is_refused(solver, tmp_path):
 def test_command_line_refuses_rk4_before_loading(tmp_path):
   """A run's config.json alone (no checkpoint): the refusal comes before any loading."""
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from odetransformer.train import checkpointing  # pylint: disable=g-import-not-at-top
+  from odetransformer.train.checkpoint.fingerprint import save_config  # pylint: disable=g-import-not-at-top
   c = tiny_config(tmp_path / "cache")
   c.model.solver = "rk4"
-  checkpointing.save_config(c, str(tmp_path))
+  save_config(c, str(tmp_path))
   fv = export.define_flags(flags.FlagValues())
   fv(["export", f"--workdir={tmp_path}", f"--out={tmp_path / 'hf'}"])
   with pytest.raises(UserError, match="solver is 'rk4'") as info:

@@ -11,7 +11,11 @@ from odetransformer.runtime import fileio
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Modules whose workdir, checkpoint, config and tokenizer paths go through fileio.
-ROUTED = ("odetransformer/train/checkpointing.py", "odetransformer/train/loop.py",
+ROUTED = ("odetransformer/train/checkpoint/paths.py",
+          "odetransformer/train/checkpoint/fingerprint.py",
+          "odetransformer/train/checkpoint/integrity.py",
+          "odetransformer/train/checkpoint/restore.py",
+          "odetransformer/train/checkpoint/manager.py", "odetransformer/train/loop.py",
           "odetransformer/runtime/workdir_lock.py", "odetransformer/train/metrics.py",
           "odetransformer/train/health.py", "odetransformer/train/loading.py",
           "odetransformer/train/finetune.py", "odetransformer/tools/evaluate.py",

@@ -26,7 +26,8 @@ from test_train import ROOT, fast_compiles  # pylint: disable=unused-import
 from test_reliability import config, main_cmd, subprocess_env
 from odetransformer.runtime import fileio
 from odetransformer.tools import evaluate, generate
-from odetransformer.train import checkpointing, loop
+from odetransformer.train import loop
+from odetransformer.train.checkpoint.paths import finalized_steps
 from odetransformer.analysis import lyapunov, spectra
 from odetransformer.train import metrics as metrics_lib
 from odetransformer.runtime.workdir_lock import WorkdirInUseError, WorkdirLock
@@ -70,7 +71,7 @@ def gs_run(gcs_bucket, cache):
   first = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), text=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   deadline = time.monotonic() + 240
-  while len(checkpointing.finalized_steps(wd)) < 2 and first.poll() is None:
+  while len(finalized_steps(wd)) < 2 and first.poll() is None:
     assert time.monotonic() < deadline, "no checkpoint within the timeout"
     time.sleep(0.1)
   first.send_signal(signal.SIGTERM)
@@ -98,7 +99,7 @@ def test_gs_run_falls_back_resumes_exactly_and_writes_nothing_local(gs_run, refe
   assert (f"moved the corrupt checkpoint of step {stopped} to {wd}/corrupt_checkpoints/"
           in err), err[-3000:]
   assert f"resumed from checkpoint at step {stopped - 1} in {wd}/checkpoints" in err
-  assert checkpointing.finalized_steps(wd)[-1] == STEPS
+  assert finalized_steps(wd)[-1] == STEPS
   for name in ("config.json", "tokenizer.model"):
     assert fileio.isfile(fileio.join(wd, name)), name
   assert not fileio.exists(fileio.join(wd, ".lock"))        # released at the end

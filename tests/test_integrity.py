@@ -3,6 +3,7 @@ integrity record (written as part of the save), a hard kill never leaves a commi
 checkpoint that restores unchecked, a checkpoint without its record is refused unless
 the user says otherwise, a resume on other data, batch shape or seed is refused, and a
 reader whose step is rotated away moves to the newest one."""
+import json
 import os
 import shutil
 import signal
@@ -18,7 +19,11 @@ from test_reliability import config, main_cmd, snapshot, start_and_wait_for_chec
 from test_train import _final_params, fast_compiles  # pylint: disable=unused-import
 from odetransformer import errors
 from odetransformer.tools import generate
-from odetransformer.train import checkpointing, loading, loop
+from odetransformer.train import loading, loop
+from odetransformer.train.checkpoint import restore
+from odetransformer.train.checkpoint.fingerprint import stored_fingerprint
+from odetransformer.train.checkpoint.integrity import INTEGRITY_FILE, UnverifiedCheckpointError
+from odetransformer.train.checkpoint.paths import CheckpointError, finalized_steps
 
 pytestmark = pytest.mark.xdist_group("test_integrity")
 
@@ -35,7 +40,7 @@ def trained(cache, tmp_path_factory):
   """A 6-step run's workdir: checkpoints 2, 4 and 6 (to be copied by tests)."""
   wd = tmp_path_factory.mktemp("trained")
   loop.train_and_evaluate(config(cache, 6, checkpoint_every_steps=2), str(wd))
-  assert checkpointing.finalized_steps(str(wd)) == [2, 4, 6]
+  assert finalized_steps(str(wd)) == [2, 4, 6]
   return wd
 
 
@@ -71,14 +76,14 @@ def test_sigkill_between_saves_leaves_only_verified_checkpoints(cache, tmp_path)
       main_cmd(wd, cache, 200, "--config.checkpoint_every_steps=2"), wd, min_step=4)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
-  steps = checkpointing.finalized_steps(str(wd))
+  steps = finalized_steps(str(wd))
   assert len(steps) >= 2, steps
   for step in steps:
     for item in ITEMS:
-      assert (wd / "checkpoints" / str(step) / item / checkpointing.INTEGRITY_FILE).is_file()
+      assert (wd / "checkpoints" / str(step) / item / INTEGRITY_FILE).is_file()
   newest, previous = steps[-1], steps[-2]
   _flip_byte(_largest_file(wd / "checkpoints" / str(newest) / "model"))
-  with pytest.raises(checkpointing.CheckpointError, match="crc32c differs"):
+  with pytest.raises(CheckpointError, match="crc32c differs"):
     loading.load_model(str(wd), step=newest)
   assert loading.load_model(str(wd)).step == previous    # the newest that verifies
 
@@ -89,7 +94,7 @@ def test_a_flipped_byte_in_any_file_never_restores_different_values(run_copy):
   and everything the record lists fail."""
   _, reference = _params(run_copy, step=6)
   item = run_copy / "checkpoints" / "6" / "model"
-  record = checkpointing.json.loads((item / checkpointing.INTEGRITY_FILE).read_text())
+  record = json.loads((item / INTEGRITY_FILE).read_text())
   files = sorted(p for p in item.rglob("*") if p.is_file())
   detected = set()
   for path in files:
@@ -97,7 +102,7 @@ def test_a_flipped_byte_in_any_file_never_restores_different_values(run_copy):
     _flip_byte(path)
     try:
       _, values = _params(run_copy, step=6)
-    except checkpointing.CheckpointError:
+    except CheckpointError:
       detected.add(path.relative_to(item).as_posix())
     else:
       for a, b in zip(values, reference):
@@ -112,22 +117,22 @@ def test_checkpoint_without_its_record_is_refused_unless_allowed(run_copy, cache
   """A committed checkpoint whose record is gone (or that an older version wrote) is
   not restored unchecked: one line naming the flag, nothing moved; the flag restores it."""
   for step in (2, 4, 6):
-    (run_copy / "checkpoints" / str(step) / "model" / checkpointing.INTEGRITY_FILE).unlink()
+    (run_copy / "checkpoints" / str(step) / "model" / INTEGRITY_FILE).unlink()
   before = snapshot(run_copy / "checkpoints")
-  with pytest.raises(checkpointing.UnverifiedCheckpointError) as err:
+  with pytest.raises(UnverifiedCheckpointError) as err:
     loop.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2), str(run_copy))
   msg = str(err.value)
   assert "step 6" in msg and "no integrity record (model" in msg and "\n" not in msg
   assert "--config.checkpoint_allow_unverified=true" in msg
   assert snapshot(run_copy / "checkpoints") == before
-  with pytest.raises(checkpointing.UnverifiedCheckpointError):
+  with pytest.raises(UnverifiedCheckpointError):
     loading.load_model(str(run_copy))
   assert loading.load_model(str(run_copy), allow_unverified=True).step == 6
   fv = generate.define_flags(flags.FlagValues())   # the tool names its own flag
   fv(["generate", f"--workdir={run_copy}", "--prompt=def", "--max_new_tokens=2"])
   verbosity = absl_logging.get_verbosity()          # (the tool lowers it)
   try:
-    with pytest.raises(checkpointing.UnverifiedCheckpointError) as err:
+    with pytest.raises(UnverifiedCheckpointError) as err:
       generate.main([], fv)
   finally:
     absl_logging.set_verbosity(verbosity)
@@ -139,7 +144,7 @@ def test_checkpoint_without_its_record_is_refused_unless_allowed(run_copy, cache
       str(run_copy))
   assert (r["start_step"], r["step"]) == (6, 8)
   for item in ITEMS:     # what this run saved has its record again
-    assert (run_copy / "checkpoints" / "8" / item / checkpointing.INTEGRITY_FILE).is_file()
+    assert (run_copy / "checkpoints" / "8" / item / INTEGRITY_FILE).is_file()
 
 
 class _WithContentHash:
@@ -171,7 +176,7 @@ def test_resume_with_another_batch_shape_or_seed_is_refused(change, needle, run_
 def test_resume_on_other_data_is_refused_unless_accepted(run_copy, cache, monkeypatch):
   """Used to resume silently with `data.tokenizer_path` set (the fingerprint held the
   data glob, not its content): the iterator position then applied to another corpus."""
-  trained_on = checkpointing.stored_fingerprint(str(run_copy))[1]["data_content_hash"]
+  trained_on = stored_fingerprint(str(run_copy))[1]["data_content_hash"]
   assert trained_on and trained_on != "corpus-B"
   create = input_pipeline.create_datasets
   monkeypatch.setattr(input_pipeline, "create_datasets",
@@ -185,7 +190,7 @@ def test_resume_on_other_data_is_refused_unless_accepted(run_copy, cache, monkey
   r = loop.train_and_evaluate(
       config(cache, 8, checkpoint_every_steps=2, resume_with_changes=True), str(run_copy))
   assert (r["start_step"], r["step"]) == (6, 8)
-  meta = checkpointing.stored_fingerprint(str(run_copy))[1]
+  meta = stored_fingerprint(str(run_copy))[1]
   assert meta["data_content_hash"] == "corpus-B"      # what the run now trains on
 
 
@@ -203,7 +208,7 @@ def test_reader_whose_step_is_rotated_away_reads_the_newest(run_copy, tmp_path, 
   ck = run_copy / "checkpoints"
   _, expected = _params(run_copy, step=6)
   shutil.move(ck / "6", tmp_path / "6")          # not committed yet when the tool lists
-  read_step = checkpointing._read_step            # pylint: disable=protected-access
+  read_step = restore._read_step    # pylint: disable=protected-access
   seen = []
 
   def rotate_then_read(manager, directory, step, *args):
@@ -213,7 +218,7 @@ def test_reader_whose_step_is_rotated_away_reads_the_newest(run_copy, tmp_path, 
       shutil.rmtree(ck / "4")                     # ... and rotates 4 away
     return read_step(manager, directory, step, *args)
 
-  monkeypatch.setattr(checkpointing, "_read_step", rotate_then_read)
+  monkeypatch.setattr(restore, "_read_step", rotate_then_read)
   step, values = _params(run_copy)
   assert (step, seen) == (6, [4, 6])
   for a, b in zip(values, expected):
@@ -221,3 +226,20 @@ def test_reader_whose_step_is_rotated_away_reads_the_newest(run_copy, tmp_path, 
   logged = caplog.text.lower()
   assert "was deleted while being read" in logged
   assert "corrupt" not in logged and "does not restore" not in logged
+
+
+def test_checkpoints_naming_the_handlers_module_before_the_split_restore(run_copy, cache):
+  """Orbax records each item's handler by module path in the step's metadata: those
+  written before train/checkpointing.py became the train/checkpoint/ package name the
+  old module. They load and resume all the same, to the same values."""
+  step, values = _params(run_copy)
+  for path in (run_copy / "checkpoints").glob("*/_CHECKPOINT_METADATA"):
+    text = path.read_text()
+    assert "odetransformer.train.checkpoint.integrity._Integrity" in text, text
+    path.write_text(text.replace("odetransformer.train.checkpoint.integrity.",
+                                 "odetransformer.train.checkpointing."))
+  old_step, old_values = _params(run_copy)
+  assert old_step == step == 6
+  assert all(np.array_equal(a, b) for a, b in zip(old_values, values))
+  r = loop.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2), str(run_copy))
+  assert (r["start_step"], r["step"]) == (6, 8)

@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
-from odetransformer.train import checkpointing
+from odetransformer.train.checkpoint.manager import Checkpointer
 from odetransformer.train import metrics
 
 
@@ -114,7 +114,7 @@ def test_checkpointer_round_trip_on_a_plain_module(tmp_path):
   opt.update(model, grads)
   # A grain-like state with a tuple that JSON turns into a list.
   data_state = {"remainder_slices": {"tokens": [-1, -1]}, "n": 7}
-  ck = checkpointing.Checkpointer(str(tmp_path), max_to_keep=2)
+  ck = Checkpointer(str(tmp_path), max_to_keep=2)
   for step in (1, 2, 3):
     ck.save(step, model, opt, meta={"rng_key": [0, 42]}, data_state=data_state)
   ck.wait_until_finished()

@@ -31,7 +31,7 @@ import time
 
 import pytest
 
-from odetransformer.train import checkpointing
+from odetransformer.train.checkpoint.paths import finalized_steps
 from odetransformer.train import metrics as metrics_lib
 from tiny import cpu_env
 
@@ -48,7 +48,8 @@ DRIVER = textwrap.dedent("""
     T0 = time.time()
     import main as main_lib
     from odetransformer import errors
-    from odetransformer.train import checkpointing, steps, loop
+    from odetransformer.train import steps, loop
+    from odetransformer.train.checkpoint.manager import Checkpointer
     from tiny import config_flags, tiny_config
 
     c = tiny_config(os.environ["ODET_CACHE"], num_train_steps=int(os.environ.get("ODET_STEPS", 4)))
@@ -84,7 +85,7 @@ DRIVER = textwrap.dedent("""
 
     stop = int(os.environ.get("ODET_STOP_AT", "0"))
     if stop:   # a preemption noticed at step `stop` by every process
-      checkpointing.Checkpointer.reached_preemption = lambda self, step: step == stop
+      Checkpointer.reached_preemption = lambda self, step: step == stop
 
     batches, result = [], {}
     local_batch = steps.local_batch
@@ -276,7 +277,7 @@ def test_process_0_alone_logs_and_writes_scalars(runs, base):
   scalars = metrics_lib.read_scalars(str(base / "multi" / "tensorboard"))
   assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4]
   assert [s for s, _ in scalars["eval/loss"]] == [4]
-  assert checkpointing.finalized_steps(str(base / "multi")) == [2, 4]
+  assert finalized_steps(str(base / "multi")) == [2, 4]
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +318,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(pod, base):
   step is written (to gs://), and both exit 0 — no process is left waiting in a
   collective."""
   workdir, stopped, _, _, _ = pod
-  assert stopped in checkpointing.finalized_steps(workdir)
+  assert stopped in finalized_steps(workdir)
   assert f"stopping at step {stopped} after preemption" in (base / "sigterm_0.log").read_text()
 
 
@@ -328,7 +329,7 @@ def test_pod_resumes_on_one_process_then_finetunes_and_evaluates_from_gs(pod, ba
   workdir, stopped, resumed, tuned, printed = pod
   assert (resumed["process_count"], resumed["device_count"]) == (1, 8)
   assert (resumed["start_step"], resumed["step"]) == (stopped, stopped + 1)
-  assert checkpointing.finalized_steps(workdir)[-1] == stopped + 1
+  assert finalized_steps(workdir)[-1] == stopped + 1
   assert "input shards, this run" not in (base / "pod_resume_0.log").read_text()   # exact
   assert (tuned["start_step"], tuned["step"]) == (0, 1)
   assert f"from {workdir}: loaded" in (base / "pod_ft_0.log").read_text()

@@ -22,7 +22,7 @@ import pytest
 from test_train import ROOT, TINY_FLAGS, _final_params, fast_compiles, tiny_config  # pylint: disable=unused-import
 from input_pipeline import DataError
 from tiny import cpu_env
-from odetransformer.train import checkpointing
+from odetransformer.train.checkpoint.paths import CheckpointError, OWNERS_DIR, finalized_steps
 from odetransformer.train import metrics as metrics_lib
 from odetransformer import errors
 from odetransformer.train import health, steps, loop
@@ -72,7 +72,7 @@ def start_and_wait_for_checkpoint(cmd, workdir, min_step=1, timeout=240):
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
-    steps = checkpointing.finalized_steps(str(workdir))
+    steps = finalized_steps(str(workdir))
     if steps and steps[-1] >= min_step:
       return proc
     if proc.poll() is not None:
@@ -114,14 +114,14 @@ def test_sigkill_then_same_command_resumes_bit_exact(reference, cache, tmp_path)
   proc.send_signal(signal.SIGKILL)
   proc.communicate(timeout=60)
   assert proc.returncode == -signal.SIGKILL
-  latest = checkpointing.finalized_steps(str(wd))[-1]
+  latest = finalized_steps(str(wd))[-1]
   assert 2 <= latest < 8, latest
   # What a kill in the middle of the next save leaves: orbax's temporary directory, and
   # the record naming the killed run as its writer (written before each save).
   tmp = wd / "checkpoints" / f"{latest + 1}.orbax-checkpoint-tmp-1700000000"
   (tmp / "model").mkdir(parents=True, exist_ok=True)
   (tmp / "model" / "garbage").write_bytes(b"\0" * 100)
-  owners = wd / checkpointing.OWNERS_DIR
+  owners = wd / OWNERS_DIR
   shutil.copy(owners / f"{latest}.json", owners / f"{latest + 1}.json")
   tb = wd / "tensorboard"
   old_events = set(tb.iterdir())
@@ -163,7 +163,7 @@ def test_sigterm_saves_at_current_step_and_exits_zero(cache, tmp_path):
   assert len(line) == 1, err[-3000:]
   step = int(line[0].split("stopping at step ")[1].split()[0])
   assert 1 <= step < 200
-  assert checkpointing.finalized_steps(str(wd))[-1] == step
+  assert finalized_steps(str(wd))[-1] == step
 
 
 # --------------------------------------------------------------------------------------
@@ -197,7 +197,7 @@ def test_nonfinite_before_any_checkpoint(cache, tmp_path):
   c.optim.warmup_frac = 0.0
   with pytest.raises(health.DivergenceError, match=r"at step 1 .*no checkpoint was written yet"):
     loop.train_and_evaluate(c, str(tmp_path))
-  assert checkpointing.finalized_steps(str(tmp_path)) == []
+  assert finalized_steps(str(tmp_path)) == []
 
 
 def _poison_train_batches(monkeypatch, bad_steps):
@@ -228,7 +228,7 @@ def test_skip_nonfinite_steps_skips_a_bad_batch_and_finishes(cache, tmp_path, mo
   skipped = metrics_lib.read_scalars(str(tmp_path / "skip" / "tensorboard"))[
       "train/skipped_steps"]
   assert dict(skipped) == {1: 0.0, 2: 0.0, 4: 1.0, 6: 0.0}
-  assert checkpointing.finalized_steps(str(tmp_path / "skip")) == [2, 4, 6]
+  assert finalized_steps(str(tmp_path / "skip")) == [2, 4, 6]
   step, params = _final_params(tmp_path / "skip")
   assert step == 6 and all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
@@ -236,7 +236,7 @@ def test_skip_nonfinite_steps_skips_a_bad_batch_and_finishes(cache, tmp_path, mo
   c.optim.skip_nonfinite_steps = 0
   with pytest.raises(health.DivergenceError, match=r"at step 3 \(loss nan, gradient norm nan"):
     loop.train_and_evaluate(c, str(tmp_path / "stop"))
-  assert checkpointing.finalized_steps(str(tmp_path / "stop")) == [2]
+  assert finalized_steps(str(tmp_path / "stop")) == [2]
 
 
 def test_skip_nonfinite_steps_stops_after_too_many_in_a_row(cache, tmp_path, monkeypatch):
@@ -252,7 +252,7 @@ def test_skip_nonfinite_steps_stops_after_too_many_in_a_row(cache, tmp_path, mon
   assert msg.startswith("non-finite training values at step 5 (3 steps in a row skipped "
                         "from step 3 on, more than optim.skip_nonfinite_steps=2)"), msg
   assert f"last good checkpoint: step 4 in {tmp_path / 'checkpoints'}" in msg
-  assert checkpointing.finalized_steps(str(tmp_path)) == [2, 4]
+  assert finalized_steps(str(tmp_path)) == [2, 4]
 
 
 # --------------------------------------------------------------------------------------
@@ -324,13 +324,13 @@ def _corrupt(step_dir):
 def test_corrupt_checkpoint_falls_back_or_stops(cache, tmp_path):
   loop.train_and_evaluate(config(cache, 4), str(tmp_path))      # checkpoints 2 and 4
   ck = tmp_path / "checkpoints"
-  assert checkpointing.finalized_steps(str(tmp_path)) == [2, 4]
+  assert finalized_steps(str(tmp_path)) == [2, 4]
   good2 = tmp_path / "good2"
   shutil.copytree(ck / "2", good2)
   _corrupt(ck / "2")
   _corrupt(ck / "4")
   before = snapshot(ck)
-  with pytest.raises(checkpointing.CheckpointError, match=r"no checkpoint in .* restores"):
+  with pytest.raises(CheckpointError, match=r"no checkpoint in .* restores"):
     loop.train_and_evaluate(config(cache, 6), str(tmp_path))
   assert snapshot(ck) == before                                   # nothing moved or written
 
@@ -339,7 +339,7 @@ def test_corrupt_checkpoint_falls_back_or_stops(cache, tmp_path):
   r = loop.train_and_evaluate(config(cache, 6), str(tmp_path))   # 4 corrupt, 2 good
   assert (r["start_step"], r["step"]) == (2, 6)
   assert [p.name.split("-")[0] for p in (tmp_path / "corrupt_checkpoints").iterdir()] == ["4"]
-  assert checkpointing.finalized_steps(str(tmp_path)) == [2, 4, 6]
+  assert finalized_steps(str(tmp_path)) == [2, 4, 6]
 
 
 # --------------------------------------------------------------------------------------
@@ -361,7 +361,7 @@ def test_checkpoint_of_another_array_layout_stops_with_what_to_do(trained, cache
 
   monkeypatch.setattr(hypernet.WeightGenerator, "__init__", d_t_major_init)
   before = snapshot(wd / "checkpoints")
-  with pytest.raises(checkpointing.CheckpointError) as raised:
+  with pytest.raises(CheckpointError) as raised:
     loop.train_and_evaluate(config(cache, 4), str(wd))
   message = str(raised.value)
   assert "\n" not in message and "[d_t, *weight axes]" in message, message
@@ -652,9 +652,9 @@ def test_flipped_bits_are_reported_as_corruption_and_fall_back(reference, cache,
   from odetransformer.train import loading
   wd = tmp_path / "wd"
   shutil.copytree(reference["workdir"], wd)
-  assert checkpointing.finalized_steps(str(wd)) == [6, 7, 8]
+  assert finalized_steps(str(wd)) == [6, 7, 8]
   _flip_a_bit(wd / "checkpoints" / "8")
-  with pytest.raises(checkpointing.CheckpointError,
+  with pytest.raises(CheckpointError,
                      match=r"checkpoints/8 is corrupt: an array chunk's crc32c differs"):
     loading.load_model(str(wd), step=8)
   assert loading.load_model(str(wd)).step == 7               # tools: the previous one
@@ -695,7 +695,7 @@ def test_ctrl_c_saves_like_sigterm_and_twice_exits_at_once(run_copy, cache, tmp_
   line = [l for l in err.splitlines() if "after preemption; checkpoint saved" in l]
   assert len(line) == 1, err[-3000:]
   step = int(line[0].split("stopping at step ")[1].split()[0])
-  assert checkpointing.finalized_steps(str(run_copy))[-1] == step
+  assert finalized_steps(str(run_copy))[-1] == step
   assert "Traceback" not in err
 
   # Two signals sent together would merge into one: the second goes once the first

@@ -5,7 +5,8 @@ import threading
 
 import jax
 
-from odetransformer.train import checkpointing, loop
+from odetransformer.train import loop
+from odetransformer.train.checkpoint.manager import Checkpointer
 from tiny import tiny_config
 
 
@@ -27,7 +28,7 @@ def test_resume_peak_live_device_bytes_are_one_state(tmp_path, monkeypatch):
 
   samples, states = [], []
   sample = lambda: samples.append(_live_bytes())
-  restore_latest = checkpointing.Checkpointer.restore_latest
+  restore_latest = Checkpointer.restore_latest
   restore_or_init = loop._restore_or_init
 
   def measured_restore(self, *args):
@@ -53,8 +54,8 @@ def test_resume_peak_live_device_bytes_are_one_state(tmp_path, monkeypatch):
     states.append(out[1])
     return out
 
-  monkeypatch.setattr(checkpointing.Checkpointer, "restore_latest", measured_restore)
-  monkeypatch.setattr(train, "_restore_or_init", measured_restore_or_init)
+  monkeypatch.setattr(Checkpointer, "restore_latest", measured_restore)
+  monkeypatch.setattr(loop, "_restore_or_init", measured_restore_or_init)
   gc.collect()            # the baseline holds no garbage that the resume would free
   before = _live_bytes()
   resumed = loop.train_and_evaluate(config, workdir)   # at step 2 already: restore, eval

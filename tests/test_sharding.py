@@ -1,10 +1,17 @@
 """Mesh shapes and logical-axis rules (no devices needed beyond the host CPU)."""
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from configs import default
-from odetransformer.train import sharding
+from odetransformer.model import config as config_lib
 from odetransformer.model.axes import LOGICAL_AXES
+from odetransformer.model.blocks import layer_param_specs
+from odetransformer.model.transformer import create_model
+from odetransformer.train import sharding, steps
+from tiny import tiny_config
 
 
 def test_mesh_shape_minus_one_takes_the_rest():
@@ -60,6 +67,52 @@ def test_activation_rules_drop_the_batch_axes():
   assert rules["batch"] == ("data", "fsdp")
   assert rules["embed"] is None               # fsdp is taken by the batch
   assert rules["heads"] == rules["vocab"] == "tensor"
+
+
+def _constraint_specs(jaxpr) -> list:
+  """The PartitionSpec of every sharding constraint in `jaxpr` and its sub-jaxprs."""
+  specs = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "sharding_constraint":
+      specs.append(tuple(eqn.params["sharding"].spec))
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          specs += _constraint_specs(inner)
+  return specs
+
+
+def test_generated_weights_follow_the_parameter_rules_activations_the_rules_in_force():
+  """A DiffEqFormer step traced under the activation rules (embed not split: fsdp splits
+  the batch): each generated W(t) is constrained by the parameter rules the step passes
+  (embed on fsdp, where its P lives), every activation as before; without them W
+  follows the rules in force."""
+  c = tiny_config("/unused")
+  cfg = config_lib.model_config(c, 64)
+  rules = sharding.logical_axis_rules(c.mesh)
+  mesh = jax.sharding.AbstractMesh((1, 2, 1), sharding.MESH_AXES,
+                                   axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  graphdef, state = nnx.split(create_model(cfg))
+  batch = {"inputs": jnp.zeros((2, 8), jnp.int32)}
+
+  def specs(param_rules):
+    def logits(s):
+      return steps._logits(nnx.merge(graphdef, s), batch, param_rules)  # pylint: disable=protected-access
+    with jax.sharding.use_abstract_mesh(mesh), nnx.logical_axis_rules(
+        sharding.activation_rules(rules)):
+      return _constraint_specs(jax.make_jaxpr(logits)(state).jaxpr)
+
+  passed, in_force = specs(rules), specs(None)
+  embed_weights = [s for s in layer_param_specs(cfg).values() if "embed" in s.axes]
+  generated = [s for s in passed if "fsdp" in s[1:]]     # fsdp elsewhere than the batch
+  assert len(generated) == len(embed_weights) > 0, passed
+  assert len(passed) == len(in_force)
+  for p, f in zip(passed, in_force):
+    if p in generated:   # W [K·S, *weight axes]: the same, but embed on fsdp
+      assert p[0] is None and f == tuple(None if a == "fsdp" else a for a in p), (p, f)
+    else:                # an activation: as before
+      assert p == f
 
 
 def test_global_batch_rejects_local_data_that_does_not_tile_the_stated_global_shape():

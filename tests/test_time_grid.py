@@ -223,13 +223,13 @@ def test_train_step_solves_on_the_grid_drawn_from_its_rng():
 def test_new_model_fields_match_fingerprints_written_before_them():
   """A checkpoint written before model.step_time / model.llama_block existed resumes
   under their defaults (its meaning then); a stored value that differs does not."""
-  from odetransformer.train import checkpointing   # pylint: disable=g-import-not-at-top
+  from odetransformer.train.checkpoint.fingerprint import fingerprint, fingerprint_diffs  # pylint: disable=g-import-not-at-top
   c = tiny_config("/unused")
-  new = checkpointing.fingerprint(c)
+  new = fingerprint(c)
   assert new["model"]["step_time"] == "start" and new["model"]["llama_block"] == "paper"
   old = {**new, "model": {k: v for k, v in new["model"].items()
                           if k not in ("step_time", "llama_block")}}
-  assert checkpointing.fingerprint_diffs(old, new) == []
+  assert fingerprint_diffs(old, new) == []
   c.model.step_time = "end"
-  assert checkpointing.fingerprint_diffs(new, checkpointing.fingerprint(c)) == [
+  assert fingerprint_diffs(new, fingerprint(c)) == [
       "model.step_time 'start' -> 'end'"]

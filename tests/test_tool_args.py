@@ -23,7 +23,8 @@ from absl import logging as absl_logging
 
 from odetransformer import errors
 from odetransformer.tools import evaluate, generate
-from odetransformer.train import checkpointing, health
+from odetransformer.train import health
+from odetransformer.train.checkpoint.fingerprint import save_config
 from tiny import config_flags, cpu_env, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ ABSL_INFO = re.compile(r"I\d{4} ")   # absl's INFO lines (main.py logs the JAX t
 def workdir(tmp_path_factory):
   """A run's config.json alone (gpt flavour, model.max_len=32), no checkpoint."""
   wd = tmp_path_factory.mktemp("config_only")
-  checkpointing.save_config(tiny_config(wd / "cache"), str(wd))
+  save_config(tiny_config(wd / "cache"), str(wd))
   return wd
 
 

@@ -14,7 +14,8 @@ from test_train import ROOT, fast_compiles  # pylint: disable=unused-import
 from test_reliability import (assert_one_line_error, main_cmd, start_and_wait_for_checkpoint,
                               subprocess_env)
 from odetransformer.runtime import fileio
-from odetransformer.train import checkpointing
+from odetransformer.train.checkpoint.manager import Checkpointer
+from odetransformer.train.checkpoint.paths import OWNERS_DIR, finalized_steps, unfinished_steps
 from odetransformer.runtime.workdir_lock import WorkdirInUseError, WorkdirLock
 
 
@@ -58,7 +59,7 @@ def _unfinished(workdir, step, owner, remote):
   name = str(step) if remote else f"{step}.orbax-checkpoint-tmp-1700000000"
   fileio.write_bytes_atomic(fileio.join(workdir, "checkpoints", name, "model", "x"), b"x")
   if owner is not None:
-    fileio.write_text_atomic(fileio.join(workdir, checkpointing.OWNERS_DIR, f"{step}.json"),
+    fileio.write_text_atomic(fileio.join(workdir, OWNERS_DIR, f"{step}.json"),
                              json.dumps(owner))
 
 
@@ -75,18 +76,18 @@ def test_startup_deletes_only_saves_whose_writer_has_ended(remote, request, tmp_
   lock = WorkdirLock(wd).acquire()
   try:
     with caplog.at_level("WARNING"):
-      ckpt = checkpointing.Checkpointer(wd, lock=lock)
+      ckpt = Checkpointer(wd, lock=lock)
     ckpt.close()
   finally:
     lock.release()
-  left = [s for s, _ in checkpointing.unfinished_steps(wd)]
+  left = [s for s, _ in unfinished_steps(wd)]
   assert left == [4, 5, 6]
   assert f"which may still be running" in caplog.text
   assert "of a run that recorded no owner" in caplog.text
   # Without the lock nothing is deleted.
-  ckpt = checkpointing.Checkpointer(wd)
+  ckpt = Checkpointer(wd)
   ckpt.close()
-  assert [s for s, _ in checkpointing.unfinished_steps(wd)] == [4, 5, 6]
+  assert [s for s, _ in unfinished_steps(wd)] == [4, 5, 6]
 
 
 def test_run_whose_lock_file_was_replaced_stops_in_one_line(tmp_path):
@@ -102,11 +103,11 @@ def test_run_whose_lock_file_was_replaced_stops_in_one_line(tmp_path):
   try:
     _, err = proc.communicate(timeout=120)
     proc.stderr = err
-    before = checkpointing.finalized_steps(str(wd))
+    before = finalized_steps(str(wd))
     assert_one_line_error(proc, "WorkdirInUseError", "was deleted and created again",
                           "stopped without writing more")
     time.sleep(0.5)
-    assert checkpointing.finalized_steps(str(wd)) == before
+    assert finalized_steps(str(wd)) == before
     assert (wd / ".lock").read_text() == json.dumps(other.record) + "\n"   # not cleared
   finally:
     other.release()

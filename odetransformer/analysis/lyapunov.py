@@ -42,8 +42,8 @@ from absl import logging
 from odetransformer.model import blocks
 from odetransformer.runtime import fileio, host
 from odetransformer.train import loading
+from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 from odetransformer.analysis import fields
-from odetransformer.train.checkpointing import UNVERIFIED_FLAG_HELP
 
 
 # --------------------------------------------------------------------------- numerics
@@ -188,9 +188,10 @@ def sensitivity(model, tokens_l: Sequence[int], position: int = -1,
 def load_tokenizer(workdir: str, path: Optional[str] = None):
   """`path` if given, else the run's tokenizer (`loading.load_tokenizer`)."""
   from input_pipeline import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
-  from odetransformer.train import checkpointing, loading  # pylint: disable=g-import-not-at-top
+  from odetransformer.train import loading  # pylint: disable=g-import-not-at-top
+  from odetransformer.train.checkpoint.fingerprint import load_config
   if path:
-    return tokenizer_lib.load(path, int(checkpointing.load_config(workdir).data.vocab_size))
+    return tokenizer_lib.load(path, int(load_config(workdir).data.vocab_size))
   return loading.load_tokenizer(workdir)
 
 

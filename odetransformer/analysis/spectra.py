@@ -30,7 +30,7 @@ import numpy as np
 from odetransformer.runtime import fileio, host
 from odetransformer.train import loading
 from odetransformer.analysis import fields
-from odetransformer.train.checkpointing import UNVERIFIED_FLAG_HELP
+from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 
 
 @dataclasses.dataclass

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from odetransformer.model.axes import constrain_weight
+from odetransformer.model.axes import constrain
 from odetransformer.model.blocks import ParamSpec, layer_param_specs
 from odetransformer.model.config import ModelConfig
 from odetransformer.model.time_embedding import time_embedding
@@ -64,14 +64,14 @@ class TimeMLP(nnx.Module):
     return self.fc2(nnx.silu(self.fc1(time_embedding(t, self.num_sinusoids))))
 
 
-def generate_weights(h_kd, proj, base, axes, acc_dtype):
+def generate_weights(h_kd, proj, base, axes, acc_dtype, param_rules=None):
   """W[k] = P·h_k + P0 for all K times at once: [K, d_t] codes, P [*shape, d_t] and
   P0 [*shape] -> W [K, *shape] (in `acc_dtype`).
 
   One batched GEMM that contracts d_t only: every weight axis of P stays where it is, so
   under a mesh each device makes its own shard of W(t_k) for every k from its own
-  shard of P (`axes` are the weight's logical axes, and W is constrained to them under
-  the parameter rules). Nothing gathers P; W is gathered per solver step by the layer
+  shard of P (`axes` are the weight's logical axes, and W is constrained to them by
+  `param_rules`, the parameters' rules; None: the rules in force). Nothing gathers P; W is gathered per solver step by the layer
   that uses it, exactly as a GPT's stacked weights are, and P's gradient is the
   transposed GEMM on dW, reduced over the batch shards as a GPT weight's gradient is.
   Plain autodiff: a hand-written backward would hide the contraction from the SPMD
@@ -79,7 +79,7 @@ def generate_weights(h_kd, proj, base, axes, acc_dtype):
   """
   w = jnp.einsum("...d,kd->k...", proj, h_kd, preferred_element_type=acc_dtype)
   w = w + base.astype(acc_dtype)
-  return constrain_weight(w, (None,) + tuple(axes))
+  return constrain(w, (None,) + tuple(axes), param_rules)
 
 
 class Projection(nnx.Param):
@@ -103,11 +103,12 @@ class WeightGenerator(nnx.Module):
     self.proj = Projection(proj, out_sharding=spec.axes + ("time_embed",))
     self.base = nnx.Param(base, out_sharding=spec.axes)
 
-  def __call__(self, h_kd, dtype, axes):
+  def __call__(self, h_kd, dtype, axes, param_rules=None):
     """[K, d_t] codes -> [K, *shape] weights in `dtype`: one GEMM, f32 accumulation.
-    `axes` are the weight's logical axes (its ParamSpec's)."""
+    `axes` are the weight's logical axes (its ParamSpec's); `param_rules` as in
+    `generate_weights`."""
     w = generate_weights(h_kd.astype(dtype), self.proj[...].astype(dtype), self.base[...],
-                         axes, jnp.promote_types(dtype, jnp.float32))
+                         axes, jnp.promote_types(dtype, jnp.float32), param_rules)
     return w.astype(dtype)
 
 
@@ -133,13 +134,14 @@ class HyperNetwork(nnx.Module):
       return {g: h for g in self.groups}
     return {g: self.mlps[g](t) for g in self.groups}
 
-  def step_weights(self, ts, dtype):
+  def step_weights(self, ts, dtype, param_rules=None):
     """Layer params W(t) at times `ts` (the solver's [K, S], or any shape [...]):
-    name -> [..., *shape] in `dtype`."""
+    name -> [..., *shape] in `dtype`, each sharded as its parameters by `param_rules`
+    (the parameters' logical-axis rules; None: the rules in force)."""
     flat = ts.reshape(-1)
     codes = self.codes(flat)
     out = {}
     for name, spec in self.specs.items():
-      w = self.gens[name](codes[spec.group], dtype, spec.axes)
+      w = self.gens[name](codes[spec.group], dtype, spec.axes, param_rules)
       out[name] = w.reshape(ts.shape + w.shape[1:])
     return out

@@ -73,10 +73,11 @@ class DiscreteStack(nnx.Module):
     if cfg.lora_rank:
       self.lora = lora.init_adapters(cfg, self.specs, rngs)
 
-  def step_weights(self, times, dtype):
+  def step_weights(self, times, dtype, param_rules=None):
     """The L layers as L one-stage Euler steps, name -> [L, 1, *shape] in `dtype`
-    (`times` is ignored): LoRA updates and `out_proj_scale` applied in the param dtype."""
-    del times
+    (`times` is ignored; stored weights keep their own sharding, so `param_rules` too):
+    LoRA updates and `out_proj_scale` applied in the param dtype."""
+    del times, param_rules
     out = {name: p[...] for name, p in self.params.items()}
     if self.lora_scale:
       out = lora.apply(out, self.lora, self.lora_scale)
@@ -99,10 +100,11 @@ class SharedLayer(nnx.Module):
                                           dtype), out_sharding=spec.axes)
         for name, spec in self.specs.items()})
 
-  def step_weights(self, times, dtype):
+  def step_weights(self, times, dtype, param_rules=None):
     """The layer at every time of `times` [K, S]: name -> [1, 1, *shape] in `dtype`, which
-    the solver broadcasts over the steps and stages (`solvers.broadcast_stages`)."""
-    del times
+    the solver broadcasts over the steps and stages (`solvers.broadcast_stages`); stored
+    weights keep their own sharding (`param_rules` unused)."""
+    del times, param_rules
     return {name: p[...].astype(dtype)[None, None] for name, p in self.params.items()}
 
 
@@ -148,21 +150,22 @@ class LanguageModel(nnx.Module):
                             * EMBED_STD, out_sharding=("embed", "vocab"))
 
   # ---------------------------------------------------------------------------------
-  def step_weights(self, num_steps: Optional[int] = None, time_grid=None, dtype=None):
+  def step_weights(self, num_steps: Optional[int] = None, time_grid=None, dtype=None,
+                   param_rules=None):
     """What the solver scans: (layer params name -> [K, S, *shape], dt, method).
 
     ODE kinds: the stack's weights at the stage times of K = `num_steps` uniform steps
     (dt = 1/K) or of `time_grid` [K+1] (dt [K]), solved by `model.solver`. Discrete
     kinds: their L layers, [L, 1, *shape], as Euler steps with dt = 1. `dtype`: default
-    the compute dtype.
+    the compute dtype. Generated weights are sharded by `param_rules` (see `__call__`).
     """
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype if dtype is None else dtype)
     if not cfg.is_ode:
-      return self.stack.step_weights(None, dtype), 1.0, "euler"
+      return self.stack.step_weights(None, dtype, param_rules), 1.0, "euler"
     times, dt = solvers.solve_times(self.resolve_num_steps(num_steps), cfg.solver,
                                     cfg.step_time, time_grid)
-    return self.stack.step_weights(times, dtype), dt, cfg.solver
+    return self.stack.step_weights(times, dtype, param_rules), dt, cfg.solver
 
   def layer_weights(self, dtype=None):
     """A discrete model's L layers, name -> [L, *shape] (its step weights, one stage)."""
@@ -204,7 +207,8 @@ class LanguageModel(nnx.Module):
 
   def __call__(self, tokens_bl, *, segment_ids_bl=None, positions_bl=None,
                num_steps: Optional[int] = None, deterministic: bool = True,
-               dropout_rng=None, return_trajectory: bool = False, time_grid=None):
+               dropout_rng=None, return_trajectory: bool = False, time_grid=None,
+               param_rules=None):
     """Logits [b, l, vocab] in the compute dtype.
 
     Args:
@@ -219,6 +223,10 @@ class LanguageModel(nnx.Module):
       time_grid: optional [K+1] increasing times from 0 to 1 (ODE kinds): step k goes
         from time_grid[k] to time_grid[k+1]; default the uniform grid of `num_steps`
         steps. Training draws random grids with `model.train_time_grid`.
+      param_rules: the logical-axis rules the parameters are sharded by, under a mesh:
+        weights generated in the call (DiffEqFormer's W(t)) are constrained by them, so
+        each lives where its parameters do, while activations follow the rules in
+        force. None: generated weights follow the rules in force too.
     """
     cfg = self.config
     if time_grid is not None:
@@ -248,7 +256,7 @@ class LanguageModel(nnx.Module):
     x = constrain(x, ("batch", "length", "embed"))
     mask = blocks.attention_mask(segment_ids_bl)
     block = blocks.block_fn(cfg)
-    weights, dt, method = self.step_weights(k, time_grid)
+    weights, dt, method = self.step_weights(k, time_grid, param_rules=param_rules)
     keys = None
     if use_dropout:   # one key per field evaluation (rk4's 2nd and 3rd share a time)
       n_evals = solvers.num_evals(method)

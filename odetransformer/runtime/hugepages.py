@@ -6,12 +6,11 @@ With the switch on, and only on a CPU run, main.py (and the benchmarks) re-execu
 process once with glibc's `glibc.malloc.hugetlb=1` tunable, before jax is imported.
 
 Why: XLA:CPU allocates a train step's temporaries afresh at every step. glibc serves
-blocks of 32 MiB and more with their own mmap, so each step first-touches them again,
-one 4 KiB page fault at a time (~50 ms per 200 MB on a 2-core machine). With the
-tunable (glibc ≥ 2.35), glibc marks its mappings MADV_HUGEPAGE and the kernel faults
-2 MiB pages instead. Measured on a 2-core CPU: `main.py` on configs/default.py
-2 m 15 s → 1 m 48 s with bit-identical losses; bench-small train steps ~10% faster
-for DiffEqFormer and GPT alike.
+blocks of 32 MiB and more with their own mmap, so each step first-touches
+them again, one 4 KiB page fault at a time. With the tunable (glibc ≥ 2.35), glibc marks
+its mappings MADV_HUGEPAGE and the kernel faults 2 MiB pages instead: same losses, bit
+for bit, in less time (the command above with and without the switch; the figures are in
+benchmarks/README.md, Huge pages).
 
 glibc reads tunables only when a process starts, hence the re-exec (same PID, same
 arguments). It happens only when all of these hold:

@@ -39,11 +39,11 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from odetransformer.model import axes
 from odetransformer.runtime import fileio, host
-from odetransformer.train import checkpointing, loading, sharding
+from odetransformer.train import loading, sharding
+from odetransformer.runtime.logs import quiet_library_logs
+from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 from odetransformer.model.config import model_config
-from odetransformer.train.checkpointing import UNVERIFIED_FLAG_HELP
 from odetransformer.errors import UserError
 from odetransformer.train.losses import token_scores
 from odetransformer.model.transformer import LanguageModel
@@ -57,7 +57,7 @@ def quiet_orbax(cli: bool = False) -> None:
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   if cli and absl_logging.get_verbosity() >= absl_logging.INFO:
     absl_logging.set_verbosity(absl_logging.WARNING)
-  checkpointing.quiet_library_logs(std_logging.ERROR)
+  quiet_library_logs(std_logging.ERROR)
 
 
 # --------------------------------------------------------------------------------------
@@ -66,9 +66,9 @@ def quiet_orbax(cli: bool = False) -> None:
 def _score_batch(graphdef, num_steps, rules, state, batch):
   """(sum of weighted target NLL, sum of weights, weighted correct argmax), float32."""
   model = nnx.merge(graphdef, state)
-  with axes.weight_rules(rules):   # generated W(t) sharded as the parameters are
-    logits = model(batch["inputs"], segment_ids_bl=batch.get("segment_ids"),
-                   positions_bl=batch.get("positions"), num_steps=num_steps)
+  logits = model(batch["inputs"], segment_ids_bl=batch.get("segment_ids"),
+                 positions_bl=batch.get("positions"), num_steps=num_steps,
+                 param_rules=rules)   # generated W(t) sharded as the parameters are
   scores = token_scores(logits, batch["targets"], batch["weights"])
   return tuple(jnp.sum(scores[k]) for k in ("nll", "weight", "correct"))
 

@@ -49,7 +49,7 @@ from flax import nnx
 from odetransformer.runtime import fileio
 from odetransformer.tools import hf_tokenizer
 from odetransformer.train import loading
-from odetransformer.train.checkpointing import UNVERIFIED_FLAG_HELP
+from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 from odetransformer.model.config import model_config
 from odetransformer.errors import UserError
 from odetransformer.model.materialize import check_materializable, materialize

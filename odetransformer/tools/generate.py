@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from odetransformer.train import loading
-from odetransformer.train.checkpointing import UNVERIFIED_FLAG_HELP
+from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 from odetransformer.errors import UserError
 from odetransformer.model.decode import Decoder, KVCache
 

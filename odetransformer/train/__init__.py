@@ -1,5 +1,5 @@
 """Training: the loop (`loop.train_and_evaluate`), the jitted steps, optimizer, losses,
-metrics, health checks, the mesh and sharding rules, checkpoints (save, integrity,
+metrics, health checks, the mesh and sharding rules, `checkpoint/` (save, integrity,
 restore, resume fingerprints), loading a trained run, and fine-tuning's start from a
 pre-trained run.
 

@@ -28,7 +28,9 @@ from flax import nnx
 
 from odetransformer.model import blocks, lora
 from odetransformer.runtime import fileio
-from odetransformer.train import checkpointing, loading, sharding
+from odetransformer.train import loading, sharding
+from odetransformer.train.checkpoint.fingerprint import load_config
+from odetransformer.train.checkpoint.paths import CONFIG_FILE
 from odetransformer.model.config import ModelConfig, model_config
 from odetransformer.errors import ConfigError
 from odetransformer.model.materialize import materialize
@@ -49,10 +51,10 @@ class FinetuneError(ConfigError):
 def pretrained_config(config):
   """(pre-training run ConfigDict, its ModelConfig)."""
   src = config.init_from
-  if not src or not fileio.exists(fileio.join(src, checkpointing.CONFIG_FILE)):
+  if not src or not fileio.exists(fileio.join(src, CONFIG_FILE)):
     raise FinetuneError(f"init_from={src!r} is not a training workdir "
-                        f"({checkpointing.CONFIG_FILE} missing); point it at a main.py run")
-  pre = checkpointing.load_config(src)
+                        f"({CONFIG_FILE} missing); point it at a main.py run")
+  pre = load_config(src)
   return pre, model_config(pre, vocab_size=pre.data.vocab_size)
 
 

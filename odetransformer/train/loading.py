@@ -21,8 +21,10 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from odetransformer.runtime import fileio
-from odetransformer.train import checkpointing, sharding
-from odetransformer.train.checkpointing import TOKENIZER_FILE
+from odetransformer.train import sharding
+from odetransformer.train.checkpoint.fingerprint import load_config
+from odetransformer.train.checkpoint.paths import CONFIG_FILE, TOKENIZER_FILE
+from odetransformer.train.checkpoint.restore import restore_model_state
 from odetransformer.model.config import ModelConfig, model_config
 from odetransformer.errors import UserError
 from odetransformer.model.transformer import LanguageModel, create_model
@@ -87,12 +89,12 @@ def load_run_config(workdir: str):
   Cheap: tools validate their flags against it before loading anything."""
   fileio.check_encodable(workdir, "--workdir")
   try:
-    return checkpointing.load_config(workdir)
+    return load_config(workdir)
   except (FileNotFoundError, NotADirectoryError) as e:
-    raise UserError(f"{workdir} holds no training run ({checkpointing.CONFIG_FILE} "
+    raise UserError(f"{workdir} holds no training run ({CONFIG_FILE} "
                     "missing, no checkpoint); pass the --workdir of a main.py run") from e
   except (OSError, ValueError) as e:
-    raise UserError(f"{fileio.join(workdir, checkpointing.CONFIG_FILE)} is unreadable "
+    raise UserError(f"{fileio.join(workdir, CONFIG_FILE)} is unreadable "
                     f"({type(e).__name__}: {e}); it describes the run's checkpoints: "
                     "restore it, or resume the run with main.py to rewrite it") from e
 
@@ -113,11 +115,10 @@ def load_model(workdir: str, step: Optional[int] = None, mesh=None, *, mesh_shap
     try:
       rules = sharding.logical_axis_rules(config.get("mesh"))
     except sharding.MeshError as e:
-      raise UserError(f"{fileio.join(workdir, checkpointing.CONFIG_FILE)}: {e}") from e
+      raise UserError(f"{fileio.join(workdir, CONFIG_FILE)}: {e}") from e
   with nnx.logical_axis_rules(rules):
     graphdef, abstract = nnx.get_abstract_model(lambda: create_model(cfg), mesh)
-  state, restored_step = checkpointing.restore_model_state(workdir, abstract, step,
-                                                           allow_unverified)
+  state, restored_step = restore_model_state(workdir, abstract, step, allow_unverified)
   return Loaded(model=nnx.merge(graphdef, state), model_config=cfg, config=config,
                 step=int(restored_step), mesh=mesh, rules=tuple(rules))
 
@@ -158,7 +159,7 @@ def tokenizer_path(workdir: str, config=None) -> str:
   path = fileio.join(workdir, TOKENIZER_FILE)
   if fileio.exists(path):
     return fileio.local_copy(path)
-  config = checkpointing.load_config(workdir) if config is None else config
+  config = load_config(workdir) if config is None else config
   if config.data.get("tokenizer_path") and fileio.exists(config.data.tokenizer_path):
     return fileio.local_copy(config.data.tokenizer_path)
   import input_pipeline  # pylint: disable=g-import-not-at-top
@@ -173,5 +174,5 @@ def tokenizer_path(workdir: str, config=None) -> str:
 def load_tokenizer(workdir: str, config=None):
   """The run's SentencePiece processor (pad=0, unk=1, bos=2, eos=3)."""
   from input_pipeline import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
-  config = checkpointing.load_config(workdir) if config is None else config
+  config = load_config(workdir) if config is None else config
   return tokenizer_lib.load(tokenizer_path(workdir, config), int(config.data.vocab_size))

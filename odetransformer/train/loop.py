@@ -7,7 +7,7 @@ already sharded → resume from the newest checkpoint in `workdir`, or start fro
 of the jitted, donated train step with periodic logging, evaluation and async
 checkpoints → a final evaluation and save. Non-finite values stop the run without
 touching its good checkpoints (`odetransformer/train/health.py`); SIGTERM and Ctrl-C save and
-stop (`odetransformer/train/checkpointing.py`).
+stop (`odetransformer/train/checkpoint/`).
 """
 import os
 import time
@@ -20,7 +20,9 @@ from clu import parameter_overview
 from flax import nnx
 
 import input_pipeline
-from odetransformer.train import checkpointing
+from odetransformer.train.checkpoint.fingerprint import (check_resumable, check_tokenizer,
+                                                         save_config, save_tokenizer)
+from odetransformer.train.checkpoint.manager import Checkpointer, validate_options
 from odetransformer.runtime import fileio
 from odetransformer.train import finetune
 from odetransformer.train import health as health_lib
@@ -104,8 +106,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     schedule = optimizer_lib.learning_rate_schedule(config.optim, config.num_train_steps)
   except optimizer_lib.OptimConfigError as e:
     raise ConfigError(str(e)) from e
-  checkpointing.validate_options(config)
-  stored = checkpointing.check_resumable(config, workdir)
+  validate_options(config)
+  stored = check_resumable(config, workdir)
   # The first write of a run: one process per workdir (process 0 of a multi-host run).
   lock = WorkdirLock(workdir, enabled=jax.process_index() == 0,
                      stale_s=config.get("workdir_lock_stale_s", 600)).acquire()
@@ -117,20 +119,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         eval_batch_size=config.eval_batch_size, seed=config.seed, workdir=workdir,
         process_index=jax.process_index(), process_count=jax.process_count())
     tokenizer = getattr(ds, "tokenizer_path", "")
-    fingerprint = checkpointing.check_tokenizer(config, tokenizer, workdir, stored,
-                                                getattr(ds, "content_hash", None))
+    fingerprint = check_tokenizer(config, tokenizer, workdir, stored,
+                                  getattr(ds, "content_hash", None))
     fileio.makedirs(workdir)
-    checkpointing.save_tokenizer(tokenizer, workdir)
+    save_tokenizer(tokenizer, workdir)
     cfg = model_config(config, ds.vocab_size)    # vocab_size: the tokenizer's
     saved_config = ml_collections.ConfigDict(config.to_dict())
     saved_config.model.vocab_size = cfg.vocab_size
     if not saved_config.data.get("tokenizer_path") and tokenizer:
       saved_config.data.tokenizer_path = tokenizer   # for tools, beside tokenizer.model
-    checkpointing.save_config(saved_config, workdir)
+    save_config(saved_config, workdir)
     writer = metrics_lib.MetricWriter(fileio.join(workdir, "tensorboard"))
-    ckpt = checkpointing.Checkpointer(workdir, max_to_keep=config.checkpoint_max_to_keep,
-                                      async_save=config.checkpoint_async,
-                                      fingerprint=fingerprint, lock=lock)
+    ckpt = Checkpointer(workdir, max_to_keep=config.checkpoint_max_to_keep,
+                        async_save=config.checkpoint_async,
+                        fingerprint=fingerprint, lock=lock)
     ckpt.allow_unverified = bool(config.get("checkpoint_allow_unverified", False))
     ckpt.install_sigterm_handler()   # SIGTERM and Ctrl-C: save at the current step, stop
     try:

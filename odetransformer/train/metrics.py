@@ -2,7 +2,7 @@
 
 TensorBoard events are written with tensorboardX, not clu.metric_writers: the latter
 imports TensorFlow at import time, and TF would more than double
-the virtualenv (1.1 GB -> 2.5 GB) for nothing else. `clu.metrics` itself needs no TF
+the virtualenv for nothing else. `clu.metrics` itself needs no TF
 and is what the train and eval steps return. On an object store (`gs://` workdir) the
 event file is written through `odetransformer.runtime.fileio` (`_ObjectEventFile`).
 

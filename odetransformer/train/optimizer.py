@@ -9,7 +9,7 @@ applies to one of two groups, chosen by `optim.weight_decay_on`:
     authors' code (SDML-KU/qkvflow train_lm.py) decays exactly this group for its ODE
     models: the hypernetworks' generators are not decayed.
   * 'matrices': every parameter with ≥ 2 dimensions except norms and biases (by path
-    name, `odetransformer.model.axes.is_decayed`), as GPT-2/nanoGPT and the authors' GPT
+    name, `is_decayed`), as GPT-2/nanoGPT and the authors' GPT
     baselines do.
   * 'auto' (default): 'embeddings' for ODE kinds, 'matrices' for discrete ones.
 """
@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from odetransformer.model.axes import is_decayed
 from odetransformer.errors import UserError
 
 
@@ -54,6 +53,20 @@ def learning_rate_schedule(optim_config, num_train_steps: int):
 # Top-level model attributes that hold embeddings (odetransformer.model.transformer.LanguageModel).
 EMBEDDINGS = ("embed", "pos_embed", "head")
 DECAY_GROUPS = ("auto", "embeddings", "matrices")
+# Parameters whose paths contain one of these are excluded from weight decay:
+# norms and biases (time-dependent or not), and LoRA adapters.
+NO_DECAY_NAMES = ("norm", "bias", "bq", "bk", "bv", "bo", "b1", "b2", "lora")
+
+
+def is_decayed(path) -> bool:
+  """Whether the parameter at `path` (tuple of keys) is in the 'matrices' group by name:
+  not a norm, bias or LoRA adapter."""
+  parts = [str(getattr(p, "key", p)) for p in path]
+  for part in parts:
+    if any(part == n or part.startswith(n + "_") or (n == "norm" and "norm" in part)
+           for n in NO_DECAY_NAMES):
+      return False
+  return True
 
 
 def weight_decay_mask(params, on: str = "matrices"):

@@ -1,7 +1,7 @@
 """The device mesh and the logical-axis rules that map model axes onto it.
 
-Parameters and activations carry logical axis names (`odetransformer.model.axes.LOGICAL_AXES`);
-only the rules here (overridable from `config.mesh.rules`) say which mesh axis each one
+Parameters and activations carry logical axis names (`odetransformer.model.axes`); only
+the rules here (overridable from `config.mesh.rules`) say which mesh axis each one
 is split over (MaxText's `logical_axis_rules`). The mesh has three axes:
 
   data    pure data parallelism (params replicated)
@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from odetransformer.errors import UserError
+from odetransformer.model.axes import LOGICAL_AXES
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -37,11 +38,6 @@ DEFAULT_RULES = (
 
 class MeshError(UserError, ValueError):
   """A mesh or rule setting that cannot work on the devices at hand."""
-
-
-def _logical_axes() -> tuple:
-  from odetransformer.model.axes import LOGICAL_AXES  # pylint: disable=g-import-not-at-top
-  return tuple(LOGICAL_AXES)
 
 
 def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple:
@@ -110,7 +106,7 @@ def logical_axis_rules(mesh_config=None) -> tuple:
     overrides = dict(mesh_config.rules)
   for name, value in overrides.items():
     rules[name] = _as_mesh_axes(value)
-  missing = [n for n in _logical_axes() if n not in rules]
+  missing = [n for n in LOGICAL_AXES if n not in rules]
   if missing:
     raise MeshError(f"no logical-axis rule for {missing}; add them to mesh.rules")
   for name, target in rules.items():

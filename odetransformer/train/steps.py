@@ -24,7 +24,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from odetransformer.model import axes as axes_lib
 from odetransformer.train import metrics as metrics_lib
 from odetransformer.train import sharding as sharding_lib
 from odetransformer.model import time_grid as time_grid_lib
@@ -115,27 +114,20 @@ def _with_rules(rules, fn):
   return wrapped
 
 
-def _with_weight_rules(rules, fn):
-  """`fn` traced with generated weights (DiffEqFormer's W(t)) sharded as parameters, by
-  the parameter `rules` (`axes.weight_rules`): set in the traced function, so that it
-  holds however the step is lowered. Every step that runs the model uses it (train and
-  eval alike): otherwise each device would hold all K×S generated weights whole."""
-  def traced(*args):
-    with axes_lib.weight_rules(rules):
-      return fn(*args)
-  traced.__name__ = f"traced_{fn.__name__}"   # jit's name in logs: traced_step, …
-  return traced
-
-
 _GRID_STREAM = 0x71D   # folded into a step's rng for its time grid (apart from dropout's)
 
 
-def _logits(model, batch, dropout_rng=None, time_grid=None):
+def _logits(model, batch, rules, dropout_rng=None, time_grid=None):
   """The model's logits for a (micro)batch; `time_grid`: the solver's [K+1] grid
-  (None: uniform); dropout only with a `dropout_rng`."""
+  (None: uniform); dropout only with a `dropout_rng`.
+
+  Generated weights (DiffEqFormer's W(t)) are sharded as their parameters are, by the
+  parameter `rules` (the model's `param_rules`): every step that runs the model passes
+  them (train and eval alike); otherwise each device would hold all K×S generated
+  weights whole."""
   return model(batch["inputs"], segment_ids_bl=batch.get("segment_ids"),
                positions_bl=batch.get("positions"), deterministic=dropout_rng is None,
-               dropout_rng=dropout_rng, time_grid=time_grid)
+               dropout_rng=dropout_rng, time_grid=time_grid, param_rules=rules)
 
 
 def _microbatches(batch, num: int, batch_spec):
@@ -160,9 +152,9 @@ def make_train_step(layout: StateLayout, schedule: Callable, rules, *,
   it was given — parameters, Adam moments and every step counter (so the schedule does
   not advance either): the batch is consumed, nothing else happens. Its metrics report
   skipped=1 and leave the loss and gradient-norm means alone. The update sits in a
-  `lax.cond` (~1% of a bench-small step on CPU; a `where` over the new and old state cost
-  5% there: XLA kept both copies). Without it such a step is applied like any other and
-  the loop stops at the next check (`health.HealthCheck`).
+  `lax.cond`, not a `where` over the new and old state, for which XLA keeps both copies
+  (costs in benchmarks/README.md, Skipping non-finite steps). Without it such a step is
+  applied like any other and the loop stops at the next check (`health.HealthCheck`).
   """
   batch_spec = sharding_lib.logical_to_spec(("batch", None), rules)
 
@@ -175,7 +167,7 @@ def make_train_step(layout: StateLayout, schedule: Callable, rules, *,
     model = nnx.merge(graphdef, params, rest)
     # model.train_time_grid: this batch's solver grid (None = uniform), its own stream.
     grid = time_grid_lib.train_time_grid(model.config, jax.random.fold_in(rng, _GRID_STREAM))
-    logits = _logits(model, batch, rng if use_dropout else None, grid)
+    logits = _logits(model, batch, rules, rng if use_dropout else None, grid)
     loss_sum, _ = token_cross_entropy(logits, batch["targets"], batch["weights"])
     return loss_sum / denominator, loss_sum
 
@@ -184,7 +176,7 @@ def make_train_step(layout: StateLayout, schedule: Callable, rules, *,
     optimizer.update(model, grads)   # clips by the global norm first (create_optimizer)
     return nnx.state({"model": model, "optimizer": optimizer})
 
-  def step(state, batch, rng):
+  def train_step(state, batch, rng):
     model, optimizer = layout.merge(state)
     lr = schedule(optimizer.step[...])
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -231,7 +223,7 @@ def make_train_step(layout: StateLayout, schedule: Callable, rules, *,
     return new_state, out
 
   return _with_rules(sharding_lib.activation_rules(rules),
-                    jax.jit(_with_weight_rules(rules, step), donate_argnums=(0,),
+                    jax.jit(train_step, donate_argnums=(0,),
                             out_shardings=(layout.shardings, None)))
 
 
@@ -252,13 +244,13 @@ def make_eval_step(layout: StateLayout, rules) -> Callable:
 
   def eval_step(state, batch):
     model, _ = layout.merge(state)
-    scores = token_scores(_logits(model, batch), batch["targets"], batch["weights"])
+    scores = token_scores(_logits(model, batch, rules), batch["targets"], batch["weights"])
     return metrics_lib.EvalMetrics.single_from_model_output(
         loss_sum=jnp.sum(scores["nll"]), weight_sum=jnp.sum(scores["weight"]),
         correct_sum=jnp.sum(scores["correct"]))
 
   return _with_rules(sharding_lib.activation_rules(rules),
-                    jax.jit(_with_weight_rules(rules, eval_step)))
+                    jax.jit(eval_step))
 
 
 # --------------------------------------------------------------------------------------

@@ -1,0 +1,84 @@
+"""Library log records and tracebacks a user should not have to read.
+
+`quiet_library_logs` filters the absl logger: orbax's and TFDS's INFO lines, and the
+tracebacks orbax logs for a failed background save. `quiet_orbax_tracebacks` also
+drops, from `sys.excepthook` and `sys.unraisablehook`, the "Event loop is closed"
+tracebacks that every read or write still pending prints after a failed save or
+restore. `--verbose` on the command line keeps them all.
+"""
+import logging as std_logging
+import sys
+from typing import Optional
+
+from odetransformer import errors
+
+_CHATTY = ("/orbax/", "/tensorflow_datasets/")
+
+
+class _LibraryLogs(std_logging.Filter):
+  """The one filter on library log records (on the absl logger).
+
+  Drops orbax and TFDS records below `min_level` (their INFO lines: dozens per
+  checkpoint, and TFDS narrating the preparation of a local corpus file by file; tools
+  that only read a checkpoint raise it to ERROR). Orbax logs a failed background save
+  with a traceback per thread; the CheckpointError that follows says it in
+  one line: its error lines are kept, their tracebacks dropped (kept with --verbose).
+  """
+
+  def __init__(self, min_level: int):
+    super().__init__()
+    self.min_level = min_level
+
+  def filter(self, record):
+    if not any(lib in record.pathname for lib in _CHATTY):
+      return True
+    if record.levelno >= std_logging.ERROR and "/orbax/" in record.pathname:
+      if not errors.verbose_requested():
+        record.exc_info, record.exc_text = None, None
+    return record.levelno >= self.min_level
+
+
+def quiet_library_logs(min_level: Optional[int] = None) -> None:
+  """Installs the library log filter once; `min_level` (default WARNING when installing)
+  sets the lowest level of orbax and TFDS records shown."""
+  std_logging.getLogger("gcsfs").setLevel(std_logging.WARNING)   # INFO: a line per file read
+  logger = std_logging.getLogger("absl")
+  found = [f for f in logger.filters if isinstance(f, _LibraryLogs)]
+  if found:
+    if min_level is not None:
+      found[0].min_level = min_level
+    return
+  logger.addFilter(_LibraryLogs(std_logging.WARNING if min_level is None else min_level))
+
+
+def _closed_loop_callback(exc_type, exc, tb) -> bool:
+  """A tensorstore completion callback that found orbax's event loop closed: what each
+  read or write still pending prints (as an unraisable exception, or through
+  sys.excepthook) when a save or restore has failed; the failure itself is reported
+  once, elsewhere."""
+  if exc_type is not RuntimeError or str(exc) != "Event loop is closed":
+    return False
+  while tb is not None and tb.tb_next is not None:
+    tb = tb.tb_next
+  return tb is not None and "asyncio" in tb.tb_frame.f_code.co_filename
+
+
+def quiet_orbax_tracebacks():
+  """Orbax's tracebacks of a failed save or restore as single lines (not with
+  --verbose); installed once."""
+  quiet_library_logs()
+  hook = sys.excepthook
+  if getattr(hook, "_odet_quiet", False) or errors.verbose_requested():
+    return
+
+  def excepthook(exc_type, exc, tb):
+    if not _closed_loop_callback(exc_type, exc, tb):
+      hook(exc_type, exc, tb)
+  excepthook._odet_quiet = True  # pylint: disable=protected-access
+  sys.excepthook = excepthook
+  unraisable = sys.unraisablehook
+
+  def unraisablehook(args):
+    if not _closed_loop_callback(args.exc_type, args.exc_value, args.exc_traceback):
+      unraisable(args)
+  sys.unraisablehook = unraisablehook

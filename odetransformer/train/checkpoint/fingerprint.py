@@ -1,0 +1,198 @@
+"""What a run's checkpoints depend on, checked before a resume writes anything.
+
+Each checkpoint's `meta` records the run's fingerprint (`fingerprint`): what its arrays
+mean — the model config, the data source and split, the tokenizer file's hash — and
+what makes a resume exact — the training data's content hash, the batch shape and the
+seed — so that a resume with other settings is refused before anything is written
+(`check_resumable`, `check_tokenizer`); `resume_with_changes` accepts the latter
+knowingly. Also the run's `config.json` and the copy of its tokenizer in the workdir.
+"""
+import json
+from typing import Optional
+
+import jax
+import ml_collections
+from absl import logging
+
+from odetransformer.errors import ConfigError
+from odetransformer.runtime import fileio
+from odetransformer.train.checkpoint.paths import (CONFIG_FILE, TOKENIZER_FILE,
+                                                   checkpoint_dir, finalized_steps,
+                                                   read_json)
+
+# Model fields that may change between a run and its resumption: no effect on the
+# checkpointed arrays or on what they mean (vocab_size is the tokenizer's, compared as
+# data.vocab_size).
+RESUMABLE_MODEL_FIELDS = ("vocab_size", "remat_policy", "dtype", "state_dtype", "attention_impl")
+# The data settings that decide what the run trains on and with which tokenizer.
+FINGERPRINT_DATA_FIELDS = ("source", "train_split", "train_files", "text_key", "vocab_size",
+                           "tokenizer_sample_bytes")
+
+
+# What makes a resume continue the run exactly: the batch shape and the seed.
+RESUME_FIELDS = ("global_batch_size", "seq_len", "seed")
+# Differences that `resume_with_changes` cannot accept: the arrays would mean something
+# else (another model, vocabulary or tokenizer).
+ARRAY_MEANING_DIFFS = ("model.", "data.vocab_size ", "data.tokenizer_sample_bytes ",
+                       "tokenizer file ")
+
+
+def file_sha256(path: str) -> str:
+  return fileio.sha256(path)
+
+
+def fingerprint(config, tokenizer_sha256: Optional[str] = None,
+                data_hash: Optional[str] = None) -> dict:
+  """What a run's checkpoints depend on, as plain JSON values.
+
+  The model config (less `RESUMABLE_MODEL_FIELDS`), the data source and split and the
+  settings that train its tokenizer, the batch shape and seed (`RESUME_FIELDS`), the
+  tokenizer file's sha256 and the training data's content hash (each None while not
+  known yet).
+  """
+  plain = json.loads(config.to_json_best_effort())
+  model = {k: v for k, v in plain.get("model", {}).items() if k not in RESUMABLE_MODEL_FIELDS}
+  data = {k: plain.get("data", {}).get(k) for k in FINGERPRINT_DATA_FIELDS}
+  resume = {k: plain.get(k) for k in RESUME_FIELDS}
+  return {"model": model, "data": data, "resume": resume,
+          "tokenizer_sha256": tokenizer_sha256, "data_content_hash": data_hash}
+
+
+def fingerprint_diffs(old: dict, new: dict) -> list:
+  """'section.key old -> new' for each difference between two fingerprints.
+
+  A None hash (not known yet, or a checkpoint written before hashes) matches any. When
+  the new run names its tokenizer file, the hash decides and the settings that would
+  train one (tokenizer_sample_bytes) do not matter. A key only one side has is a field
+  added to (or dropped from) the code since: its default keeps the old meaning.
+  """
+  diffs = []
+  for section in ("model", "data", "resume"):
+    a, b = old.get(section) or {}, new.get(section) or {}
+    for key in sorted(set(a) & set(b)):
+      if section == "model" and key in RESUMABLE_MODEL_FIELDS:
+        continue
+      if key == "tokenizer_sample_bytes" and new.get("tokenizer_sha256"):
+        continue
+      if a.get(key) != b.get(key):
+        diffs.append(f"{section}.{key} {a.get(key)!r} -> {b.get(key)!r}")
+  a, b = old.get("tokenizer_sha256"), new.get("tokenizer_sha256")
+  if a and b and a != b:
+    diffs.append(f"tokenizer file sha256 {a[:12]}… -> {b[:12]}…")
+  a, b = old.get("data_content_hash"), new.get("data_content_hash")
+  if a and b and a != b:
+    diffs.append(f"training data content {a[:40]!r} -> {b[:40]!r}")
+  return diffs
+
+
+def stored_fingerprint(workdir: str) -> Optional[tuple]:
+  """(step, fingerprint) of the newest checkpoint whose meta reads; None if none.
+
+  Checkpoints written before fingerprints were recorded give one made from the config
+  their meta holds (no tokenizer hash).
+  """
+  directory = checkpoint_dir(workdir)
+  for step in reversed(finalized_steps(workdir)):
+    meta = read_json(fileio.join(directory, str(step), "meta", "metadata"))
+    if meta is None:
+      continue
+    if isinstance(meta.get("fingerprint"), dict):
+      return step, meta["fingerprint"]
+    if isinstance(meta.get("config"), dict):
+      return step, fingerprint(ml_collections.ConfigDict(meta["config"]))
+  return None
+
+
+def tokenizer_sha256(path: Optional[str]) -> Optional[str]:
+  return fileio.sha256(path) if path and fileio.isfile(path) else None
+
+
+def check_resumable(config, workdir: str) -> Optional[dict]:
+  """ConfigError when `workdir` holds checkpoints of another model, data or tokenizer,
+  or of other batch settings.
+
+  Compares this config with the fingerprint the newest checkpoint records: model
+  fields, data source and split, batch shape and seed, and — when
+  `data.tokenizer_path` names a file — its hash; otherwise the settings that would
+  train the tokenizer. Runs before anything is written (no tokenizer trained, no
+  config.json rewritten), so a refused workdir stays exactly as it was. Returns the
+  stored fingerprint (None: no checkpoint).
+  """
+  found = stored_fingerprint(workdir)
+  if found is None:
+    return None
+  step, stored = found
+  _refuse_if_different(config, workdir, step, stored,
+                       fingerprint(config, tokenizer_sha256(config.data.get("tokenizer_path"))))
+  return stored
+
+
+def check_tokenizer(config, tokenizer_path: str, workdir: str, stored: Optional[dict],
+                    data_hash: Optional[str] = None) -> dict:
+  """The run's fingerprint, with its tokenizer's hash and its training data's content
+  hash (`Datasets.content_hash`); ConfigError when a resumed run's tokenizer file or
+  data differ from the checkpoints' (before the tokenizer is copied into the workdir).
+  """
+  new = fingerprint(config, tokenizer_sha256(tokenizer_path), data_hash)
+  if stored is not None:
+    diffs = _refuse_if_different(config, workdir, finalized_steps(workdir)[-1], stored, new)
+    if diffs:
+      logging.warning("resuming with changes (resume_with_changes=true): %s; the run no "
+                      "longer continues exactly", "; ".join(diffs))
+  return new
+
+
+def _refuse_if_different(config, workdir: str, step: int, stored: dict, new: dict) -> list:
+  """ConfigError naming the differences, unless there are none or all are accepted by
+  `resume_with_changes`; returns the accepted ones."""
+  diffs = fingerprint_diffs(stored, new)
+  if not diffs:
+    return []
+  if any(d.startswith(ARRAY_MEANING_DIFFS) for d in diffs):
+    raise ConfigError(
+        f"{workdir} holds checkpoints (step {step}) of a different model, data or "
+        f"tokenizer ({'; '.join(diffs)}); resume with the same settings, start a new "
+        "--workdir, or fine-tune from this run with --config.init_from")
+  if not config.get("resume_with_changes", False):
+    raise ConfigError(
+        f"{workdir} holds checkpoints (step {step}) trained on other data or batch "
+        f"settings ({'; '.join(diffs)}); resume with the same settings, pass "
+        "--config.resume_with_changes=true to continue from them anyway (no longer an "
+        "exact resume), or start a new --workdir")
+  return diffs
+
+
+def save_tokenizer(src: str, workdir: str):
+  """Copies the tokenizer to `<workdir>/tokenizer.model` (what the tools load)."""
+  path = fileio.join(workdir, TOKENIZER_FILE)
+  if jax.process_index() != 0 or not src or fileio.same_file(src, path):
+    return
+  if fileio.isfile(path) and fileio.sha256(path) == fileio.sha256(src):
+    return                 # a resumed run's own tokenizer: left as it is
+  fileio.copy(src, path)
+
+
+def save_config(config, workdir: str):
+  """Writes `<workdir>/config.json` (process 0 only)."""
+  if jax.process_index() != 0:
+    return
+  fileio.makedirs(workdir)
+  fileio.write_text_atomic(fileio.join(workdir, CONFIG_FILE),
+                           config.to_json_best_effort(indent=2, sort_keys=True))
+
+
+def load_config(workdir: str):
+  """The ConfigDict a run in `workdir` was started with.
+
+  From `<workdir>/config.json`; when that is gone, from the newest checkpoint's meta
+  (which holds the same config), with a warning. FileNotFoundError when neither exists.
+  """
+  path = fileio.join(workdir, CONFIG_FILE)
+  if not fileio.exists(path):
+    for step in reversed(finalized_steps(workdir)):
+      meta = read_json(fileio.join(checkpoint_dir(workdir), str(step), "meta", "metadata"))
+      if isinstance((meta or {}).get("config"), dict):
+        logging.warning("%s is missing: using the config recorded in checkpoint %d",
+                        path, step)
+        return ml_collections.ConfigDict(meta["config"])
+  return ml_collections.ConfigDict(json.loads(fileio.read_text(path)))
