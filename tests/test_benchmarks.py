@@ -91,7 +91,7 @@ def test_benchmarks_are_a_package_of_modules_named_apart_from_the_code():
     assert "sys.path" not in path.read_text(encoding="utf-8"), path.name
   measured = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
   measured |= {p.stem for pkg in ("odetransformer", "input_pipeline")
-               for p in (ROOT / pkg).glob("*.py")}
+               for p in (ROOT / pkg).rglob("*.py")}
   assert "memory" in measured and "input_pipeline" in measured
   assert not {p.stem for p in files} & measured
 
