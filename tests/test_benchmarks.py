@@ -148,12 +148,15 @@ def test_quality(tmp_path):
 
 
 def test_adaptive_finetune(tmp_path):
+  """The discrete methods only: 'continuous' runs the same lines of the benchmark (the
+  loop's continuous fine-tuning: test_finetune)."""
   data = shared_data_path("tinyshakespeare", "input.txt").parents[1]
   shared_data_path("wikitext-2", "test.txt")
   out = _run("adaptive_finetune", f"--data_dir={data}", f"--out={tmp_path}", "--seeds=1",
              "--k=2", "--steps=2", "--d_model=32", "--seq_len=32", "--batch=2",
              "--vocab=512", "--pretrain_steps=2", "--finetune_steps=2", "--eval_batches=1",
-             "--pretrain_grids=fixed")   # a second grid repeats the same code: minutes of CPU
+             "--pretrain_grids=fixed",   # a second grid repeats the same code: minutes of CPU
+             "--methods=full,lora")
   table = (tmp_path / "adaptive_finetune.md").read_text()
   assert (tmp_path / "adaptive_finetune.png").stat().st_size > 0
   assert "GPT 3 layers" in table and "LoRA r 6 alpha 8" in table   # round(4K/3), 200·d/1024
@@ -161,7 +164,7 @@ def test_adaptive_finetune(tmp_path):
          for m in re.finditer(r"^\| DiffEqFormer (\S+) (\S+) \| (.*) \|$", table, re.MULTILINE)}
   gpt = {m.group(1): _num(m.group(2)) for m in re.finditer(
       rf"^\| GPT \(3 layers\) (\S+) \| {NUM} \|$", table, re.MULTILINE)}
-  grids, methods = ("fixed",), ("before", "continuous", "full", "lora")
+  grids, methods = ("fixed",), ("before", "full", "lora")
   assert sorted(ode) == sorted((g, m) for g in grids for m in methods), table
   assert sorted(gpt) == ["before", "full", "lora"], table
   assert all(len(v) == 1 for v in ode.values()), table    # N = K only (--steps=2)
@@ -172,18 +175,28 @@ def test_adaptive_finetune(tmp_path):
     assert _num(m.group(i)) == pytest.approx(ode[grid, method][0] / gpt[method], abs=0.002)
 
 
-def test_adaptive_finetune_needs_its_texts(tmp_path):
-  r = _launch("adaptive_finetune", f"--out={tmp_path}", timeout=120)
-  assert r.returncode == 2
-  assert r.stderr.strip().splitlines()[-1].endswith(
+def _usage_error(main, argv, monkeypatch, capsys) -> str:
+  """The last stderr line of a benchmark's `main` given `argv` (as after `python -m`), in
+  this process: the argument check exits 2 before anything is built."""
+  monkeypatch.setattr(sys, "argv", ["benchmark", *argv])
+  with pytest.raises(SystemExit) as e:
+    main()
+  assert e.value.code == 2
+  return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_adaptive_finetune_needs_its_texts(tmp_path, monkeypatch, capsys):
+  from benchmarks import adaptive_finetune   # pylint: disable=g-import-not-at-top
+  assert _usage_error(adaptive_finetune.main, [f"--out={tmp_path}"], monkeypatch,
+                      capsys).endswith(
       "error: --pretrain_train='' is not a file; pass it, or --data_dir=DIR with "
       "wikitext-2/valid.txt in DIR")
 
 
-def test_throughput_rejects_an_unknown_kind():
-  r = _launch("throughput", "--preset=tiny", "--also=parallel,gtp", timeout=120)
-  assert r.returncode == 2
-  assert r.stderr.strip().splitlines()[-1].endswith(
+def test_throughput_rejects_an_unknown_kind(monkeypatch, capsys):
+  from benchmarks import throughput   # pylint: disable=g-import-not-at-top
+  assert _usage_error(throughput.main, ["--preset=tiny", "--also=parallel,gtp"],
+                      monkeypatch, capsys).endswith(
       "error: --also=gtp: choose from parallel, shared")
 
 
