@@ -3,11 +3,8 @@ import contextlib
 import json
 import logging
 import math
-import os
 import pathlib
 import re
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -20,6 +17,7 @@ from flax import nnx
 
 from configs import default
 from conftest import shared_data_path
+from odetransformer.errors import UserError
 from odetransformer.train import checkpointing
 from odetransformer.train import metrics as metrics_lib
 from odetransformer.train import optimizer as optimizer_lib
@@ -424,27 +422,26 @@ def test_default_model_learns_wikitext2(kind, tmp_path_factory):
 TINY_FLAGS = config_flags(tiny_config(None, num_train_steps=2))   # for main.py subprocesses
 
 
-def _main(tmp_path, *overrides):
-  return subprocess.run(
-      [sys.executable, str(ROOT / "main.py"), "--config=configs/default.py",
-       f"--workdir={tmp_path}", *overrides],
-      cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, JAX_PLATFORMS="cpu"))
-
-
 @pytest.mark.parametrize("overrides,kind", [
-    (["--config.model.num_heads=5"], "ConfigError"),
-    (["--config.mesh.shape=(2,1,1)"], "ConfigError"),          # 2 devices on a 1-CPU host
-    (["--config.optim.skip_nonfinite_steps=-1"], "ConfigError"),
-    (["--config.data.source=local", "--config.data.train_files=/nonexistent/*.txt"],
-     "DataError"),
+    ({"model.num_heads": 5}, "ConfigError"),
+    ({"mesh.shape": (2, 1, 1)}, "ConfigError"),          # 2 devices on a 1-CPU host
+    ({"optim.skip_nonfinite_steps": -1}, "ConfigError"),
+    ({"data.source": "local", "data.train_files": "/nonexistent/*.txt"}, "DataError"),
 ])
-def test_main_reports_bad_input_in_one_line(tmp_path, overrides, kind):
-  proc = _main(tmp_path, *overrides)
-  assert proc.returncode == 2, proc.stderr[-2000:]
-  errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
-  assert len(errors) == 1 and kind in errors[0], proc.stderr[-2000:]
-  assert "Traceback" not in proc.stderr
+def test_bad_input_is_one_line_before_anything_is_written(tmp_path, overrides, kind):
+  """A one-line UserError of its kind, raised before the workdir is made (main.py prints
+  any UserError as one `error:` line and exits 2: test_reliability runs it)."""
+  c = tiny_config(tmp_path / "cache")
+  for key, value in overrides.items():
+    node, last = c, key.split(".")
+    for part in last[:-1]:
+      node = node[part]
+    node[last[-1]] = value
+  wd = tmp_path / "wd"
+  with pytest.raises(UserError) as err:
+    loop.train_and_evaluate(c, str(wd))
+  assert type(err.value).__name__ == kind and "\n" not in str(err.value), err.value
+  assert not wd.exists()
 
 
 def test_short_eval_batch_padding_rows_have_weight_zero():
