@@ -66,11 +66,12 @@ def _find(pattern, out):
   return m
 
 
-def test_throughput():
+def test_throughput(monkeypatch, capsys):
   """The README's GPU command's flags (bf16, its batch and length), plus a baseline kind."""
   also, batch, seq, dtype = ["shared"], 1, 64, "bfloat16"
-  out = _run("throughput", "--preset=tiny", "--rounds=2", "--also=shared",
-             "--dtype=bfloat16", "--seq_len=64", "--batch=1")
+  out = _run_here("throughput", ["--preset=tiny", "--rounds=2", "--also=shared",
+                                 "--dtype=bfloat16", "--seq_len=64", "--batch=1"],
+                  monkeypatch, capsys)
   assert f"batch {batch} × seq {seq}, {dtype}" in out
   tps = {}
   for kind in ("diffeqformer", "gpt", *also):
