@@ -37,6 +37,25 @@ def _run(module, *args, timeout=600) -> str:
   return r.stdout
 
 
+def _run_here(module, argv, monkeypatch, capsys) -> str:
+  """stdout of `python -m benchmarks.<module> argv...` run in this process (no start-up of
+  its own), with the 'rbg' PRNG as `_launch`; absl's verbosity, which the benchmarks
+  lower, is restored after. For benchmarks that change no other global state."""
+  import importlib   # pylint: disable=g-import-not-at-top
+  import jax   # pylint: disable=g-import-not-at-top
+  from absl import logging as absl_logging   # pylint: disable=g-import-not-at-top
+  main = importlib.import_module(f"benchmarks.{module}").main
+  monkeypatch.setattr(sys, "argv", [module, *argv])
+  prng, verbosity = jax.config.jax_default_prng_impl, absl_logging.get_verbosity()
+  jax.config.update("jax_default_prng_impl", "rbg")
+  try:
+    main()
+  finally:
+    jax.config.update("jax_default_prng_impl", prng)
+    absl_logging.set_verbosity(verbosity)
+  return capsys.readouterr().out
+
+
 def _num(text):
   return float(text.replace(",", ""))
 
@@ -47,11 +66,12 @@ def _find(pattern, out):
   return m
 
 
-def test_throughput():
+def test_throughput(monkeypatch, capsys):
   """The README's GPU command's flags (bf16, its batch and length), plus a baseline kind."""
   also, batch, seq, dtype = ["shared"], 1, 64, "bfloat16"
-  out = _run("throughput", "--preset=tiny", "--rounds=2", "--also=shared",
-             "--dtype=bfloat16", "--seq_len=64", "--batch=1")
+  out = _run_here("throughput", ["--preset=tiny", "--rounds=2", "--also=shared",
+                                 "--dtype=bfloat16", "--seq_len=64", "--batch=1"],
+                  monkeypatch, capsys)
   assert f"batch {batch} × seq {seq}, {dtype}" in out
   tps = {}
   for kind in ("diffeqformer", "gpt", *also):
@@ -96,8 +116,8 @@ def test_benchmarks_are_a_package_of_modules_named_apart_from_the_code():
   assert not {p.stem for p in files} & measured
 
 
-def test_memory_vs_steps():
-  out = _run("memory_vs_steps", "--preset=tiny", "--steps=2,4")
+def test_memory_vs_steps(monkeypatch, capsys):
+  out = _run_here("memory_vs_steps", ["--preset=tiny", "--steps=2,4"], monkeypatch, capsys)
   rows = {(m.group(1), int(m.group(2))): (_num(m.group(3)), _num(m.group(4)))
           for m in re.finditer(rf"^(diffeqformer|gpt)\s+(\d+)\s+{NUM}\s+{NUM}\s+{NUM}$", out,
                                re.MULTILINE)}
@@ -120,16 +140,17 @@ def test_pipeline_speed():
   assert ratio == pytest.approx(min(pipe) / train, rel=0.01, abs=0.06)
 
 
-def test_quality(tmp_path):
+def test_quality(tmp_path, monkeypatch, capsys):
   """One seed of both models on a user's own text files: the seed's ratio is its two
   perplexities' ratio, and the last line is the seeds' mean."""
   text = pathlib.Path(shared_data_path("wikitext-2", "test.txt")).read_text(encoding="utf-8")
   (tmp_path / "train.txt").write_text(text[:150_000], encoding="utf-8")   # 2 steps of 2 × 32
   (tmp_path / "eval.txt").write_text(text[150_000:190_000], encoding="utf-8")
-  out = _run("quality", "--seeds=1", "--steps=2", "--eval_batches=1", "--batch=2",
-             "--seq_len=32", "--d_model=32", "--num_heads=2", "--num_steps=2",
-             "--time_embed_dim=8", "--vocab=512", f"--train_text={tmp_path / 'train.txt'}",
-             f"--eval_text={tmp_path / 'eval.txt'}", f"--workdir={tmp_path / 'runs'}")
+  out = _run_here("quality", [
+      "--seeds=1", "--steps=2", "--eval_batches=1", "--batch=2", "--seq_len=32",
+      "--d_model=32", "--num_heads=2", "--num_steps=2", "--time_embed_dim=8", "--vocab=512",
+      f"--train_text={tmp_path / 'train.txt'}", f"--eval_text={tmp_path / 'eval.txt'}",
+      f"--workdir={tmp_path / 'runs'}"], monkeypatch, capsys)
   ratios = []
   for seed in (0,):
     ppl = {}
@@ -148,12 +169,15 @@ def test_quality(tmp_path):
 
 
 def test_adaptive_finetune(tmp_path):
+  """The discrete methods only: 'continuous' runs the same lines of the benchmark (the
+  loop's continuous fine-tuning: test_finetune)."""
   data = shared_data_path("tinyshakespeare", "input.txt").parents[1]
   shared_data_path("wikitext-2", "test.txt")
   out = _run("adaptive_finetune", f"--data_dir={data}", f"--out={tmp_path}", "--seeds=1",
              "--k=2", "--steps=2", "--d_model=32", "--seq_len=32", "--batch=2",
              "--vocab=512", "--pretrain_steps=2", "--finetune_steps=2", "--eval_batches=1",
-             "--pretrain_grids=fixed")   # a second grid repeats the same code: minutes of CPU
+             "--pretrain_grids=fixed",   # a second grid repeats the same code: minutes of CPU
+             "--methods=full,lora")
   table = (tmp_path / "adaptive_finetune.md").read_text()
   assert (tmp_path / "adaptive_finetune.png").stat().st_size > 0
   assert "GPT 3 layers" in table and "LoRA r 6 alpha 8" in table   # round(4K/3), 200·d/1024
@@ -161,7 +185,7 @@ def test_adaptive_finetune(tmp_path):
          for m in re.finditer(r"^\| DiffEqFormer (\S+) (\S+) \| (.*) \|$", table, re.MULTILINE)}
   gpt = {m.group(1): _num(m.group(2)) for m in re.finditer(
       rf"^\| GPT \(3 layers\) (\S+) \| {NUM} \|$", table, re.MULTILINE)}
-  grids, methods = ("fixed",), ("before", "continuous", "full", "lora")
+  grids, methods = ("fixed",), ("before", "full", "lora")
   assert sorted(ode) == sorted((g, m) for g in grids for m in methods), table
   assert sorted(gpt) == ["before", "full", "lora"], table
   assert all(len(v) == 1 for v in ode.values()), table    # N = K only (--steps=2)
@@ -172,19 +196,25 @@ def test_adaptive_finetune(tmp_path):
     assert _num(m.group(i)) == pytest.approx(ode[grid, method][0] / gpt[method], abs=0.002)
 
 
-def test_adaptive_finetune_needs_its_texts(tmp_path):
-  r = _launch("adaptive_finetune", f"--out={tmp_path}", timeout=120)
-  assert r.returncode == 2
-  assert r.stderr.strip().splitlines()[-1].endswith(
+def _usage_error(module, argv, monkeypatch, capsys) -> str:
+  """The last stderr line of a benchmark given `argv`, run in this process: the argument
+  check exits 2 before anything is built."""
+  with pytest.raises(SystemExit) as e:
+    _run_here(module, argv, monkeypatch, capsys)
+  assert e.value.code == 2
+  return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_adaptive_finetune_needs_its_texts(tmp_path, monkeypatch, capsys):
+  assert _usage_error("adaptive_finetune", [f"--out={tmp_path}"], monkeypatch,
+                      capsys).endswith(
       "error: --pretrain_train='' is not a file; pass it, or --data_dir=DIR with "
       "wikitext-2/valid.txt in DIR")
 
 
-def test_throughput_rejects_an_unknown_kind():
-  r = _launch("throughput", "--preset=tiny", "--also=parallel,gtp", timeout=120)
-  assert r.returncode == 2
-  assert r.stderr.strip().splitlines()[-1].endswith(
-      "error: --also=gtp: choose from parallel, shared")
+def test_throughput_rejects_an_unknown_kind(monkeypatch, capsys):
+  assert _usage_error("throughput", ["--preset=tiny", "--also=parallel,gtp"], monkeypatch,
+                      capsys).endswith("error: --also=gtp: choose from parallel, shared")
 
 
 def test_any_n(tmp_path):

@@ -1,7 +1,7 @@
 """Issue 31 items 1-2: a gs:// workdir works like a local one, against a GCS emulator.
 
-One run of main.py on `gs://<bucket>/run` (SIGTERM-saved, then resumed with the same
-command) is checked against an uninterrupted local run, then read by the tools; a
+A run on `gs://<bucket>/run` (stopped, its newest checkpoint corrupted, then continued by
+main.py) is checked against an uninterrupted local run, then read by the tools; the
 corrupt checkpoint on gs:// falls back; the lock refuses a second run. The data cache
 stays local (data.cache_dir). No local directory named `gs:` may appear anywhere."""
 import contextlib
@@ -11,10 +11,8 @@ import json
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import tempfile
-import time
 
 import ml_collections
 import numpy as np
@@ -63,25 +61,19 @@ def flip_a_weight_byte(step_dir: str):
 
 @pytest.fixture(scope="module")
 def gs_run(gcs_bucket, cache):
-  """main.py on gs://: SIGTERM once two checkpoints exist; a byte of the newest one's
-  weights flipped; the same command again (falls back to the previous checkpoint).
-  Returns (workdir, the step the first run stopped at, the second run's stderr)."""
+  """A run on gs:// with a checkpoint at every step, stopped at step 3 (here:
+  `stop_at_step`; test_multihost stops one on gs:// with a real SIGTERM); a byte of the
+  newest checkpoint's weights flipped; then main.py with the same config (falls back to
+  the previous checkpoint). Returns (workdir, the stopped step, main.py's stderr)."""
   wd = f"{gcs_bucket}/run"
-  cmd = main_cmd(wd, cache, STEPS, "--config.checkpoint_every_steps=1")
-  first = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), text=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-  deadline = time.monotonic() + 240
-  while len(finalized_steps(wd)) < 2 and first.poll() is None:
-    assert time.monotonic() < deadline, "no checkpoint within the timeout"
-    time.sleep(0.1)
-  first.send_signal(signal.SIGTERM)
-  _, err = first.communicate(timeout=120)
-  assert first.returncode == 0, err[-3000:]
-  stopped = int(err.split("stopping at step ")[1].split()[0])
-  assert 2 <= stopped < STEPS, err[-3000:]
+  stopped = 3
+  first = loop.train_and_evaluate(config(cache, STEPS, checkpoint_every_steps=1), wd,
+                                  stop_at_step=stopped)
+  assert (first["step"], finalized_steps(wd)) == (stopped, [1, 2, 3])
   flip_a_weight_byte(fileio.join(wd, "checkpoints", str(stopped)))
-  second = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=240)
+  second = subprocess.run(main_cmd(wd, cache, STEPS, "--config.checkpoint_every_steps=1"),
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=240)
   assert second.returncode == 0, second.stderr[-3000:]
   return wd, stopped, second.stderr
 
@@ -93,8 +85,8 @@ def _no_local_gs_dir():
 
 
 def test_gs_run_falls_back_resumes_exactly_and_writes_nothing_local(gs_run, reference):
-  """SIGTERM saved, the corrupt newest checkpoint moved aside, the previous one resumed:
-  every step's loss equals the uninterrupted local run's."""
+  """The corrupt newest checkpoint moved aside, the previous one resumed: every step's
+  loss equals the uninterrupted local run's."""
   wd, stopped, err = gs_run
   assert (f"moved the corrupt checkpoint of step {stopped} to {wd}/corrupt_checkpoints/"
           in err), err[-3000:]

@@ -1,23 +1,27 @@
-"""Multi-host on one machine: 2 processes × 4 CPU devices on 127.0.0.1 (gloo).
+"""Multi-host on one machine: 2 processes × 4 CPU devices on 127.0.0.1 (gloo), on a gs://
+workdir (the GCS emulator).
 
-The same tiny run three ways, each in fresh subprocesses (device counts and
-`jax.distributed` are per process):
+One tiny run (a 1000-step run at a constant learning rate, stopped early) three ways, each in fresh subprocesses
+(device counts and `jax.distributed` are per process):
 
-  ref     1 process × 8 devices, 4 steps uninterrupted;
-  part1   2 processes × 4 devices, "preempted" after step 2 (checkpoint saved);
-  part2   the same 2 processes again on the same workdir: resumes at step 2, runs to 4;
-  sigterm 2 processes on a 1000-step run, a real SIGTERM sent to process 1 only.
+  sigterm 2 processes × 4 devices; a real SIGTERM sent to process 1 only, once training
+          runs: both stop at the same step S, with that step's checkpoint;
+  part2   the same 2 processes again on the same workdir: resumes at S, "preempted"
+          after S + 2 (evaluated and saved there);
+  ref     1 process × 8 devices, S + 2 steps uninterrupted; then, in the same process,
+          the 2-process checkpoint resumed on 1 process × 8 devices for one more step.
 
 Each process runs main.py's own entry point (flags, multi-host detection from
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, `jax.distributed`
 initialisation, then `loop.train_and_evaluate`), recording its training batches and the
 run's result. All runs split the data into 2 input shards (`data.input_shards`), so the
 1-process reference sees the global batches of the 2-process runs. Checked: losses of
-part1 + part2 equal ref's (1e-5), and at every step the two processes held disjoint
-halves whose concatenation is ref's global batch (also after the resume); the processes'
-document sources served disjoint documents; only process 0 logs progress and evaluation, and the TensorBoard scalars
-and checkpoints are written once; the SIGTERM stops both processes at the same step,
-with that step's checkpoint, exit 0.
+sigterm + part2 and part2's evaluation equal ref's (1e-5), and at every step the two
+processes held disjoint halves whose concatenation is ref's global batch (also after the
+resume); the processes' document sources served disjoint documents; only process 0 logs
+progress and evaluation, and the TensorBoard scalars and checkpoints are written once;
+the SIGTERM stops both processes at the same step, exit 0; the 1-process resume of the
+2-process checkpoint continues its two input shards exactly.
 """
 import json
 import os
@@ -40,8 +44,9 @@ pytestmark = pytest.mark.xdist_group("test_multihost")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240          # per group of processes; a hang is killed, not waited on
+STEPS = 1000             # the schedule's length: every run stops well before
 
-DRIVER = textwrap.dedent("""
+DRIVER = f"STEPS = {STEPS}\n" + textwrap.dedent("""
     import json, os, sys
     sys.path[:0] = [os.environ["ODET_ROOT"], os.path.join(os.environ["ODET_ROOT"], "tests")]
     import time
@@ -52,20 +57,13 @@ DRIVER = textwrap.dedent("""
     from odetransformer.train.checkpoint.manager import Checkpointer
     from tiny import config_flags, tiny_config
 
-    c = tiny_config(os.environ["ODET_CACHE"], num_train_steps=int(os.environ.get("ODET_STEPS", 4)))
-    c.eval_every_steps = 0          # only at the end
-    c.checkpoint_every_steps = 0    # only at the end (or at the preemption)
+    c = tiny_config(os.environ["ODET_CACHE"], num_train_steps=STEPS)
+    c.eval_every_steps = int(os.environ.get("ODET_EVAL_AT", 0))   # 0: at step STEPS only
+    c.checkpoint_every_steps = 0    # at the stop (preemption)
+    c.optim.schedule, c.optim.warmup_frac = "constant", 0.0   # the full rate from step 1
     c.global_batch_size = c.eval_batch_size = 8
     c.data.eval_max_batches = 1
     c.data.input_shards = 2         # the 1-process reference reads both shards
-    config_file, base = "configs/default.py", None
-    if os.environ.get("ODET_INIT_FROM"):   # fine-tuning ('full', at the training K)
-      from configs import finetune_default
-      base = finetune_default.get_config()
-      config_file = "configs/finetune_default.py"
-      c.init_from = os.environ["ODET_INIT_FROM"]
-      c.finetune = base.finetune.copy_and_resolve_references()
-      c.finetune.method = "full"
 
     read = []                       # training documents this process's source served
     from input_pipeline import sources
@@ -82,6 +80,14 @@ DRIVER = textwrap.dedent("""
       corpus = open_corpus(*args)
       return type(corpus)(**{**vars(corpus), "train": Counting(corpus.train)})
     sources.open_corpus = counting_corpus
+    from input_pipeline import tokenizer
+    get_tokenizer = tokenizer.get_tokenizer
+    def uncounted(**kwargs):        # (process 0 may train it: its sample is not its shard)
+      n = len(read)
+      out = get_tokenizer(**kwargs)
+      del read[n:]
+      return out
+    tokenizer.get_tokenizer = uncounted
 
     stop = int(os.environ.get("ODET_STOP_AT", "0"))
     if stop:   # a preemption noticed at step `stop` by every process
@@ -101,8 +107,8 @@ DRIVER = textwrap.dedent("""
       return result
     loop.train_and_evaluate = recorded
 
-    sys.argv = ["main.py", f"--config={config_file}",
-                f"--workdir={os.environ['ODET_WORKDIR']}", *config_flags(c, base)]
+    sys.argv = ["main.py", "--config=configs/default.py",
+                f"--workdir={os.environ['ODET_WORKDIR']}", *config_flags(c)]
     try:
       errors.run_cli(main_lib._run)       # what `python main.py ...` runs
     except SystemExit as e:               # absl's app.run exits when main returns
@@ -112,16 +118,12 @@ DRIVER = textwrap.dedent("""
            "device_count": jax.device_count(), "local_devices": jax.local_device_count(),
            "start_step": result["start_step"], "step": result["step"],
            "losses": [[s, float(l)] for s, l in result["loss_history"]],
-           "batches": batches, "documents_read": sorted(set(read))}
-    if os.environ.get("ODET_EVALUATE"):   # then the evaluate command on the run, here
-      import contextlib, io
-      from absl import flags
-      from odetransformer.tools import evaluate
-      fv = evaluate.define_flags(flags.FlagValues())
-      fv(["evaluate", f"--workdir={os.environ['ODET_WORKDIR']}", "--max_batches=1"])
-      with contextlib.redirect_stdout(io.StringIO()) as printed:
-        evaluate.main([], fv)
-      out["evaluated"] = printed.getvalue()
+           "batches": list(batches), "documents_read": sorted(set(read)),
+           "eval": {k: float(v) for k, v in result["eval"].items()}}
+    if os.environ.get("ODET_THEN_RESUME"):   # then resume that workdir, here, one step
+      r = train_and_evaluate(c, os.environ["ODET_THEN_RESUME"],
+                             stop_at_step=int(os.environ["ODET_THEN_STOP_AT"]))
+      out["then"] = {"start_step": r["start_step"], "step": r["step"]}
     print(f"driver done in {time.time() - T0:.1f}s", file=sys.stderr)
     with open(os.environ["ODET_RESULT"], "w") as f:
       json.dump(out, f)
@@ -202,49 +204,79 @@ def base(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(base):
+def runs(base, gcs_bucket):
+  """The three groups (module docstring); returns (ref, sigterm, part2, the gs:// workdir,
+  the step S the SIGTERM stopped at)."""
   tmp = base
-  # The 1-process run first: it also trains and caches the tokenizer for the others.
-  ref = _run_group(tmp, "ref", [_env(tmp, 8, ODET_WORKDIR=tmp / "ref")])[0]
-  part1 = _two_processes(tmp, "part1", tmp / "multi", ODET_STOP_AT=2)
-  part2 = _two_processes(tmp, "part2", tmp / "multi")
-  return ref, part1, part2
+  workdir = f"{gcs_bucket}/multi-{os.getpid()}"
+  envs = _two_process_envs(tmp, workdir)
+  procs, logs = _start_group(tmp, "sigterm", envs)
+  log0 = tmp / "sigterm_0.log"
+  deadline = time.monotonic() + TIMEOUT_S
+  while "first train step" not in log0.read_text() and time.monotonic() < deadline:
+    if any(p.poll() is not None for p in procs):
+      break
+    time.sleep(0.05)
+  procs[1].send_signal(signal.SIGTERM)
+  sigterm = _run_group(tmp, "sigterm", envs, started=(procs, logs))
+  stopped = sigterm[0]["step"]
+  part2 = _two_processes(tmp, "part2", workdir, ODET_STOP_AT=stopped + 2,
+                         ODET_EVAL_AT=stopped + 2)
+  ref = _run_group(tmp, "ref", [_env(tmp, 8, ODET_WORKDIR=tmp / "ref",
+                                     ODET_STOP_AT=stopped + 2, ODET_EVAL_AT=stopped + 2,
+                                     ODET_THEN_RESUME=workdir,
+                                     ODET_THEN_STOP_AT=stopped + 3)])[0]
+  return ref, sigterm, part2, workdir, stopped
 
 
 def test_topology(runs):
-  ref, part1, part2 = runs
+  ref, sigterm, part2, _, _ = runs
   assert (ref["process_count"], ref["device_count"]) == (1, 8)
-  for group in (part1, part2):
+  for group in (sigterm, part2):
     assert [r["process_index"] for r in group] == [0, 1]
     for r in group:
       assert (r["process_count"], r["device_count"], r["local_devices"]) == (2, 8, 4)
 
 
+def test_sigterm_to_one_process_stops_both_at_the_same_step(runs, base):
+  """A real preemption notice (SIGTERM) reaching only process 1 of 2: through JAX's
+  preemption-sync service both processes stop at the same step, the checkpoint of that
+  step is written (to gs://), and both exit 0 — no process is left waiting in a
+  collective."""
+  _, sigterm, _, workdir, stopped = runs
+  assert [(r["start_step"], r["step"]) for r in sigterm] == [(0, stopped)] * 2
+  assert 1 <= stopped < STEPS
+  assert stopped in finalized_steps(workdir)
+  assert f"stopping at step {stopped} after preemption" in (base / "sigterm_0.log").read_text()
+
+
 def test_preempted_then_resumed(runs):
-  _, part1, part2 = runs
-  assert [(r["start_step"], r["step"]) for r in part1] == [(0, 2), (0, 2)]
-  assert [(r["start_step"], r["step"]) for r in part2] == [(2, 4), (2, 4)]
+  _, _, part2, _, stopped = runs
+  assert [(r["start_step"], r["step"]) for r in part2] == [(stopped, stopped + 2)] * 2
 
 
-def test_losses_equal_single_process(runs):
-  ref, part1, part2 = runs
+def test_losses_and_evaluation_equal_single_process(runs):
+  ref, sigterm, part2, _, stopped = runs
   expected = dict((s, l) for s, l in ref["losses"])
-  assert sorted(expected) == [1, 2, 3, 4]
-  for group, steps in ((part1, [1, 2]), (part2, [3, 4])):
+  assert sorted(expected) == list(range(1, stopped + 3))
+  for group, steps in ((sigterm, range(1, stopped + 1)), (part2, [stopped + 1, stopped + 2])):
     for r in group:
       got = dict((s, l) for s, l in r["losses"])
-      assert sorted(got) == steps
+      assert sorted(got) == list(steps)
       for s in steps:
         assert got[s] == pytest.approx(expected[s], abs=1e-5), (r["process_index"], s)
+  for r in part2:                    # evaluated at step S + 2
+    assert r["eval"]["loss"] == pytest.approx(ref["eval"]["loss"], abs=1e-5)
+    assert r["eval"]["num_tokens"] == ref["eval"]["num_tokens"] > 0
 
 
 def test_each_process_reads_a_disjoint_half(runs):
-  ref, part1, part2 = runs
-  assert len(ref["batches"]) == 4
-  for group, offset in ((part1, 0), (part2, 2)):
+  ref, sigterm, part2, _, stopped = runs
+  assert len(ref["batches"]) == stopped + 2
+  for group, offset, count in ((sigterm, 0, stopped), (part2, stopped, 2)):
     p0, p1 = group[0]["batches"], group[1]["batches"]
-    assert len(p0) == len(p1) == 2
-    for j in range(2):
+    assert len(p0) == len(p1) == count
+    for j in range(count):
       assert len(p0[j]) == len(p1[j]) == 4            # 8 rows / 2 processes
       rows0 = {tuple(r) for r in p0[j]}
       rows1 = {tuple(r) for r in p1[j]}
@@ -255,8 +287,8 @@ def test_each_process_reads_a_disjoint_half(runs):
 def test_each_process_reads_only_its_input_shard(runs):
   """Per-host input: the two processes' sources served disjoint documents (each its own
   half of the epoch's shuffled order)."""
-  _, part1, part2 = runs
-  for group in (part1, part2):
+  _, sigterm, part2, _, _ = runs
+  for group in (sigterm, part2):
     read = [set(r["documents_read"]) for r in group]
     assert read[0] and read[1] and not read[0] & read[1]
 
@@ -264,75 +296,30 @@ def test_each_process_reads_only_its_input_shard(runs):
 def test_process_0_alone_logs_and_writes_scalars(runs, base):
   """Every process reports its place in the job; progress, evaluation, TensorBoard
   scalars and the checkpoints of the two-process run are written once."""
-  del runs
+  _, _, _, workdir, stopped = runs
   log = lambda name, i: (base / f"{name}_{i}.log").read_text()
   assert "JAX process 0/1, 8 local / 8 global devices" in log("ref", 0)
-  for name in ("part1", "part2"):
+  for name in ("sigterm", "part2"):
     for i in range(2):
       assert f"JAX process {i}/2, 4 local / 8 global devices" in log(name, i)
-  assert "step 2/4 | loss" in log("part1", 0) and "step 4/4 | loss" in log("part2", 0)
-  assert "eval @ step 4 | loss" in log("part2", 0)
-  for name in ("part1", "part2"):
+  assert f"step {stopped}/{STEPS} | loss" in log("sigterm", 0)
+  assert f"step {stopped + 2}/{STEPS} | loss" in log("part2", 0)
+  assert f"eval @ step {stopped + 2} | loss" in log("part2", 0)
+  for name in ("sigterm", "part2"):
     assert " | loss" not in log(name, 1)
-  scalars = metrics_lib.read_scalars(str(base / "multi" / "tensorboard"))
-  assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4]
-  assert [s for s, _ in scalars["eval/loss"]] == [4]
-  assert finalized_steps(str(base / "multi")) == [2, 4]
+  scalars = metrics_lib.read_scalars(f"{workdir}/tensorboard")
+  # (step S + 3: the 1-process resume's)
+  assert [s for s, _ in scalars["train/loss"]] == list(range(1, stopped + 4))
+  assert [s for s, _ in scalars["eval/loss"]] == [stopped + 2]
+  assert finalized_steps(workdir) == [stopped, stopped + 2, stopped + 3]
 
 
-@pytest.fixture(scope="module")
-def pod(runs, base, gcs_bucket):
-  """A simulated pod on object storage: 2 processes × 4 devices train on a gs:// workdir
-  (the GCS emulator) until a SIGTERM reaches process 1 only; the run resumes on 1 process
-  × 8 devices; a fine-tuning run starts from it (`init_from=gs://…`) and the evaluate
-  command (its flags and main, in the fine-tuning process) reads that one. Returns (workdir, the stopped step, the
-  resumed run's result, the fine-tuning run's result, evaluate's output)."""
-  del runs                       # run after it: its tokenizer and compilations are cached
-  tmp = base
-  workdir = f"{gcs_bucket}/pod-{os.getpid()}"
-  envs = _two_process_envs(tmp, workdir, ODET_STEPS=1000)
-  procs, logs = _start_group(tmp, "sigterm", envs)
-  log0 = tmp / "sigterm_0.log"
-  deadline = time.monotonic() + TIMEOUT_S
-  while "first train step" not in log0.read_text() and time.monotonic() < deadline:
-    if any(p.poll() is not None for p in procs):
-      break
-    time.sleep(0.05)
-  procs[1].send_signal(signal.SIGTERM)
-  group = _run_group(tmp, "sigterm", envs, started=(procs, logs))
-  steps = [r["step"] for r in group]
-  assert steps[0] == steps[1] and 1 <= steps[0] < 1000, steps
-  stopped = steps[0]
-  resumed = _run_group(tmp, "pod_resume", [_env(tmp, 8, ODET_WORKDIR=workdir,
-                                                ODET_STEPS=stopped + 1)])[0]
-  finetune = f"{workdir}-ft"
-  tuned = _run_group(tmp, "pod_ft", [_env(tmp, 8, ODET_WORKDIR=finetune, ODET_STEPS=1,
-                                          ODET_INIT_FROM=workdir,
-                                          ODET_EVALUATE=1)])[0]
-  return workdir, stopped, resumed, tuned, tuned["evaluated"]
-
-
-def test_sigterm_to_one_process_stops_both_at_the_same_step(pod, base):
-  """A real preemption notice (SIGTERM) reaching only process 1 of 2: through JAX's
-  preemption-sync service both processes stop at the same step, the checkpoint of that
-  step is written (to gs://), and both exit 0 — no process is left waiting in a
-  collective."""
-  workdir, stopped, _, _, _ = pod
-  assert stopped in finalized_steps(workdir)
-  assert f"stopping at step {stopped} after preemption" in (base / "sigterm_0.log").read_text()
-
-
-def test_pod_resumes_on_one_process_then_finetunes_and_evaluates_from_gs(pod, base):
+def test_two_process_checkpoint_resumes_on_one_process(runs, base):
   """The 2-process checkpoint on gs:// resumes on 1 process × 8 devices (its two input
-  shards continue), a fine-tuning run loads it from gs://, evaluate reads that run from
-  gs://, and no local directory named 'gs:' appears anywhere."""
-  workdir, stopped, resumed, tuned, printed = pod
-  assert (resumed["process_count"], resumed["device_count"]) == (1, 8)
-  assert (resumed["start_step"], resumed["step"]) == (stopped, stopped + 1)
-  assert finalized_steps(workdir)[-1] == stopped + 1
-  assert "input shards, this run" not in (base / "pod_resume_0.log").read_text()   # exact
-  assert (tuned["start_step"], tuned["step"]) == (0, 1)
-  assert f"from {workdir}: loaded" in (base / "pod_ft_0.log").read_text()
-  assert f"of {workdir}-ft:" in printed and "perplexity" in printed
+  shards continue exactly), and no local directory named 'gs:' appears anywhere."""
+  ref, _, _, workdir, stopped = runs
+  assert ref["then"] == {"start_step": stopped + 2, "step": stopped + 3}
+  assert finalized_steps(workdir)[-1] == stopped + 3
+  assert "input shards, this run" not in (base / "ref_0.log").read_text()   # exact
   for root in {pathlib.Path.cwd(), ROOT, base}:
     assert not (root / "gs:").exists(), root

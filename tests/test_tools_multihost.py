@@ -1,17 +1,16 @@
-"""Downstream jobs on a mesh and on several processes: fine-tuning from a checkpoint
-(`init_from`) and `odetransformer.tools.evaluate`, as 2 processes × 4 CPU devices on 127.0.0.1
+"""Downstream jobs on several processes: fine-tuning from a checkpoint (`init_from`) and
+`odetransformer.tools.evaluate`, as 2 processes × 4 CPU devices on 127.0.0.1
 (`jax.distributed`, initialised by `host.initialize_distributed` as main.py does)
-against 1 process × 8 devices, and the 8-device evaluation against 1 device.
+against the same jobs on 1 device in this process.
 
 A tiny ODE run is pre-trained here (1 device). Each driver process then fine-tunes it
 ('full': materialised into 3 layers on the mesh, moved into the new run's shardings on
 device) for 2 steps, and runs the evaluate command (its flags, its main) on the
 fine-tuned run and on the pre-trained ODE (at N=4, trained at K=2). Checked: the
 fine-tuning losses and evaluations, and evaluate's losses and perplexities, of the
-2-process job equal the 1-process job's (1e-5); only process 0 prints; the 8-device
-evaluation equals the 1-device one computed in this process. The 2-process job also runs
-the lyapunov command on the pre-trained ODE on a (2, 2, 2) mesh, checked against this
-process's 1-device analysis.
+2-process job on its 8 devices equal the 1-device job's (1e-5); only process 0 prints.
+The 2-process job also runs the lyapunov command on the pre-trained ODE on a (2, 2, 2)
+mesh, checked against this process's 1-device analysis.
 """
 import dataclasses
 import json
@@ -23,6 +22,7 @@ import sys
 import textwrap
 import time
 
+import ml_collections
 import numpy as np
 import pytest
 
@@ -43,22 +43,13 @@ DRIVER = textwrap.dedent("""
     from odetransformer.runtime import host
     host.initialize_distributed()        # what main.py and the tools do first
     import jax
-    import ml_collections
     from absl import flags
     from odetransformer.tools import evaluate
     from odetransformer.train import loop
     from odetransformer.analysis import lyapunov
-    from tiny import tiny_config
 
-    c = tiny_config(os.environ["ODET_CACHE"], num_train_steps=2)
-    c.global_batch_size = c.eval_batch_size = 8
-    c.eval_every_steps = c.checkpoint_every_steps = 0   # at the end (and step 0: init_from)
-    c.data.eval_max_batches = 1
-    c.data.input_shards = 2            # 1 process and 2 read the same two input shards
-    c.init_from = os.environ["ODET_PRE"]
-    c.finetune = ml_collections.ConfigDict(dict(
-        method="full", num_steps=3, lora_rank=0, lora_alpha=1.0, targets="wq",
-        train_embeddings=False, lora_init="zero_b"))
+    from test_tools_multihost import finetune_config
+    c = finetune_config(os.environ["ODET_CACHE"], os.environ["ODET_PRE"])
     ft = loop.train_and_evaluate(c, os.environ["ODET_WORKDIR"])
 
     results = []
@@ -77,14 +68,12 @@ DRIVER = textwrap.dedent("""
       with contextlib.redirect_stdout(io.StringIO()) as out:
         evaluate.main([], fv)
       printed[name] = out.getvalue()
-    lyap = {}
-    if jax.process_count() > 1:   # (the 1-process result is the test's own, on 1 device)
-      with contextlib.redirect_stdout(io.StringIO()) as out:
-        res = lyapunov.main([f"--workdir={os.environ['ODET_PRE']}", "--text=def f(x):",
-                             "--mesh_shape=2,2,2", f"--out={os.environ['ODET_WORKDIR']}_lyapunov"])
-      printed["lyapunov"] = out.getvalue()
-      lyap = {"tokens": res.tokens.tolist(), "exponents": res.exponents.tolist(),
-              "attention": res.attention.tolist()}
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+      res = lyapunov.main([f"--workdir={os.environ['ODET_PRE']}", "--text=def f(x):",
+                           "--mesh_shape=2,2,2", f"--out={os.environ['ODET_WORKDIR']}_lyapunov"])
+    printed["lyapunov"] = out.getvalue()
+    lyap = {"tokens": res.tokens.tolist(), "exponents": res.exponents.tolist(),
+            "attention": res.attention.tolist()}
     with open(os.environ["ODET_RESULT"], "w") as f:
       json.dump({"process_index": jax.process_index(), "process_count": jax.process_count(),
                  "device_count": jax.device_count(),
@@ -94,27 +83,39 @@ DRIVER = textwrap.dedent("""
     """)
 
 
+def finetune_config(cache, pre):
+  """The fine-tuning run of the pre-trained run `pre`, on either topology."""
+  c = tiny_config(cache, num_train_steps=2)
+  c.global_batch_size = c.eval_batch_size = 8
+  c.eval_every_steps = c.checkpoint_every_steps = 0   # at the end (and step 0: init_from)
+  c.data.eval_max_batches = 1
+  c.data.input_shards = 2            # 1 process and 2 read the same two input shards
+  c.init_from = str(pre)
+  c.finetune = ml_collections.ConfigDict(dict(
+      method="full", num_steps=3, lora_rank=0, lora_alpha=1.0, targets="wq",
+      train_embeddings=False, lora_init="zero_b"))
+  return c
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
 
 
-def _group(tmp, name, devices, processes, pre) -> list:
-  """Runs the driver as `processes` processes × `devices` CPU devices; their results."""
+def _two_processes(tmp, name, pre) -> list:
+  """Runs the driver as 2 processes × 4 CPU devices; their results."""
   (tmp / "driver.py").write_text(DRIVER)
   port = _free_port()
   procs = []
-  for i in range(processes):
-    env = cpu_env(devices, ODET_ROOT=ROOT, ODET_CACHE=tmp / "cache", ODET_PRE=pre,
+  for i in range(2):
+    env = cpu_env(4, ODET_ROOT=ROOT, ODET_CACHE=tmp / "cache", ODET_PRE=pre,
                   ODET_WORKDIR=tmp / name, ODET_RESULT=tmp / f"{name}_{i}.json",
                   ODET_EVAL_FLAGS=json.dumps(EVAL_FLAGS))
-    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
-                "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"):
+    for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"):
       env.pop(key, None)
-    if processes > 1:
-      env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                 JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i))
+    env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+               JAX_PROCESS_ID=str(i))
     log = open(tmp / f"{name}_{i}.log", "w")
     procs.append(subprocess.Popen([sys.executable, str(tmp / "driver.py")], env=env,
                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
@@ -129,22 +130,28 @@ def _group(tmp, name, devices, processes, pre) -> list:
       p.kill()
     p.wait()
   codes = [p.returncode for p in procs]
-  if codes != [0] * processes:
+  if codes != [0, 0]:
     pytest.fail(f"{name}: exit codes {codes}\n" + "\n".join(
         f"--- process {i} ---\n" + (tmp / f"{name}_{i}.log").read_text()[-3000:]
-        for i in range(processes)))
-  return [json.loads((tmp / f"{name}_{i}.json").read_text()) for i in range(processes)]
+        for i in range(2)))
+  return [json.loads((tmp / f"{name}_{i}.json").read_text()) for i in range(2)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+  """(tmp, the 1-device fine-tuning run's result and evaluations, the 2 processes'
+  results)."""
   tmp = tmp_path_factory.mktemp("tools_multihost")
   pre = tmp / "pre"
   c = tiny_config(tmp / "cache", num_train_steps=2)
   c.eval_every_steps = 0
   loop.train_and_evaluate(c, str(pre))          # also caches the tokenizer and data
-  one = _group(tmp, "one", 8, 1, pre)[0]
-  two = _group(tmp, "two", 4, 2, pre)
+  one = loop.train_and_evaluate(finetune_config(tmp / "cache", pre), str(tmp / "one"))
+  one["evaluate"] = [dataclasses.asdict(r) for workdir, steps in ((tmp / "one", [None]),
+                                                                   (pre, [4]))
+                     for r in evaluate.evaluate(str(workdir), steps, batch_size=6,
+                                                max_batches=2)]
+  two = _two_processes(tmp, "two", pre)
   return tmp, one, two
 
 
@@ -156,23 +163,23 @@ def _assert_same_scores(got: dict, want: dict):
 
 
 def test_topology(runs):
-  _, one, two = runs
-  assert (one["process_count"], one["device_count"]) == (1, 8)
+  _, _, two = runs
   assert [(r["process_index"], r["process_count"], r["device_count"]) for r in two] == [
       (0, 2, 8), (1, 2, 8)]
 
 
-def test_two_process_finetune_equals_one_process(runs):
+def test_two_process_finetune_equals_one_device(runs):
   _, one, two = runs
-  assert [s for s, _ in one["losses"]] == [1, 2]
+  assert [s for s, _ in one["loss_history"]] == [1, 2]
   for r in two:
     assert [s for s, _ in r["losses"]] == [1, 2]
-    for (_, got), (_, want) in zip(r["losses"], one["losses"]):
+    for (_, got), (_, want) in zip(r["losses"], one["loss_history"]):
       assert got == pytest.approx(want, abs=1e-5)
     _assert_same_scores(r["eval"], one["eval"])
 
 
-def test_two_process_evaluate_equals_one_process(runs):
+def test_two_process_evaluate_equals_one_device(runs):
+  """The evaluate command of the 2 × 4 job against this process's own (1 device)."""
   _, one, two = runs
   assert [e["num_steps"] for e in one["evaluate"]] == [3, 4]   # fine-tuned; the ODE at N=4 (K=2)
   for r in two:
@@ -187,18 +194,6 @@ def test_only_process_0_prints(runs):
                       ("lyapunov", "lyapunov: output position")):
     assert words in two[0]["printed"][name]
     assert two[1]["printed"][name] == ""
-
-
-def test_eight_device_evaluate_equals_one_device(runs):
-  """The evaluate of the 1 × 8 job against this process's own (1 device)."""
-  tmp, one, _ = runs
-  kwargs = dict(batch_size=6, max_batches=2)
-  got = iter(one["evaluate"])
-  for workdir, steps in ((tmp / "one", [None]), (tmp / "pre", [4])):
-    for want in evaluate.evaluate(str(workdir), steps, **kwargs):
-      r = next(got)
-      assert r["num_tokens"] == want.num_tokens
-      _assert_same_scores(r, dataclasses.asdict(want))
 
 
 def test_two_process_lyapunov_on_a_mesh_equals_one_device(runs):

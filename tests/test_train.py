@@ -3,11 +3,8 @@ import contextlib
 import json
 import logging
 import math
-import os
 import pathlib
 import re
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -22,6 +19,7 @@ from configs import default
 from conftest import shared_data_path
 from odetransformer.train.checkpoint.manager import Checkpointer
 from odetransformer.train.checkpoint.restore import restore_model_state
+from odetransformer.errors import UserError
 from odetransformer.train import metrics as metrics_lib
 from odetransformer.train import optimizer as optimizer_lib
 from odetransformer.train import sharding as sharding_lib
@@ -206,58 +204,20 @@ def _direct_gradients(cfg, params, batch):
   return loss, _flat(nnx.to_pure_dict(nnx.state(grads, nnx.Param)))
 
 
-def test_grad_accumulation_matches_one_big_batch():
-  """Two microbatches give the same update as the whole batch (sums, then one divide)."""
-  c = tiny_config("/unused")
-  cfg = config_lib.model_config(c, 64)
-  # Plain SGD with lr 1: the params after one step show the gradient itself (Adam's
-  # first step, ~lr·sign(g), would amplify float noise in tiny gradients).
-  tx = optax.sgd(1.0)
-  sched = lambda step: 1.0
-  mesh = sharding_lib.make_mesh(c.mesh)
-  rules = sharding_lib.logical_axis_rules(c.mesh)
-  rng = np.random.default_rng(0)
-  batch = {"inputs": rng.integers(0, 64, (4, 16)).astype(np.int32),
-           "targets": rng.integers(0, 64, (4, 16)).astype(np.int32),
-           "weights": (rng.random((4, 16)) > 0.3).astype(np.float32)}
-  out = []
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    for accum in (1, 2):
-      ts, state = steps.init_train_state(cfg, tx, 0, mesh)
-      initial = jax.tree.map(np.asarray, nnx.to_pure_dict(state["model"]))
-      step = steps.make_train_step(ts, sched, rules, grad_accum_steps=accum)
-      state, m = step(state, batch, jax.random.key(0))
-      out.append((float(m.loss.compute()), float(m.grad_norm.compute()),
-                  jax.tree.map(np.asarray, nnx.to_pure_dict(state))))
-  np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-6)
-  np.testing.assert_allclose(out[0][1], out[1][1], rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               out[0][2], out[1][2])
-
-  # Independent reference: the gradient of the token-weighted mean loss, taken directly.
-  loss, grads = _direct_gradients(cfg, initial, batch)
-  before, after = _flat(initial), _flat(out[0][2]["model"])
-  np.testing.assert_allclose(out[0][0], float(loss), rtol=1e-5)
-  np.testing.assert_allclose(out[0][1], math.sqrt(sum(np.sum(g.astype(np.float64) ** 2)
-                                                      for g in grads.values())), rtol=1e-4)
-  assert len(grads) > 10
-  for key, g in grads.items():       # SGD, lr 1: after = before - gradient of the mean
-    np.testing.assert_allclose(after[key], before[key] - g, rtol=1e-4, atol=1e-6, err_msg=key)
-
-
-@pytest.mark.parametrize("overrides, accum", [
-    ({}, 1),                                        # Euler, K = 2
-    ({"solver": "rk4", "num_steps": 3}, 1),         # 12 solver times in one GEMM
-    ({"flavour": "llama", "shared_time_mlp": True}, 1),
-    ({"kind": "gpt"}, 1),
-    ({}, 2),                                        # the accumulated gradient is clipped
+@pytest.mark.parametrize("overrides, accums", [
+    ({}, (1, 2)),          # Euler, K = 2: the whole batch, and 2 microbatches (clipped)
+    ({"solver": "rk4", "num_steps": 3}, (1,)),      # 12 solver times in one GEMM
+    ({"flavour": "llama", "shared_time_mlp": True}, (1,)),
+    ({"kind": "gpt"}, (1,)),
 ])
-def test_step_grad_norm_and_clipping_use_the_true_gradient_norm(overrides, accum):
-  """The reported gradient norm equals the norm of the gradient taken directly (of the
-  whole batch, also when it is accumulated over microbatches), and the optimizer's
-  clipping (optax.clip_by_global_norm in the chain) uses it: with SGD at rate lr behind a
+def test_step_loss_grad_norm_and_clipping_use_the_true_gradient(overrides, accums):
+  """The step's loss and gradient norm equal those of the token-weighted mean loss of the
+  whole batch taken directly (also when the gradient is accumulated over microbatches of
+  unequal token counts: sums, then one divide), and the optimizer's clipping
+  (optax.clip_by_global_norm in the chain) uses that norm: with SGD at rate lr behind a
   clip c well below ‖g‖, the parameters move by exactly -lr·g·c/‖g‖ (lr = 100 makes that
-  move large against float32's spacing of the parameters)."""
+  move large against float32's spacing of the parameters). Accumulated over 2
+  microbatches, the step's loss, norm and whole new state equal the 1-batch step's."""
   c = tiny_config("/unused")
   for key, value in overrides.items():
     c.model[key] = value
@@ -268,30 +228,45 @@ def test_step_grad_norm_and_clipping_use_the_true_gradient_norm(overrides, accum
   mesh = sharding_lib.make_mesh(c.mesh)
   rules = sharding_lib.logical_axis_rules(c.mesh)
   rng = np.random.default_rng(1)
-  batch = {"inputs": rng.integers(0, 64, (2, 16)).astype(np.int32),
-           "targets": rng.integers(0, 64, (2, 16)).astype(np.int32),
-           "weights": np.ones((2, 16), np.float32)}
+  batch = {"inputs": rng.integers(0, 64, (4, 16)).astype(np.int32),
+           "targets": rng.integers(0, 64, (4, 16)).astype(np.int32),
+           "weights": (rng.random((4, 16)) > 0.3).astype(np.float32)}
+  out = {}
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    ts, state = steps.init_train_state(cfg, tx, 0, mesh)
-    before = jax.tree.map(np.asarray, nnx.to_pure_dict(state["model"]))
-    step = steps.make_train_step(ts, lambda step: 1.0, rules, grad_accum_steps=accum)
-    state, m = step(state, batch, jax.random.key(0))
-    after = jax.tree.map(np.asarray, nnx.to_pure_dict(state["model"]))
+    layout = steps.state_layout(cfg, tx, 0, mesh)
+    for accum in accums:
+      state = steps.create_train_state(layout, cfg, tx, 0, mesh)
+      before = jax.tree.map(np.asarray, nnx.to_pure_dict(state["model"]))
+      step = steps.make_train_step(layout, lambda step: 1.0, rules, grad_accum_steps=accum)
+      state, m = step(state, batch, jax.random.key(0))
+      out[accum] = (float(m.loss.compute()), float(m.grad_norm.compute()),
+                    _flat(nnx.to_pure_dict(state)))
 
-  _, grads = _direct_gradients(cfg, before, batch)
+  loss, grads = _direct_gradients(cfg, before, batch)
   grads = {key: g.astype(np.float64) for key, g in grads.items()}
   norm = math.sqrt(sum(np.sum(g ** 2) for g in grads.values()))
+  assert len(grads) > 10
   assert any(key.endswith("['proj']") for key in grads) == (cfg.kind != "gpt")
-  np.testing.assert_allclose(float(m.grad_norm.compute()), norm, rtol=1e-4)
   assert norm > 10 * max_norm
-  before, after = _flat(before, np.float64), _flat(after, np.float64)
+  before = _flat(before, np.float64)
   scale = lr * max_norm / norm
   largest = max(np.max(np.abs(g)) for g in grads.values()) * scale
-  for key, g in grads.items():   # f32 gradients, and the rounding of `after` to f32
-    moved, want = before[key] - after[key], g * scale
-    bound = (1e-3 * np.abs(want) + 1e-6 * largest
-             + np.spacing(np.abs(after[key]).astype(np.float32)))
-    assert np.all(np.abs(moved - want) <= bound), (key, np.max(np.abs(moved - want) - bound))
+  for step_loss, grad_norm, state in out.values():
+    np.testing.assert_allclose(step_loss, float(loss), rtol=1e-5)
+    np.testing.assert_allclose(grad_norm, norm, rtol=1e-4)
+    for key, g in grads.items():   # f32 gradients, and the rounding of `after` to f32
+      after = state[f"['model']{key}"].astype(np.float64)
+      moved, want = before[key] - after, g * scale
+      bound = (1e-3 * np.abs(want) + 1e-6 * largest
+               + np.spacing(np.abs(after).astype(np.float32)))
+      assert np.all(np.abs(moved - want) <= bound), (key, np.max(np.abs(moved - want) - bound))
+  if len(out) > 1:
+    (loss1, norm1, state1), (loss2, norm2, state2) = out.values()
+    np.testing.assert_allclose(loss2, loss1, rtol=1e-6)
+    np.testing.assert_allclose(norm2, norm1, rtol=1e-5)
+    assert state2.keys() == state1.keys()
+    for key in state1:
+      np.testing.assert_allclose(state2[key], state1[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 def test_skipped_nonfinite_step_leaves_the_state_exactly_as_it_was():
@@ -448,27 +423,26 @@ def test_default_model_learns_wikitext2(kind, tmp_path_factory):
 TINY_FLAGS = config_flags(tiny_config(None, num_train_steps=2))   # for main.py subprocesses
 
 
-def _main(tmp_path, *overrides):
-  return subprocess.run(
-      [sys.executable, str(ROOT / "main.py"), "--config=configs/default.py",
-       f"--workdir={tmp_path}", *overrides],
-      cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, JAX_PLATFORMS="cpu"))
-
-
 @pytest.mark.parametrize("overrides,kind", [
-    (["--config.model.num_heads=5"], "ConfigError"),
-    (["--config.mesh.shape=(2,1,1)"], "ConfigError"),          # 2 devices on a 1-CPU host
-    (["--config.optim.skip_nonfinite_steps=-1"], "ConfigError"),
-    (["--config.data.source=local", "--config.data.train_files=/nonexistent/*.txt"],
-     "DataError"),
+    ({"model.num_heads": 5}, "ConfigError"),
+    ({"mesh.shape": (2, 1, 1)}, "ConfigError"),          # 2 devices on a 1-CPU host
+    ({"optim.skip_nonfinite_steps": -1}, "ConfigError"),
+    ({"data.source": "local", "data.train_files": "/nonexistent/*.txt"}, "DataError"),
 ])
-def test_main_reports_bad_input_in_one_line(tmp_path, overrides, kind):
-  proc = _main(tmp_path, *overrides)
-  assert proc.returncode == 2, proc.stderr[-2000:]
-  errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
-  assert len(errors) == 1 and kind in errors[0], proc.stderr[-2000:]
-  assert "Traceback" not in proc.stderr
+def test_bad_input_is_one_line_before_anything_is_written(tmp_path, overrides, kind):
+  """A one-line UserError of its kind, raised before the workdir is made (main.py prints
+  any UserError as one `error:` line and exits 2: test_reliability runs it)."""
+  c = tiny_config(tmp_path / "cache")
+  for key, value in overrides.items():
+    node, last = c, key.split(".")
+    for part in last[:-1]:
+      node = node[part]
+    node[last[-1]] = value
+  wd = tmp_path / "wd"
+  with pytest.raises(UserError) as err:
+    loop.train_and_evaluate(c, str(wd))
+  assert type(err.value).__name__ == kind and "\n" not in str(err.value), err.value
+  assert not wd.exists()
 
 
 def test_short_eval_batch_padding_rows_have_weight_zero():
