@@ -7,7 +7,7 @@ layers, train them all) or 'lora' (materialise N layers, train rank-r adapters):
   python main.py --config=configs/default.py --workdir=/tmp/odet_default
   python main.py --config=configs/finetune_default.py --workdir=/tmp/odet_ft \
       --config.init_from=/tmp/odet_default --config.finetune.method=lora \
-      --config.finetune.num_steps=6
+      --config.finetune.solver_steps=6
 
 The new text is the Python standard library's sub-packages (asyncio, email, json, …),
 which the embedded pre-training corpus (top-level modules only) never contains;
@@ -37,7 +37,10 @@ def get_config():
   config.init_from = "/tmp/odet_default"   # a pre-training workdir (config.json + checkpoints)
   config.finetune = ml_collections.ConfigDict()
   config.finetune.method = "lora"          # 'continuous' | 'full' | 'lora'
-  config.finetune.num_steps = 0            # N solver steps / layers; 0 = the pre-trained K
+  # N solver steps (ODE) / layers; None = the pre-trained model's K (or its L)
+  config.finetune.solver_steps = ml_collections.config_dict.placeholder(int)
+  # Deprecated name of solver_steps (0 = the pre-trained K), kept so old flags parse:
+  config.finetune.num_steps = ml_collections.config_dict.placeholder(int)
   config.finetune.lora_rank = 8            # adapter rank r
   config.finetune.lora_alpha = 16.0        # adapter scale alpha / r
   config.finetune.targets = "wq,wk,wv,wo"  # adapted layer weights (wq wk wv wo w1 w2 [w3])

@@ -10,15 +10,15 @@ with the embeddings trained too. The GPT baseline has 24 layers (paper Section 6
 
 Pre-train (DiffEqFormer with 18 steps, and the 24-layer GPT baseline):
   python main.py --config=configs/owt_medium.py --workdir=$PRE --config.data.data_dir=$DATA \
-      --config.model.num_steps=18 --config.model.time_embed_dim=100 \
+      --config.model.solver_steps=18 --config.model.time_embed_dim=100 \
       --config.model.time_sinusoids=256 --config.num_train_steps=10001
   python main.py --config=configs/owt_medium.py --workdir=$PRE_GPT --config.data.data_dir=$DATA \
-      --config.model.kind=gpt --config.model.num_steps=24 --config.num_train_steps=10001
+      --config.model.kind=transformer --config.model.num_layers=24 --config.num_train_steps=10001
 Fine-tune, for N in 9 12 18 24 and METHOD in continuous full lora (the GPT: full, lora
-at its own 24 layers, --config.init_from=$PRE_GPT --config.finetune.num_steps=0):
+at its own 24 layers: --config.init_from=$PRE_GPT, no --config.finetune.solver_steps):
   python main.py --config=configs/finetune_owt_to_wiki.py --workdir=$W_${METHOD}_$N \
       --config.init_from=$PRE --config.finetune.method=$METHOD \
-      --config.finetune.num_steps=$N --config.data.data_dir=$DATA
+      --config.finetune.solver_steps=$N --config.data.data_dir=$DATA
 
 Expect: with LoRA every N beats the GPT baseline; full fine-tuning is comparable to
 GPT, and fewer steps overfit less (paper Section 6.2). Not run by us (accelerator pod).
@@ -33,7 +33,9 @@ def get_config():
   config.init_from = ""                    # required: the OpenWebText pre-training workdir
   config.finetune = ml_collections.ConfigDict()
   config.finetune.method = "lora"          # 'continuous' | 'full' | 'lora'
-  config.finetune.num_steps = 24           # N ∈ {9, 12, 18, 24}; the yaml's finetune_layer
+  config.finetune.solver_steps = 24        # N ∈ {9, 12, 18, 24}; the yaml's finetune_layer
+  # Deprecated name of solver_steps (0 = the pre-trained K), kept so old flags parse:
+  config.finetune.num_steps = ml_collections.config_dict.placeholder(int)
   config.finetune.lora_rank = 200
   config.finetune.lora_alpha = 8.0         # scale alpha / rank = 0.04
   config.finetune.targets = "wq,wk,wv,wo,w1,w2"

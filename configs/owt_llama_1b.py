@@ -8,7 +8,7 @@ peak lr 3e-4 (1% warm-up, cosine to 0.1×), AdamW β2 0.95, ε 1e-8, weight deca
 weight matrices and embeddings, bf16 compute with f32 params. Token embeddings start
 at N(0, 1) as levanter's Llama. The authors tokenise with Llama-2's 32,000-piece
 tokenizer; we train a 32,000-piece SentencePiece on the training split. Our
-Llama-flavoured DiffEqFormer at this shape is configs/owt_llama_1b_ode.py.
+Llama-family DiffEqFormer at this shape is configs/owt_llama_1b_ode.py.
 
   python main.py --config=configs/owt_llama_1b.py --workdir=$W --config.data.data_dir=$DATA
 
@@ -22,12 +22,13 @@ def get_config():
   config = owt_large.get_config()
   config.seq_len = 2048
   config.eval_batch_size = 128          # 128 × 2048: the same tokens per evaluation batch
-  config.model.kind = "gpt"             # discrete; with flavour 'llama', Llama blocks
-  config.model.flavour = "llama"
+  config.model.kind = "transformer"     # discrete; with family 'llama', Llama blocks
+  config.model.family = "llama"
   config.model.d_model = 2048
   config.model.num_heads = 16
   config.model.mlp_dim = 8192
-  config.model.num_steps = 16           # layers
+  config.model.num_layers = 16          # L
+  config.model.solver_steps = None      # not an ODE (owt_large's K unset)
   config.model.max_len = 2048
   config.model.time_sinusoids = 256     # the yaml's sinusodial_dim (used by the ODE variant)
   config.model.dropout_rate = 0.0       # levanter's Llama has no dropout

@@ -1,4 +1,4 @@
-"""Ours: a Llama-flavoured DiffEqFormer at the Llama-1B shape on OpenWebText.
+"""Ours: a Llama-family DiffEqFormer at the Llama-1B shape on OpenWebText.
 
 Not one of the authors' runs as configured: their config/owt/llama_1b.yaml
 (SDML-KU/qkvflow) sets `model_choice: llama`, which trains the discrete Llama
@@ -6,7 +6,7 @@ Not one of the authors' runs as configured: their config/owt/llama_1b.yaml
 16 steps, d 2048, 16 heads, MLP 8192, sequence 2048, batch 256, 40,001 steps, lr 3e-4,
 AdamW β2 0.95, ε 1e-8, weight decay 1e-5, no dropout, untied head — and makes the
 model a DiffEqFormer with the time_embed_dim 96 and sinusodial_dim 256 the file carries
-(the llama flavour: RMSNorm, RoPE, SwiGLU with three time-dependent matrices, no
+(the llama family: RMSNorm, RoPE, SwiGLU with three time-dependent matrices, no
 biases). Weight decay on the embeddings only, as for the authors' ODE runs.
 
   python main.py --config=configs/owt_llama_1b_ode.py --workdir=$W --config.data.data_dir=$DATA
@@ -21,6 +21,7 @@ from configs import owt_llama_1b
 def get_config():
   config = owt_llama_1b.get_config()
   config.model.kind = "diffeqformer"
+  config.model.solver_steps = 16        # K = the baseline's L
   config.model.time_embed_dim = 96      # d_t
   config.model.time_sinusoids = 256     # S
   config.model.time_hidden = 0

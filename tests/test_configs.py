@@ -43,14 +43,16 @@ def test_pretraining_configs_exist():
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("kind", ["diffeqformer", "gpt"])
+@pytest.mark.parametrize("kind", ["diffeqformer", "transformer"])
 def test_config_loads_and_model_validates(name, kind):
   c = load(name)
   for key in TOP_LEVEL:
     assert key in c, key
-  c.model.kind = kind                                # the one baseline switch
+  depth = config_lib.model_config(c).depth
+  c.model.kind = kind                                # the baseline switch, as the docstrings:
+  c.model["solver_steps" if kind == "diffeqformer" else "num_layers"] = depth   # same depth
   cfg = config_lib.model_config(c, c.data.vocab_size)
-  assert cfg.kind == kind
+  assert (cfg.kind, cfg.depth) == (kind, depth)
   assert c.seq_len <= cfg.max_len
   doc = importlib.import_module(f"configs.{name}").__doc__
   assert f"python main.py --config=configs/{name}.py" in doc
@@ -64,7 +66,7 @@ LEVANTER_OPTIMIZER = {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8, "max_grad_n
                       "warmup_ratio": 0.01, "lr_schedule": "cosine"}
 GPT2_MLP_SCALE = 4
 # qkvflow train_lm.py: model_choice -> the model it builds (ours: model.kind).
-MODEL_CHOICE_KIND = {"neuralode": "diffeqformer", "gpt2": "gpt", "llama": "gpt"}
+MODEL_CHOICE_KIND = {"neuralode": "diffeqformer", "gpt2": "transformer", "llama": "transformer"}
 DATA_SOURCE = {"Skylion007/openwebtext": "openwebtext",
                "dlwh/wikitext_103_detokenized": "wikitext103"}
 # Deliberate differences from the claimed file, each with its reason (any other differing
@@ -77,7 +79,7 @@ DEVIATIONS = {
     ("owt_llama_1b_ode", "model.kind"): "diffeqformer",
     # The files as committed set model_choice: gpt2 (the GPT-2 baseline run); the configs
     # train the DiffEqFormer by default with the files' time_embed_dim / sinusodial_dim
-    # (docstrings say so) and the baseline with --config.model.kind=gpt.
+    # (docstrings say so) and the baseline with --config.model.kind=transformer.
     ("wikitext103_small", "model.kind"): "diffeqformer",
     ("wikitext103_medium", "model.kind"): "diffeqformer",
 }
@@ -106,8 +108,9 @@ def expected_from_yaml(y):
   assert llama or m["resid_pdrop"] == dropout
   return {
       "model.kind": MODEL_CHOICE_KIND[y["model_choice"]],
-      "model.flavour": "llama" if llama else "gpt",
-      "model.num_steps": m["num_layers"], "model.d_model": m["hidden_dim"],
+      "model.family": "llama" if llama else "gpt2",
+      "model.depth": m["num_layers"],         # K of an ODE, L of a discrete model
+      "model.d_model": m["hidden_dim"],
       "model.num_heads": m["num_heads"],
       "model.mlp_dim": m["intermediate_dim"] if llama else GPT2_MLP_SCALE * m["hidden_dim"],
       "model.tie_embeddings": not llama,     # levanter's Llama has an lm_head, GPT-2 ties
@@ -127,6 +130,8 @@ def expected_from_yaml(y):
 
 
 def config_value(c, key):
+  if key == "model.depth":
+    return config_lib.model_config(c).depth
   node = c
   for part in key.split("."):
     node = node.get(part, "auto") if part == "weight_decay_on" else node[part]
@@ -169,7 +174,7 @@ def test_finetune_configs_match_the_authors_yaml(name):
   y = authors_yaml(claimed_yaml()[name])
   pre, trainer = y["pretrain_config"], y["finetuner"]
   expected = {
-      "finetune.method": y["finetune_choice"], "finetune.num_steps": y["finetune_layer"],
+      "finetune.method": y["finetune_choice"], "finetune.solver_steps": y["finetune_layer"],
       "finetune.lora_rank": y["lora"]["r"], "finetune.lora_alpha": LEVANTER_LORA_ALPHA,
       # must equal the pre-trained model's
       "model.d_model": pre["model"]["hidden_dim"], "model.num_heads": pre["model"]["num_heads"],

@@ -1,11 +1,20 @@
-"""The model config: ConfigDict defaults and the one frozen, typed ModelConfig.
+"""The model config: the one frozen, typed ModelConfig, and the ConfigDict made from it.
 
-`default_model_config()` is what `configs/*.py` start from; `model_config(config)` (over
-`ModelConfig.from_config`) is the only place a ConfigDict becomes a model config
-(modules never read ConfigDicts). Every validation error is one line naming the field
-and the fix.
+`ModelConfig` is the single source of truth: each field carries its default and its
+meaning; `default_model_config()` (what `configs/*.py` start from) is generated from the
+fields. `model_config(config)` (over `ModelConfig.from_config`) is the only place a
+ConfigDict becomes a model config (modules never read ConfigDicts). Every validation
+error is one line naming the field and the fix.
+
+Names changed in this release (the old ones still work, each with one warning line;
+`migrate_model_fields`): `kind='gpt'` -> `kind='transformer'`; `flavour` -> `family`
+(`'gpt'` -> `'gpt2'`); `num_steps` -> `solver_steps` (K, ODE kinds) or `num_layers`
+(L, discrete kinds), whichever applies to the kind.
 """
 import dataclasses
+import logging
+import typing
+from typing import Optional
 
 import ml_collections
 
@@ -13,131 +22,122 @@ from odetransformer.errors import ConfigError
 from odetransformer.model.solvers import STEP_TIMES
 from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
 
-KINDS = ("diffeqformer", "gpt", "parallel", "shared")
-FLAVOURS = ("gpt", "llama")
+KINDS = ("diffeqformer", "transformer", "parallel", "shared")
+ODE_KINDS = ("diffeqformer", "shared")   # depth = model.solver_steps; else model.num_layers
+FAMILIES = ("gpt2", "llama")
 SOLVERS = ("euler", "midpoint", "rk4")
 LLAMA_BLOCKS = ("paper", "reference")
 REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = ("float32", "bfloat16", "float64")  # float64: numerical checks
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
+DEFAULT_DEPTH = 6   # K or L when a config sets neither
+
+# Old name -> new name, for one release (`migrate_model_fields`).
+DEPRECATED_KEYS = {"flavour": "family", "num_steps": "solver_steps or num_layers"}
+OLD_KINDS = {"gpt": "transformer"}
+OLD_FAMILIES = {"gpt": "gpt2"}
 
 
-def default_model_config() -> ml_collections.ConfigDict:
-  """All model keys with defaults (a tiny CPU-sized DiffEqFormer)."""
-  c = ml_collections.ConfigDict()
-  # 'diffeqformer': time-dependent weights from hypernetworks (the paper's model);
-  # 'gpt': discrete transformer, sequential pre-norm blocks (GPT-2, or Llama with
-  #        flavour='llama'); 'parallel': discrete parallel-block transformer;
-  # 'shared': weight-sharing ODE (θ constant in t, Zhong et al. 2022).
-  c.kind = "diffeqformer"
-  c.flavour = "gpt"            # 'gpt': LayerNorm, learned positions, GELU, biases;
-                               # 'llama': RMSNorm, RoPE, SwiGLU, no biases
-  c.vocab_size = 2048          # set from the tokenizer by the training code
-  c.d_model = 128              # width d
-  c.num_heads = 4              # attention heads (must divide d_model)
-  c.mlp_dim = 512              # feed-forward hidden width
-  c.num_steps = 6              # K solver steps (ODE) or L layers (discrete)
-  c.max_len = 256              # position table size (gpt flavour); RoPE has no limit
-  c.time_embed_dim = 32        # d_t: hypernetwork code width (paper: 20…144)
-  c.time_sinusoids = 128       # S: sinusoid pairs in e(t) (size 2S+1); the authors' configs use 128
-  c.time_hidden = 0            # H: hypernetwork MLP hidden width; 0 = d_t, as the authors' code
-  c.shared_time_mlp = False    # App. D.2 ablation: one MLP shared by all weights
-  c.solver = "euler"           # 'euler' | 'midpoint' | 'rk4' (ODE kinds only)
-  # Where a step evaluates the field (odetransformer/model/solvers.py): 'start' = Euler's step
-  # k at t = k/K (the textbook scheme); 'end' = at (k+1)/K, the authors' code's scheme
-  # (midpoint's nodes reflected too; RK4 the same under both). 'start' is the default
-  # because every earlier run and checkpoint used it.
-  c.step_time = "start"
-  # The Llama-flavour DiffEqFormer block: 'paper' = F(x) = Attn(N1(x)) + FFN(N2(x)), the
-  # paper's equation, RMSNorms with a time-dependent scale; 'reference' = the authors'
-  # code: the norms also carry a time-dependent shift B·h(t), the FFN reads N2(N1(x)),
-  # block norms use eps 1e-6 (the final norm keeps norm_eps). 'paper' is the default: it
-  # is the paper's model, and Llama checkpoints written before this field hold no norm
-  # shifts, so they restore only under it.
-  c.llama_block = "paper"
-  # Training time grid per batch (ODE kinds; odetransformer/model/time_grid.py): 'fixed' = k/K;
-  # 'random_shift' = interior times shifted by dt0 ~ U(0, 2/K): every solver's evaluation
-  # points cover [0, 1) under step_time='start' and (0, 1] under 'end';
-  # 'random_offset' = dt0 ~ U(0, 1/K), the authors' scheme: Euler is never evaluated
-  # in [(K-1)/K, 1) under either step_time (only at 1, under 'end');
-  # 'random_uniform' = sorted U(0, 1) interior times, so all step sizes are trained too.
-  c.train_time_grid = "fixed"
-  c.remat_policy = "full"      # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
-  c.dtype = "float32"          # compute dtype: 'float32' | 'bfloat16' (params stay param_dtype)
-  # Attention kernel: 'xla' | 'cudnn' (NVIDIA GPUs, bfloat16) | 'splash' (TPU, Pallas) |
-  # 'auto': cudnn on NVIDIA GPUs when dtype and head size allow, splash on TPU, else xla.
-  # One the platform cannot run is an error (`blocks.attention_kernel`).
-  c.attention_impl = "auto"
-  c.param_dtype = "float32"
-  # dtype of the ODE state / residual stream x carried between steps: 'float32' keeps an
-  # increment dt·F far below |x| that bfloat16 (8 mantissa bits) would round away.
-  c.state_dtype = "float32"
-  c.tie_embeddings = True      # LM head = embedding transpose
-  c.dropout_rate = 0.0         # on embeddings and on attention / FFN outputs
-  c.rope_base = 10000.0        # llama flavour
-  c.norm_eps = 1e-5
-  c.embed_scale = 1.0          # multiplier on input embeddings; 1 as the authors' code (no √d)
-  # DiffEqFormer initialisation, as the authors' code (SDML-KU/qkvflow) does it:
-  c.hyper_init_std = 0.02      # std of P (weights' generators) and of the time MLPs' kernels;
-                               # static parts P0 and all MLP biases start at 0 (haliax Linear init)
-  c.hyper_bias_init_std = 1e-4 # std of P of the bias generators (qkvflow TemporalLinear f_b)
-  # LoRA on a discrete model's stacked layers (fine-tuning; odetransformer/train/finetune.py):
-  c.lora_rank = 0              # 0 = no adapters; > 0 freezes the layers and trains A·B
-  c.lora_alpha = 16.0          # adapter scale alpha / rank
-  c.lora_targets = "wq,wk,wv,wo"   # comma-separated layer weights to adapt (wq wk wv wo w1 w2 w3)
-  c.lora_train_embeddings = False  # also train embeddings, positions, final norm, head
-  # Discrete kinds: factor on each layer's W_O, W_2 and their biases (LoRA updates
-  # included). A materialised ODE being fine-tuned keeps dt = 1/N here rather than in
-  # its stored weights, so its residual update is x + dt·layer(x) as in the authors' code.
-  c.out_proj_scale = 1.0
-  return c
+def _field(default, meaning: str):
+  return dataclasses.field(default=default, metadata={"meaning": meaning})
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Typed, validated model config (see `default_model_config` for field meanings)."""
-  kind: str = "diffeqformer"
-  flavour: str = "gpt"
-  vocab_size: int = 2048
-  d_model: int = 128
-  num_heads: int = 4
-  mlp_dim: int = 512
-  num_steps: int = 6
-  max_len: int = 256
-  time_embed_dim: int = 32
-  time_sinusoids: int = 128
-  time_hidden: int = 0
-  shared_time_mlp: bool = False
-  solver: str = "euler"
-  step_time: str = "start"
-  llama_block: str = "paper"
-  train_time_grid: str = "fixed"
-  remat_policy: str = "full"
-  dtype: str = "float32"
-  attention_impl: str = "auto"
-  param_dtype: str = "float32"
-  state_dtype: str = "float32"
-  tie_embeddings: bool = True
-  dropout_rate: float = 0.0
-  rope_base: float = 10000.0
-  norm_eps: float = 1e-5
-  embed_scale: float = 1.0
-  hyper_init_std: float = 0.02
-  hyper_bias_init_std: float = 1e-4
-  lora_rank: int = 0
-  lora_alpha: float = 16.0
-  lora_targets: tuple = ("wq", "wk", "wv", "wo")
-  lora_train_embeddings: bool = False
-  out_proj_scale: float = 1.0
+  """Typed, validated model config; each field's meaning is its `meaning` metadata."""
+  kind: str = _field("diffeqformer", (
+      "'diffeqformer': time-dependent weights from hypernetworks (the paper's model); "
+      "'transformer': discrete transformer, sequential pre-norm blocks (GPT-2, or Llama "
+      "with family='llama'); 'parallel': discrete parallel-block transformer; "
+      "'shared': weight-sharing ODE (weights constant in t, Zhong et al. 2022)"))
+  family: str = _field("gpt2", (
+      "'gpt2': LayerNorm, learned positions, GELU, biases; "
+      "'llama': RMSNorm, RoPE, SwiGLU, no biases"))
+  vocab_size: int = _field(2048, "set from the tokenizer by the training code")
+  d_model: int = _field(128, "width d")
+  num_heads: int = _field(4, "attention heads (must divide d_model)")
+  mlp_dim: int = _field(512, "feed-forward hidden width")
+  solver_steps: Optional[int] = _field(None, (
+      f"K, solver steps of the ODE kinds (diffeqformer, shared); None = {DEFAULT_DEPTH}"))
+  num_layers: Optional[int] = _field(None, (
+      f"L, layers of the discrete kinds (transformer, parallel); None = {DEFAULT_DEPTH}"))
+  max_len: int = _field(256, "position table size (gpt2 family); RoPE has no limit")
+  time_embed_dim: int = _field(32, "d_t: hypernetwork code width (paper: 20…144)")
+  time_sinusoids: int = _field(128, (
+      "S: sinusoid pairs in e(t) (size 2S+1); the authors' configs use 128"))
+  time_hidden: int = _field(0, "H: hypernetwork MLP hidden width; 0 = d_t, as the authors' code")
+  shared_time_mlp: bool = _field(False, "App. D.2 ablation: one MLP shared by all weights")
+  solver: str = _field("euler", "'euler' | 'midpoint' | 'rk4' (ODE kinds only)")
+  step_time: str = _field("start", (
+      "where a step evaluates the field (odetransformer/model/solvers.py): 'start' = "
+      "Euler's step k at t = k/K (the textbook scheme); 'end' = at (k+1)/K, the authors' "
+      "code's scheme (midpoint's nodes reflected too; RK4 the same under both). 'start' "
+      "is the default because every earlier run and checkpoint used it"))
+  llama_block: str = _field("paper", (
+      "the Llama-family DiffEqFormer block: 'paper' = F(x) = Attn(N1(x)) + FFN(N2(x)), "
+      "the paper's equation, RMSNorms with a time-dependent scale; 'reference' = the "
+      "authors' code: the norms also carry a time-dependent shift B·h(t), the FFN reads "
+      "N2(N1(x)), block norms use eps 1e-6 (the final norm keeps norm_eps). 'paper' is "
+      "the default: it is the paper's model, and Llama checkpoints written before this "
+      "field hold no norm shifts, so they restore only under it"))
+  train_time_grid: str = _field("fixed", (
+      "training time grid per batch (ODE kinds; odetransformer/model/time_grid.py): "
+      "'fixed' = k/K; 'random_shift' = interior times shifted by dt0 ~ U(0, 2/K): every "
+      "solver's evaluation points cover [0, 1) under step_time='start' and (0, 1] under "
+      "'end'; 'random_offset' = dt0 ~ U(0, 1/K), the authors' scheme: Euler is never "
+      "evaluated in [(K-1)/K, 1) under either step_time (only at 1, under 'end'); "
+      "'random_uniform' = sorted U(0, 1) interior times, so all step sizes are trained too"))
+  remat_policy: str = _field("full", (
+      "'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'"))
+  dtype: str = _field("float32", (
+      "compute dtype: 'float32' | 'bfloat16' (params stay param_dtype)"))
+  attention_impl: str = _field("auto", (
+      "attention kernel: 'xla' | 'cudnn' (NVIDIA GPUs, bfloat16) | 'splash' (TPU, "
+      "Pallas) | 'auto': cudnn on NVIDIA GPUs when dtype and head size allow, splash on "
+      "TPU, else xla. One the platform cannot run is an error (`blocks.attention_kernel`)"))
+  param_dtype: str = _field("float32", "dtype of the parameters")
+  state_dtype: str = _field("float32", (
+      "dtype of the ODE state / residual stream x carried between steps: 'float32' "
+      "keeps an increment dt·F far below |x| that bfloat16 (8 mantissa bits) would "
+      "round away"))
+  tie_embeddings: bool = _field(True, "LM head = embedding transpose")
+  dropout_rate: float = _field(0.0, "on embeddings and on attention / FFN outputs")
+  rope_base: float = _field(10000.0, "llama family")
+  norm_eps: float = _field(1e-5, "epsilon of the layer / RMS norms")
+  embed_scale: float = _field(1.0, (
+      "multiplier on input embeddings; 1 as the authors' code (no √d)"))
+  hyper_init_std: float = _field(0.02, (
+      "DiffEqFormer init as the authors' code (SDML-KU/qkvflow): std of P (weights' "
+      "generators) and of the time MLPs' kernels; static parts P0 and all MLP biases "
+      "start at 0 (haliax Linear init)"))
+  hyper_bias_init_std: float = _field(1e-4, (
+      "std of P of the bias generators (qkvflow TemporalLinear f_b)"))
+  lora_rank: int = _field(0, (
+      "LoRA on a discrete model's stacked layers (fine-tuning; "
+      "odetransformer/train/finetune.py): 0 = no adapters; > 0 freezes the layers and "
+      "trains A·B"))
+  lora_alpha: float = _field(16.0, "adapter scale alpha / rank")
+  lora_targets: tuple = _field(("wq", "wk", "wv", "wo"), (
+      "layer weights to adapt, comma-separated in a ConfigDict (wq wk wv wo w1 w2 w3)"))
+  lora_train_embeddings: bool = _field(False, (
+      "also train embeddings, positions, final norm, head"))
+  out_proj_scale: float = _field(1.0, (
+      "discrete kinds: factor on each layer's W_O, W_2 and their biases (LoRA updates "
+      "included). A materialised ODE being fine-tuned keeps dt = 1/N here rather than "
+      "in its stored weights, so its residual update is x + dt·layer(x) as in the "
+      "authors' code"))
 
   def __post_init__(self):
     def choice(name, options):
       value = getattr(self, name)
       if value not in options:
-        raise ValueError(f"model.{name}={value!r} is unknown; choose one of {list(options)}")
+        old = {"kind": OLD_KINDS, "family": OLD_FAMILIES}.get(name, {})
+        hint = f" (the old name of {old[value]!r})" if value in old else ""
+        raise ValueError(f"model.{name}={value!r}{hint} is unknown; choose one of "
+                         f"{list(options)}")
 
     choice("kind", KINDS)
-    choice("flavour", FLAVOURS)
+    choice("family", FAMILIES)
     choice("solver", SOLVERS)
     choice("step_time", STEP_TIMES)
     choice("llama_block", LLAMA_BLOCKS)
@@ -147,19 +147,26 @@ class ModelConfig:
     choice("attention_impl", ATTENTION_IMPLS)
     choice("param_dtype", DTYPES)
     choice("state_dtype", DTYPES)
-    for name in ("vocab_size", "d_model", "num_heads", "mlp_dim", "num_steps", "max_len",
+    depth, other = self.depth_field, self.unused_depth_field
+    if getattr(self, depth) is None:
+      if getattr(self, other) is not None:
+        raise ValueError(
+            f"model.{other}={getattr(self, other)} does not apply to kind={self.kind!r}; "
+            f"its depth is model.{depth}: set that instead")
+      object.__setattr__(self, depth, DEFAULT_DEPTH)
+    for name in ("vocab_size", "d_model", "num_heads", "mlp_dim", depth, "max_len",
                  "time_embed_dim", "time_sinusoids"):
       if int(getattr(self, name)) <= 0:
         raise ValueError(f"model.{name}={getattr(self, name)} must be a positive integer")
     if self.d_model % self.num_heads:
       raise ValueError(f"model.num_heads={self.num_heads} does not divide "
                        f"model.d_model={self.d_model}; pick a divisor of the width")
-    if self.flavour == "llama" and self.head_dim % 2:
+    if self.family == "llama" and self.head_dim % 2:
       raise ValueError(f"RoPE needs an even head dim, got {self.head_dim}; "
                        "change model.d_model or model.num_heads")
-    if self.llama_block == "reference" and (self.flavour != "llama" or self.kind == "gpt"):
+    if self.llama_block == "reference" and (self.family != "llama" or self.kind == "transformer"):
       raise ValueError(f"model.llama_block='reference' is the authors' Llama DiffEqFormer "
-                       f"block; this model is flavour={self.flavour!r}, kind={self.kind!r}: "
+                       f"block; this model is family={self.family!r}, kind={self.kind!r}: "
                        "use llama_block='paper'")
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
@@ -168,14 +175,14 @@ class ModelConfig:
     if self.lora_rank and self.is_ode:
       raise ValueError("LoRA adapts discrete layers; materialise the ODE first "
                        "(finetune.method='lora' does this)")
-    weights = {"wq", "wk", "wv", "wo", "w1", "w2"} | ({"w3"} if self.flavour == "llama" else set())
+    weights = {"wq", "wk", "wv", "wo", "w1", "w2"} | ({"w3"} if self.family == "llama" else set())
     bad = sorted(set(self.lora_targets) - weights)
     if self.lora_rank and bad:
       raise ValueError(f"model.lora_targets has {bad}, not layer weights of this model; "
                        f"choose from {sorted(weights)}")
     if self.out_proj_scale <= 0 or (self.is_ode and self.out_proj_scale != 1.0):
       raise ValueError(f"model.out_proj_scale={self.out_proj_scale} must be > 0, and 1 for "
-                       "ODE kinds (their step size is 1/num_steps)")
+                       "ODE kinds (their step size is 1/solver_steps)")
     if self.time_hidden < 0:
       raise ValueError(f"model.time_hidden={self.time_hidden} must be >= 0 (0 = d_t)")
     if self.embed_scale <= 0:
@@ -186,9 +193,10 @@ class ModelConfig:
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "ModelConfig":
-    """Builds the model config from `config.model`; unknown keys are an error."""
+    """Builds the model config from `config.model` (old names migrated, with a warning);
+    unknown keys are an error."""
     fields = {f.name for f in dataclasses.fields(cls)}
-    values = dict(config)
+    values = migrate_model_fields(dict(config))
     targets = values.get("lora_targets")
     if isinstance(targets, str):
       values["lora_targets"] = tuple(t.strip() for t in targets.split(",") if t.strip())
@@ -200,6 +208,20 @@ class ModelConfig:
     return cls(**values)
 
   @property
+  def depth_field(self) -> str:
+    """'solver_steps' (ODE kinds) or 'num_layers' (discrete kinds): the field of `depth`."""
+    return "solver_steps" if self.is_ode else "num_layers"
+
+  @property
+  def unused_depth_field(self) -> str:
+    return "num_layers" if self.is_ode else "solver_steps"
+
+  @property
+  def depth(self) -> int:
+    """Scan iterations: K (`solver_steps`) for ODE kinds, L (`num_layers`) for discrete ones."""
+    return getattr(self, self.depth_field)
+
+  @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
 
@@ -209,7 +231,93 @@ class ModelConfig:
 
   @property
   def is_ode(self) -> bool:
-    return self.kind in ("diffeqformer", "shared")
+    return self.kind in ODE_KINDS
+
+
+def _warn_renamed(old: str, new: str) -> None:
+  logging.warning("%s is deprecated and will be removed in the next release: use %s", old, new)
+
+
+def migrate_model_fields(values: dict, warn: bool = True) -> dict:
+  """`values` (a model config as a dict) with old names and values replaced by new ones;
+  one warning line per old name found (`warn`). Leaves new-name dicts unchanged but for
+  one check: the depth field the kind does not use is dropped, with a warning when it
+  differs from the one it uses (a config may carry K for its ODE and L for its baseline).
+  """
+  values = dict(values)
+  say = _warn_renamed if warn else lambda old, new: None
+  kind = values.get("kind", ModelConfig.kind)
+  if kind in OLD_KINDS:
+    say(f"model.kind={kind!r}", f"model.kind={OLD_KINDS[kind]!r}")
+    kind = values["kind"] = OLD_KINDS[kind]
+  flavour = values.pop("flavour", None)
+  if flavour is not None:
+    family = OLD_FAMILIES.get(flavour, flavour)
+    say(f"model.flavour={flavour!r}", f"model.family={family!r}")
+    values["family"] = family
+  if values.get("family") in OLD_FAMILIES:
+    family = OLD_FAMILIES[values["family"]]
+    say(f"model.family={values['family']!r}", f"model.family={family!r}")
+    values["family"] = family
+  ode = kind in ODE_KINDS
+  depth, other = ("solver_steps", "num_layers") if ode else ("num_layers", "solver_steps")
+  num_steps = values.pop("num_steps", None)
+  if num_steps is not None:
+    say(f"model.num_steps={num_steps}", f"model.{depth}={num_steps} (kind={kind!r})")
+    values[depth] = num_steps
+  if values.get(depth) is not None and values.get(other) is not None:
+    if values[other] != values[depth]:
+      logging.warning("model.%s=%s is not used by kind=%r: its depth is model.%s=%s",
+                      other, values[other], kind, depth, values[depth])
+    values[other] = None
+  return values
+
+
+def default_model_config() -> ml_collections.ConfigDict:
+  """Every ModelConfig field with its default (a tiny CPU-sized DiffEqFormer), plus the
+  deprecated keys (unset) so that old command lines still parse."""
+  c = ml_collections.ConfigDict()
+  for f in dataclasses.fields(ModelConfig):
+    if f.default is None:
+      c[f.name] = ml_collections.config_dict.placeholder(typing.get_args(f.type)[0])
+    elif isinstance(f.default, tuple):
+      c[f.name] = ",".join(f.default)
+    else:
+      c[f.name] = f.default
+  c.flavour = ml_collections.config_dict.placeholder(str)
+  c.num_steps = ml_collections.config_dict.placeholder(int)
+  return c
+
+
+def migrate_config(config: ml_collections.ConfigDict,
+                   warn: bool = True) -> ml_collections.ConfigDict:
+  """A copy of a run's config with `model` (and `finetune`) under their new names, one
+  warning line per old name (`warn`); configs with new names come back equal.
+
+  `finetune.num_steps` (0 = keep the pre-trained K) became `finetune.solver_steps`
+  (None = keep it).
+  """
+  config = ml_collections.ConfigDict(config.to_dict())
+  if "model" in config:
+    values = migrate_model_fields(config.model.to_dict(), warn)
+    for old in DEPRECATED_KEYS:
+      values.pop(old, None)
+    model = default_model_config()
+    for old in DEPRECATED_KEYS:
+      del model[old]
+    model.update(values)
+    config.model = model
+  finetune = config.get("finetune")
+  if finetune is not None and "num_steps" in finetune:
+    n = finetune.num_steps
+    with finetune.unlocked():
+      del finetune["num_steps"]
+      if n is not None:
+        new = int(n) or None
+        if warn:
+          _warn_renamed(f"finetune.num_steps={n}", f"finetune.solver_steps={new}")
+        finetune.solver_steps = new
+  return config
 
   @property
   def block(self) -> str:
