@@ -22,6 +22,9 @@ import traceback
 from typing import Callable, Optional, Sequence
 
 EXIT_USER_ERROR = 2
+# Command-line flags renamed in a release: old name -> new. The old name still parses for
+# one release, with one warning line (`renamed_flags`).
+RENAMED_FLAGS = {"num_steps": "solver_steps"}
 EXIT_INTERRUPTED = 130    # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
@@ -113,6 +116,20 @@ def _unknown_override(argv: Sequence[str], key: str) -> str:
   return ", ".join(found) or "a --config.* override"
 
 
+def renamed_flags(argv: Sequence[str], known) -> list:
+  """`argv` with each old flag name of `RENAMED_FLAGS` whose new name is in `known` (the
+  command's flag names) and whose old one is not rewritten to the new one, with a
+  warning line."""
+  out = list(argv)
+  for i, arg in enumerate(out):
+    for old, new in RENAMED_FLAGS.items():
+      if new in known and old not in known and arg.split("=")[0] == f"--{old}":
+        logging.warning("--%s is deprecated and will be removed in the next release: use "
+                        "--%s", old, new)
+        out[i] = f"--{new}" + arg[len(old) + 2:]
+  return out
+
+
 def parse_absl_flags(argv: list) -> list:
   """absl's flag parsing with its errors, and config files' ones, as UserErrors.
 
@@ -122,7 +139,7 @@ def parse_absl_flags(argv: list) -> list:
   """
   from absl import flags  # pylint: disable=g-import-not-at-top
   try:
-    return flags.FLAGS(argv)
+    return flags.FLAGS(renamed_flags(argv, flags.FLAGS))
   except flags.Error as e:
     raise UserError(f"{one_line(e)}; see --helpshort for the flags") from e
   except SyntaxError as e:

@@ -396,7 +396,9 @@ def parse_args(argv):
                  help="put the document separator (eos) before the text, as in training")
   p.add_argument("--jacobian_chunk", type=int, default=None,
                  help="pull back this many Jacobian rows at a time (bounds memory)")
-  return p.parse_args(argv)
+  from odetransformer import errors  # pylint: disable=g-import-not-at-top
+  known = {a.dest for a in p._actions}  # pylint: disable=protected-access
+  return p.parse_args(errors.renamed_flags(argv, known))
 
 
 def main(argv: Optional[list] = None) -> Sensitivity:

@@ -8,7 +8,8 @@ module first.
 
 model_args (comma-separated key=value):
   workdir       training run directory (required)
-  num_steps     solver steps N for ODE kinds (default: the training K)
+  solver_steps  solver steps N for ODE kinds (default: the training K); the old name
+                num_steps still works for one release, with a warning
   step          checkpoint step (default: the latest)
   max_length    context window in tokens (default: the run's seq_len; for the gpt
                 flavour at most model.max_len)
@@ -60,12 +61,16 @@ def _score(graphdef, num_steps, state, inputs_bl, targets_bl, weights_bl):
 class ODETransformerLM(TemplateLM):
   """A trained odetransformer checkpoint (any kind) as an lm_eval `TemplateLM`."""
 
-  def __init__(self, workdir: Optional[str] = None, num_steps=None, step=None,
+  def __init__(self, workdir: Optional[str] = None, solver_steps=None, step=None,
                batch_size=DEFAULT_BATCH_SIZE, max_length=None, max_gen_toks=256, seed=0,
                device=None, max_batch_size=None, mesh_shape="", *, model=None, tokenizer=None,
                **kwargs):
     super().__init__()
     del device, max_batch_size  # JAX places the computation; no adaptive batch size
+    if "num_steps" in kwargs:   # its name before solver_steps, for one release
+      _log.warning("odetransformer: model_args num_steps is deprecated and will be "
+                   "removed in the next release: use solver_steps")
+      solver_steps = kwargs.pop("num_steps")
     if kwargs:
       _log.warning("odetransformer: ignoring unknown model_args %s", sorted(kwargs))
     rules = None
@@ -87,7 +92,8 @@ class ODETransformerLM(TemplateLM):
     cfg = model.config
     self.model = model
     self.tokenizer_sp = tokenizer
-    self.num_steps = model.resolve_num_steps(None if num_steps in (None, "") else int(num_steps))
+    self.num_steps = model.resolve_num_steps(
+        None if solver_steps in (None, "") else int(solver_steps))
     self._max_length = int(max_length) if max_length not in (None, "") else default_len
     if cfg.flavour == "gpt" and self._max_length > cfg.max_len:
       raise ValueError(f"max_length={self._max_length} exceeds the model's {cfg.max_len} "

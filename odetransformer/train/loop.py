@@ -30,7 +30,7 @@ from odetransformer.train import metrics as metrics_lib
 from odetransformer.train import optimizer as optimizer_lib
 from odetransformer.train import sharding as sharding_lib
 from odetransformer.train import steps as steps_lib
-from odetransformer.model.config import model_config
+from odetransformer.model.config import migrate_config, model_config
 from odetransformer.errors import ConfigError
 from odetransformer.model.param_count import flops_per_token
 from odetransformer.runtime.workdir_lock import WorkdirLock
@@ -84,6 +84,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     loss)] at each log line, 'num_params': parameter count, 'data_state': the training
     iterator's state at 'step'}.
   """
+  config = migrate_config(config)   # old key names and values -> new, with a warning
   workdir = os.fspath(workdir)
   paths = {"--workdir": workdir, "--config.init_from": config.get("init_from")}
   for key in ("tokenizer_path", "cache_dir", "data_dir"):

@@ -15,6 +15,7 @@ import ml_collections
 from absl import logging
 
 from odetransformer.errors import ConfigError
+from odetransformer.model.config import migrate_config, migrate_model_fields
 from odetransformer.runtime import fileio
 from odetransformer.train.checkpoint.paths import (CONFIG_FILE, TOKENIZER_FILE,
                                                    checkpoint_dir, finalized_steps,
@@ -69,6 +70,8 @@ def fingerprint_diffs(old: dict, new: dict) -> list:
   diffs = []
   for section in ("model", "data", "resume"):
     a, b = old.get(section) or {}, new.get(section) or {}
+    if section == "model":   # a run written before a rename compares under the new names
+      a, b = migrate_model_fields(a, warn=False), migrate_model_fields(b, warn=False)
     for key in sorted(set(a) & set(b)):
       if section == "model" and key in RESUMABLE_MODEL_FIELDS:
         continue
@@ -186,6 +189,7 @@ def load_config(workdir: str):
 
   From `<workdir>/config.json`; when that is gone, from the newest checkpoint's meta
   (which holds the same config), with a warning. FileNotFoundError when neither exists.
+  A run written before a rename comes back under the new names (`migrate_config`).
   """
   path = fileio.join(workdir, CONFIG_FILE)
   if not fileio.exists(path):
@@ -194,5 +198,6 @@ def load_config(workdir: str):
       if isinstance((meta or {}).get("config"), dict):
         logging.warning("%s is missing: using the config recorded in checkpoint %d",
                         path, step)
-        return ml_collections.ConfigDict(meta["config"])
-  return ml_collections.ConfigDict(json.loads(fileio.read_text(path)))
+        return migrate_config(ml_collections.ConfigDict(meta["config"]), warn=False)
+  return migrate_config(ml_collections.ConfigDict(json.loads(fileio.read_text(path))),
+                        warn=False)
