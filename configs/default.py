@@ -7,9 +7,8 @@ offline everywhere); the tokenizer is trained on it at start and cached in the w
 Command:
   python main.py --config=configs/default.py --workdir=/tmp/odet_default
 
-Transformer baseline (GPT-2 family; same width, depth, data and schedule):
-  python main.py --config=configs/default.py --config.model.kind=transformer \
-      --config.model.num_layers=4 --workdir=/tmp/odet_default_gpt
+Transformer baseline (GPT-2 family; same width, depth L = K, data and schedule):
+  python main.py --config=configs/default.py --config.model.kind=transformer --workdir=/tmp/odet_default_gpt
 
 Expect: the training loss falls from ≈ ln 2048 at step 1; the DiffEqFormer and the
 baseline end at about the same evaluation perplexity (figures, with this command:
@@ -44,8 +43,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_batch_size = 16           # rows per evaluation batch, all devices together
 
   # --- model: every ModelConfig field (odetransformer/model/config.py: defaults and
-  # full meanings; tests/test_configs.py checks this list is complete); vocab_size comes
-  # from the tokenizer
+  # full meanings; tests/test_config_migration.py checks this list is complete); vocab_size
+  # comes from the tokenizer. The configs set both depths, K for the ODE kinds and L for
+  # the discrete ones, so that --config.model.kind alone switches to the baseline.
   config.model = default_model_config()
   config.model.kind = "diffeqformer"    # | 'transformer' (baseline) | 'parallel' | 'shared'
   config.model.family = "gpt2"          # 'gpt2' (LayerNorm, GELU, positions) | 'llama'
@@ -54,7 +54,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.num_heads = 4            # attention heads
   config.model.mlp_dim = 512            # feed-forward hidden width
   config.model.solver_steps = 4         # K Euler steps (ODE kinds: diffeqformer, shared)
-  config.model.num_layers = None        # L layers (discrete kinds: transformer, parallel)
+  config.model.num_layers = 4           # L layers (discrete kinds: transformer, parallel)
   config.model.max_len = 128            # >= seq_len for the gpt2 family
   config.model.time_embed_dim = 32      # d_t
   config.model.time_sinusoids = 128     # S, as the authors' configs

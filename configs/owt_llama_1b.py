@@ -28,7 +28,7 @@ def get_config():
   config.model.num_heads = 16
   config.model.mlp_dim = 8192
   config.model.num_layers = 16          # L
-  config.model.solver_steps = None      # not an ODE (owt_large's K unset)
+  config.model.solver_steps = 16        # K of owt_llama_1b_ode.py
   config.model.max_len = 2048
   config.model.time_sinusoids = 256     # the yaml's sinusodial_dim (used by the ODE variant)
   config.model.dropout_rate = 0.0       # levanter's Llama has no dropout

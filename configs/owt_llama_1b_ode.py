@@ -21,7 +21,6 @@ from configs import owt_llama_1b
 def get_config():
   config = owt_llama_1b.get_config()
   config.model.kind = "diffeqformer"
-  config.model.solver_steps = 16        # K = the baseline's L
   config.model.time_embed_dim = 96      # d_t
   config.model.time_sinusoids = 256     # S
   config.model.time_hidden = 0

@@ -5,7 +5,7 @@ From the authors' config/owt/medium.yaml (SDML-KU/qkvflow). Differs from owt_sma
 authors' count), peak lr 3e-4, evaluation every 500 steps.
 
   python main.py --config=configs/owt_medium.py --workdir=$W --config.data.data_dir=$DATA
-  python main.py --config=configs/owt_medium.py --config.model.kind=transformer --config.model.num_layers=24 --workdir=$W_gpt --config.data.data_dir=$DATA
+  python main.py --config=configs/owt_medium.py --config.model.kind=transformer --workdir=$W_gpt --config.data.data_dir=$DATA
 
 Expect: validation perplexity below owt_small's, DiffEqFormer at or below GPT-medium
 (paper Table 2). Not run by us (accelerator pod; ~355 M GPT, ~1.27 B DiffEqFormer params).
@@ -21,7 +21,8 @@ def get_config():
   config.model.d_model = 1024
   config.model.num_heads = 16
   config.model.mlp_dim = 4096
-  config.model.solver_steps = 24
+  config.model.solver_steps = 24        # K
+  config.model.num_layers = 24          # L (the baseline)
   config.model.time_embed_dim = 96
   config.optim.learning_rate = 3e-4
   return config

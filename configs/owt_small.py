@@ -14,7 +14,7 @@ Prepare the data once (downloads OpenWebText, builds array_record files):
 Train (any number of GPUs/TPU chips; the mesh is FSDP over all of them):
   python main.py --config=configs/owt_small.py --workdir=$W --config.data.data_dir=$DATA
 GPT baseline:
-  python main.py --config=configs/owt_small.py --config.model.kind=transformer --config.model.num_layers=12 --workdir=$W_gpt --config.data.data_dir=$DATA
+  python main.py --config=configs/owt_small.py --config.model.kind=transformer --workdir=$W_gpt --config.data.data_dir=$DATA
 
 Expect: validation perplexity in the low 20s at the end, DiffEqFormer at or below the
 GPT baseline (paper Table 2; its numbers are not in our copy of the text). Not run by
@@ -37,7 +37,8 @@ def get_config():
   config.model.d_model = 768
   config.model.num_heads = 12
   config.model.mlp_dim = 3072
-  config.model.solver_steps = 12
+  config.model.solver_steps = 12        # K
+  config.model.num_layers = 12          # L (the baseline)
   config.model.max_len = 1024
   config.model.time_embed_dim = 20      # d_t
   config.model.time_sinusoids = 128     # S

@@ -1,7 +1,7 @@
 """Paper: DiffEqFormer at GPT-small shape on WikiText-103 (Table 1 / App. C.4).
 
 From the authors' config/wikitext_103/small.yaml (SDML-KU/qkvflow), which as
-committed sets `model_choice: gpt2` (their GPT-2 baseline run, `--config.model.kind=transformer --config.model.num_layers=12`
+committed sets `model_choice: gpt2` (their GPT-2 baseline run, `--config.model.kind=transformer`
 here) and carries the DiffEqFormer's time_embed_dim and sinusodial_dim, used here.
 Differs from owt_small: the WikiText-103 corpus (detokenized), batch 256, 10,001
 steps (≈ 2.6 B tokens, ~25 epochs of WikiText-103's ~103 M: the paper reports that GPT
@@ -10,7 +10,7 @@ split. Same peak lr 6e-4, d_t 20, S 128.
 
   python -m input_pipeline.prepare --dataset=wikitext103 --data_dir=$DATA
   python main.py --config=configs/wikitext103_small.py --workdir=$W --config.data.data_dir=$DATA
-  python main.py --config=configs/wikitext103_small.py --config.model.kind=transformer --config.model.num_layers=12 --workdir=$W_gpt --config.data.data_dir=$DATA
+  python main.py --config=configs/wikitext103_small.py --config.model.kind=transformer --workdir=$W_gpt --config.data.data_dir=$DATA
   Weight-sharing baseline (Zhong et al.): --config.model.kind=shared
 
 Expect: DiffEqFormer below GPT-small and the weight-sharing ODE in validation

@@ -49,8 +49,7 @@ def test_config_loads_and_model_validates(name, kind):
   for key in TOP_LEVEL:
     assert key in c, key
   depth = config_lib.model_config(c).depth
-  c.model.kind = kind                                # the baseline switch, as the docstrings:
-  c.model["solver_steps" if kind == "diffeqformer" else "num_layers"] = depth   # same depth
+  c.model.kind = kind                                # the one baseline switch (L = K)
   cfg = config_lib.model_config(c, c.data.vocab_size)
   assert (cfg.kind, cfg.depth) == (kind, depth)
   assert c.seq_len <= cfg.max_len

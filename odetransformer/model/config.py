@@ -240,9 +240,9 @@ def _warn_renamed(old: str, new: str) -> None:
 
 def migrate_model_fields(values: dict, warn: bool = True) -> dict:
   """`values` (a model config as a dict) with old names and values replaced by new ones;
-  one warning line per old name found (`warn`). Leaves new-name dicts unchanged but for
-  one check: the depth field the kind does not use is dropped, with a warning when it
-  differs from the one it uses (a config may carry K for its ODE and L for its baseline).
+  one warning line per old name found (`warn`). New-name dicts come back unchanged; a
+  warning when the depth field the kind does not use is set to another value than the
+  one it uses (a config may carry K for its ODE beside L for its baseline).
   """
   values = dict(values)
   say = _warn_renamed if warn else lambda old, new: None
@@ -265,11 +265,9 @@ def migrate_model_fields(values: dict, warn: bool = True) -> dict:
   if num_steps is not None:
     say(f"model.num_steps={num_steps}", f"model.{depth}={num_steps} (kind={kind!r})")
     values[depth] = num_steps
-  if values.get(depth) is not None and values.get(other) is not None:
-    if values[other] != values[depth]:
-      logging.warning("model.%s=%s is not used by kind=%r: its depth is model.%s=%s",
-                      other, values[other], kind, depth, values[depth])
-    values[other] = None
+  if values.get(depth) is not None and values.get(other) not in (None, values[depth]):
+    logging.warning("model.%s=%s is not used by kind=%r: its depth is model.%s=%s",
+                    other, values[other], kind, depth, values[depth])
   return values
 
 
