@@ -1,7 +1,7 @@
 """Trains (or resumes) a model from a config file.
 
   python main.py --config=configs/default.py --workdir=/tmp/odet_default
-      [--config.model.num_steps=12 ...] [--verbose]
+      [--config.model.solver_steps=12 ...] [--verbose]
 
 Every mistake of the user's — a bad flag, config file or value, bad data settings, a
 workdir that is a file, read-only, in use by another run or holding checkpoints of

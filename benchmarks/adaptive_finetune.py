@@ -98,7 +98,7 @@ def base_config(args, seed, cache_dir):
 def pretrain(args, kind, layers, seed, workdir, cache_dir, grid="fixed"):
   c = base_config(args, seed, cache_dir)
   c.model.kind = kind
-  c.model.num_steps = layers
+  c.model.solver_steps = c.model.num_layers = layers
   c.model.train_time_grid = grid
   c.num_train_steps = args.pretrain_steps
   c.data.train_files, c.data.eval_files = args.pretrain_train, args.pretrain_eval
@@ -109,7 +109,7 @@ def finetune(args, init_from, method, n, seed, workdir, cache_dir, files):
   c = base_config(args, seed, cache_dir)
   c.init_from = init_from
   c.finetune = ml_collections.ConfigDict(dict(
-      method=method, num_steps=n, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+      method=method, solver_steps=n, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
       targets=LORA_TARGETS, lora_init="small", train_embeddings=True))
   c.num_train_steps = args.finetune_steps
   c.data.train_files, c.data.eval_files = files
@@ -239,7 +239,7 @@ def main(argv=None):
   for seed in seeds:
     work = os.path.join(args.out, f"seed{seed}")
     pre = {}
-    runs = [(g, "diffeqformer", args.k) for g in args.grids] + [("fixed", "gpt", args.gpt_layers)]
+    runs = [(g, "diffeqformer", args.k) for g in args.grids] + [("fixed", "transformer", args.gpt_layers)]
     for grid, kind, layers in runs:
       pre[grid, kind] = os.path.join(work, run_dir(grid, f"pre_{kind}"))
       r, note = pretrain(args, kind, layers, seed, pre[grid, kind], cache, grid)
@@ -260,9 +260,9 @@ def main(argv=None):
           print(f"seed {seed} diffeqformer {grid} {method:10s} N={n:2d}: {ppl:8.2f}"
                 f"{_reused(note)}", flush=True)
     gpt.setdefault("before", []).append(
-        before_finetuning(args, pre["fixed", "gpt"], [None], files[1])[0])
+        before_finetuning(args, pre["fixed", "transformer"], [None], files[1])[0])
     for method in [m for m in ("full", "lora") if m in args.methods]:
-      ppl, note = finetune(args, pre["fixed", "gpt"], method, 0, seed,
+      ppl, note = finetune(args, pre["fixed", "transformer"], method, 0, seed,
                            os.path.join(work, f"ft_gpt_{method}"), cache, files)
       gpt.setdefault(method, []).append(ppl)
       print(f"seed {seed} gpt          {method:10s} L={args.gpt_layers:2d}: {ppl:8.2f}"

@@ -52,7 +52,7 @@ def make_config(args, mode: str, seed: int, cache_dir: str):
   c.checkpoint_every_steps = 0                # only at the end
   c.data.cache_dir = cache_dir                # one tokenizer for every run
   # Only what a flag sets differs from configs/default.py (0 = keep the config's).
-  for node, key, value in ((c.model, "num_steps", args.num_steps),
+  for node, key, value in ((c.model, "solver_steps", args.solver_steps),
                            (c.model, "d_model", args.d_model),
                            (c.model, "mlp_dim", 4 * args.d_model),
                            (c.model, "num_heads", args.num_heads),
@@ -81,7 +81,7 @@ def parse_args(argv=None):
   p.add_argument("--step_time", choices=("",) + STEP_TIMES, default="",
                  help="model.step_time of both runs ('' = the config's)")
   p.add_argument("--steps", type=int, default=0, help="train steps (0 = the config's)")
-  p.add_argument("--num_steps", type=int, default=0, help="K, even (0 = the config's)")
+  p.add_argument("--solver_steps", type=int, default=0, help="K, even (0 = the config's)")
   p.add_argument("--d_model", type=int, default=0, help="0 = the config's (mlp = 4·d)")
   p.add_argument("--num_heads", type=int, default=0, help="0 = the config's")
   p.add_argument("--time_embed_dim", type=int, default=0, help="d_t (0 = the config's)")
@@ -104,9 +104,9 @@ def parse_args(argv=None):
   if args.rounds < 0 or args.first_seed < 0:
     p.error("--rounds and --first_seed must be >= 0")
   args.steps = args.steps or default.get_config().num_train_steps
-  k = args.num_steps or default.get_config().model.num_steps
+  k = args.solver_steps or default.get_config().model.solver_steps
   if k < 2 or k % 2:
-    p.error(f"--num_steps={k}: K must be even and >= 2 (K/2 and 3K/2 are evaluated)")
+    p.error(f"--solver_steps={k}: K must be even and >= 2 (K/2 and 3K/2 are evaluated)")
   return args
 
 
@@ -127,7 +127,7 @@ def train_and_score(config, workdir: str, eval_batches: int):
   """Trains (or reuses, `common.keyed_run`) one run and scores it at every N: (label ->
   perplexity, a line). The scores are kept in the run's workdir under the code version
   and the evaluation settings, so a rerun of the same code only reads them (and says so)."""
-  counts = step_counts(config.model.num_steps)
+  counts = step_counts(config.model.solver_steps)
   scores = os.path.join(workdir, "any_n_scores.json")
   t = time.perf_counter()
   r, note = common.keyed_run(config, workdir)
@@ -175,7 +175,7 @@ def main(argv=None):
       ppl[mode].append(row)
       print(f"seed {seed} {mode:14s} {line}", flush=True)
 
-  k = config.model.num_steps
+  k = config.model.solver_steps
   counts = step_counts(k)
   mean = {m: {label: sum(row[label] for row in ppl[m]) / len(ppl[m]) for label in counts}
           for m in modes}

@@ -1,7 +1,7 @@
 """Bytes moved between devices and per-device memory: DiffEqFormer vs GPT, same shape.
 
 Compiles the product's real train step (`steps.make_train_step` on a real TrainState,
-AdamW with clipping, donated state) for both models and both flavours on 8 host CPU
+AdamW with clipping, donated state) for both models and both families on 8 host CPU
 devices, on the meshes (data, fsdp, tensor) = (1,8,1), (2,4,1) and (1,2,4). Nothing is
 run: the optimised HLO of each step is parsed and the bytes of every all-gather,
 reduce-scatter, all-reduce, all-to-all and collective-permute are summed by kind, once
@@ -18,7 +18,7 @@ their float32 gradient and Adam moments), which a GPT of the same shape does not
 
   python -m benchmarks.collectives                 # bench-small (vocab 8192, d 256, K 6)
   python -m benchmarks.collectives --tiny          # seconds-sized, for the tests
-  python -m benchmarks.collectives --meshes=1,8,1 --flavours=llama
+  python -m benchmarks.collectives --meshes=1,8,1 --families=llama
 """
 import re
 import sys
@@ -53,7 +53,8 @@ MiB = 2 ** 20
 # `--tiny`: compiles in seconds (compile time follows the program, not its shapes), its
 # heads and batch split over every mesh above, and its buffers are large enough that
 # `odetransformer.tools.memory`'s estimate is not dominated by XLA's small fixed ones.
-TINY = dict(model=dict(vocab_size=4096, d_model=128, num_heads=4, mlp_dim=512, num_steps=2,
+TINY = dict(model=dict(vocab_size=4096, d_model=128, num_heads=4, mlp_dim=512, solver_steps=2,
+                       num_layers=2,
                        max_len=128, time_embed_dim=16, time_sinusoids=16),
             seq_len=128, batch=8)
 
@@ -160,7 +161,7 @@ def parse_collectives(hlo_text: str) -> dict:
           "unknown_trip_counts": unknown}
 
 
-def make_config(preset: dict, kind: str, flavour: str, mesh_shape, remat: str):
+def make_config(preset: dict, kind: str, family: str, mesh_shape, remat: str):
   """configs/default.py with the preset's model and batch on `mesh_shape`."""
   c = default_config.get_config()
   for key, value in preset["model"].items():
@@ -168,7 +169,7 @@ def make_config(preset: dict, kind: str, flavour: str, mesh_shape, remat: str):
       c.data.vocab_size = value
     else:
       c.model[key] = value
-  c.model.kind, c.model.flavour, c.model.remat_policy = kind, flavour, remat
+  c.model.kind, c.model.family, c.model.remat_policy = kind, family, remat
   c.seq_len, c.global_batch_size = preset["seq_len"], preset["batch"]
   c.mesh.shape = tuple(mesh_shape)
   return c
@@ -214,7 +215,7 @@ def main(argv=None):
   parser.add_argument("--tiny", action="store_true", help="seconds-sized shapes (tests)")
   parser.add_argument("--meshes", default=";".join(",".join(map(str, m)) for m in MESHES),
                       help="';'-separated data,fsdp,tensor shapes of 8 devices")
-  parser.add_argument("--flavours", default="gpt,llama")
+  parser.add_argument("--families", default="gpt2,llama")
   parser.add_argument("--remat", default="dots_saveable", help="remat policy (both models)")
   args = parser.parse_args(argv)
   if jax.device_count() != NUM_DEVICES:
@@ -226,48 +227,48 @@ def main(argv=None):
       sharding_lib.resolve_mesh_shape(m, NUM_DEVICES)
   except (ValueError, sharding_lib.MeshError) as e:
     sys.exit(f"error: --meshes={args.meshes!r}: {e}; e.g. --meshes='1,8,1;2,4,1'")
-  flavours = [f for f in args.flavours.split(",") if f]
-  bad = [f for f in flavours if f not in ("gpt", "llama")]
-  if bad or not flavours:
-    sys.exit(f"error: --flavours={args.flavours!r}: choose from gpt,llama")
+  families = [f for f in args.families.split(",") if f]
+  bad = [f for f in families if f not in ("gpt2", "llama")]
+  if bad or not families:
+    sys.exit(f"error: --families={args.families!r}: choose from gpt2,llama")
   preset = TINY if args.tiny else common.PRESETS["bench-small"]
   m = preset["model"]
   print(f"{'tiny' if args.tiny else 'bench-small'}: vocab {m['vocab_size']}, d {m['d_model']}, "
-        f"{m['num_heads']} heads, {m['num_steps']} steps, seq {preset['seq_len']}, "
+        f"{m['num_heads']} heads, {m['solver_steps']} steps, seq {preset['seq_len']}, "
         f"batch {preset['batch']}, d_t {m['time_embed_dim']}, f32, remat {args.remat}; "
         f"{NUM_DEVICES} host devices")
   short = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR",
            "all-to-all": "A2A", "collective-permute": "CP"}
   print("collective MiB per step (static in the program / weighted by loop trip counts); "
         "memory MiB per device")
-  print(f"{'mesh':9s} {'flavour':7s} {'model':12s} "
+  print(f"{'mesh':9s} {'family':7s} {'model':12s} "
         + " ".join(f"{short[k]:>13s}" for k in KINDS)
         + f" {'total':>15s} {'peak mem':>9s} {'temp':>8s} {'hyper':>7s} {'estimate':>9s}")
   devices = jax.devices()
   ratios, estimates, mem_ok = [], [], True
   for mesh_shape in meshes:
-    for flavour in flavours:
+    for family in families:
       res = {}
-      for kind in ("gpt", "diffeqformer"):
-        res[kind] = r = measure(make_config(preset, kind, flavour, mesh_shape, args.remat),
+      for kind in ("transformer", "diffeqformer"):
+        res[kind] = r = measure(make_config(preset, kind, family, mesh_shape, args.remat),
                                 devices)
         cells = " ".join(f"{r['static'][k] / MiB:6.2f}/{r['weighted'][k] / MiB:6.2f}"
                          for k in KINDS)
         s, w = sum(r["static"].values()), sum(r["weighted"].values())
-        print(f"{str(mesh_shape):9s} {flavour:7s} {kind:12s} {cells} "
+        print(f"{str(mesh_shape):9s} {family:7s} {kind:12s} {cells} "
               f"{s / MiB:7.2f}/{w / MiB:7.2f} {r['peak'] / MiB:9.1f} {r['temp'] / MiB:8.1f} "
               f"{r['hyper'] / MiB:7.1f} {r['estimate'] / MiB:9.1f}", flush=True)
         estimates.append(r["estimate"] / r["peak"])
         if r["unknown_trip_counts"]:
           print(f"  note: {r['unknown_trip_counts']} while loop(s) without a known trip "
                 "count, counted once")
-      gpt, ode = res["gpt"], res["diffeqformer"]
+      gpt, ode = res["transformer"], res["diffeqformer"]
       w_gpt, w_ode = sum(gpt["weighted"].values()), sum(ode["weighted"].values())
       ratio = w_ode / w_gpt if w_gpt else (1.0 if not w_ode else math.inf)
       ratios.append(ratio)
       budget = 1.10 * gpt["peak"] + ode["hyper"]
       mem_ok &= ode["peak"] <= budget
-      print(f"{'':9s} {flavour:7s} ratio ode/gpt: collective bytes {ratio:.2f} (static "
+      print(f"{'':9s} {family:7s} ratio ode/gpt: collective bytes {ratio:.2f} (static "
             f"{sum(ode['static'].values()) / max(1, sum(gpt['static'].values())):.2f}); "
             f"peak memory {ode['peak'] / gpt['peak']:.2f} × gpt, "
             f"{ode['peak'] / budget:.2f} of 1.10 × gpt + hypernetwork shard")

@@ -47,16 +47,17 @@ RUN_KEY_FILE = "benchmark_run_key.json"
 PRESETS = {
     # vocab, d_model, heads, mlp, K = L, seq, batch, d_t, S
     "bench-small": dict(model=dict(vocab_size=8192, d_model=256, num_heads=4, mlp_dim=1024,
-                                   num_steps=6, max_len=1024, time_embed_dim=64,
-                                   time_sinusoids=64),
+                                   solver_steps=6, num_layers=6, max_len=1024,
+                                   time_embed_dim=64, time_sinusoids=64),
                         seq_len=256, batch=8),
     "gpt2-small": dict(model=dict(vocab_size=50304, d_model=768, num_heads=12, mlp_dim=3072,
-                                  num_steps=12, max_len=1024, time_embed_dim=96,
-                                  time_sinusoids=128),
+                                  solver_steps=12, num_layers=12, max_len=1024,
+                                  time_embed_dim=96, time_sinusoids=128),
                        seq_len=256, batch=4),
     # Seconds, not a measurement: the tests run every benchmark end to end at this size.
     "tiny": dict(model=dict(vocab_size=512, d_model=32, num_heads=2, mlp_dim=64,
-                            num_steps=2, max_len=64, time_embed_dim=8, time_sinusoids=8),
+                            solver_steps=2, num_layers=2, max_len=64, time_embed_dim=8,
+                            time_sinusoids=8),
                  seq_len=32, batch=2),
 }
 

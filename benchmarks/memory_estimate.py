@@ -50,7 +50,7 @@ def configs(shape: str, kind: str, mesh, remats):
     yield f"owt_small {c.model.remat_policy}", c
     return
   for remat in remats:
-    yield f"{shape} {remat}", make_config(common.PRESETS[shape], kind, "gpt", mesh, remat)
+    yield f"{shape} {remat}", make_config(common.PRESETS[shape], kind, "transformer", mesh, remat)
 
 
 def main(argv=None):
@@ -75,7 +75,7 @@ def main(argv=None):
         f"{'compiled':>10s} {'ratio':>6s}  estimate's peak temporaries")
   ratios = []
   for shape in shapes:
-    for kind in ("diffeqformer", "gpt"):
+    for kind in ("diffeqformer", "transformer"):
       for mesh in MESHES:
         for label, config in configs(shape, kind, mesh, remats):
           est = memory.memory_report(config, compile_step=False)

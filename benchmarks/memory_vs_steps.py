@@ -37,9 +37,9 @@ def main():
   # The ODE's generated weights per step: one layer's params (the same at every K).
   weights_per_step = layer_params(common.model_config(args, "diffeqformer")) * bytes_per
   temps = {}
-  for kind in ("diffeqformer", "gpt"):
+  for kind in ("diffeqformer", "transformer"):
     for k in ks:
-      trainer = common.Trainer(common.model_config(args, kind, num_steps=k))
+      trainer = common.Trainer(common.model_config(args, kind, solver_steps=k, num_layers=k))
       stats = trainer.lower(trainer.batch(b, length)).compile().memory_analysis()
       temps[kind, k] = stats.temp_size_in_bytes
       weights = k * weights_per_step if kind == "diffeqformer" else 0
@@ -48,7 +48,7 @@ def main():
       del trainer
   carry = b * length * common.PRESETS[args.preset]["model"]["d_model"] * bytes_per
   per_step = {kind: (temps[kind, ks[-1]] - temps[kind, ks[-2]]) / (ks[-1] - ks[-2])
-              for kind in ("diffeqformer", "gpt")}
+              for kind in ("diffeqformer", "transformer")}
   for kind, growth in per_step.items():
     print(f"{kind:13s} temporaries grow {growth / MiB:.2f} MiB per added step "
           f"(K {ks[-2]} → {ks[-1]}) "
@@ -57,7 +57,7 @@ def main():
   print(f"diffeqformer  net of the generated weights and their gradient "
         f"(2 × {weights_per_step / MiB:.2f} MiB per step): {net / MiB:.2f} MiB per step")
   print(f"ode temp growth per step / scan carry: {max(net, 0.0) / carry:.2f} "
-        f"(gpt: {per_step['gpt'] / carry:.2f})")
+        f"(gpt: {per_step['transformer'] / carry:.2f})")
 
 
 if __name__ == "__main__":

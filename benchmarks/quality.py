@@ -2,8 +2,8 @@
 
 For each seed, both models train on the same text with the same SentencePiece tokenizer,
 data order (the seed), batch, steps and AdamW schedule, and are evaluated on every token
-of the evaluation text. The baseline has the same flavour: GPT-2 for `--flavour=gpt`,
-Llama for `--flavour=llama`. The last line is the key ratio (< 1: DiffEqFormer is better):
+of the evaluation text. The baseline has the same family: GPT-2 for `--family=gpt2`,
+Llama for `--family=llama`. The last line is the key ratio (< 1: DiffEqFormer is better):
 
   diffeqformer/gpt test perplexity ratio: R (mean of N seeds, steps S)
 
@@ -35,14 +35,14 @@ def make_config(args, kind: str, seed: int, cache_dir: str):
   c = default.get_config()
   c.seed = seed
   c.model.kind = kind
-  c.model.flavour = args.flavour
+  c.model.family = args.family
   c.model.step_time = args.step_time
   if kind == "diffeqformer":                  # the baseline is the standard block
     c.model.llama_block = args.llama_block
   c.model.d_model = args.d_model
   c.model.num_heads = args.num_heads
   c.model.mlp_dim = 4 * args.d_model
-  c.model.num_steps = args.num_steps
+  c.model.solver_steps = c.model.num_layers = args.depth
   c.model.max_len = args.seq_len
   c.model.time_embed_dim = args.time_embed_dim
   c.seq_len = args.seq_len
@@ -67,7 +67,7 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1, both models each")
   p.add_argument("--steps", type=int, default=600)
-  p.add_argument("--flavour", choices=("gpt", "llama"), default="gpt")
+  p.add_argument("--family", choices=("gpt2", "llama"), default="gpt2")
   p.add_argument("--step_time", choices=STEP_TIMES, default="start",
                  help="model.step_time of the DiffEqFormer")
   p.add_argument("--llama_block", choices=LLAMA_BLOCKS, default="paper",
@@ -76,7 +76,7 @@ def parse_args(argv=None):
   p.add_argument("--seq_len", type=int, default=128)
   p.add_argument("--d_model", type=int, default=256)
   p.add_argument("--num_heads", type=int, default=4)
-  p.add_argument("--num_steps", type=int, default=6, help="ODE steps = baseline layers")
+  p.add_argument("--depth", type=int, default=6, help="ODE steps = baseline layers")
   p.add_argument("--time_embed_dim", type=int, default=64)
   p.add_argument("--vocab", type=int, default=4096)
   p.add_argument("--lr", type=float, default=1e-3)
@@ -100,8 +100,8 @@ def parse_args(argv=None):
               "(or --data_dir with WikiText-2's valid.txt and test.txt)")
   if args.seeds < 1:
     p.error(f"--seeds={args.seeds} must be at least 1")
-  if args.llama_block != "paper" and args.flavour != "llama":
-    p.error(f"--llama_block={args.llama_block} needs --flavour=llama")
+  if args.llama_block != "paper" and args.family != "llama":
+    p.error(f"--llama_block={args.llama_block} needs --family=llama")
   return args
 
 
@@ -113,8 +113,8 @@ def main(argv=None):
   ratios = []
   for seed in range(args.seeds):
     ppl = {}
-    for kind in ("diffeqformer", "gpt"):
-      workdir = os.path.join(root, f"{kind}_{args.flavour}_seed{seed}")
+    for kind in ("diffeqformer", "transformer"):
+      workdir = os.path.join(root, f"{kind}_{args.family}_seed{seed}")
       if kind == "diffeqformer":
         workdir += f"_{args.step_time}_{args.llama_block}"
       t = time.perf_counter()
@@ -124,11 +124,11 @@ def main(argv=None):
       hist = r["loss_history"]
       trained = (f"{note}, evaluated now" if note
                  else f"train loss {hist[0][1]:.3f} -> {hist[-1][1]:.3f}")
-      print(f"seed {seed} {kind:13s} {args.flavour:5s} params {r['num_params']:>12,} | "
+      print(f"seed {seed} {kind:13s} {args.family:5s} params {r['num_params']:>12,} | "
             f"{trained} | test loss {r['eval']['loss']:.4f} | test ppl {ppl[kind]:.2f} | "
             f"test tokens {int(r['eval']['num_tokens']):,} | "
             f"{time.perf_counter() - t:.0f}s", flush=True)
-    ratios.append(ppl["diffeqformer"] / ppl["gpt"])
+    ratios.append(ppl["diffeqformer"] / ppl["transformer"])
     print(f"seed {seed} diffeqformer/gpt test perplexity ratio: {ratios[-1]:.3f}", flush=True)
   mean = sum(ratios) / len(ratios)
   print(f"diffeqformer/gpt test perplexity ratio: {mean:.3f} "

@@ -1,6 +1,6 @@
 """Single epoch: DiffEqFormer vs GPT pre-trained on one pass of real text, no token twice.
 
-Both models (gpt flavour, the same width, heads and K = L, the authors' initialisation)
+Both models (gpt family, the same width, heads and K = L, the authors' initialisation)
 train through the product's own loop (`odetransformer.train.loop.train_and_evaluate`, via
 `common.keyed_run`) on the training files of DIR, with one SentencePiece tokenizer
 trained once for both, the same data order (the seed), batch and AdamW schedule. Every
@@ -52,7 +52,7 @@ from odetransformer.tools import evaluate
 from odetransformer.train import loading
 from odetransformer.errors import UserError
 
-KINDS = ("diffeqformer", "gpt")
+KINDS = ("diffeqformer", "transformer")
 SPLITS = ("valid", "test")
 EVALS_FILE = "single_epoch_evals.json"
 EPOCH_FILE = "single_epoch_corpus.json"
@@ -101,7 +101,7 @@ def make_config(args, kind: str, seed: int, steps: int, root: str):
   c = default.get_config()
   c.seed = seed
   c.model.kind = kind
-  c.model.flavour = "gpt"
+  c.model.family = "gpt2"
   for key, value in preset["model"].items():
     if key != "vocab_size":
       c.model[key] = value
@@ -249,19 +249,20 @@ def single_epoch_check(config, epoch: dict, steps: int, documents_read: int) -> 
 def write_table(root: str, curves: dict, tokens_per_step: int) -> list:
   """The seed-0 learning curves as markdown, JSON and a PNG in `root`; returns the rows."""
   rows = []
-  for step in sorted(set(curves["gpt"]) & set(curves["diffeqformer"])):
+  for step in sorted(set(curves["transformer"]) & set(curves["diffeqformer"])):
     row = {"step": step, "tokens": step * tokens_per_step}
     for kind in KINDS:
       for split in SPLITS:
         row[f"{kind}_{split}"] = curves[kind][step][split]["perplexity"]
-    row["test_ratio"] = row["diffeqformer_test"] / row["gpt_test"]
-    row["test_tokens_scored"] = curves["gpt"][step]["test"]["tokens"]
+    row["test_ratio"] = row["diffeqformer_test"] / row["transformer_test"]
+    row["test_tokens_scored"] = curves["transformer"][step]["test"]["tokens"]
     rows.append(row)
   common.write_json(os.path.join(root, "single_epoch.json"), rows)
   lines = ["| step | tokens | DiffEqFormer valid | DiffEqFormer test | GPT valid | GPT test "
            "| test ratio | test tokens scored |", "|---|---|---|---|---|---|---|---|"]
   lines += [f"| {r['step']} | {r['tokens']:,} | {r['diffeqformer_valid']:.2f} | "
-            f"{r['diffeqformer_test']:.2f} | {r['gpt_valid']:.2f} | {r['gpt_test']:.2f} | "
+            f"{r['diffeqformer_test']:.2f} | {r['transformer_valid']:.2f} | "
+f"{r['transformer_test']:.2f} | "
             f"{r['test_ratio']:.3f} | {r['test_tokens_scored']:,} |" for r in rows]
   with open(os.path.join(root, "single_epoch.md"), "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")
@@ -287,7 +288,7 @@ def main(argv=None):
   root = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="odet_single_epoch_"))
   os.makedirs(root, exist_ok=True)
   print(f"workdir {root}", flush=True)
-  config = make_config(args, "gpt", 0, args.steps, root)
+  config = make_config(args, "transformer", 0, args.steps, root)
   text = TrainingText(config, root)
   epoch = text.epoch
   most = max_single_epoch_steps(config, epoch)
@@ -307,13 +308,13 @@ def main(argv=None):
   for seed in range(args.seeds):
     steps = args.steps if seed == 0 else args.seed_steps
     curves = {kind: run_points(args, kind, seed, steps, root, stop, text) for kind in KINDS}
-    if steps not in curves["gpt"]:
+    if steps not in curves["transformer"]:
       print(f"stopped after step {stop} (--stop_after); the same command without it "
             "continues", flush=True)
       return
     finals[seed] = {kind: curves[kind][steps] for kind in KINDS}
     ratio = finals[seed]["diffeqformer"]["test"]["perplexity"] / \
-        finals[seed]["gpt"]["test"]["perplexity"]
+        finals[seed]["transformer"]["test"]["perplexity"]
     print(f"seed {seed} ({steps} steps) diffeqformer/gpt test perplexity ratio: {ratio:.3f}",
           flush=True)
     print(single_epoch_check(config, epoch, steps, max(
@@ -326,13 +327,13 @@ def main(argv=None):
   print(f"parameters: diffeqformer {n_ode:,} | gpt {n_gpt:,}: the DiffEqFormer holds "
         f"{n_ode / n_gpt:.1f}x GPT's parameters (its hypernetworks)")
   extra = [finals[s]["diffeqformer"]["test"]["perplexity"] /
-           finals[s]["gpt"]["test"]["perplexity"] for s in finals if s > 0]
+           finals[s]["transformer"]["test"]["perplexity"] for s in finals if s > 0]
   if extra:
     print(f"spread: test perplexity ratio at {args.seed_steps} steps over seeds "
           f"1..{args.seeds - 1}: " + ", ".join(f"{x:.3f}" for x in extra) +
           f" (min {min(extra):.3f}, max {max(extra):.3f})")
   ratio = finals[0]["diffeqformer"]["test"]["perplexity"] / \
-      finals[0]["gpt"]["test"]["perplexity"]
+      finals[0]["transformer"]["test"]["perplexity"]
   print(f"single-epoch diffeqformer/gpt test perplexity ratio: {ratio:.3f} "
         f"(steps {args.steps}, tokens {args.steps * tokens_per_step:,})")
 

@@ -32,7 +32,7 @@ def main():
                            "the DiffEqFormer's layers without its hypernetwork)")
   args = parser.parse_args()
   also = [k for k in args.also.split(",") if k]
-  baselines = [k for k in KINDS if k not in ("diffeqformer", "gpt")]
+  baselines = [k for k in KINDS if k not in ("diffeqformer", "transformer")]
   for kind in also:
     if kind not in baselines:
       parser.error(f"--also={kind}: choose from {', '.join(baselines)}")
@@ -41,7 +41,7 @@ def main():
         f"batch {b} × seq {length}, {args.dtype}, remat {args.remat}")
 
   trainers = {kind: common.Trainer(common.model_config(args, kind))
-              for kind in ("diffeqformer", "gpt", *also)}
+              for kind in ("diffeqformer", "transformer", *also)}
   batches = {kind: t.batch(b, length) for kind, t in trainers.items()}
   rounds = common.time_rounds(
       {kind: (lambda k=kind: trainers[k].step(batches[k])) for kind in trainers},
@@ -58,29 +58,29 @@ def main():
     print(f"{kind:13s} train: {secs[kind] * 1e3:8.1f} ms/step {tps[kind]:10,.0f} tokens/s "
           f"MFU {tps[kind] * fpt / peak:6.1%}  params {count_params(t.cfg) / 1e6:,.1f} M")
   for kind in also:
-    print(f"{kind}/gpt train tokens/s ratio: {tps[kind] / tps['gpt']:.2f} "
-          f"(per round: {common.paired_spread(rounds['gpt'], rounds[kind])})")
+    print(f"{kind}/gpt train tokens/s ratio: {tps[kind] / tps['transformer']:.2f} "
+          f"(per round: {common.paired_spread(rounds['transformer'], rounds[kind])})")
   print(f"(MFU against {peak / 1e12:.3f} TFLOP/s: {source}; the training log's definition, "
         "odetransformer.train.metrics.device_peak_flops)")
 
   # Inference: the materialised DiffEqFormer (plain parallel layers) vs GPT, forward only.
   ode_model = trainers["diffeqformer"].ts.merge(trainers["diffeqformer"].state)[0]
-  gpt_model = trainers["gpt"].ts.merge(trainers["gpt"].state)[0]
-  mat = materialize(ode_model, ode_model.config.num_steps)
-  tokens_in = batches["gpt"]["inputs"]
+  gpt_model = trainers["transformer"].ts.merge(trainers["transformer"].state)[0]
+  mat = materialize(ode_model, ode_model.config.depth)
+  tokens_in = batches["transformer"]["inputs"]
   forward = nnx.jit(lambda m, x: m(x))
   # A forward is ~1/4 of a train step: 3× the rounds for a steadier median in less time.
   fwd = common.time_alternating({"materialised": lambda: forward(mat, tokens_in),
-                                 "gpt": lambda: forward(gpt_model, tokens_in)},
+                                 "transformer": lambda: forward(gpt_model, tokens_in)},
                                 rounds=3 * args.rounds)
   for name, s in fwd.items():
     print(f"{name:13s} forward: {s * 1e3:8.1f} ms {tokens / s:10,.0f} tokens/s")
-  print(f"materialised/gpt forward tokens/s ratio: {fwd['gpt'] / fwd['materialised']:.2f}")
+  print(f"materialised/gpt forward tokens/s ratio: {fwd['transformer'] / fwd['materialised']:.2f}")
   # The ratio of the medians is the figure; the same ratio per round (each pair timed back
   # to back) shows how much of it is this machine's noise.
   print("ode/gpt train ratio per round: "
-        + common.paired_spread(rounds["gpt"], rounds["diffeqformer"]))
-  print(f"ode/gpt train tokens/s ratio: {tps['diffeqformer'] / tps['gpt']:.2f}")
+        + common.paired_spread(rounds["transformer"], rounds["diffeqformer"]))
+  print(f"ode/gpt train tokens/s ratio: {tps['diffeqformer'] / tps['transformer']:.2f}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from odetransformer.model.transformer import create_model
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
 pytestmark = pytest.mark.xdist_group("test_analysis")
 
-TINY = ModelConfig(vocab_size=61, d_model=16, num_heads=2, mlp_dim=24, num_steps=3,
+TINY = ModelConfig(vocab_size=61, d_model=16, num_heads=2, mlp_dim=24, solver_steps=3, num_layers=3,
                    max_len=16, time_embed_dim=4, time_sinusoids=4, time_hidden=8,
                    remat_policy="none")
 
@@ -41,7 +41,7 @@ def random_model(cfg: ModelConfig, seed: int):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-  """A DiffEqFormer (gpt flavour) trained for 2 steps on the embedded corpus."""
+  """A DiffEqFormer (gpt family) trained for 2 steps on the embedded corpus."""
   from odetransformer.train import loop  # pylint: disable=g-import-not-at-top
   from tiny import tiny_run_config  # pylint: disable=g-import-not-at-top
   c = tiny_run_config(tmp_path_factory.mktemp("analysis_data"))
@@ -59,15 +59,15 @@ def ode_model(workdir):
 
 @pytest.fixture(scope="module")
 def gpt_model():
-  return random_model(dataclasses.replace(TINY, kind="gpt"), seed=1)
+  return random_model(dataclasses.replace(TINY, kind="transformer"), seed=1)
 
 
 @pytest.fixture(scope="module")
 def shared_llama_model():
-  return random_model(dataclasses.replace(TINY, kind="shared", flavour="llama"), seed=2)
+  return random_model(dataclasses.replace(TINY, kind="shared", family="llama"), seed=2)
 
 
-MODELS = {"diffeqformer": "ode_model", "gpt": "gpt_model", "shared-llama": "shared_llama_model"}
+MODELS = {"diffeqformer": "ode_model", "transformer": "gpt_model", "shared-llama": "shared_llama_model"}
 
 
 def _model(request, name):
@@ -154,8 +154,8 @@ def test_model_spectra_match_per_head_products(request, name):
   cfg = model.config
   res = spectra.compute_spectra(model, grid=5, chunk=3)   # grid in chunks of 3 and 2
   d, n, h = cfg.d_model, cfg.num_heads, cfg.head_dim
-  if cfg.kind == "gpt":
-    assert res.axis_label == "layer" and len(res.times) == cfg.num_steps
+  if cfg.kind == "transformer":
+    assert res.axis_label == "layer" and len(res.times) == cfg.depth
     weights = {k: np.asarray(v, np.float64) for k, v in model.layer_weights().items()}
   else:
     assert res.axis_label == "t" and len(res.times) == 5
@@ -251,12 +251,12 @@ def test_sensitivity_follows_the_models_own_trajectory(request, name):
   _, want = model(jnp.asarray(tokens)[None], return_trajectory=True)
   np.testing.assert_allclose(res.trajectory, np.asarray(want)[:, 0], rtol=2e-5, atol=2e-5)
   assert res.position == 4 and res.exponents.shape == (7, cfg.d_model)
-  assert res.dt == (1.0 if cfg.kind == "gpt" else 1.0 / cfg.num_steps)
+  assert res.dt == (1.0 if cfg.kind == "transformer" else 1.0 / cfg.depth)
   assert np.all(np.isfinite(res.scores)) and np.all(np.isfinite(res.attention))
   np.testing.assert_array_equal(res.exponents[5:], 0.0)   # tokens after o: no influence
   np.testing.assert_allclose(res.attention_steps.sum(-1), 1.0, rtol=1e-5)
   np.testing.assert_array_equal(res.attention[5:], 0.0)
-  assert res.attention_steps.shape == (cfg.num_steps, cfg.num_heads, 7)
+  assert res.attention_steps.shape == (cfg.depth, cfg.num_heads, 7)
 
 
 @pytest.mark.parametrize("name", ["diffeqformer", "shared-llama"])

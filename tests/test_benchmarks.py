@@ -74,7 +74,7 @@ def test_throughput(monkeypatch, capsys):
                   monkeypatch, capsys)
   assert f"batch {batch} × seq {seq}, {dtype}" in out
   tps = {}
-  for kind in ("diffeqformer", "gpt", *also):
+  for kind in ("diffeqformer", "transformer", *also):
     m = _find(rf"^{kind}\s+train:\s+{NUM} ms/step\s+{NUM} tokens/s MFU\s+{NUM}%", out)
     ms, tps[kind] = _num(m.group(1)), _num(m.group(2))
     # ms is printed to 0.1, tokens/s to 1: tokens/s = batch·seq / s within that rounding.
@@ -83,16 +83,16 @@ def test_throughput(monkeypatch, capsys):
     assert 0 < _num(m.group(3)) < 100
   for kind in also:
     m = _find(rf"^{kind}/gpt train tokens/s ratio: {NUM} \(per round: median", out)
-    assert _num(m.group(1)) == pytest.approx(tps[kind] / tps["gpt"], abs=0.006)
+    assert _num(m.group(1)) == pytest.approx(tps[kind] / tps["transformer"], abs=0.006)
   fwd = {name: _num(_find(rf"^{name}\s+forward:\s+{NUM} ms\s+{NUM} tokens/s", out).group(2))
-         for name in ("materialised", "gpt")}
+         for name in ("materialised", "transformer")}
   ratio = _num(_find(rf"^materialised/gpt forward tokens/s ratio: {NUM}$", out).group(1))
-  assert ratio == pytest.approx(fwd["materialised"] / fwd["gpt"], abs=0.006)
+  assert ratio == pytest.approx(fwd["materialised"] / fwd["transformer"], abs=0.006)
   last = out.strip().splitlines()[-1]
   m = re.fullmatch(rf"ode/gpt train tokens/s ratio: {NUM}", last)
   assert m, last
   headline = _num(m.group(1))
-  assert headline == pytest.approx(tps["diffeqformer"] / tps["gpt"], abs=0.006)
+  assert headline == pytest.approx(tps["diffeqformer"] / tps["transformer"], abs=0.006)
   # Elementwise gpt_i >= r_min * ode_i keeps the medians' ratio inside the per-round range.
   spread = _find(rf"^ode/gpt train ratio per round: median {NUM}, quartiles {NUM}–{NUM}, "
                  rf"range {NUM}–{NUM} over 2 rounds$", out)
@@ -119,12 +119,12 @@ def test_benchmarks_are_a_package_of_modules_named_apart_from_the_code():
 def test_memory_vs_steps(monkeypatch, capsys):
   out = _run_here("memory_vs_steps", ["--preset=tiny", "--steps=2,4"], monkeypatch, capsys)
   rows = {(m.group(1), int(m.group(2))): (_num(m.group(3)), _num(m.group(4)))
-          for m in re.finditer(rf"^(diffeqformer|gpt)\s+(\d+)\s+{NUM}\s+{NUM}\s+{NUM}$", out,
+          for m in re.finditer(rf"^(diffeqformer|transformer)\s+(\d+)\s+{NUM}\s+{NUM}\s+{NUM}$", out,
                                re.MULTILINE)}
-  assert set(rows) == {(k, n) for k in ("diffeqformer", "gpt") for n in (2, 4)}, out
+  assert set(rows) == {(k, n) for k in ("diffeqformer", "transformer") for n in (2, 4)}, out
   # The ODE's parameters (and so its arguments) do not depend on K; GPT's grow with L.
   assert rows["diffeqformer", 2][0] == rows["diffeqformer", 4][0]
-  assert rows["gpt", 4][0] > rows["gpt", 2][0]
+  assert rows["transformer", 4][0] > rows["transformer", 2][0]
   _find(rf"^ode temp growth per step / scan carry: {NUM} \(gpt: {NUM}\)$", out)
 
 
@@ -148,20 +148,20 @@ def test_quality(tmp_path, monkeypatch, capsys):
   (tmp_path / "eval.txt").write_text(text[150_000:190_000], encoding="utf-8")
   out = _run_here("quality", [
       "--seeds=1", "--steps=2", "--eval_batches=1", "--batch=2", "--seq_len=32",
-      "--d_model=32", "--num_heads=2", "--num_steps=2", "--time_embed_dim=8", "--vocab=512",
+      "--d_model=32", "--num_heads=2", "--solver_steps=2", "--time_embed_dim=8", "--vocab=512",
       f"--train_text={tmp_path / 'train.txt'}", f"--eval_text={tmp_path / 'eval.txt'}",
       f"--workdir={tmp_path / 'runs'}"], monkeypatch, capsys)
   ratios = []
   for seed in (0,):
     ppl = {}
-    for kind in ("diffeqformer", "gpt"):
-      m = _find(rf"^seed {seed} {kind}\s+gpt\s+params\s+{NUM} \| train loss {NUM} -> {NUM} \| "
+    for kind in ("diffeqformer", "transformer"):
+      m = _find(rf"^seed {seed} {kind}\s+gpt2\s+params\s+{NUM} \| train loss {NUM} -> {NUM} \| "
                 rf"test loss {NUM} \| test ppl {NUM} \|", out)
       loss, ppl[kind] = _num(m.group(4)), _num(m.group(5))
       assert ppl[kind] == pytest.approx(math.exp(loss), rel=1e-3)
     ratio = _num(_find(rf"^seed {seed} diffeqformer/gpt test perplexity ratio: {NUM}$",
                        out).group(1))
-    assert ratio == pytest.approx(ppl["diffeqformer"] / ppl["gpt"], abs=0.002)
+    assert ratio == pytest.approx(ppl["diffeqformer"] / ppl["transformer"], abs=0.002)
     ratios.append(ratio)
   last = re.fullmatch(rf"diffeqformer/gpt test perplexity ratio: {NUM} \(mean of 1 seeds, "
                       r"steps 2\)", out.strip().splitlines()[-1])
@@ -220,7 +220,7 @@ def test_throughput_rejects_an_unknown_kind(monkeypatch, capsys):
 def test_any_n(tmp_path):
   """One tiny seed of both training modes: the mean table is the seed's rows, each mode's
   ratio and the last line's R are what the table implies, and both modes were timed."""
-  out = _run("any_n", "--seeds=1", "--steps=2", "--num_steps=2", "--d_model=32",
+  out = _run("any_n", "--seeds=1", "--steps=2", "--solver_steps=2", "--d_model=32",
              "--num_heads=2", "--time_embed_dim=8", "--time_sinusoids=8", "--seq_len=32",
              "--batch=2", "--vocab=512", "--tokenizer_sample_bytes=300000",
              "--eval_batches=1", "--rounds=1", f"--workdir={tmp_path}",
@@ -275,13 +275,13 @@ def test_step_time_and_llama_block_flags_reach_the_runs(tmp_path):
   text = tmp_path / "t.txt"
   text.write_text("x", encoding="utf-8")
   files = [f"--train_text={text}", f"--eval_text={text}"]
-  args = quality.parse_args(["--flavour=llama", "--llama_block=reference", "--step_time=end"]
+  args = quality.parse_args(["--family=llama", "--llama_block=reference", "--step_time=end"]
                             + files)
   ode = config_lib.model_config(quality.make_config(args, "diffeqformer", 0, "c"))
   assert (ode.llama_block, ode.step_time) == ("reference", "end")
-  assert config_lib.model_config(quality.make_config(args, "gpt", 0, "c")).llama_block == "paper"
+  assert config_lib.model_config(quality.make_config(args, "transformer", 0, "c")).llama_block == "paper"
   with pytest.raises(SystemExit):
-    quality.parse_args(["--llama_block=reference"] + files)     # flavour gpt
+    quality.parse_args(["--llama_block=reference"] + files)     # family gpt
   args = any_n.parse_args(["--option=random_shift", "--step_time=end"])
   for mode in ("fixed", "random_shift"):
     cfg = config_lib.model_config(any_n.make_config(args, mode, 0, "c"))
@@ -371,7 +371,7 @@ def test_any_n_scores_are_read_back_only_for_the_same_code(tmp_path, monkeypatch
     scored.append(workdir)
     return [types.SimpleNamespace(perplexity=50.0 + n, num_tokens=1000) for n in counts]
   monkeypatch.setattr(any_n.evaluate, "evaluate", fake_evaluate)
-  args = any_n.parse_args(["--steps=4", "--num_steps=2", "--rounds=0"])
+  args = any_n.parse_args(["--steps=4", "--solver_steps=2", "--rounds=0"])
   config = any_n.make_config(args, "fixed", 0, str(tmp_path / "cache"))
   wd, code = str(tmp_path / "fixed_seed0"), common.code_version()
   row, line = any_n.train_and_score(config, wd, 16)
@@ -419,7 +419,7 @@ def test_single_epoch_resumes_and_serves_no_token_twice(tmp_path, capsys):
   single_epoch.main(flags)
   out = capsys.readouterr().out
   ppl = {}
-  for kind in ("diffeqformer", "gpt"):
+  for kind in ("diffeqformer", "transformer"):
     for step in (2, 4):
       pattern = (rf"^seed 0 step\s+{step} {kind}\s+\| valid ppl\s+{NUM} \| test ppl\s+{NUM} "
                  r"\| 64 test tokens \| (.*)$")
@@ -431,7 +431,7 @@ def test_single_epoch_resumes_and_serves_no_token_twice(tmp_path, capsys):
       else:                             # continued from the step-2 checkpoint
         assert m.group(3).startswith(f"resumed at step 2 of 4 from {tmp_path / 'runs'}")
   for step in (2, 4):
-    (ov, ot), (gv, gt) = ppl["diffeqformer", step], ppl["gpt", step]
+    (ov, ot), (gv, gt) = ppl["diffeqformer", step], ppl["transformer", step]
     _find(rf"^\| {step} \| {step * 64} \| {ov:.2f} \| {ot:.2f} \| {gv:.2f} \| {gt:.2f} \| "
           rf"{ot / gt:.3f} \| 64 \|$", out)
   docs = sum(len(local_text.split_documents(p.read_text(encoding="utf-8")))
@@ -445,7 +445,7 @@ def test_single_epoch_resumes_and_serves_no_token_twice(tmp_path, capsys):
   assert f"holds {n_ode / n_gpt:.1f}x GPT's parameters" in out
   assert out.strip().splitlines()[-1] == (
       f"single-epoch diffeqformer/gpt test perplexity ratio: "
-      f"{ppl['diffeqformer', 4][1] / ppl['gpt', 4][1]:.3f} (steps 4, tokens 256)")
+      f"{ppl['diffeqformer', 4][1] / ppl['transformer', 4][1]:.3f} (steps 4, tokens 256)")
   assert (tmp_path / "runs" / "single_epoch.png").stat().st_size > 0
   most = int(_num(_find(rf"one epoch holds {NUM} steps of 64 tokens$", out).group(1)))
   with pytest.raises(UserError, match=rf"^--steps={most + 1} needs a second epoch"):
@@ -462,7 +462,7 @@ def test_single_epoch_detects_a_second_epoch(tmp_path):
   from odetransformer.errors import UserError   # pylint: disable=g-import-not-at-top
   args = single_epoch.parse_args([f"--data_dir={_single_epoch_text(tmp_path)}",
                                   "--preset=tiny"])
-  config = single_epoch.make_config(args, "gpt", 0, 4, str(tmp_path))
+  config = single_epoch.make_config(args, "transformer", 0, 4, str(tmp_path))
   text = single_epoch.TrainingText(config, str(tmp_path))
   train = pipeline.train_dataset(
       text.documents, text.tokenizer.serialized_model_proto(), seq_len=config.seq_len,

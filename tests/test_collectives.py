@@ -67,7 +67,7 @@ def test_parser_counts_a_known_all_gather_exactly_and_weights_loops():
 
 def test_collectives_benchmark_at_tiny_shape():
   """Also `odetransformer.tools.memory`'s analytic estimate: within ±15% of each compiled
-  step's per-device peak (both models and flavours). On the mesh that splits the
+  step's per-device peak (both models and families). On the mesh that splits the
   parameters two ways at once, (1, 2, 4): fsdp and tensor; the benchmark's default also
   runs (1, 8, 1) and (2, 4, 1), whose data axis tests/test_sharding.py covers."""
   proc = subprocess.run([sys.executable, "-m", "benchmarks.collectives", "--tiny",
@@ -75,9 +75,9 @@ def test_collectives_benchmark_at_tiny_shape():
                         env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   out = proc.stdout
-  rows = re.findall(r"^\((\d), (\d), (\d)\)\s+(gpt|llama)\s+(gpt|diffeqformer)\s.*\s"
+  rows = re.findall(r"^\((\d), (\d), (\d)\)\s+(gpt2|llama)\s+(transformer|diffeqformer)\s.*\s"
                     r"([0-9.]+)\s+[0-9.]+\s+[0-9.]+\s+([0-9.]+)$", out, re.MULTILINE)
-  assert len(rows) == 1 * 2 * 2, out                          # meshes × flavours × models
+  assert len(rows) == 1 * 2 * 2, out                          # meshes × families × models
   estimates = [float(est) / float(peak) for *_, peak, est in rows]
   assert all(0.85 <= e <= 1.15 for e in estimates), out
   m = re.search(r"^odetransformer.tools.memory estimate / compiled peak: from ([0-9.]+) to "

@@ -125,8 +125,8 @@ def test_default_data_is_the_runs_eval_split(run):
 
 
 def test_discrete_models_only_at_their_own_depth():
-  cfg = ModelConfig(kind="gpt", vocab_size=64, d_model=16, num_heads=2, mlp_dim=32,
-                    num_steps=2, max_len=16)
+  cfg = ModelConfig(kind="transformer", vocab_size=64, d_model=16, num_heads=2, mlp_dim=32,
+                    num_layers=2, max_len=16)
   model = nnx.eval_shape(lambda: create_model(cfg))  # the check needs no weights
   with pytest.raises(ValueError, match="layers"):
     evaluate.evaluate_model(model, [], num_steps=4)
@@ -136,7 +136,7 @@ def test_discrete_models_only_at_their_own_depth():
 
 def test_evaluate_command_line(run, eval_file, local_results, capsys):
   fv = evaluate.define_flags(flags.FlagValues())
-  fv(["evaluate", f"--workdir={run[0]}", "--num_steps=2,3", f"--data=local:{eval_file}",
+  fv(["evaluate", f"--workdir={run[0]}", "--solver_steps=2,3", f"--data=local:{eval_file}",
       "--batch_size=4"])
   evaluate.main([], fv)
   out = capsys.readouterr().out
@@ -149,7 +149,7 @@ def test_evaluate_command_line(run, eval_file, local_results, capsys):
 
 def test_generate_command_line(run, capsys):
   fv = generate.define_flags(flags.FlagValues())
-  fv(["generate", f"--workdir={run[0]}", "--prompt=def main(", "--num_steps=5",
+  fv(["generate", f"--workdir={run[0]}", "--prompt=def main(", "--solver_steps=5",
       "--max_new_tokens=8", "--temperature=0"])
   generate.main([], fv)
   out = capsys.readouterr().out
@@ -177,7 +177,7 @@ def test_evaluate_command_line_plots_the_printed_table(run, eval_file, tmp_path,
                       lambda *a, **k: figures.append(plot_table(*a, **k)) or figures[-1])
   path = tmp_path / "ppl.png"
   fv = evaluate.define_flags(flags.FlagValues())
-  fv(["evaluate", f"--workdir={run[0]}", "--num_steps=1,3,6", f"--data=local:{eval_file}",
+  fv(["evaluate", f"--workdir={run[0]}", "--solver_steps=1,3,6", f"--data=local:{eval_file}",
       "--batch_size=4", f"--plot={path}"])
   evaluate.main([], fv)
   out = capsys.readouterr().out

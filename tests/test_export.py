@@ -40,7 +40,7 @@ MAX_LEN = 48      # room for a prompt and 32 generated tokens (learned positions
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  """A 1-step DiffEqFormer run (gpt flavour, K=2) on the embedded corpus."""
+  """A 1-step DiffEqFormer run (gpt family, K=2) on the embedded corpus."""
   c = tiny_config(tmp_path_factory.mktemp("data"), num_train_steps=1)
   c.global_batch_size = c.eval_batch_size = 2
   c.data.eval_max_batches = 1
@@ -55,12 +55,12 @@ def sp_model(run):
   return pathlib.Path(loading.tokenizer_path(run)).read_bytes()
 
 
-def model_of(kind, flavour, **options):
+def model_of(kind, family, **options):
   """A tiny model of `kind` with random weights, none at its initial value (biases, norm
   shifts non-zero, norm scales 1 ± noise), so a misplaced one shows in the logits.
   Filled from numpy: no op-by-op compilation."""
-  cfg = ModelConfig(kind=kind, flavour=flavour, vocab_size=512, d_model=32, num_heads=2,
-                    mlp_dim=64, num_steps=2, max_len=MAX_LEN, time_embed_dim=8,
+  cfg = ModelConfig(kind=kind, family=family, vocab_size=512, d_model=32, num_heads=2,
+                    mlp_dim=64, solver_steps=2, num_layers=2, max_len=MAX_LEN, time_embed_dim=8,
                     time_sinusoids=8, remat_policy="none", norm_eps=1e-4, rope_base=500.0,
                     **options)
   with nnx.use_eager_sharding(False):
@@ -78,7 +78,7 @@ def model_of(kind, flavour, **options):
 
 def assert_agrees(e):
   a = export.verify(e)
-  print(f"{e.architecture} ({e.source.config.kind}/{e.source.config.flavour}, {e.dtype}): "
+  print(f"{e.architecture} ({e.source.config.kind}/{e.source.config.family}, {e.dtype}): "
         f"{a.describe()}")
   assert a.max_error <= export.TOLERANCE * a.scale, a.describe()
   assert a.ours == a.theirs and len(a.ours[1]) > 0
@@ -86,21 +86,21 @@ def assert_agrees(e):
   return a
 
 
-@pytest.mark.parametrize("kind,flavour,options,dtype,architecture", [
-    ("gpt", "gpt", {}, "float32", "GPT2LMHeadModel"),
-    ("gpt", "llama", {"tie_embeddings": False}, "bfloat16", "LlamaForCausalLM"),
+@pytest.mark.parametrize("kind,family,options,dtype,architecture", [
+    ("transformer", "gpt2", {}, "float32", "GPT2LMHeadModel"),
+    ("transformer", "llama", {"tie_embeddings": False}, "bfloat16", "LlamaForCausalLM"),
     ("diffeqformer", "llama", {"llama_block": "reference", "step_time": "end",
                                "tie_embeddings": False}, "float32",
      "OdeTransformerForCausalLM"),
     ("shared", "llama", {}, "float32", "OdeTransformerForCausalLM"),
     # A fine-tuned materialisation: dt as out_proj_scale, LoRA adapters (merged).
-    ("parallel", "gpt", {"out_proj_scale": 0.5, "lora_rank": 2, "lora_targets": ("wq", "w2")},
+    ("parallel", "gpt2", {"out_proj_scale": 0.5, "lora_rank": 2, "lora_targets": ("wq", "w2")},
      "float32", "OdeTransformerForCausalLM"),
 ])
-def test_each_kind_loads_in_transformers_with_our_logits(kind, flavour, options, dtype,
+def test_each_kind_loads_in_transformers_with_our_logits(kind, family, options, dtype,
                                                          architecture, sp_model, tmp_path):
-  """The GPT-flavour DiffEqFormer: test_command_line_verify_on_a_trained_run."""
-  model = model_of(kind, flavour, **options)
+  """The GPT-family DiffEqFormer: test_command_line_verify_on_a_trained_run."""
+  model = model_of(kind, family, **options)
   num_steps = 3 if model.config.is_ode else None     # N != K: a materialisation
   out = tmp_path / "hf"
   e = export.export_model(model, sp_model, str(out), context=32, num_steps=num_steps,
@@ -120,7 +120,7 @@ def test_each_kind_loads_in_transformers_with_our_logits(kind, flavour, options,
 
 def test_verify_fails_on_a_wrong_export(sp_model, tmp_path):
   """The check can fail: a directory whose config says another norm epsilon."""
-  e = export.export_model(model_of("gpt", "gpt"), sp_model, str(tmp_path), context=32)
+  e = export.export_model(model_of("transformer", "gpt2"), sp_model, str(tmp_path), context=32)
   config = json.loads((tmp_path / "config.json").read_text())
   (tmp_path / "config.json").write_text(json.dumps(dict(config, layer_norm_epsilon=1e-2)))
   a = export.verify(e)
@@ -146,7 +146,7 @@ def test_gcs_run_exports_to_gcs_as_it_does_locally(run, gcs_bucket, tmp_path):
 
 @pytest.mark.parametrize("solver", ["midpoint", "rk4"])
 def test_higher_order_ode_is_refused(solver, tmp_path):
-  model = model_of("diffeqformer", "gpt", solver=solver)
+  model = model_of("diffeqformer", "gpt2", solver=solver)
   with pytest.raises(UserError, match=f"solver is '{solver}'") as info:
     export.export_model(model, b"", str(tmp_path / "hf"), context=32)
   assert "\n" not in str(info.value) and "only an Euler ODE" in str(info.value)
@@ -168,8 +168,8 @@ def test_command_line_refuses_rk4_before_loading(tmp_path):
 
 
 def test_discrete_model_keeps_its_depth(sp_model, tmp_path):
-  with pytest.raises(UserError, match="has 2 layers; leave --num_steps out"):
-    export.export_model(model_of("gpt", "gpt"), sp_model, str(tmp_path), context=32,
+  with pytest.raises(UserError, match="has 2 layers; leave --solver_steps out"):
+    export.export_model(model_of("transformer", "gpt2"), sp_model, str(tmp_path), context=32,
                         num_steps=4)
 
 
@@ -197,7 +197,7 @@ def test_tokenizer_gives_sentencepiece_ids_on_real_text(sp_model, tmp_path):
 def test_command_line_verify_on_a_trained_run(run, tmp_path):
   out = tmp_path / "hf"
   cmd = [sys.executable, "-m", "odetransformer.tools.export", f"--workdir={run}", f"--out={out}",
-         "--num_steps=3", "--verify"]
+         "--solver_steps=3", "--verify"]
   r = subprocess.run(cmd, cwd=ROOT, env=cpu_env(OMP_NUM_THREADS=1), capture_output=True,
                      text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]

@@ -32,7 +32,7 @@ def ft_config(pretrained, method, num_steps, steps=2, **finetune_kw):
   base, _ = pretrained
   c = tiny_config(base / "cache", steps)
   c.init_from = str(base / "run")
-  fields = dict(method=method, num_steps=num_steps, lora_rank=2, lora_alpha=4.0,
+  fields = dict(method=method, solver_steps=num_steps, lora_rank=2, lora_alpha=4.0,
                 targets="wq,wo", train_embeddings=False, lora_init="zero_b")
   fields.update(finetune_kw)
   c.finetune = ml_collections.ConfigDict(fields)
@@ -47,7 +47,7 @@ def test_continuous_at_other_steps_runs_and_resumes(pretrained, tmp_path):
   first = loop.train_and_evaluate(ft_config(pretrained, "continuous", 5, steps=2), tmp_path)
   assert (first["start_step"], first["step"]) == (0, 2)
   saved = json.loads((tmp_path / "config.json").read_text())["model"]
-  assert saved["kind"] == "diffeqformer" and saved["num_steps"] == 5
+  assert saved["kind"] == "diffeqformer" and saved["solver_steps"] == 5
   again = loop.train_and_evaluate(ft_config(pretrained, "continuous", 5, steps=4), tmp_path)
   assert (again["start_step"], again["step"]) == (2, 4)
   assert np.isfinite(again["eval"]["loss"])
@@ -97,7 +97,7 @@ def test_lora_steps_lower_the_held_out_loss(pretrained, tmp_path):
   np.testing.assert_array_equal(np.asarray(tuned.embed[...]), np.asarray(reference.embed[...]))
 
 
-ODE = ModelConfig(vocab_size=61, d_model=16, num_heads=2, mlp_dim=32, num_steps=4,
+ODE = ModelConfig(vocab_size=61, d_model=16, num_heads=2, mlp_dim=32, solver_steps=4, num_layers=4,
                   max_len=16, time_embed_dim=4, time_sinusoids=4, remat_policy="none")
 
 
@@ -193,7 +193,7 @@ def test_mismatched_width_is_a_clear_error(pretrained, tmp_path):
 def test_continuous_needs_an_ode_pretrained_model(pretrained, tmp_path):
   base, _ = pretrained
   pre = json.loads((base / "run" / "config.json").read_text())
-  pre["model"]["kind"] = "gpt"      # the same run's config, as if it were a GPT baseline
+  pre["model"]["kind"] = "transformer"      # the same run's config, as if it were a GPT baseline
   (tmp_path / "config.json").write_text(json.dumps(pre))
   c = ft_config(pretrained, "continuous", 3)
   c.init_from = str(tmp_path)

@@ -154,7 +154,7 @@ def test_finetune_from_gs_starts_at_the_pretrained_loss(gs_run, reference, cache
   c = config(cache, 1)
   c.init_from = gs_run[0]
   c.finetune = ml_collections.ConfigDict(dict(
-      method="full", num_steps=0, lora_rank=2, lora_alpha=4.0, targets="wq,wo",
+      method="full", solver_steps=None, lora_rank=2, lora_alpha=4.0, targets="wq,wo",
       train_embeddings=False, lora_init="zero_b"))
   loop.train_and_evaluate(c, str(tmp_path))
   eval_loss = dict(metrics_lib.read_scalars(str(tmp_path / "tensorboard"))["eval/loss"])[0]

@@ -33,7 +33,8 @@ def tiny_model(**kw):
 
 @functools.lru_cache(maxsize=None)
 def _tiny_model(kw):
-  base = dict(vocab_size=VOCAB, d_model=32, num_heads=2, mlp_dim=64, num_steps=3, max_len=32,
+  base = dict(vocab_size=VOCAB, d_model=32, num_heads=2, mlp_dim=64, solver_steps=3,
+              num_layers=3, max_len=32,
               time_embed_dim=8, time_sinusoids=8, remat_policy="none")
   base.update(kw)
   perturb = base.pop("perturb", False)
@@ -85,21 +86,21 @@ def cached_logits(decoder, toks, prefill):
 B, LEN, PREFILL = 2, 12, 5
 CASES = {
     "diffeqformer-gpt": dict(kind="diffeqformer"),           # materialised, learned positions
-    "diffeqformer-llama": dict(kind="diffeqformer", flavour="llama"),   # materialised, RoPE
-    "gpt-gpt": dict(kind="gpt"),                             # sequential GPT-2 blocks
-    "gpt-llama": dict(kind="gpt", flavour="llama"),          # sequential Llama blocks
+    "diffeqformer-llama": dict(kind="diffeqformer", family="llama"),   # materialised, RoPE
+    "gpt-gpt": dict(kind="transformer"),                             # sequential GPT-2 blocks
+    "gpt-llama": dict(kind="transformer", family="llama"),          # sequential Llama blocks
     # weight-sharing ODE with a 4-stage solver: not materialised, 4 cache slots per step
-    "shared-rk4": dict(kind="shared", solver="rk4", flavour="llama"),
+    "shared-rk4": dict(kind="shared", solver="rk4", family="llama"),
     # the reference's conventions: step-end times (materialised at (k+1)/N) and its
     # Llama block; midpoint at its 'end' nodes (not materialised)
-    "diffeqformer-llama-reference-end": dict(kind="diffeqformer", flavour="llama",
+    "diffeqformer-llama-reference-end": dict(kind="diffeqformer", family="llama",
                                              llama_block="reference", step_time="end",
                                              perturb=True),
     "diffeqformer-midpoint-end": dict(kind="diffeqformer", solver="midpoint",
                                       step_time="end", perturb=True),
     # DiffEqFormer with higher-order solvers: W(t) at the stage times, 2 / 4 slots per step
     "diffeqformer-midpoint": dict(kind="diffeqformer", solver="midpoint"),
-    "diffeqformer-rk4": dict(kind="diffeqformer", solver="rk4", flavour="llama"),
+    "diffeqformer-rk4": dict(kind="diffeqformer", solver="rk4", family="llama"),
 }
 
 
@@ -130,7 +131,7 @@ def test_cached_decoding_matches_full_forward_in_bfloat16():
 def test_decoding_beyond_the_cache_is_an_error():
   """A chunk that would run past the cache is refused (dynamic_update_slice would
   silently clamp the write onto the last positions)."""
-  decoder = decoder_for(tiny_model(kind="diffeqformer", flavour="llama"))
+  decoder = decoder_for(tiny_model(kind="diffeqformer", family="llama"))
   cache = decoder.init_cache(B, LEN)
   with pytest.raises(ValueError, match="overflows the cache of max_len=12"):
     decoder(tokens(B, PREFILL), cache, [0, LEN - 2])
@@ -138,7 +139,7 @@ def test_decoding_beyond_the_cache_is_an_error():
 
 def test_materialised_decoding_at_another_step_count():
   """An Euler ODE decoded at N != K (materialised) equals its N-step solve."""
-  model = tiny_model(kind="diffeqformer", flavour="llama")
+  model = tiny_model(kind="diffeqformer", family="llama")
   toks = tokens(B, LEN)
   decoder = decoder_for(model, 5)
   assert decoder.model.config.kind == "parallel" and decoder.num_slots == 5
@@ -148,13 +149,13 @@ def test_materialised_decoding_at_another_step_count():
 
 def test_discrete_model_rejects_other_depths():
   with pytest.raises(ValueError, match="layers"):
-    Decoder(tiny_model(kind="gpt"), num_steps=5)
+    Decoder(tiny_model(kind="transformer"), num_steps=5)
 
 
 def test_rows_of_different_lengths_share_a_cache():
   """Right-padded prompts of different lengths: each row's logits equal its own
   forward pass; the padding tail is overwritten before it is ever attended."""
-  model = tiny_model(kind="diffeqformer", flavour="llama")
+  model = tiny_model(kind="diffeqformer", family="llama")
   decoder = decoder_for(model)
   toks = np.asarray(tokens(B, LEN))
   lengths = np.array([2, PREFILL])

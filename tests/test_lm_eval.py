@@ -48,7 +48,7 @@ def workdir(tmp_path_factory):
 def lm(workdir):
   # As the harness builds it: model_args parsed from a string, batch_size as a string.
   return ODETransformerLM.create_from_arg_string(
-      f"workdir={workdir},num_steps={NUM_STEPS},max_length={MAX_LENGTH}",
+      f"workdir={workdir},solver_steps={NUM_STEPS},max_length={MAX_LENGTH}",
       {"batch_size": "3", "max_batch_size": None, "device": "cpu"})
 
 
@@ -188,7 +188,7 @@ def test_command_line_runs_a_local_lambada_task(workdir, lm, reference, tmp_path
   env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
              HF_DATASETS_CACHE=str(tmp_path / "hf_cache"))
   cmd = [sys.executable, "-m", "odetransformer.tools.lm_eval", "--model", "odetransformer",
-         "--model_args", f"workdir={workdir},num_steps={NUM_STEPS},max_length={MAX_LENGTH}",
+         "--model_args", f"workdir={workdir},solver_steps={NUM_STEPS},max_length={MAX_LENGTH}",
          "--include_path", str(tasks), "--tasks", "lambada_local",
          "--batch_size", "3", "--output_path", str(out)]
   r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -33,7 +33,7 @@ def small_config():
   c.model.d_model = 64
   c.model.num_heads = 4
   c.model.mlp_dim = 128
-  c.model.num_steps = 3
+  c.model.solver_steps = c.model.num_layers = 3
   c.model.time_embed_dim = 8
   c.model.time_sinusoids = 8
   c.data.vocab_size = 512
@@ -66,7 +66,7 @@ def test_analytic_cli_shards_params_over_fake_devices(tmp_path):
   n = count_params(config_lib.model_config(config, config.data.vocab_size))
   args = ["--config=configs/default.py", "--num_devices=4", "--nocompile",
           "--config.model.d_model=64", "--config.model.num_heads=4",
-          "--config.model.mlp_dim=128", "--config.model.num_steps=3",
+          "--config.model.mlp_dim=128", "--config.model.solver_steps=3",
           "--config.model.time_embed_dim=8", "--config.model.time_sinusoids=8",
           "--config.data.vocab_size=512"]
   stdout, rep = _cli(tmp_path, *args)
@@ -81,7 +81,7 @@ def _weight_heavy_flags():
   """A DiffEqFormer whose generated weights W(t) outweigh its activations: K = 8 steps
   of a 128-wide layer on 8-token rows, one row per device."""
   c = tiny_config(None)
-  c.model.d_model, c.model.num_heads, c.model.mlp_dim, c.model.num_steps = 128, 4, 512, 8
+  c.model.d_model, c.model.num_heads, c.model.mlp_dim, c.model.solver_steps = 128, 4, 512, 8
   c.seq_len, c.global_batch_size, c.eval_batch_size = 8, 4, 4
   return config_flags(c)
 
@@ -104,7 +104,7 @@ def test_compiled_cli_on_four_fake_devices(tmp_path):
   model_bytes = rep["param_bytes"] + rep["other_model_bytes"]
   assert model_bytes <= e["argument_size_in_bytes"] < rep["state_bytes"]
   assert e["alias_size_in_bytes"] == 0 and rep["eval_bytes"] < rep["total_bytes"]
-  cfg = config_lib.ModelConfig(d_model=128, num_heads=4, mlp_dim=512, num_steps=8)
+  cfg = config_lib.ModelConfig(d_model=128, num_heads=4, mlp_dim=512, solver_steps=8, num_layers=8)
   generated = 8 * sum(math.prod(s.shape) for s in blocks.layer_param_specs(cfg).values()) * 4
   assert e["temp_size_in_bytes"] < 0.75 * generated, (e, generated)
   assert "eval step peak" in stdout

@@ -17,7 +17,7 @@ from odetransformer.model.materialize import materialize
 from odetransformer.model.transformer import create_model
 from odetransformer.model.time_embedding import time_embedding
 
-TINY = ModelConfig(vocab_size=97, d_model=32, num_heads=4, mlp_dim=64, num_steps=4,
+TINY = ModelConfig(vocab_size=97, d_model=32, num_heads=4, mlp_dim=64, solver_steps=4, num_layers=4,
                    max_len=32, time_embed_dim=8, time_sinusoids=6, time_hidden=16,
                    remat_policy="none")
 
@@ -89,7 +89,7 @@ def ref_rope(x, pos, base):  # x [t, n, h]
 
 def ref_field(x, w, cfg, seg, pos):
   """F(x) for one sequence x [t, d], with explicit loops over heads."""
-  gpt = cfg.flavour == "gpt"
+  gpt = cfg.family == "gpt2"
   n1 = ref_norm(x, w["norm1_scale"], w.get("norm1_shift"), cfg.norm_eps)
   n2 = ref_norm(x, w["norm2_scale"], w.get("norm2_shift"), cfg.norm_eps)
   t = x.shape[0]
@@ -127,23 +127,23 @@ def ref_logits(model, toks, num_steps, seg=None, pos=None):
     p = np.arange(toks.shape[1]) if pos is None else np.asarray(pos[b])
     sb = None if seg is None else np.asarray(seg[b])
     x = emb[np.asarray(toks[b])]
-    if cfg.flavour == "gpt":
+    if cfg.family == "gpt2":
       x = x + _np(model.pos_embed[...])[p]
     x = x * cfg.embed_scale
     dt = 1.0 / num_steps
     for step in range(num_steps):  # plain Python loop over solver steps
       t = np.float32(step) * np.float32(dt)   # the model's float32 time grid
       x = x + dt * ref_field(x, ref_weights(model, t), cfg, sb, p)
-    shift = _np(model.final_norm_shift[...]) if cfg.flavour == "gpt" else None
+    shift = _np(model.final_norm_shift[...]) if cfg.family == "gpt2" else None
     x = ref_norm(x, _np(model.final_norm_scale[...]), shift, cfg.norm_eps)
     out.append(x @ emb.T)
   return np.stack(out)
 
 
-@pytest.mark.parametrize("flavour", ["gpt", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("shared_mlp", [False, True])
-def test_scan_matches_reference_loop(flavour, shared_mlp):
-  cfg = dataclasses.replace(TINY, flavour=flavour, shared_time_mlp=shared_mlp)
+def test_scan_matches_reference_loop(family, shared_mlp):
+  cfg = dataclasses.replace(TINY, family=family, shared_time_mlp=shared_mlp)
   model = create_model(cfg, seed=1)
   _perturb_hypernet(model)
   toks = tokens(b=2, length=10)
@@ -164,18 +164,18 @@ def _perturb_hypernet(model, scale=0.3, seed=7):
   nnx.update(model, jax.tree.unflatten(tree, leaves))
 
 
-@pytest.mark.parametrize("flavour,options", [
-    ("gpt", {}), ("llama", {}), ("gpt", {"step_time": "end"}),
+@pytest.mark.parametrize("family,options", [
+    ("gpt2", {}), ("llama", {}), ("gpt2", {"step_time": "end"}),
     ("llama", {"step_time": "end", "llama_block": "reference"})])
-def test_materialized_equals_euler_solve(flavour, options):
-  cfg = dataclasses.replace(TINY, flavour=flavour, **options)
+def test_materialized_equals_euler_solve(family, options):
+  cfg = dataclasses.replace(TINY, family=family, **options)
   model = create_model(cfg, seed=2)
   _perturb_hypernet(model)
   toks = tokens(3)
   for n in (3, 7):  # neither is the config default (4)
     ode = model(toks, num_steps=n)
     disc = materialize(model, n)
-    assert disc.config.kind == "parallel" and disc.config.num_steps == n
+    assert disc.config.kind == "parallel" and disc.config.depth == n
     np.testing.assert_allclose(np.asarray(disc(toks)), np.asarray(ode), atol=1e-5, rtol=1e-5)
 
 
@@ -196,13 +196,13 @@ def test_materialising_a_higher_order_ode_is_refused(solver):
     materialize(model, 4)
 
 
-KINDS = [("diffeqformer", "gpt"), ("diffeqformer", "llama"), ("gpt", "gpt"),
-         ("gpt", "llama"), ("parallel", "gpt"), ("shared", "llama")]
+KINDS = [("diffeqformer", "gpt2"), ("diffeqformer", "llama"), ("transformer", "gpt2"),
+         ("transformer", "llama"), ("parallel", "gpt2"), ("shared", "llama")]
 
 
-@pytest.mark.parametrize("kind,flavour", KINDS)
-def test_causality_and_segments(kind, flavour):
-  model = create_model(dataclasses.replace(TINY, kind=kind, flavour=flavour), seed=4)
+@pytest.mark.parametrize("kind,family", KINDS)
+def test_causality_and_segments(kind, family):
+  model = create_model(dataclasses.replace(TINY, kind=kind, family=family), seed=4)
   _perturb_hypernet(model)
   toks = tokens(5, b=1, length=12)
   base = np.asarray(model(toks))
@@ -336,7 +336,7 @@ def test_hypernetwork_gradients_match_finite_differences():
 
 
 def _train_step_text(k):
-  cfg = dataclasses.replace(TINY, num_steps=k, remat_policy="full")
+  cfg = dataclasses.replace(TINY, solver_steps=k, num_layers=k, remat_policy="full")
   model = create_model(cfg, seed=0)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   toks = tokens()
@@ -371,12 +371,12 @@ def test_init_well_scaled_at_any_k(k):
   assert abs(float(s / w) - math.log(512)) < 0.1
 
 
-@pytest.mark.parametrize("flavour", ["gpt", "llama"])
-def test_init_follows_the_reference_code(flavour):
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_init_follows_the_reference_code(family):
   """P ~ N(0, hyper_init_std²) for weights and N(0, hyper_bias_init_std²) for biases,
   P0 = 0 (1 for norm scales), norm generators 0, time-MLP kernels N(0, σ²) with hidden
   width d_t and zero biases; input embeddings unscaled."""
-  cfg = dataclasses.replace(TINY, flavour=flavour, d_model=64, mlp_dim=256,
+  cfg = dataclasses.replace(TINY, family=family, d_model=64, mlp_dim=256,
                             time_embed_dim=16, time_hidden=0, hyper_init_std=0.03,
                             hyper_bias_init_std=1e-3)
   model = create_model(cfg, seed=3)
@@ -397,12 +397,12 @@ def test_init_follows_the_reference_code(flavour):
   toks = tokens(4, b=1, length=8)
   x = model.embed_tokens(toks, jnp.arange(8)[None])
   want = jnp.take(model.embed[...], toks, axis=0)
-  if flavour == "gpt":
+  if family == "gpt2":
     want = want + model.pos_embed[...][:8][None]
   np.testing.assert_allclose(np.asarray(x), np.asarray(want), rtol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["diffeqformer", "gpt"])
+@pytest.mark.parametrize("kind", ["diffeqformer", "transformer"])
 def test_embedding_init_follows_the_reference_models(kind):
   """As the authors' models (levanter's Gpt2Embeddings and LlamaEmbedding): GPT-2 token
   embeddings N(0, 0.02²) and positions N(0, 0.01²); untied Llama token embeddings
@@ -411,9 +411,9 @@ def test_embedding_init_follows_the_reference_models(kind):
     m = create_model(dataclasses.replace(TINY, kind=kind, **kw), seed=1)
     return {n: float(jnp.std(getattr(m, n)[...])) for n in ("embed", "pos_embed")
             if hasattr(m, n)}
-  for got, want in ((std(flavour="gpt"), {"embed": 0.02, "pos_embed": 0.01}),
-                    (std(flavour="llama", tie_embeddings=False), {"embed": 1.0}),
-                    (std(flavour="llama"), {"embed": 0.02})):
+  for got, want in ((std(family="gpt2"), {"embed": 0.02, "pos_embed": 0.01}),
+                    (std(family="llama", tie_embeddings=False), {"embed": 1.0}),
+                    (std(family="llama"), {"embed": 0.02})):
     assert got.keys() == want.keys()
     for name in want:
       assert abs(got[name] / want[name] - 1) < 0.1, (name, got, want)
@@ -431,9 +431,9 @@ def test_init_final_state_scale_independent_of_k():
   assert max(finals) / min(finals) < 1.5, finals
 
 
-@pytest.mark.parametrize("kind,flavour", KINDS)
-def test_kinds_train(kind, flavour):
-  model = create_model(dataclasses.replace(TINY, kind=kind, flavour=flavour,
+@pytest.mark.parametrize("kind,family", KINDS)
+def test_kinds_train(kind, family):
+  model = create_model(dataclasses.replace(TINY, kind=kind, family=family,
                                            remat_policy="full"), seed=12)
   opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
   toks = tokens(13, b=4, length=16)
@@ -530,11 +530,11 @@ def test_shared_time_mlp_has_fewer_params():
     ({"num_heads": 5}, "does not divide"),
     ({"kind": "rnn"}, "model.kind='rnn' is unknown"),
     ({"solver": "dopri"}, "model.solver='dopri' is unknown"),
-    ({"num_steps": 0}, "must be a positive integer"),
+    ({"solver_steps": 0}, "must be a positive integer"),
     ({"typo_key": 1}, "unknown model config keys"),
     ({"step_time": "middle"}, "model.step_time='middle' is unknown"),
-    ({"llama_block": "reference"}, "use llama_block='paper'"),   # flavour gpt
-    ({"llama_block": "reference", "flavour": "llama", "kind": "gpt"},
+    ({"llama_block": "reference"}, "use llama_block='paper'"),   # family gpt
+    ({"llama_block": "reference", "family": "llama", "kind": "transformer"},
      "use llama_block='paper'"),
 ])
 def test_config_errors(override, message):
@@ -552,9 +552,9 @@ def test_sequence_longer_than_positions_is_an_error():
 
 
 def test_discrete_model_rejects_other_depth():
-  model = create_model(dataclasses.replace(TINY, kind="gpt"), seed=0)
+  model = create_model(dataclasses.replace(TINY, kind="transformer"), seed=0)
   with pytest.raises(ValueError, match="materialize"):
-    model(tokens(), num_steps=TINY.num_steps + 1)
+    model(tokens(), num_steps=TINY.depth + 1)
 
 
 @pytest.mark.parametrize("k", [1, 6, 12])
@@ -587,15 +587,15 @@ def test_generate_weights_and_gradients_match_a_loop_in_float64(k):
 
 def test_param_count_matches_allocated_model_and_gpt2():
   from odetransformer.model.param_count import count_params, paper_config
-  for cfg in (TINY, dataclasses.replace(TINY, kind="gpt"),
-              dataclasses.replace(TINY, flavour="llama", shared_time_mlp=True)):
+  for cfg in (TINY, dataclasses.replace(TINY, kind="transformer"),
+              dataclasses.replace(TINY, family="llama", shared_time_mlp=True)):
     allocated = sum(x.size for x in jax.tree.leaves(nnx.state(create_model(cfg), nnx.Param)))
     assert count_params(cfg) == allocated
   # GPT-2 closed form: tokens + positions + L·(attention 4d²+4d, MLP 8d²+5d, 2 norms 4d)
   # + final norm 2d.
   v, t, d, layers = 50304, 1024, 768, 12
   closed = v * d + t * d + layers * (12 * d * d + 13 * d) + 2 * d
-  assert count_params(paper_config("gpt-small", kind="gpt")) == closed
+  assert count_params(paper_config("gpt-small", kind="transformer")) == closed
 
 
 def test_lora_starts_at_base_trains_adapters_only_and_merges():

@@ -41,9 +41,9 @@ def test_constant_schedule_and_bad_names():
     optimizer.create_optimizer(_optim(b2=1.0), 100)
 
 
-def _mask_by_path(kind, flavour):
-  cfg = ModelConfig(kind=kind, flavour=flavour, vocab_size=64, d_model=16, num_heads=2,
-                    mlp_dim=32, num_steps=2, max_len=16, time_embed_dim=4,
+def _mask_by_path(kind, family):
+  cfg = ModelConfig(kind=kind, family=family, vocab_size=64, d_model=16, num_heads=2,
+                    mlp_dim=32, solver_steps=2, num_layers=2, max_len=16, time_embed_dim=4,
                     time_sinusoids=4, remat_policy="none")
   params = nnx.state(nnx.eval_shape(lambda: create_model(cfg, seed=0)), nnx.Param)  # shapes only
   mask = optimizer.weight_decay_mask(params)
@@ -52,7 +52,7 @@ def _mask_by_path(kind, flavour):
 
 
 def test_weight_decay_mask_diffeqformer():
-  m = _mask_by_path("diffeqformer", "gpt")
+  m = _mask_by_path("diffeqformer", "gpt2")
   expect = {
       "['embed']": True, "['pos_embed']": True,
       "['final_norm_scale']": False, "['final_norm_shift']": False,
@@ -70,12 +70,12 @@ def test_weight_decay_mask_diffeqformer():
     assert m[key] == decayed, key
 
 
-@pytest.mark.parametrize("flavour", ["gpt", "llama"])
-def test_weight_decay_mask_discrete_baseline(flavour):
-  m = _mask_by_path("gpt", flavour)
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_weight_decay_mask_discrete_baseline(family):
+  m = _mask_by_path("transformer", family)
   assert m["['embed']"] and m["['stack']['params']['wq']"] and m["['stack']['params']['w2']"]
   assert not m["['stack']['params']['norm1_scale']"] and not m["['final_norm_scale']"]
-  if flavour == "gpt":
+  if family == "gpt2":
     assert not m["['stack']['params']['bq']"] and not m["['stack']['params']['b1']"]
   else:
     assert m["['stack']['params']['w3']"]
@@ -154,7 +154,8 @@ def test_optimizer_equals_float64_adamw_reference():
 
 def test_weight_decay_on_embeddings_decays_only_the_embeddings():
   """The authors' ODE group: token/position embeddings decay, nothing else does."""
-  cfg = ModelConfig(vocab_size=64, d_model=16, num_heads=2, mlp_dim=32, num_steps=2,
+  cfg = ModelConfig(vocab_size=64, d_model=16, num_heads=2, mlp_dim=32, solver_steps=2,
+                    num_layers=2,
                     max_len=16, time_embed_dim=4, time_sinusoids=4, tie_embeddings=False)
   params = nnx.state(nnx.eval_shape(lambda: create_model(cfg, seed=0)), nnx.Param)
   mask = optimizer.weight_decay_mask(params, on="embeddings")

@@ -1,9 +1,9 @@
 """The model against the authors' code (SDML-KU/qkvflow, MIT): a float64 numpy forward
 pass written from that code's equations, not from ours, loaded with our model's weights.
 
-GPT flavour: qkvflow `nn/dynamic.py` (`SinusoidalPosEmb`, `TemporalLinear`,
+GPT family: qkvflow `nn/dynamic.py` (`SinusoidalPosEmb`, `TemporalLinear`,
 `TemporalLayerNorm`, `Block`, `NeuralOdeTransformer`: Euler with x + dt·block(t_k, x)
-at t_k = (k+1)·dt, `Gpt2Embeddings` tied to the head). Llama flavour:
+at t_k = (k+1)·dt, `Gpt2Embeddings` tied to the head). Llama family:
 `nn/dynamic_llama.py` (`LlamaRMSNorm` with a time-dependent weight and bias at eps
 1e-6, `LlamaDecoderLayer`: the MLP reads post_attention_layernorm(input_layernorm(x)),
 `LlamaRMSNorm_` final norm, an untied head). Levanter's attention scales scores by
@@ -110,7 +110,7 @@ def llama_block(ref, e, x, rope_base):
   return attn + temporal_linear(ref["down_proj"], e, hidden, 1)
 
 
-def reference_logits(ref, toks, num_layers, flavour, num_sinusoids, rope_base):
+def reference_logits(ref, toks, num_layers, family, num_sinusoids, rope_base):
   """NeuralOdeLMHeadModel / LlamaLMHeadModel: embed, Euler x + dt·block(t_k, x) at
   t_k = (k+1)·dt, final norm, head; one row of tokens at a time."""
   dt = np.float32(1.0 / num_layers)
@@ -118,13 +118,13 @@ def reference_logits(ref, toks, num_layers, flavour, num_sinusoids, rope_base):
   out = []
   for row in np.asarray(toks):
     x = ref["token_embeddings"][row]
-    if flavour == "gpt":
+    if family == "gpt2":
       x = x + ref["position_embeddings"][np.arange(len(row))]
     for t in ts:
       e = sinusoidal_pos_emb(t, num_sinusoids)
-      f = gpt_block(ref, e, x) if flavour == "gpt" else llama_block(ref, e, x, rope_base)
+      f = gpt_block(ref, e, x) if family == "gpt2" else llama_block(ref, e, x, rope_base)
       x = x + f * np.float64(dt)
-    if flavour == "gpt":   # hnn.LayerNorm, eps 1e-5, tied unembedding
+    if family == "gpt2":   # hnn.LayerNorm, eps 1e-5, tied unembedding
       mean = x.mean(-1, keepdims=True)
       x = (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
       out.append((x * ref["ln_f_w"] + ref["ln_f_b"]) @ ref["token_embeddings"].T)
@@ -152,11 +152,11 @@ def _module(model, group, gens):
 def reference_params(model):
   cfg, stack = model.config, model.stack
   ref = {"token_embeddings": _np(model.embed[...]), "ln_f_w": _np(model.final_norm_scale[...])}
-  norms = {"norm1": "attn_ln" if cfg.flavour == "gpt" else "input_layernorm",
-           "norm2": "mlp_ln" if cfg.flavour == "gpt" else "post_attention_layernorm"}
+  norms = {"norm1": "attn_ln" if cfg.family == "gpt2" else "input_layernorm",
+           "norm2": "mlp_ln" if cfg.family == "gpt2" else "post_attention_layernorm"}
   for ours, theirs in norms.items():
     ref[theirs] = _module(model, ours, {"f_weight": f"{ours}_scale", "f_bias": f"{ours}_shift"})
-  if cfg.flavour == "gpt":
+  if cfg.family == "gpt2":
     ref["position_embeddings"] = _np(model.pos_embed[...])
     ref["ln_f_b"] = _np(model.final_norm_shift[...])
     # c_attn is one TemporalLinear (one time MLP) with Out = (qkv, heads, head_size).
@@ -185,13 +185,13 @@ def _reference_expressible(model):
     if spec.role in ("norm_scale", "norm_shift", "bias", "out_bias"):
       base = model.stack.gens[name].base
       base[...] = jnp.full_like(base[...], 1.0 if spec.role == "norm_scale" else 0.0)
-  if model.config.flavour == "gpt":
+  if model.config.family == "gpt2":
     for p in "kv":
       nnx.update(model.stack.mlps[p], nnx.state(model.stack.mlps["q"]))
 
 
-CASES = {"gpt": dict(flavour="gpt"),
-         "llama": dict(flavour="llama", llama_block="reference", tie_embeddings=False)}
+CASES = {"gpt2": dict(family="gpt2"),
+         "llama": dict(family="llama", llama_block="reference", tie_embeddings=False)}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -203,7 +203,7 @@ def test_end_step_time_is_the_reference_forward(name):
   model = create_model(cfg, seed=5)
   _reference_expressible(model)
   toks = tokens(2, b=2, length=12)
-  want = reference_logits(reference_params(model), toks, cfg.num_steps, cfg.flavour,
+  want = reference_logits(reference_params(model), toks, cfg.depth, cfg.family,
                           cfg.time_sinusoids, cfg.rope_base)
   scale = np.abs(want).max()
 
@@ -216,7 +216,7 @@ def test_end_step_time_is_the_reference_forward(name):
   err = error(cfg)
   assert err < 1e-5, err
   assert error(dataclasses.replace(cfg, step_time="start")) > 100 * max(err, 1e-7)
-  if cfg.flavour == "llama":
+  if cfg.family == "llama":
     paper = dataclasses.replace(cfg, llama_block="paper")
     paper_model = create_model(paper, seed=0)
     nnx.update(paper_model, nnx.state(model).filter(

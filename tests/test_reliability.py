@@ -386,9 +386,9 @@ def trained(cache, tmp_path_factory):
     ({"model.num_heads": 5}, errors.ConfigError, "does not divide"),
     ({"model.kind": "lstm"}, errors.ConfigError, "model.kind='lstm' is unknown"),
     ({"model.solver": "heun"}, errors.ConfigError, "model.solver='heun' is unknown"),
-    ({"model.num_steps": 0}, errors.ConfigError, "model.num_steps=0 must be a positive"),
-    ({"model.num_steps": -2}, errors.ConfigError, "model.num_steps=-2 must be a positive"),
-    ({"model.kind": "gpt", "seq_len": 64}, errors.ConfigError, "seq_len=64 exceeds model.max_len=32"),
+    ({"model.solver_steps": 0}, errors.ConfigError, "model.solver_steps=0 must be a positive"),
+    ({"model.solver_steps": -2}, errors.ConfigError, "model.solver_steps=-2 must be a positive"),
+    ({"model.kind": "transformer", "seq_len": 64}, errors.ConfigError, "seq_len=64 exceeds model.max_len=32"),
     ({"data.source": "local", "data.train_files": "/nonexistent/*.txt"}, DataError, "nonexistent"),
 ])
 def test_bad_config_is_one_error_and_writes_nothing(cache, tmp_path, overrides, error, match):
@@ -421,19 +421,19 @@ def test_main_subprocess_one_line_exit_2_nothing_written(trained, cache, tmp_pat
   wd = tmp_path / "wd"
   shutil.copytree(trained, wd)
   before = snapshot(wd)
-  proc = subprocess.run(main_cmd(wd, cache, 4, "--config.model.num_steps=3"), cwd=ROOT,
+  proc = subprocess.run(main_cmd(wd, cache, 4, "--config.model.solver_steps=3"), cwd=ROOT,
                         env=subprocess_env(), capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2, proc.stderr[-3000:]
   errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
-  assert len(errors) == 1 and "ConfigError" in errors[0] and "model.num_steps 2 -> 3" in errors[0]
+  assert len(errors) == 1 and "ConfigError" in errors[0] and "model.solver_steps 2 -> 3" in errors[0]
   assert "Traceback" not in proc.stderr
   assert snapshot(wd) == before
   fresh = tmp_path / "fresh"
-  proc = subprocess.run(main_cmd(fresh, cache, 4, "--config.model.num_steps=0"), cwd=ROOT,
+  proc = subprocess.run(main_cmd(fresh, cache, 4, "--config.model.solver_steps=0"), cwd=ROOT,
                         env=subprocess_env(), capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2 and "Traceback" not in proc.stderr
   assert [l for l in proc.stderr.splitlines() if l.startswith("error:")] == [
-      "error: ConfigError: model.num_steps=0 must be a positive integer"]
+      "error: ConfigError: model.solver_steps=0 must be a positive integer"]
   assert not fresh.exists()
 
 
@@ -523,7 +523,7 @@ def test_misuse_is_one_line_and_changes_nothing(case, run_copy, cache, tmp_path)
   elif case == "no_config_json_other_model":
     # Used to rewrite config.json and then blame "a different code version".
     (wd / "config.json").unlink()
-    args, needles = main("--config.model.num_steps=3"), ("model.num_steps 2 -> 3",)
+    args, needles = main("--config.model.solver_steps=3"), ("model.solver_steps 2 -> 3",)
   elif case == "spectra_grid_0":
     args = ["-m", "odetransformer.analysis.spectra", f"--workdir={wd}",
             f"--out={tmp_path / 'out'}", "--grid=0"]

@@ -145,8 +145,8 @@ capture = optax.GradientTransformation(
 CASES = {
     "ode_gpt": {},
     # Continuous fine-tuning (the same hypernetworks at another step count and solver),
-    # on the llama flavour: its blocks (RMSNorm, RoPE, SwiGLU) on every mesh too.
-    "continuous_llama": {"flavour": "llama", "num_steps": 3, "solver": "midpoint"},
+    # on the llama family: its blocks (RMSNorm, RoPE, SwiGLU) on every mesh too.
+    "continuous_llama": {"family": "llama", "solver_steps": 3, "solver": "midpoint"},
     # LoRA fine-tuning of a materialised ODE: frozen parallel layers plus adapters.
     "lora": {"kind": "parallel", "lora_rank": 2, "lora_targets": "wq,wo,w1"},
 }
@@ -208,7 +208,7 @@ print(json.dumps(out))
 
 
 def test_loss_and_gradients_on_8_device_meshes_equal_one_device(tmp_path):
-  """DiffEqFormer (both flavours), continuous and LoRA fine-tuning: the real
+  """DiffEqFormer (both families), continuous and LoRA fine-tuning: the real
   train step's loss, gradient norm and every gradient, and (DiffEqFormer) the eval
   step's loss, on the (1,8,1), (2,4,1), (1,2,4) meshes (the fine-tuning cases on the
   last two) equal the 1-device ones to float32 rounding (sums in another order)."""

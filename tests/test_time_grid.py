@@ -61,13 +61,13 @@ def test_bfloat16_state_stays_bfloat16_with_per_step_dt():
   np.testing.assert_allclose(np.asarray(x1, np.float32), 0.75 * 0.25, rtol=1e-2)
 
 
-@pytest.mark.parametrize("flavour,step_time", [("gpt", "start"), ("llama", "start"),
+@pytest.mark.parametrize("family,step_time", [("gpt2", "start"), ("llama", "start"),
                                                ("llama", "end")])
-def test_model_on_a_time_grid_matches_a_reference_loop(flavour, step_time):
+def test_model_on_a_time_grid_matches_a_reference_loop(family, step_time):
   """Step k of the model on a grid is x + dt_k·F(x, W(g_k)) (W(g_{k+1}) at step_time
   'end'), dt_k = g_{k+1} - g_k: a plain Python loop with W(t) from the hypernetwork's
   raw params in float64."""
-  cfg = dataclasses.replace(TINY, flavour=flavour, step_time=step_time)
+  cfg = dataclasses.replace(TINY, family=family, step_time=step_time)
   model = create_model(cfg, seed=11)
   _perturb_hypernet(model)
   toks = tokens(12, b=2, length=10)
@@ -78,13 +78,13 @@ def test_model_on_a_time_grid_matches_a_reference_loop(flavour, step_time):
   for b in range(toks.shape[0]):
     p = np.arange(toks.shape[1])
     x = emb[np.asarray(toks[b])] * cfg.embed_scale
-    if flavour == "gpt":
+    if family == "gpt2":
       x = x + _np(model.pos_embed[...])[p]
     for k in range(len(grid) - 1):
       dt = np.float64(np.float32(grid[k + 1] - grid[k]))   # the model's float32 steps
       t = grid[k + 1] if step_time == "end" else grid[k]
       x = x + dt * ref_field(x, ref_weights(model, t), cfg, None, p)
-    shift = _np(model.final_norm_shift[...]) if flavour == "gpt" else None
+    shift = _np(model.final_norm_shift[...]) if family == "gpt2" else None
     x = ref_norm(x, _np(model.final_norm_scale[...]), shift, cfg.norm_eps)
     want.append(x @ emb.T)
   np.testing.assert_allclose(got, np.stack(want), atol=1e-5, rtol=1e-5)
@@ -110,7 +110,7 @@ def test_time_grid_is_checked():
   with pytest.raises(ValueError, match="disagree"):
     model(toks, num_steps=3, time_grid=time_grid.uniform_grid(4))
   with pytest.raises(ValueError, match="has no time"):
-    create_model(dataclasses.replace(TINY, kind="gpt"), seed=0)(
+    create_model(dataclasses.replace(TINY, kind="transformer"), seed=0)(
         toks, time_grid=time_grid.uniform_grid(4))
   with pytest.raises(ValueError, match="train_time_grid='sometimes' is unknown"):
     ModelConfig(train_time_grid="sometimes")
@@ -151,7 +151,8 @@ def test_random_grids_train_every_time_a_solve_evaluates(grid_name, step_time, m
   drawn grid) fall in every one of 64 equal bins of [0, 1], so every t that a solve at
   another N evaluates — [0, 1) at 'start', (0, 1] at 'end' — lies within 1/64 of a
   trained one; the grids are valid (0 = g_0 <= … <= g_K = 1)."""
-  cfg = dataclasses.replace(TINY, num_steps=4, train_time_grid=grid_name, step_time=step_time,
+  cfg = dataclasses.replace(TINY, solver_steps=4,
+                            num_layers=4, train_time_grid=grid_name, step_time=step_time,
                             solver=method)
   keys = jax.random.split(jax.random.key(1), 400)
   grids = jax.vmap(lambda key: time_grid.train_time_grid(cfg, key))(keys)
@@ -166,7 +167,7 @@ def test_random_grids_train_every_time_a_solve_evaluates(grid_name, step_time, m
 
 def test_train_time_grid_option():
   key = jax.random.key(3)
-  ode = dataclasses.replace(TINY, num_steps=4)
+  ode = dataclasses.replace(TINY, solver_steps=4, num_layers=4)
   assert time_grid.train_time_grid(ode, key) is None
   on = dataclasses.replace(ode, train_time_grid="random_offset")
   np.testing.assert_array_equal(np.asarray(time_grid.train_time_grid(on, key)),
@@ -175,7 +176,7 @@ def test_train_time_grid_option():
   np.testing.assert_array_equal(np.asarray(time_grid.train_time_grid(shift, key)),
                                 np.asarray(time_grid.random_offset_grid(key, 4, 2.0)))
   # A discrete model's depth has no time: the GPT baseline of an ODE config ignores it.
-  assert time_grid.train_time_grid(dataclasses.replace(on, kind="gpt"), key) is None
+  assert time_grid.train_time_grid(dataclasses.replace(on, kind="transformer"), key) is None
 
 
 def test_train_step_solves_on_the_grid_drawn_from_its_rng():
@@ -183,7 +184,7 @@ def test_train_step_solves_on_the_grid_drawn_from_its_rng():
   _GRID_STREAM), K), not on the uniform grid (both taken directly from the same params)."""
   c = tiny_config("/unused")
   c.model.train_time_grid = "random_offset"
-  c.model.num_steps = 3
+  c.model.solver_steps = c.model.num_layers = 3
   cfg = config_lib.model_config(c, 64)
   mesh = sharding_lib.make_mesh(c.mesh)
   rules = sharding_lib.logical_axis_rules(c.mesh)

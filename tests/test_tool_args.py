@@ -33,7 +33,7 @@ ABSL_INFO = re.compile(r"I\d{4} ")   # absl's INFO lines (main.py logs the JAX t
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-  """A run's config.json alone (gpt flavour, model.max_len=32), no checkpoint."""
+  """A run's config.json alone (gpt family, model.max_len=32), no checkpoint."""
   wd = tmp_path_factory.mktemp("config_only")
   save_config(tiny_config(wd / "cache"), str(wd))
   return wd

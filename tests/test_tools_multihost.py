@@ -63,7 +63,7 @@ DRIVER = textwrap.dedent("""
     for name, workdir, steps in (("ft", os.environ["ODET_WORKDIR"], ""),
                                  ("pre", os.environ["ODET_PRE"], "4")):
       fv = evaluate.define_flags(flags.FlagValues())
-      fv(["evaluate", f"--workdir={workdir}", f"--num_steps={steps}",
+      fv(["evaluate", f"--workdir={workdir}", f"--solver_steps={steps}",
           *json.loads(os.environ["ODET_EVAL_FLAGS"])])
       with contextlib.redirect_stdout(io.StringIO()) as out:
         evaluate.main([], fv)
@@ -92,7 +92,7 @@ def finetune_config(cache, pre):
   c.data.input_shards = 2            # 1 process and 2 read the same two input shards
   c.init_from = str(pre)
   c.finetune = ml_collections.ConfigDict(dict(
-      method="full", num_steps=3, lora_rank=0, lora_alpha=1.0, targets="wq",
+      method="full", solver_steps=3, lora_rank=0, lora_alpha=1.0, targets="wq",
       train_embeddings=False, lora_init="zero_b"))
   return c
 

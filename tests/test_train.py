@@ -171,7 +171,7 @@ def test_finetune_lora_starts_at_the_pretrained_model(runs, tmp_path):
   c = tiny_config(runs["wd_b"].parent / "cache", 2)
   c.init_from = str(runs["wd_b"])
   c.finetune = ml_collections.ConfigDict(dict(
-      method="lora", num_steps=0, lora_rank=4, lora_alpha=8.0, targets="wq,wv",
+      method="lora", solver_steps=None, lora_rank=4, lora_alpha=8.0, targets="wq,wv",
       train_embeddings=False))
   r = loop.train_and_evaluate(c, str(tmp_path))
   evals = dict(metrics_lib.read_scalars(str(tmp_path / "tensorboard"))["eval/loss"])
@@ -206,9 +206,9 @@ def _direct_gradients(cfg, params, batch):
 
 @pytest.mark.parametrize("overrides, accums", [
     ({}, (1, 2)),          # Euler, K = 2: the whole batch, and 2 microbatches (clipped)
-    ({"solver": "rk4", "num_steps": 3}, (1,)),      # 12 solver times in one GEMM
-    ({"flavour": "llama", "shared_time_mlp": True}, (1,)),
-    ({"kind": "gpt"}, (1,)),
+    ({"solver": "rk4", "solver_steps": 3}, (1,)),      # 12 solver times in one GEMM
+    ({"family": "llama", "shared_time_mlp": True}, (1,)),
+    ({"kind": "transformer"}, (1,)),
 ])
 def test_step_loss_grad_norm_and_clipping_use_the_true_gradient(overrides, accums):
   """The step's loss and gradient norm equal those of the token-weighted mean loss of the
@@ -246,7 +246,7 @@ def test_step_loss_grad_norm_and_clipping_use_the_true_gradient(overrides, accum
   grads = {key: g.astype(np.float64) for key, g in grads.items()}
   norm = math.sqrt(sum(np.sum(g ** 2) for g in grads.values()))
   assert len(grads) > 10
-  assert any(key.endswith("['proj']") for key in grads) == (cfg.kind != "gpt")
+  assert any(key.endswith("['proj']") for key in grads) == (cfg.kind != "transformer")
   assert norm > 10 * max_norm
   before = _flat(before, np.float64)
   scale = lr * max_norm / norm
@@ -393,7 +393,7 @@ def test_sharded_2x2x2_matches_one_device_and_keeps_shardings(tmp_path):
   assert mu == ["P('tensor', 'fsdp')"]
 
 
-@pytest.mark.parametrize("kind", ["diffeqformer", "gpt"])
+@pytest.mark.parametrize("kind", ["diffeqformer", "transformer"])
 def test_default_model_learns_wikitext2(kind, tmp_path_factory):
   """The default config's model (DiffEqFormer, and GPT via kind=gpt) on real text."""
   valid = shared_data_path("wikitext-2", "valid.txt")

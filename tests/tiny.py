@@ -41,7 +41,7 @@ def tiny_config(cache_dir, num_train_steps=4):
   c.model.d_model = 32
   c.model.num_heads = 2
   c.model.mlp_dim = 64
-  c.model.num_steps = 2
+  c.model.solver_steps = c.model.num_layers = 2
   c.model.max_len = 32
   c.model.time_embed_dim = 8
   c.model.time_sinusoids = 8
@@ -57,7 +57,7 @@ def tiny_run_config(cache_dir):
   """tiny_config as a 2-step, K=3 run with batches of 2 (the inference tools' fixture)."""
   c = tiny_config(cache_dir, num_train_steps=2)
   c.global_batch_size = c.eval_batch_size = 2
-  c.model.num_steps = 3
+  c.model.solver_steps = c.model.num_layers = 3
   c.data.eval_max_batches = 1
   return c
 

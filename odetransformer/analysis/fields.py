@@ -1,7 +1,7 @@
 """A model's layer weights (along t, or per layer) and its vector field for one sequence.
 
 The ODE kinds have weights at every t ∈ [0, 1] ('diffeqformer': W(t) from the
-hypernetworks; 'shared': the same layer at every t). The discrete kinds ('gpt',
+hypernetworks; 'shared': the same layer at every t). The discrete kinds ('transformer',
 'parallel') have L layers, and their "vector field" is the per-layer residual update
 with dt = 1, so x_{l+1} = x_l + F_l(x_l) is the same Euler recursion as the ODE's
 x_{k+1} = x_k + dt·F(x_k, t_k). The analysis runs in float32 (or the dtype asked for),
@@ -58,7 +58,7 @@ def vector_field(cfg, length: int) -> Callable:
   """F(x_ld; p) -> [l, d] for one causal sequence of `length` tokens at positions 0…l-1.
 
   The parallel block for ODE and 'parallel' models; GPT's sequential block returned as
-  its residual update for 'gpt' models. No dropout.
+  its residual update for 'transformer' models. No dropout.
   """
   block = blocks.block_fn(cfg)
   positions = jnp.arange(length, dtype=jnp.int32)[None]

@@ -13,7 +13,7 @@ of F with d cotangents (what `jax.jacrev` does), sharing the forward pass that a
 advances x; the per-token tangent update and QR are `vmap`ped over tokens. Tokens after
 o do not reach it (causal attention): J_{o,i} = 0, λ_i = 0.
 
-Discrete models ('gpt', 'parallel'): dt = 1 and F is the per-layer residual update, so
+Discrete models ('transformer', 'parallel'): dt = 1 and F is the per-layer residual update, so
 the total time and the divisor is the number of layers. Models trained with midpoint or
 RK4 are analysed along the Euler solve at the same K (a warning says so).
 
@@ -125,7 +125,7 @@ def attention_to(cfg, x_ld, p, position: int):
   k = jnp.einsum("td,dnh->tnh", xn, p["wk"])
   if "bq" in p:
     q, k = q + p["bq"], k + p["bk"]
-  if cfg.flavour == "llama":
+  if cfg.family == "llama":
     pos = jnp.arange(length, dtype=jnp.int32)[None]
     q = blocks.rope(q[None], pos, cfg.rope_base)[0]
     k = blocks.rope(k[None], pos, cfg.rope_base)[0]
@@ -163,7 +163,7 @@ def sensitivity(model, tokens_l: Sequence[int], position: int = -1,
     raise ValueError(f"position={position} is outside the {length} tokens")
   if cfg.is_ode and cfg.solver != "euler":
     logging.warning("model trained with solver=%r; analysing its Euler solve at K=%s steps",
-                    cfg.solver, num_steps or cfg.num_steps)
+                    cfg.solver, num_steps or cfg.depth)
   o = position % length
   steps = fields.euler_steps(model, num_steps, dtype)
   field = fields.vector_field(cfg, length)
@@ -386,7 +386,7 @@ def parse_args(argv):
   p.add_argument("--position", type=int, default=-1,
                  help="output position o (token index; negative counts from the end)")
   p.add_argument("--out", required=True, help="output directory (local or gs://...)")
-  p.add_argument("--num_steps", type=int, default=None,
+  p.add_argument("--solver_steps", type=int, default=None,
                  help="Euler steps K for ODE models (default: the trained K)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   p.add_argument("--mesh_shape", default="", help=loading.MESH_SHAPE_HELP)
@@ -406,8 +406,8 @@ def main(argv: Optional[list] = None) -> Sensitivity:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   from odetransformer import errors  # pylint: disable=g-import-not-at-top
   from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
-  if args.num_steps is not None and args.num_steps <= 0:
-    raise errors.UserError(f"--num_steps={args.num_steps} must be a positive number of "
+  if args.solver_steps is not None and args.solver_steps <= 0:
+    raise errors.UserError(f"--solver_steps={args.solver_steps} must be a positive number of "
                            "Euler steps (or left out: the trained K)")
   if args.jacobian_chunk is not None and args.jacobian_chunk <= 0:
     raise errors.UserError(f"--jacobian_chunk={args.jacobian_chunk} must be positive")
@@ -425,13 +425,13 @@ def main(argv: Optional[list] = None) -> Sensitivity:
     ids = [sp.eos_id()] + ids
   if not ids:
     raise errors.UserError("--text encodes to no tokens; pass some text (or --prepend_eos)")
-  if cfg.flavour == "gpt" and len(ids) > cfg.max_len:
+  if cfg.family == "gpt2" and len(ids) > cfg.max_len:
     logging.warning("text is %d tokens; keeping the last model.max_len=%d", len(ids), cfg.max_len)
     ids = ids[-cfg.max_len:]
   if not -len(ids) <= args.position < len(ids):
     raise errors.UserError(f"--position={args.position} is outside the text's {len(ids)} "
                            f"tokens; pass one in [{-len(ids)}, {len(ids) - 1}]")
-  res = sensitivity(loaded.model, ids, args.position, args.num_steps, args.jacobian_chunk)
+  res = sensitivity(loaded.model, ids, args.position, args.solver_steps, args.jacobian_chunk)
   pieces = [piece_text(sp, i) for i in ids]
   title = f"{cfg.kind} ({fileio.path(args.workdir).name}, step {loaded.step})"
   if jax.process_index() == 0:   # every process computed it; one writes

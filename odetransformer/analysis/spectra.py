@@ -11,7 +11,7 @@ head_dim has d − head_dim zero eigenvalues; the other head_dim are those of th
 matrix with the factors swapped (AB and BA share their non-zero spectrum), so QK and OV
 report the head_dim eigenvalues of W_K,hᵀ W_Q,h and W_O,h W_V,h. The raw weights are
 used: no 1/√head_dim score scale, no norm scales, no dt (materialised models have dt
-folded into W_O and W_2). For the Llama flavour W_FF ignores the gate W_3.
+folded into W_O and W_2). For the Llama family W_FF ignores the gate W_3.
 
     python -m odetransformer.analysis.spectra --workdir=W --out=DIR [--grid=64]
 
@@ -90,7 +90,7 @@ def compute_spectra(model, grid: int = 64, chunk: int = 16) -> Spectra:
   else:
     weights = fields.layer_weights(model)
     eigs, label = eigenvalues({k: weights[k] for k in _NEEDED}), "layer"
-    times = np.arange(cfg.num_steps, dtype=np.float32)
+    times = np.arange(cfg.depth, dtype=np.float32)
   return Spectra(times=times, axis_label=label, kind=cfg.kind, **eigs)
 
 

@@ -32,9 +32,9 @@ class ParamSpec:
 
 
 def layer_param_specs(cfg: ModelConfig) -> dict:
-  """Name -> ParamSpec for one layer of the given flavour."""
+  """Name -> ParamSpec for one layer of the given family."""
   d, n, h, f = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
-  gpt = cfg.flavour == "gpt"
+  gpt = cfg.family == "gpt2"
   specs = {}
   for norm in ("norm1", "norm2"):
     specs[f"{norm}_scale"] = ParamSpec((d,), ("embed",), "norm_scale", norm)
@@ -224,7 +224,7 @@ def qkv_projections(x_bld, p, cfg: ModelConfig, positions_bl):
   v = jnp.einsum("bld,dnh->blnh", x_bld, p["wv"])
   if "bq" in p:
     q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-  if cfg.flavour == "llama":
+  if cfg.family == "llama":
     q = rope(q, positions_bl, cfg.rope_base)
     k = rope(k, positions_bl, cfg.rope_base)
   return q, k, v
@@ -302,7 +302,7 @@ def _dense_attention(q_blnh, k_bsnh, v_bsnh, allowed_b1ls):
 def ffn(x_bld, p, cfg: ModelConfig):
   """GELU MLP (gpt) or SwiGLU (llama)."""
   hidden = jnp.einsum("bld,df->blf", x_bld, p["w1"])
-  if cfg.flavour == "gpt":
+  if cfg.family == "gpt2":
     hidden = jax.nn.gelu(hidden + p["b1"], approximate=True)
   else:
     hidden = jax.nn.silu(hidden) * jnp.einsum("bld,df->blf", x_bld, p["w3"])

@@ -319,9 +319,9 @@ def migrate_config(config: ml_collections.ConfigDict,
 
   @property
   def block(self) -> str:
-    """'sequential' (GPT-2/Llama pre-norm blocks: the 'gpt' kind) or 'parallel' (an ODE's
-    field, and the 'parallel' kind's layers)."""
-    return "sequential" if self.kind == "gpt" else "parallel"
+    """'sequential' (GPT-2/Llama pre-norm blocks: the 'transformer' kind) or 'parallel'
+    (an ODE's field, and the 'parallel' kind's layers)."""
+    return "sequential" if self.kind == "transformer" else "parallel"
 
 
 def model_config(config: ml_collections.ConfigDict, vocab_size=None) -> ModelConfig:

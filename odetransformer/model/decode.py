@@ -103,7 +103,7 @@ class Decoder:
 
   def max_positions(self) -> Optional[int]:
     """Longest sequence the model can embed (learned positions), None for RoPE."""
-    return self.config.max_len if self.config.flavour == "gpt" else None
+    return self.config.max_len if self.config.family == "gpt2" else None
 
   def init_cache(self, batch_size: int, max_len: int) -> KVCache:
     """An empty (zero) cache for `batch_size` rows of up to `max_len` tokens."""

@@ -36,7 +36,7 @@ def init_adapters(cfg, specs: dict, rngs: nnx.Rngs) -> nnx.Dict:
   dtype = jnp.dtype(cfg.param_dtype)
   adapters = {}
   for name in cfg.lora_targets:
-    a_shape, b_shape = factor_shapes(specs[name], cfg.lora_rank, cfg.num_steps)
+    a_shape, b_shape = factor_shapes(specs[name], cfg.lora_rank, cfg.depth)
     a = jax.random.normal(rngs.params(), a_shape, dtype) / math.sqrt(a_shape[1])
     adapters[name] = nnx.Dict(
         a=LoraParam(a, out_sharding=("layers", None, None)),

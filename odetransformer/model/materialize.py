@@ -57,6 +57,6 @@ def materialize(model: LanguageModel, num_steps: int, fold_dt: bool = True) -> L
     specs = model.stack.specs
     layers = {n: (w * dt if specs[n].role in _DT_ROLES else w) for n, w in layers.items()}
 
-  new_cfg = dataclasses.replace(cfg, kind="parallel", num_steps=num_steps,
+  new_cfg = dataclasses.replace(cfg, kind="parallel", num_layers=num_steps,
                                 out_proj_scale=1.0 if fold_dt else dt)
   return model.with_layers(new_cfg, layers)

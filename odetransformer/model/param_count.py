@@ -24,19 +24,20 @@ from odetransformer.model.config import ModelConfig
 from odetransformer.model.transformer import LanguageModel
 
 PAPER_SHAPES = {
-    # name: (flavour, layers, d_model, heads, mlp_dim, vocab)
-    "gpt-small": ("gpt", 12, 768, 12, 3072, 50304),
-    "gpt-medium": ("gpt", 24, 1024, 16, 4096, 50304),
-    "gpt-large": ("gpt", 36, 1280, 20, 5120, 50304),
+    # name: (family, layers, d_model, heads, mlp_dim, vocab)
+    "gpt-small": ("gpt2", 12, 768, 12, 3072, 50304),
+    "gpt-medium": ("gpt2", 24, 1024, 16, 4096, 50304),
+    "gpt-large": ("gpt2", 36, 1280, 20, 5120, 50304),
     "llama-1b": ("llama", 16, 2048, 16, 8192, 32000),
 }
 
 
 def paper_config(name: str, kind: str = "diffeqformer", time_embed_dim: int = 96,
                  time_sinusoids: int = 128) -> ModelConfig:
-  flavour, layers, d, heads, mlp, vocab = PAPER_SHAPES[name]
-  return ModelConfig(kind=kind, flavour=flavour, vocab_size=vocab, d_model=d,
-                     num_heads=heads, mlp_dim=mlp, num_steps=layers, max_len=1024,
+  family, layers, d, heads, mlp, vocab = PAPER_SHAPES[name]
+  return ModelConfig(kind=kind, family=family, vocab_size=vocab, d_model=d,
+                     num_heads=heads, mlp_dim=mlp, solver_steps=layers,
+                     num_layers=layers, max_len=1024,
                      time_embed_dim=time_embed_dim, time_sinusoids=time_sinusoids)
 
 
@@ -66,7 +67,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, num_steps: int | None = None
   for DiffEqFormer also the weight generation, 6·K·d_t·layer params per batch,
   amortised over `tokens_per_batch` when given.
   """
-  k = num_steps or cfg.num_steps
+  k = num_steps or cfg.depth
   evals = {"euler": 1, "midpoint": 2, "rk4": 4}[cfg.solver] if cfg.is_ode else 1
   lp = layer_params(cfg)
   flops = 6.0 * (k * evals * lp + cfg.d_model * cfg.vocab_size)
@@ -80,9 +81,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, num_steps: int | None = None
 def table() -> str:
   rows = ["| shape | layers/K | d | heads | GPT params | DiffEqFormer params (d_t 96) | ratio |",
           "|---|---|---|---|---|---|---|"]
-  for name, (flavour, layers, d, heads, _, _) in PAPER_SHAPES.items():
+  for name, (family, layers, d, heads, _, _) in PAPER_SHAPES.items():
     ode = count_params(paper_config(name))
-    gpt = count_params(paper_config(name, kind="gpt"))
+    gpt = count_params(paper_config(name, kind="transformer"))
     rows.append(f"| {name} | {layers} | {d} | {heads} | {gpt / 1e6:,.1f} M | "
                 f"{ode / 1e6:,.1f} M | {ode / gpt:.1f}× |")
   return "\n".join(rows)

@@ -60,14 +60,14 @@ def random_uniform_grid(key, num_steps: int):
 
 def train_time_grid(cfg, key) -> Optional[jax.Array]:
   """The grid of one training batch for `cfg.train_time_grid`; None = the uniform grid
-  of `cfg.num_steps` (also for discrete kinds, whose depth has no time)."""
+  of `cfg.depth` (also for discrete kinds, whose depth has no time)."""
   if not cfg.is_ode or cfg.train_time_grid == "fixed":
     return None
   if cfg.train_time_grid in ("random_offset", "random_shift"):
-    return random_offset_grid(key, cfg.num_steps,
+    return random_offset_grid(key, cfg.depth,
                               2.0 if cfg.train_time_grid == "random_shift" else 1.0)
   if cfg.train_time_grid == "random_uniform":
-    return random_uniform_grid(key, cfg.num_steps)
+    return random_uniform_grid(key, cfg.depth)
   raise ValueError(f"model.train_time_grid={cfg.train_time_grid!r} is unknown; "
                    f"choose one of {list(TRAIN_TIME_GRIDS)}")
 

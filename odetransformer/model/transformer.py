@@ -65,9 +65,9 @@ class DiscreteStack(nnx.Module):
     params = {}
     for name, spec in self.specs.items():
       # GPT-2 initialisation: N(0, 0.02²), output projections scaled by 1/√(2L).
-      std = EMBED_STD / (math.sqrt(2 * cfg.num_steps) if spec.role == "out" else 1.0)
+      std = EMBED_STD / (math.sqrt(2 * cfg.depth) if spec.role == "out" else 1.0)
       params[name] = var(
-          _init_layer_param(rngs.params(), spec, std, dtype, lead=(cfg.num_steps,)),
+          _init_layer_param(rngs.params(), spec, std, dtype, lead=(cfg.depth,)),
           out_sharding=("layers",) + spec.axes)
     self.params = nnx.Dict(params)
     if cfg.lora_rank:
@@ -132,18 +132,18 @@ class LanguageModel(nnx.Module):
     d = cfg.d_model
     # With LoRA, the non-layer weights train only when asked to.
     var = lora.Frozen if cfg.lora_rank and not cfg.lora_train_embeddings else nnx.Param
-    embed_std = (LLAMA_EMBED_STD if cfg.flavour == "llama" and not cfg.tie_embeddings
+    embed_std = (LLAMA_EMBED_STD if cfg.family == "llama" and not cfg.tie_embeddings
                  else EMBED_STD)
     self.embed = var(jax.random.normal(rngs.params(), (cfg.vocab_size, d), dtype)
                            * embed_std, out_sharding=("vocab", "embed"))
-    if cfg.flavour == "gpt":
+    if cfg.family == "gpt2":
       self.pos_embed = var(jax.random.normal(rngs.params(), (cfg.max_len, d), dtype)
                                  * POS_EMBED_STD, out_sharding=("length", "embed"))
     # `stack` is the layer-weight source (`weight_source`; a hypernetwork for
     # 'diffeqformer'): the name is kept, checkpoints store its state under it.
     self.stack = weight_source(cfg, rngs)
     self.final_norm_scale = var(jnp.ones((d,), dtype), out_sharding=("embed",))
-    if cfg.flavour == "gpt":
+    if cfg.family == "gpt2":
       self.final_norm_shift = var(jnp.zeros((d,), dtype), out_sharding=("embed",))
     if not cfg.tie_embeddings:
       self.head = var(jax.random.normal(rngs.params(), (d, cfg.vocab_size), dtype)
@@ -180,13 +180,13 @@ class LanguageModel(nnx.Module):
     cfg = self.config
     dtype = state_dtype(cfg)
     x = jnp.take(constrain(self.embed[...], ("vocab", "embed")), tokens_bl, axis=0)
-    if cfg.flavour == "gpt":
+    if cfg.family == "gpt2":
       x = x + jnp.take(constrain(self.pos_embed[...], ("length", "embed")), positions_bl, axis=0)
     return (x * cfg.embed_scale).astype(dtype)
 
   def logits(self, x_bld):
     cfg = self.config
-    shift = self.final_norm_shift[...] if cfg.flavour == "gpt" else None
+    shift = self.final_norm_shift[...] if cfg.family == "gpt2" else None
     dtype = jnp.dtype(cfg.dtype)
     x = blocks.norm(x_bld, self.final_norm_scale[...], shift, cfg.norm_eps).astype(dtype)
     if cfg.tie_embeddings:
@@ -197,11 +197,11 @@ class LanguageModel(nnx.Module):
 
   def resolve_num_steps(self, num_steps: Optional[int]) -> int:
     cfg = self.config
-    k = cfg.num_steps if num_steps is None else int(num_steps)
+    k = cfg.depth if num_steps is None else int(num_steps)
     if k <= 0:
       raise ValueError(f"num_steps={k} must be positive")
-    if not cfg.is_ode and k != cfg.num_steps:
-      raise ValueError(f"a discrete '{cfg.kind}' model has {cfg.num_steps} layers; "
+    if not cfg.is_ode and k != cfg.depth:
+      raise ValueError(f"a discrete '{cfg.kind}' model has {cfg.depth} layers; "
                        f"num_steps={k} needs an ODE model (materialize it instead)")
     return k
 
@@ -216,7 +216,7 @@ class LanguageModel(nnx.Module):
       segment_ids_bl: optional document ids [b, l]; tokens attend only within their id.
       positions_bl: optional positions [b, l] (default 0…l-1); packed data resets them
         per document.
-      num_steps: solver steps K (ODE kinds; default `config.num_steps`).
+      num_steps: solver steps K (ODE kinds; default `config.depth`).
       deterministic: no dropout when True.
       dropout_rng: PRNG key for dropout when not deterministic.
       return_trajectory: also return the hidden states before each step [K, b, l, d].
@@ -240,7 +240,7 @@ class LanguageModel(nnx.Module):
       num_steps = grid_k
     k = self.resolve_num_steps(num_steps)
     b, length = tokens_bl.shape
-    if cfg.flavour == "gpt" and length > cfg.max_len:
+    if cfg.family == "gpt2" and length > cfg.max_len:
       raise ValueError(f"sequence length {length} exceeds model.max_len={cfg.max_len}; "
                        "raise model.max_len or shorten the sequence")
     if positions_bl is None:

@@ -1,6 +1,6 @@
 r"""Perplexity of a trained model over a whole split, at one or several solver step counts.
 
-  python -m odetransformer.evaluate --workdir=W [--num_steps=6,9,12,18,24] \
+  python -m odetransformer.evaluate --workdir=W [--solver_steps=6,9,12,18,24] \
       [--data=SOURCE | --data=local:GLOB] [--split=SPLIT] [--data_dir=DIR] \
       [--seq_len=L] [--batch_size=B] [--max_batches=0] [--step=S] [--plot=PATH.png] \
       [--mesh_shape=1,-1,1]
@@ -12,7 +12,7 @@ pipeline's eval pass (`input_pipeline.create_datasets(...).eval_batches()`): eve
 of the split (each document and its eos) is a target exactly once, the last batch padded
 and masked. Text is always tokenized with the run's own tokenizer.
 
-ODE checkpoints are evaluated at each N of `--num_steps` (default: the training K) by
+ODE checkpoints are evaluated at each N of `--solver_steps` (default: the training K) by
 the model's own N-step solve; discrete models only at their own depth. One compiled
 scorer per N; every batch has the same shape. `--plot=PATH` also draws the table
 (perplexity against N, the training K marked) as a PNG.
@@ -218,10 +218,10 @@ def parse_num_steps(text: str) -> list:
   try:
     steps = [int(v) for v in text.split(",") if v.strip()]
   except ValueError as e:
-    raise UserError(f"--num_steps={text!r}: expected comma-separated integers") from e
+    raise UserError(f"--solver_steps={text!r}: expected comma-separated integers") from e
   if not steps or min(steps) <= 0:
-    raise UserError(f"--num_steps={text!r}: step counts must be positive integers, e.g. "
-                    "--num_steps=6,12")
+    raise UserError(f"--solver_steps={text!r}: step counts must be positive integers, e.g. "
+                    "--solver_steps=6,12")
   return steps
 
 
@@ -245,7 +245,7 @@ def check_writable(path: str, flag: str) -> None:
 
 def check_flags(f) -> tuple:
   """Every flag of the command checked before any work: (step counts, run config)."""
-  steps = parse_num_steps(f.num_steps)
+  steps = parse_num_steps(f.solver_steps)
   for name in ("seq_len", "batch_size", "max_batches"):
     if getattr(f, name) < 0:
       raise UserError(f"--{name}={getattr(f, name)} must be >= 0 (0 = the run's)")
@@ -257,7 +257,7 @@ def check_flags(f) -> tuple:
   config = loading.load_run_config(f.workdir)
   cfg = model_config(config, vocab_size=config.data.get("vocab_size"))
   seq_len = f.seq_len or int(config.seq_len)
-  if cfg.flavour == "gpt" and seq_len > cfg.max_len:
+  if cfg.family == "gpt2" and seq_len > cfg.max_len:
     raise UserError(f"--seq_len={seq_len} exceeds the model's {cfg.max_len} learned "
                     f"positions (model.max_len); pass --seq_len={cfg.max_len} or less")
   return steps, config
@@ -311,21 +311,21 @@ def main(argv, flag_values=None):
     try:
       loaded.model.resolve_num_steps(n)
     except ValueError as e:
-      raise UserError(f"--num_steps={n}: {e}") from e
+      raise UserError(f"--solver_steps={n}: {e}") from e
   data = eval_data(f.workdir, loaded.config, data=f.data, split=f.split,
                    data_dir=f.data_dir, seq_len=f.seq_len, batch_size=f.batch_size,
                    max_batches=f.max_batches)
   say = print if jax.process_index() == 0 else lambda *_: None
-  say(f"checkpoint step {loaded.step} of {f.workdir}: {cfg.kind}/{cfg.flavour}"
-      + (f", {cfg.solver} solver" if cfg.is_ode else "") + f", trained at K={cfg.num_steps}")
+  say(f"checkpoint step {loaded.step} of {f.workdir}: {cfg.kind}/{cfg.family}"
+      + (f", {cfg.solver} solver" if cfg.is_ode else "") + f", trained at K={cfg.depth}")
   say(f"data: {data.description}" + (f", first {f.max_batches} batches" if f.max_batches
                                     else ", whole split"))
   results = []
   for n in steps:
     results.append(evaluate_model(loaded.model, data.batches(), n, loaded.rules))
-  say(format_table(results, cfg.num_steps))
+  say(format_table(results, cfg.depth))
   if f.plot and jax.process_index() == 0:
-    fig = plot_table(results, cfg.num_steps, title=f"{f.workdir} (step {loaded.step})")
+    fig = plot_table(results, cfg.depth, title=f"{f.workdir} (step {loaded.step})")
     fileio.write_figure(f.plot, fig, format="png", dpi=120)
     say(f"plot: {f.plot}")
 
@@ -337,7 +337,7 @@ def define_flags(flag_values=None):
   define = lambda kind, name, default, text: getattr(flags, f"DEFINE_{kind}")(
       name, default, text, flag_values=fv)
   define("string", "workdir", None, "Training run directory (config.json + checkpoints/).")
-  define("string", "num_steps", "",
+  define("string", "solver_steps", "",
          "Comma-separated solver step counts N (ODE kinds); '' = the training K.")
   define("integer", "step", None, "Checkpoint step (default: the latest).")
   define("string", "data", "", "Data source ('' = the run's config.data.source), e.g. "

@@ -1,6 +1,6 @@
 r"""A trained model as a Hugging Face model directory, and a check that its logits agree.
 
-  python -m odetransformer.export --workdir=W --out=DIR [--step=S] [--num_steps=N] \
+  python -m odetransformer.export --workdir=W --out=DIR [--step=S] [--solver_steps=N] \
       [--dtype=float32|bfloat16] [--verify] [--mesh_shape=1,-1,1]
 
 One process restores the checkpoint sharded over its devices (the run's mesh, or
@@ -9,8 +9,8 @@ One process restores the checkpoint sharded over its devices (the run's mesh, or
 DIR then loads with `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
 `AutoTokenizer.from_pretrained(DIR)`:
 
-- the GPT baseline (kind 'gpt', flavour 'gpt') as the standard `GPT2LMHeadModel`, the
-  Llama baseline (kind 'gpt', flavour 'llama') as the standard `LlamaForCausalLM`;
+- the GPT baseline (kind 'transformer', family 'gpt2') as the standard `GPT2LMHeadModel`, the
+  Llama baseline (kind 'transformer', family 'llama') as the standard `LlamaForCausalLM`;
 - a DiffEqFormer or weight-sharing ODE, materialised at N Euler steps (default: the
   training K; `materialize.py`), and a discrete parallel-block model as
   `OdeTransformerForCausalLM`, the small parallel-block model of `hf_modeling.py`,
@@ -72,12 +72,12 @@ def check_exportable(cfg, num_steps: Optional[int]) -> None:
   """A one-line UserError unless a model of config `cfg` exports at `num_steps`."""
   if cfg.is_ode:
     try:
-      check_materializable(cfg, cfg.num_steps if num_steps is None else num_steps)
+      check_materializable(cfg, cfg.depth if num_steps is None else num_steps)
     except ValueError as e:
       raise UserError(f"cannot export this {cfg.kind} model: {e}") from e
-  elif num_steps is not None and num_steps != cfg.num_steps:
-    raise UserError(f"--num_steps={num_steps}: a discrete '{cfg.kind}' model has "
-                    f"{cfg.num_steps} layers; leave --num_steps out")
+  elif num_steps is not None and num_steps != cfg.depth:
+    raise UserError(f"--solver_steps={num_steps}: a discrete '{cfg.kind}' model has "
+                    f"{cfg.depth} layers; leave --solver_steps out")
 
 
 def discrete_model(model: LanguageModel, num_steps: Optional[int] = None) -> LanguageModel:
@@ -87,7 +87,7 @@ def discrete_model(model: LanguageModel, num_steps: Optional[int] = None) -> Lan
   folded in. Float32 compute. A one-line UserError when there is no such model."""
   cfg = model.config
   check_exportable(cfg, num_steps)
-  disc = (materialize(model, cfg.num_steps if num_steps is None else num_steps)
+  disc = (materialize(model, cfg.depth if num_steps is None else num_steps)
           if cfg.is_ode else model)
   cfg = dataclasses.replace(disc.config, lora_rank=0, out_proj_scale=1.0, dtype="float32",
                             param_dtype="float32", dropout_rate=0.0)
@@ -97,7 +97,7 @@ def discrete_model(model: LanguageModel, num_steps: Optional[int] = None) -> Lan
 def hf_architecture(cfg) -> str:
   """The transformers class a discrete model of config `cfg` is exported as."""
   if cfg.block == "sequential":
-    return "GPT2LMHeadModel" if cfg.flavour == "gpt" else "LlamaForCausalLM"
+    return "GPT2LMHeadModel" if cfg.family == "gpt2" else "LlamaForCausalLM"
   return "OdeTransformerForCausalLM"
 
 
@@ -107,7 +107,7 @@ def hf_architecture(cfg) -> str:
 def _top_level(model: LanguageModel) -> dict:
   cfg = model.config
   out = {"embed": model.embed[...], "final_norm_scale": model.final_norm_scale[...]}
-  if cfg.flavour == "gpt":
+  if cfg.family == "gpt2":
     out["pos_embed"] = model.pos_embed[...]
     out["final_norm_shift"] = model.final_norm_shift[...]
   if not cfg.tie_embeddings:
@@ -129,7 +129,7 @@ def hf_state_dict(model: LanguageModel) -> dict:
     sd["transformer.wpe.weight"] = top["pos_embed"]
     sd["transformer.ln_f.weight"] = top["final_norm_scale"]
     sd["transformer.ln_f.bias"] = top["final_norm_shift"]
-    for i in range(cfg.num_steps):
+    for i in range(cfg.depth):
       l = {n: w[i] for n, w in layers.items()}
       p = f"transformer.h.{i}."
       sd[p + "ln_1.weight"], sd[p + "ln_1.bias"] = l["norm1_scale"], l["norm1_shift"]
@@ -156,7 +156,7 @@ def hf_state_dict(model: LanguageModel) -> dict:
     sd["model.norm.weight"] = top["final_norm_scale"]
     if "final_norm_shift" in top:
       sd["model.norm.bias"] = top["final_norm_shift"]
-    for i in range(cfg.num_steps):
+    for i in range(cfg.depth):
       for n, w in layers.items():
         w = w[i]
         if n in ("wo", "w2"):
@@ -188,14 +188,14 @@ def hf_config(cfg, context: int, dtype: str, special: dict) -> dict:
             "tie_word_embeddings": cfg.tie_embeddings, "dtype": dtype, "use_cache": True,
             **special}
   if arch == "GPT2LMHeadModel":
-    return {"model_type": "gpt2", "n_embd": cfg.d_model, "n_layer": cfg.num_steps,
+    return {"model_type": "gpt2", "n_embd": cfg.d_model, "n_layer": cfg.depth,
             "n_head": cfg.num_heads, "n_inner": cfg.mlp_dim, "n_positions": cfg.max_len,
             "n_ctx": cfg.max_len, "activation_function": "gelu_new",
             "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
             "attn_pdrop": 0.0, "scale_attn_weights": True, **common}
   layers = {"hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_dim,
-            "num_hidden_layers": cfg.num_steps, "num_attention_heads": cfg.num_heads,
-            "max_position_embeddings": cfg.max_len if cfg.flavour == "gpt" else context}
+            "num_hidden_layers": cfg.depth, "num_attention_heads": cfg.num_heads,
+            "max_position_embeddings": cfg.max_len if cfg.family == "gpt2" else context}
   if arch == "LlamaForCausalLM":
     return {"model_type": "llama", **layers, "num_key_value_heads": cfg.num_heads,
             "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
@@ -203,9 +203,9 @@ def hf_config(cfg, context: int, dtype: str, special: dict) -> dict:
             "attention_bias": False, "mlp_bias": False, **common}
   from odetransformer.model.blocks import REFERENCE_LLAMA_NORM_EPS  # pylint: disable=g-import-not-at-top
   reference = cfg.llama_block == "reference"
-  block_norm = ("layer" if cfg.flavour == "gpt" else "rms_shift" if reference else "rms")
+  block_norm = ("layer" if cfg.family == "gpt2" else "rms_shift" if reference else "rms")
   module = os.path.splitext(MODELING_FILE)[0]
-  return {"model_type": "odetransformer", **layers, "flavour": cfg.flavour,
+  return {"model_type": "odetransformer", **layers, "family": cfg.family,
           "norm_eps": cfg.norm_eps, "block_norm": block_norm,
           "block_norm_eps": REFERENCE_LLAMA_NORM_EPS if reference else cfg.norm_eps,
           "ffn_reads_attn_norm": reference, "rope_base": cfg.rope_base,
@@ -286,14 +286,14 @@ def export_model(model: LanguageModel, sp_model: bytes, out: str, *, context: in
   cfg = disc.config
   state = {k: v.astype(DTYPES[dtype]) for k, v in hf_state_dict(disc).items()}
   files = hf_tokenizer.tokenizer_files(
-      sp_model, cfg.max_len if cfg.flavour == "gpt" else context, where=f"of {workdir}")
+      sp_model, cfg.max_len if cfg.family == "gpt2" else context, where=f"of {workdir}")
   special = hf_tokenizer.special_ids(sp_model)
   files["config.json"] = json.dumps(hf_config(cfg, context, dtype, special), indent=2)
   files["generation_config.json"] = json.dumps(special, indent=2)
   if hf_architecture(cfg) == "OdeTransformerForCausalLM":
     with open(os.path.join(os.path.dirname(__file__), "hf_modeling.py"), encoding="utf-8") as f:
       files[MODELING_FILE] = f.read()
-  exported = Exported(out=out, model=disc, source=model, num_steps=cfg.num_steps,
+  exported = Exported(out=out, model=disc, source=model, num_steps=cfg.depth,
                       dtype=dtype, step=step, workdir=workdir,
                       architecture=hf_architecture(cfg), sp_model=sp_model, context=context)
   files["README.md"] = model_card(exported)
@@ -313,10 +313,10 @@ def export_model(model: LanguageModel, sp_model: bytes, out: str, *, context: in
 def model_card(e: Exported, agreement: str = "") -> str:
   """README.md of the exported directory."""
   source_cfg = e.source.config
-  what = (f"{source_cfg.kind} ODE ({source_cfg.flavour} flavour) materialised at "
-          f"N={e.num_steps} Euler steps (trained at K={source_cfg.num_steps})"
+  what = (f"{source_cfg.kind} ODE ({source_cfg.family} family) materialised at "
+          f"N={e.num_steps} Euler steps (trained at K={source_cfg.depth})"
           if source_cfg.is_ode else
-          f"discrete {source_cfg.kind} model ({source_cfg.flavour} flavour), "
+          f"discrete {source_cfg.kind} model ({source_cfg.family} family), "
           f"{e.num_steps} layers")
   remote = e.architecture == "OdeTransformerForCausalLM"
   trust = ", trust_remote_code=True" if remote else ""
@@ -392,7 +392,7 @@ def verify(e: Exported) -> Agreement:
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   cfg = e.model.config
-  context = cfg.max_len if cfg.flavour == "gpt" else e.context
+  context = cfg.max_len if cfg.family == "gpt2" else e.context
   length = min(context, 8 + NEW_TOKENS)
   prompt = max(1, length - NEW_TOKENS)
   tokens = _sample_ids(e, length)
@@ -441,11 +441,11 @@ def main(argv, flag_values=None):
   quiet_orbax(cli=True)
   if f.step is not None and f.step < 0:
     raise UserError(f"--step={f.step} must be a checkpoint step >= 0 (or left out)")
-  if f.num_steps is not None and f.num_steps <= 0:
-    raise UserError(f"--num_steps={f.num_steps} must be a positive integer")
+  if f.solver_steps is not None and f.solver_steps <= 0:
+    raise UserError(f"--solver_steps={f.solver_steps} must be a positive integer")
   config = loading.load_run_config(f.workdir)   # refusals before loading anything
   check_exportable(model_config(config, vocab_size=config.data.get("vocab_size")),
-                   f.num_steps)
+                   f.solver_steps)
   if f.verify:
     try:
       import torch, transformers  # pylint: disable=g-import-not-at-top,multiple-imports,unused-import
@@ -453,7 +453,7 @@ def main(argv, flag_values=None):
       raise UserError(f"--verify needs {e.name}; fix: pip install -r "
                       "requirements-export.txt, or export without --verify") from e
   loading.parse_mesh_shape(f.mesh_shape)
-  e = export(f.workdir, f.out, step=f.step, num_steps=f.num_steps, dtype=f.dtype,
+  e = export(f.workdir, f.out, step=f.step, num_steps=f.solver_steps, dtype=f.dtype,
              allow_unverified=f.checkpoint_allow_unverified, mesh_shape=f.mesh_shape)
   print(f"exported step {e.step} of {f.workdir} to {f.out}: {e.architecture}, "
         f"N={e.num_steps}, {e.dtype}")
@@ -475,7 +475,7 @@ def define_flags(flag_values=None):
   define("string", "workdir", None, "Training run directory (config.json + checkpoints/).")
   define("string", "out", None, "Directory to write the Hugging Face model into.")
   define("integer", "step", None, "Checkpoint step (default: the latest).")
-  define("integer", "num_steps", None, "Euler steps N an ODE is materialised at "
+  define("integer", "solver_steps", None, "Euler steps N an ODE is materialised at "
          "(default: the training K); discrete models: their own depth.")
   flags.DEFINE_enum("dtype", "float32", sorted(DTYPES), "Weights' dtype (float32 or "
                     "bfloat16).", flag_values=fv)

@@ -1,7 +1,7 @@
 r"""Sampling from a trained model with a KV cache.
 
   python -m odetransformer.generate --workdir=W --prompt="def main(" \
-      [--num_steps=N] [--max_new_tokens=64] [--temperature=0.8] [--top_k=0] [--top_p=1.0] \
+      [--solver_steps=N] [--max_new_tokens=64] [--temperature=0.8] [--top_k=0] [--top_p=1.0] \
       [--seed=0] [--num_samples=1] [--step=S] [--mesh_shape=1,-1,1]
 
 Loads the latest checkpoint of W, prepares it for cached decoding at N steps
@@ -220,8 +220,8 @@ def check_flags(f) -> None:
     raise UserError(f"--top_k={f.top_k} must be >= 0 (0 = all tokens)")
   if not 0 < f.top_p <= 1:
     raise UserError(f"--top_p={f.top_p} must be in (0, 1] (1 = off)")
-  if f.num_steps is not None and f.num_steps <= 0:
-    raise UserError(f"--num_steps={f.num_steps} must be a positive number of solver steps "
+  if f.solver_steps is not None and f.solver_steps <= 0:
+    raise UserError(f"--solver_steps={f.solver_steps} must be a positive number of solver steps "
                     "(or left out: the training K)")
   if f.step is not None and f.step < 0:
     raise UserError(f"--step={f.step} must be a checkpoint step >= 0 (or left out)")
@@ -257,14 +257,14 @@ def main(argv, flag_values=None):
   cfg = loaded.model_config
   t0 = time.perf_counter()
   try:
-    decoder = Decoder(loaded.model, flags_.num_steps)
+    decoder = Decoder(loaded.model, flags_.solver_steps)
   except ValueError as e:
-    raise UserError(f"--num_steps={flags_.num_steps}: {e}") from e
+    raise UserError(f"--solver_steps={flags_.solver_steps}: {e}") from e
   how = (f"materialised at N={decoder.num_steps} layers" if cfg.is_ode and cfg.solver == "euler"
          else f"{cfg.solver} solver at N={decoder.num_steps} steps" if cfg.is_ode
          else f"{decoder.num_steps} layers")
-  print_(f"checkpoint step {loaded.step} of {flags_.workdir}: {cfg.kind}/{cfg.flavour}, "
-        f"trained at K={cfg.num_steps}; decoding {how} ({time.perf_counter() - t0:.1f}s)")
+  print_(f"checkpoint step {loaded.step} of {flags_.workdir}: {cfg.kind}/{cfg.family}, "
+        f"trained at K={cfg.depth}; decoding {how} ({time.perf_counter() - t0:.1f}s)")
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(loaded.model, nnx.Param)))
   tokens = (loaded.step * loaded.config.get("global_batch_size", 0)
             * loaded.config.get("seq_len", 0)) or None
@@ -310,7 +310,7 @@ def define_flags(flag_values=None):
       name, default, text, flag_values=fv)
   define("string", "workdir", None, "Training run directory (config.json + checkpoints/).")
   define("string", "prompt", "", "Text to continue ('' = start a new document).")
-  define("integer", "num_steps", None, "Solver steps N (ODE kinds; default: the training K).")
+  define("integer", "solver_steps", None, "Solver steps N (ODE kinds; default: the training K).")
   define("integer", "step", None, "Checkpoint step (default: the latest).")
   define("integer", "max_new_tokens", 64, "Tokens to sample (stops early at eos).")
   define("float", "temperature", 0.8, "Softmax temperature; 0 = greedy.")

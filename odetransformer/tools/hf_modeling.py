@@ -6,7 +6,7 @@ DiffEqFormer (or weight-sharing ODE) materialised at N Euler steps, or a discret
 parallel-block model: layer k adds Attn(N1(x)) + FFN(N2(x)) to x, the step size dt
 already multiplied into each layer's output projections and their biases.
 
-Config fields beyond the usual ones: `flavour` 'gpt' (learned positions, LayerNorms with
+Config fields beyond the usual ones: `family` 'gpt2' (learned positions, LayerNorms with
 bias, biases, tanh-GELU MLP) or 'llama' (RoPE, RMSNorms, no biases, SwiGLU);
 `block_norm` 'layer' | 'rms' | 'rms_shift' (an RMSNorm plus a bias: the authors' Llama
 block, whose time-dependent shift is a constant per layer once materialised) with
@@ -31,7 +31,7 @@ class OdeTransformerConfig(PreTrainedConfig):
   num_hidden_layers: int = 4
   num_attention_heads: int = 4
   max_position_embeddings: int = 256
-  flavour: str = "gpt"
+  family: str = "gpt2"
   norm_eps: float = 1e-5
   block_norm: str = "layer"
   block_norm_eps: float = 1e-5
@@ -80,7 +80,7 @@ class Attention(nn.Module):
 
   def __init__(self, config, layer_idx):
     super().__init__()
-    d, bias = config.hidden_size, config.flavour == "gpt"
+    d, bias = config.hidden_size, config.family == "gpt2"
     self.layer_idx, self.config = layer_idx, config
     self.heads = config.num_attention_heads
     self.q_proj = nn.Linear(d, d, bias=bias)
@@ -92,7 +92,7 @@ class Attention(nn.Module):
     b, t, d = x.shape
     split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
     q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
-    if self.config.flavour == "llama":
+    if self.config.family == "llama":
       q, k = rope(q, positions, self.config.rope_base), rope(k, positions, self.config.rope_base)
     if cache is not None:
       k, v = cache.update(k, v, self.layer_idx)
@@ -104,7 +104,7 @@ class MLP(nn.Module):
 
   def __init__(self, config):
     super().__init__()
-    d, f, gpt = config.hidden_size, config.intermediate_size, config.flavour == "gpt"
+    d, f, gpt = config.hidden_size, config.intermediate_size, config.family == "gpt2"
     self.gpt = gpt
     self.fc1 = nn.Linear(d, f, bias=gpt)
     self.fc2 = nn.Linear(f, d, bias=gpt)
@@ -145,11 +145,11 @@ class OdeTransformerModel(OdeTransformerPreTrainedModel):
   def __init__(self, config):
     super().__init__(config)
     self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-    if config.flavour == "gpt":
+    if config.family == "gpt2":
       self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
     self.layers = nn.ModuleList(ParallelLayer(config, i)
                                 for i in range(config.num_hidden_layers))
-    self.norm = Norm(config.hidden_size, "layer" if config.flavour == "gpt" else "rms",
+    self.norm = Norm(config.hidden_size, "layer" if config.family == "gpt2" else "rms",
                      config.norm_eps)
     self.post_init()
 
@@ -163,7 +163,7 @@ class OdeTransformerModel(OdeTransformerPreTrainedModel):
     past = past_key_values.get_seq_length() if past_key_values is not None else 0
     if position_ids is None:
       position_ids = (torch.arange(t, device=x.device) + past)[None].expand(b, t)
-    if self.config.flavour == "gpt":
+    if self.config.family == "gpt2":
       x = x + self.embed_positions(position_ids)
     x = x * self.config.embed_scale
     # Causal within the cache and the padding mask; each token always sees itself, so

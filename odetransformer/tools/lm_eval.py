@@ -1,7 +1,7 @@
 r"""lm-evaluation-harness with odetransformer checkpoints.
 
   python -m odetransformer.lm_eval --model odetransformer \
-      --model_args workdir=W,num_steps=N --tasks TASK [--include_path DIR] \
+      --model_args workdir=W,solver_steps=N --tasks TASK [--include_path DIR] \
       [--batch_size 8] [--limit 100] [--output_path OUT]
 
 The harness's own `lm_eval` command cannot see project models: this entry point

@@ -12,7 +12,7 @@ model_args (comma-separated key=value):
                 num_steps still works for one release, with a warning
   step          checkpoint step (default: the latest)
   max_length    context window in tokens (default: the run's seq_len; for the gpt
-                flavour at most model.max_len)
+                family at most model.max_len)
   max_gen_toks  default generation budget of generate_until (default 256, capped so
                 that a prompt keeps at least a quarter of max_length)
   seed          sampling seed for generate_until with do_sample (default 0)
@@ -95,7 +95,7 @@ class ODETransformerLM(TemplateLM):
     self.num_steps = model.resolve_num_steps(
         None if solver_steps in (None, "") else int(solver_steps))
     self._max_length = int(max_length) if max_length not in (None, "") else default_len
-    if cfg.flavour == "gpt" and self._max_length > cfg.max_len:
+    if cfg.family == "gpt2" and self._max_length > cfg.max_len:
       raise ValueError(f"max_length={self._max_length} exceeds the model's {cfg.max_len} "
                        "learned positions (model.max_len)")
     if isinstance(batch_size, str) and not batch_size.strip().isdigit():

@@ -200,7 +200,7 @@ def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
                    cfg.num_heads)
   cb = np.dtype(cfg.dtype).itemsize
   stages = {"euler": 1, "midpoint": 2, "rk4": 4}[cfg.solver] if cfg.is_ode else 1
-  evals = cfg.num_steps * stages
+  evals = cfg.depth * stages
   tokens = b * t
 
   def shard_elements(tree):
@@ -217,7 +217,7 @@ def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
 
   # Per solver evaluation / layer: matmul outputs (q, k, v, attention, one d-wide
   # output, the MLP's), attention scores, elementwise intermediates.
-  glu = 2 if cfg.flavour == "llama" else 1
+  glu = 2 if cfg.family == "llama" else 1
   matmul_outs = tokens * (4 * d // tp_heads + d + glu * f // tp_mlp)
   scores = b * (n // tp_heads) * t * t
   elementwise = tokens * (2 * d + glu * f // tp_mlp) + scores   # norms, activations, softmax
@@ -234,7 +234,7 @@ def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
     return math.prod(shape) // math.prod(_axis_size(mesh, act, nm) if nm else 1
                                          for nm in names)
   emb = gathered((v, d), ("vocab", "embed"))
-  if cfg.flavour == "gpt":
+  if cfg.family == "gpt2":
     emb += gathered((cfg.max_len, d), ("length", "embed"))
   head = 0 if cfg.tie_embeddings else gathered((d, v), ("embed", "vocab"))
   logit_bytes = 8 + (2 * cb if cb < 4 else 0)

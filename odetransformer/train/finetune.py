@@ -40,7 +40,7 @@ LORA_INITS = ("zero_b", "small")
 SMALL_LORA_STD = 1e-6       # the authors' lora.py: both factors 1e-6·N(0, 1)
 # Fields that must agree with the pre-trained model (the weights are reused); the time
 # fields only where the pre-trained model has hypernetworks.
-_SHAPE_FIELDS = ("flavour", "d_model", "num_heads", "mlp_dim", "tie_embeddings", "max_len")
+_SHAPE_FIELDS = ("family", "d_model", "num_heads", "mlp_dim", "tie_embeddings", "max_len")
 _TIME_FIELDS = ("time_embed_dim", "time_sinusoids", "time_hidden", "shared_time_mlp")
 
 
@@ -74,9 +74,9 @@ def finetune_model_config(config) -> ModelConfig:
       raise FinetuneError(
           f"model.{field}={config.model[field]!r} differs from the pre-trained model's "
           f"{getattr(pre, field)!r} (init_from={config.init_from}); remove the override")
-  n = int(ft.num_steps) or pre.num_steps
+  n = int(ft.solver_steps or 0) or pre.depth
   if n <= 0:
-    raise FinetuneError(f"finetune.num_steps={n} must be positive")
+    raise FinetuneError(f"finetune.solver_steps={n} must be positive")
   keep = dict(dropout_rate=float(config.model.get("dropout_rate", pre.dropout_rate)),
               remat_policy=config.model.get("remat_policy", pre.remat_policy),
               dtype=config.model.get("dtype", pre.dtype))
@@ -84,18 +84,18 @@ def finetune_model_config(config) -> ModelConfig:
     if not pre.is_ode:
       raise FinetuneError(f"finetune.method='continuous' needs an ODE model; the "
                           f"pre-trained model is kind={pre.kind!r} (use 'full' or 'lora')")
-    return dataclasses.replace(pre, num_steps=n, **keep)
+    return dataclasses.replace(pre, solver_steps=n, num_layers=n, **keep)
   if pre.is_ode and pre.solver != "euler":
     raise FinetuneError(f"finetune.method={method!r} materialises N Euler layers, a "
                         f"different function from this {pre.solver!r}-solved model; use "
                         "finetune.method='continuous'")
   if pre.is_ode:
-    disc = dataclasses.replace(pre, kind="parallel", num_steps=n, out_proj_scale=1.0 / n,
+    disc = dataclasses.replace(pre, kind="parallel", num_layers=n, out_proj_scale=1.0 / n,
                                **keep)
   else:
-    if n != pre.num_steps:
-      raise FinetuneError(f"a discrete {pre.kind!r} model has {pre.num_steps} layers; "
-                          f"finetune.num_steps={n} needs an ODE model")
+    if n != pre.depth:
+      raise FinetuneError(f"a discrete {pre.kind!r} model has {pre.depth} layers; "
+                          f"finetune.solver_steps={n} needs an ODE model")
     disc = dataclasses.replace(pre, **keep)
   if method == "full":
     return disc
@@ -135,7 +135,7 @@ def initial_model_state(config, cfg: ModelConfig, mesh=None) -> nnx.State:
       config.get("checkpoint_allow_unverified", False)))
   model = loaded.model
   if config.finetune.method != "continuous" and model.config.is_ode:
-    model = materialize(model, cfg.num_steps, fold_dt=False)
+    model = materialize(model, cfg.depth, fold_dt=False)
   state = nnx.state(model)
   if cfg.lora_rank and config.finetune.get("lora_init", "zero_b") == "small":
     state = nnx.State({**nnx.to_pure_dict(state), "stack": {
@@ -199,7 +199,7 @@ def small_lora_factors(cfg: ModelConfig, seed: int) -> dict:
   dtype = jnp.dtype(cfg.param_dtype)
   out = {}
   for i, name in enumerate(cfg.lora_targets):
-    a_shape, b_shape = lora.factor_shapes(specs[name], cfg.lora_rank, cfg.num_steps)
+    a_shape, b_shape = lora.factor_shapes(specs[name], cfg.lora_rank, cfg.depth)
     ka, kb = jax.random.split(jax.random.fold_in(key, i))
     out[name] = {"a": SMALL_LORA_STD * jax.random.normal(ka, a_shape, dtype),
                  "b": SMALL_LORA_STD * jax.random.normal(kb, b_shape, dtype)}

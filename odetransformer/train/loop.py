@@ -65,7 +65,7 @@ def check_config(config, mesh, rules):
   if int(config.optim.get("skip_nonfinite_steps", 0)) < 0:
     raise ConfigError(f"optim.skip_nonfinite_steps={config.optim.skip_nonfinite_steps} must "
                       "be >= 0 (0 = stop at the first non-finite step)")
-  if config.model.flavour == "gpt" and config.seq_len > config.model.max_len:
+  if config.model.family == "gpt2" and config.seq_len > config.model.max_len:
     raise ConfigError(f"seq_len={config.seq_len} exceeds model.max_len={config.model.max_len}")
   metrics_lib.ProfileWindow.parse(config.get("profile_steps", ""))
 
@@ -172,7 +172,7 @@ def _restore_or_init(config, cfg, tx, mesh, ckpt, train_iter):
   metrics_lib.log(f"created sharded model + optimizer in {time.perf_counter() - t0:.1f}s")
   if config.get("init_from"):
     loaded, total = finetune.place_initial_weights(config, cfg, state["model"])
-    metrics_lib.log(f"fine-tuning ({config.finetune.method}, {cfg.num_steps} steps/layers) "
+    metrics_lib.log(f"fine-tuning ({config.finetune.method}, {cfg.depth} steps/layers) "
                     f"from {config.init_from}: loaded {loaded} of {total} model arrays")
   else:
     metrics_lib.log(f"no checkpoint in {ckpt.directory}: starting from scratch")
@@ -191,7 +191,7 @@ def _describe_model(config, cfg, model_state, writer, step: int) -> tuple:
   fpt = flops_per_token(cfg, config.seq_len,
                         tokens_per_batch=config.global_batch_size * config.seq_len)
   frozen = f" trainable of {all_params:,}" if all_params != num_params else ""
-  metrics_lib.log(f"model {cfg.kind}/{cfg.flavour}: {num_params:,}{frozen} params ("
+  metrics_lib.log(f"model {cfg.kind}/{cfg.family}: {num_params:,}{frozen} params ("
                   + ", ".join(f"{k} {v:,}" for k, v in groups.items())
                   + f"), {fpt / 1e6:,.1f} MFLOPs/token (train), "
                   f"{config.global_batch_size * config.seq_len:,} tokens/step")
