@@ -262,7 +262,7 @@ def write_table(root: str, curves: dict, tokens_per_step: int) -> list:
            "| test ratio | test tokens scored |", "|---|---|---|---|---|---|---|---|"]
   lines += [f"| {r['step']} | {r['tokens']:,} | {r['diffeqformer_valid']:.2f} | "
             f"{r['diffeqformer_test']:.2f} | {r['transformer_valid']:.2f} | "
-f"{r['transformer_test']:.2f} | "
+            f"{r['transformer_test']:.2f} | "
             f"{r['test_ratio']:.3f} | {r['test_tokens_scored']:,} |" for r in rows]
   with open(os.path.join(root, "single_epoch.md"), "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")
