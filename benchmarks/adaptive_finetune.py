@@ -228,8 +228,7 @@ def main(argv=None):
   jax.config.update("jax_compilation_cache_dir", os.path.join(args.out, "jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  # XLA:CPU compiles the (per-seed, so uncached) parameter init faster with 'rbg' (1.8×
-  # for the tests' tiny model).
+  # XLA:CPU compiles the (per-seed, so uncached) parameter init faster with 'rbg'.
   jax.config.update("jax_default_prng_impl", "rbg")
   files = split_text(args.finetune_text, args.out)
   cache = os.path.join(args.out, "cache")

@@ -13,7 +13,7 @@ The last line is the option's solver robustness, on the seed-mean perplexities:
   python -m benchmarks.any_n --seeds=1 --steps=100 --option=random_offset
 
 Defaults are configs/default.py's (K = 4, 500 steps, the embedded corpus, so no data
-is needed); one seed (both modes) takes about 10 minutes on a 2-core CPU. A `--workdir`
+is needed; its run time is in benchmarks/README.md, "Any N"). A `--workdir`
 that holds runs of the same code and config is reused (`common.keyed_run`): a finished
 run's scores are read back, and its line says so and names the code version; runs of
 other code or another config are moved aside and trained afresh.

@@ -12,8 +12,8 @@ Llama for `--family=llama`. The last line is the key ratio (< 1: DiffEqFormer is
   python -m benchmarks.quality --steps=20 --seeds=1 --eval_batches=2  # smoke run
 
 Defaults (d 256, 4 heads, 6 steps/layers, seq 128, batch 16, 600 steps, vocab 4096,
-d_t 64, lr 1e-3, β2 0.95) are sized for a 2-core CPU: one seed (both models) takes
-about 20 minutes there. A `--workdir` that holds runs of the same code and config is
+d_t 64, lr 1e-3, β2 0.95) are sized for a 2-core CPU (run times: benchmarks/README.md,
+"Quality"). A `--workdir` that holds runs of the same code and config is
 reused (`common.keyed_run`): a finished run is only evaluated again and its line says
 so, naming the code version, so an interrupted benchmark continues where it stopped;
 runs of other code or another config are moved aside and trained afresh.
