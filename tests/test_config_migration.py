@@ -18,7 +18,7 @@ import pytest
 
 from odetransformer import errors
 from odetransformer.model import config as config_lib
-from odetransformer.train import checkpointing
+from odetransformer.train.checkpoint import fingerprint as fingerprint_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "old34"
@@ -109,12 +109,12 @@ def test_migrate_config_finetune_and_idempotent(caplog):
 def test_an_old_fingerprint_matches_the_same_run_under_new_names():
   stored_config = ml_collections.ConfigDict(
       json.loads((FIXTURES / "llama" / "config.json").read_text()))
-  stored = checkpointing.fingerprint(stored_config)          # as the old code recorded it
+  stored = fingerprint_lib.fingerprint(stored_config)          # as the old code recorded it
   assert stored["model"]["kind"] == "gpt" and stored["model"]["num_steps"] == 2
   new = config_lib.migrate_config(stored_config, warn=False)
-  assert checkpointing.fingerprint_diffs(stored, checkpointing.fingerprint(new)) == []
+  assert fingerprint_lib.fingerprint_diffs(stored, fingerprint_lib.fingerprint(new)) == []
   new.model.num_layers = 3
-  assert checkpointing.fingerprint_diffs(stored, checkpointing.fingerprint(new)) == [
+  assert fingerprint_lib.fingerprint_diffs(stored, fingerprint_lib.fingerprint(new)) == [
       "model.num_layers 2 -> 3"]
 
 

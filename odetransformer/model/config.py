@@ -233,6 +233,12 @@ class ModelConfig:
   def is_ode(self) -> bool:
     return self.kind in ODE_KINDS
 
+  @property
+  def block(self) -> str:
+    """'sequential' (GPT-2/Llama pre-norm blocks: the 'transformer' kind) or 'parallel'
+    (an ODE's field, and the 'parallel' kind's layers)."""
+    return "sequential" if self.kind == "transformer" else "parallel"
+
 
 def _warn_renamed(old: str, new: str) -> None:
   logging.warning("%s is deprecated and will be removed in the next release: use %s", old, new)
@@ -316,12 +322,6 @@ def migrate_config(config: ml_collections.ConfigDict,
           _warn_renamed(f"finetune.num_steps={n}", f"finetune.solver_steps={new}")
         finetune.solver_steps = new
   return config
-
-  @property
-  def block(self) -> str:
-    """'sequential' (GPT-2/Llama pre-norm blocks: the 'transformer' kind) or 'parallel'
-    (an ODE's field, and the 'parallel' kind's layers)."""
-    return "sequential" if self.kind == "transformer" else "parallel"
 
 
 def model_config(config: ml_collections.ConfigDict, vocab_size=None) -> ModelConfig:
