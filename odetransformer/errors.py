@@ -97,6 +97,14 @@ def run_cli(main: Callable[[], object], argv: Optional[Sequence[str]] = None):
     sys.exit(EXIT_INTERRUPTED)
 
 
+def run_absl_tool(main: Callable, define_flags: Callable[[], object]) -> None:
+  """A command's `if __name__ == "__main__":` body: defines its absl flags, parses them
+  (`parse_absl_flags`) and runs `main` through `run_cli`."""
+  from absl import app  # pylint: disable=g-import-not-at-top
+  define_flags()
+  run_cli(lambda: app.run(main, flags_parser=parse_absl_flags))
+
+
 class ArgumentParser(argparse.ArgumentParser):
   """argparse whose usage errors are UserErrors (one line through `run_cli`, not the
   usage text plus a line), with `--verbose` for tracebacks."""

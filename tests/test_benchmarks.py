@@ -148,7 +148,7 @@ def test_quality(tmp_path, monkeypatch, capsys):
   (tmp_path / "eval.txt").write_text(text[150_000:190_000], encoding="utf-8")
   out = _run_here("quality", [
       "--seeds=1", "--steps=2", "--eval_batches=1", "--batch=2", "--seq_len=32",
-      "--d_model=32", "--num_heads=2", "--solver_steps=2", "--time_embed_dim=8", "--vocab=512",
+      "--d_model=32", "--num_heads=2", "--depth=2", "--time_embed_dim=8", "--vocab=512",
       f"--train_text={tmp_path / 'train.txt'}", f"--eval_text={tmp_path / 'eval.txt'}",
       f"--workdir={tmp_path / 'runs'}"], monkeypatch, capsys)
   ratios = []
@@ -322,7 +322,7 @@ def _fake_training(monkeypatch, calls):
     hist = [(s, 5.0 - s) for s in range(start + 1, config.num_train_steps + 1)]
     return {"start_step": start, "step": config.num_train_steps, "loss_history": hist,
             "eval": {"perplexity": 100.0 + start}}
-  monkeypatch.setattr(common.train, "train_and_evaluate", fake)
+  monkeypatch.setattr(common.loop, "train_and_evaluate", fake)
 
 
 def test_keyed_run_reuses_a_workdir_only_under_the_same_code_and_config(

@@ -42,7 +42,6 @@ from flax import nnx
 from odetransformer.runtime import fileio, host
 from odetransformer.train import loading, sharding
 from odetransformer.runtime.logs import quiet_library_logs
-from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 from odetransformer.model.config import model_config
 from odetransformer.errors import UserError
 from odetransformer.train.losses import token_scores
@@ -348,15 +347,10 @@ def define_flags(flag_values=None):
   define("integer", "batch_size", 0, "Rows per batch (0 = the run's eval_batch_size).")
   define("integer", "max_batches", 0, "Stop after this many batches (0 = the whole split).")
   define("string", "plot", "", "Also write perplexity against N as a PNG to this path.")
-  define("string", "mesh_shape", "", loading.MESH_SHAPE_HELP)
-  define("bool", "checkpoint_allow_unverified", False, UNVERIFIED_FLAG_HELP)
-  define("bool", "verbose", False, "Show the traceback of a user error as well.")
-  flags.mark_flag_as_required("workdir", flag_values=fv)
+  loading.define_load_flags(define, fv)
   return fv
 
 
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
   from odetransformer import errors  # pylint: disable=g-import-not-at-top
-  define_flags()
-  errors.run_cli(lambda: app.run(main, flags_parser=errors.parse_absl_flags))
+  errors.run_absl_tool(main, define_flags)

@@ -490,7 +490,5 @@ def define_flags(flag_values=None):
 
 
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
   from odetransformer import errors  # pylint: disable=g-import-not-at-top
-  define_flags()
-  errors.run_cli(lambda: app.run(main, flags_parser=errors.parse_absl_flags))
+  errors.run_absl_tool(main, define_flags)

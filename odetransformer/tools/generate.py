@@ -29,7 +29,6 @@ import numpy as np
 from flax import nnx
 
 from odetransformer.train import loading
-from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 from odetransformer.errors import UserError
 from odetransformer.model.decode import Decoder, KVCache
 
@@ -318,15 +317,10 @@ def define_flags(flag_values=None):
   define("float", "top_p", 1.0, "Nucleus sampling: smallest set of this much mass (1 = off).")
   define("integer", "seed", 0, "Sampling seed.")
   define("integer", "num_samples", 1, "Continuations of the prompt, sampled as one batch.")
-  define("string", "mesh_shape", "", loading.MESH_SHAPE_HELP)
-  define("bool", "checkpoint_allow_unverified", False, UNVERIFIED_FLAG_HELP)
-  define("bool", "verbose", False, "Show the traceback of a user error as well.")
-  flags.mark_flag_as_required("workdir", flag_values=fv)
+  loading.define_load_flags(define, fv)
   return fv
 
 
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
   from odetransformer import errors  # pylint: disable=g-import-not-at-top
-  define_flags()
-  errors.run_cli(lambda: app.run(main, flags_parser=errors.parse_absl_flags))
+  errors.run_absl_tool(main, define_flags)

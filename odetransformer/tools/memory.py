@@ -427,6 +427,4 @@ def _define_flags():
 
 
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
-  _define_flags()
-  errors.run_cli(lambda: app.run(main, flags_parser=errors.parse_absl_flags))
+  errors.run_absl_tool(main, _define_flags)

@@ -23,6 +23,7 @@ from jax.experimental import multihost_utils
 from odetransformer.runtime import fileio
 from odetransformer.train import sharding
 from odetransformer.train.checkpoint.fingerprint import load_config
+from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 from odetransformer.train.checkpoint.paths import CONFIG_FILE, TOKENIZER_FILE
 from odetransformer.train.checkpoint.restore import restore_model_state
 from odetransformer.model.config import ModelConfig, model_config
@@ -43,6 +44,17 @@ class Loaded:
   mesh: Optional[jax.sharding.Mesh] = None   # the model's arrays live on it
   rules: tuple = ()                          # the logical-axis rules they follow
 
+
+
+def define_load_flags(define, flag_values) -> None:
+  """The flags of every command that loads a run, after its own: --mesh_shape,
+  --checkpoint_allow_unverified, --verbose; and --workdir (defined by the command) made
+  required. `define(kind, name, default, help)` defines one flag in `flag_values`."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  define("string", "mesh_shape", "", MESH_SHAPE_HELP)
+  define("bool", "checkpoint_allow_unverified", False, UNVERIFIED_FLAG_HELP)
+  define("bool", "verbose", False, "Show the traceback of a user error as well.")
+  flags.mark_flag_as_required("workdir", flag_values=flag_values)
 
 def parse_mesh_shape(text: str) -> tuple:
   """A `--mesh_shape` value: '2,-1,1', '(2,-1,1)' or '[2, -1, 1]' -> (2, -1, 1);
