@@ -59,14 +59,14 @@ import jax
 import matplotlib
 
 matplotlib.use("Agg")
+from absl import logging  # noqa: E402  pylint: disable=g-import-not-at-top
 import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=g-import-not-at-top
 import ml_collections  # noqa: E402  pylint: disable=g-import-not-at-top
-from absl import logging  # noqa: E402  pylint: disable=g-import-not-at-top
 
 from benchmarks import common  # noqa: E402  pylint: disable=g-import-not-at-top
 from configs import default  # noqa: E402  pylint: disable=g-import-not-at-top
-from odetransformer.tools import evaluate  # noqa: E402  pylint: disable=g-import-not-at-top
 from odetransformer.model.time_grid import TRAIN_TIME_GRIDS  # noqa: E402  pylint: disable=g-import-not-at-top
+from odetransformer.tools import evaluate  # noqa: E402  pylint: disable=g-import-not-at-top
 
 METHODS = ("continuous", "full", "lora")
 LORA_TARGETS = "wq,wk,wv,wo,w1,w2"     # every linear map of a layer

@@ -29,10 +29,10 @@ from absl import logging
 from benchmarks import common
 from configs import default
 from odetransformer.model import config as config_lib
-from odetransformer.tools import evaluate
-from odetransformer.train import loop
 from odetransformer.model.solvers import STEP_TIMES
 from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
+from odetransformer.tools import evaluate
+from odetransformer.train import loop
 
 ROBUST_N = ("3K/2", "2K", "4K")
 

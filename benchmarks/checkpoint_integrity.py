@@ -27,10 +27,10 @@ import statistics
 import tempfile
 import time
 
+from flax import nnx
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import nnx
 
 from odetransformer.runtime import fileio
 from odetransformer.runtime.logs import quiet_library_logs

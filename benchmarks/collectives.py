@@ -34,17 +34,17 @@ import argparse
 import collections
 import math
 
+from flax import nnx  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from configs import default as default_config  # noqa: E402
+from odetransformer.model import config as config_lib  # noqa: E402
 from odetransformer.tools import memory  # noqa: E402
 from odetransformer.train import optimizer as optimizer_lib  # noqa: E402
 from odetransformer.train import sharding as sharding_lib  # noqa: E402
 from odetransformer.train import steps  # noqa: E402
-from odetransformer.model import config as config_lib  # noqa: E402
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 MESHES = ((1, 8, 1), (2, 4, 1), (1, 2, 4))

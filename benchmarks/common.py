@@ -30,14 +30,14 @@ from odetransformer.runtime import hugepages
 if getattr(sys.modules["__main__"].__spec__, "name", "").startswith("benchmarks."):
   hugepages.reexec_with_huge_pages()
 
+from flax import nnx  # noqa: E402
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from configs import default as default_config  # noqa: E402
-from odetransformer.train import optimizer, sharding, steps, loop  # noqa: E402
 from odetransformer.model.config import ModelConfig  # noqa: E402
+from odetransformer.train import loop, optimizer, sharding, steps  # noqa: E402
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The source trees whose code computes a benchmark's runs and scores.

@@ -25,7 +25,7 @@ import time
 from absl import flags
 import jax
 
-from benchmarks import common   # huge pages as main.py
+from benchmarks import common  # huge pages as main.py
 
 
 def pipeline_tokens_per_s(data_dir: str, cache_dir: str, worker_count: int, num_batches: int,

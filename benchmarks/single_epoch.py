@@ -43,14 +43,12 @@ from absl import logging
 from benchmarks import common
 from configs import default
 import input_pipeline
-from input_pipeline import iterator_state
-from input_pipeline import pipeline
-from input_pipeline import sources
+from input_pipeline import iterator_state, pipeline, sources
+from odetransformer.errors import UserError
 from odetransformer.runtime.logs import quiet_library_logs
-from odetransformer.train.checkpoint.fingerprint import tokenizer_sha256
 from odetransformer.tools import evaluate
 from odetransformer.train import loading
-from odetransformer.errors import UserError
+from odetransformer.train.checkpoint.fingerprint import tokenizer_sha256
 
 KINDS = ("diffeqformer", "transformer")
 SPLITS = ("valid", "test")

@@ -12,14 +12,14 @@ GPT forward (target ≥ 0.98). Last line: `ode/gpt train tokens/s ratio: X.XX`
 import argparse
 import statistics
 
-import jax
 from flax import nnx
+import jax
 
 from benchmarks import common
-from odetransformer.train import metrics
 from odetransformer.model.config import KINDS
 from odetransformer.model.materialize import materialize
 from odetransformer.model.param_count import count_params, flops_per_token
+from odetransformer.train import metrics
 
 
 def main():

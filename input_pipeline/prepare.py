@@ -15,14 +15,12 @@ raw files (train, then the 0.05% test hold-out); expect hours on one machine.
 import os
 import sys
 
-from absl import app
-from absl import flags
+from absl import app, flags
 import tensorflow_datasets as tfds
 
 from input_pipeline import cache
 from input_pipeline import config as config_lib
-from input_pipeline import corpora
-from input_pipeline import sources
+from input_pipeline import corpora, sources
 from input_pipeline import tokenizer as tokenizer_lib
 from input_pipeline.errors import DataError
 

@@ -12,10 +12,7 @@ import os
 import ml_collections
 import tensorflow_datasets as tfds
 
-from input_pipeline import cache
-from input_pipeline import corpora
-from input_pipeline import embedded
-from input_pipeline import local_text
+from input_pipeline import cache, corpora, embedded, local_text
 from input_pipeline.errors import DataError
 from odetransformer.runtime import fileio
 

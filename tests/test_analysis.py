@@ -3,14 +3,14 @@ import dataclasses
 import json
 import math
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from odetransformer.model import blocks
 from odetransformer.analysis import clustering, fields, lyapunov, spectra
+from odetransformer.model import blocks
 from odetransformer.model.config import ModelConfig
 from odetransformer.model.transformer import create_model
 
@@ -43,6 +43,7 @@ def random_model(cfg: ModelConfig, seed: int):
 def workdir(tmp_path_factory):
   """A DiffEqFormer (gpt family) trained for 2 steps on the embedded corpus."""
   from odetransformer.train import loop  # pylint: disable=g-import-not-at-top
+
   from tiny import tiny_run_config  # pylint: disable=g-import-not-at-top
   c = tiny_run_config(tmp_path_factory.mktemp("analysis_data"))
   c.checkpoint_async = False

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from configs import default
+from odetransformer.errors import ConfigError
 from odetransformer.model import blocks
 from odetransformer.model import config as config_lib
 from odetransformer.train import sharding
-from odetransformer.errors import ConfigError
 
 PLATFORM = blocks._platform()  # pylint: disable=protected-access
 

@@ -6,8 +6,9 @@ import re
 import pytest
 import yaml
 
-from conftest import shared_reference_path
 from odetransformer.model import config as config_lib
+
+from conftest import shared_reference_path
 
 CONFIG_DIR = pathlib.Path(__file__).parents[1] / "configs"
 TOP_LEVEL = ("num_train_steps", "eval_every_steps", "checkpoint_every_steps", "log_every_steps",

@@ -6,21 +6,21 @@ import pathlib
 import subprocess
 import sys
 
+from absl import flags
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl import flags
-from flax import nnx
 
 from input_pipeline import local_text
 from odetransformer import errors
-from odetransformer.tools import evaluate, generate
-from odetransformer.train import loop
 from odetransformer.model.config import ModelConfig
-from odetransformer.train import loading
-from odetransformer.train.loading import load_model
 from odetransformer.model.transformer import create_model
+from odetransformer.tools import evaluate, generate
+from odetransformer.train import loading, loop
+from odetransformer.train.loading import load_model
+
 from tiny import tiny_run_config
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.

@@ -10,10 +10,10 @@ import subprocess
 import sys
 import tempfile
 
+from flax import nnx
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 # transformers copies a directory's modeling file into this cache (default: ~/.cache).
 _MODULES = tempfile.mkdtemp(prefix="odet_hf_modules_")
@@ -25,12 +25,13 @@ transformers = pytest.importorskip("transformers")
 # Tiny models: one thread per op is faster than two on a shared 2-core machine.
 torch.set_num_threads(1)
 
-from conftest import shared_data_path  # pylint: disable=g-import-not-at-top
+from odetransformer.errors import UserError  # pylint: disable=g-import-not-at-top
+from odetransformer.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+from odetransformer.model.transformer import LanguageModel  # pylint: disable=g-import-not-at-top
 from odetransformer.tools import export  # pylint: disable=g-import-not-at-top
 from odetransformer.train import loading, loop
-from odetransformer.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
-from odetransformer.errors import UserError  # pylint: disable=g-import-not-at-top
-from odetransformer.model.transformer import LanguageModel  # pylint: disable=g-import-not-at-top
+
+from conftest import shared_data_path  # pylint: disable=g-import-not-at-top
 from tiny import cpu_env, tiny_config  # pylint: disable=g-import-not-at-top
 
 pytestmark = pytest.mark.xdist_group("test_export")
@@ -156,6 +157,7 @@ def test_higher_order_ode_is_refused(solver, tmp_path):
 def test_command_line_refuses_rk4_before_loading(tmp_path):
   """A run's config.json alone (no checkpoint): the refusal comes before any loading."""
   from absl import flags  # pylint: disable=g-import-not-at-top
+
   from odetransformer.train.checkpoint.fingerprint import save_config  # pylint: disable=g-import-not-at-top
   c = tiny_config(tmp_path / "cache")
   c.model.solver = "rk4"

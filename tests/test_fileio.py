@@ -135,6 +135,7 @@ def test_undecodable_path_is_one_line_before_any_work(command, tmp_path):
   naming the fix, exit 2, nothing created."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
+
   from tiny import cpu_env  # pylint: disable=g-import-not-at-top
   workdir = os.path.join(os.fsencode(tmp_path), "w\u00f6rk".encode("utf-8"))
   env = cpu_env(LC_ALL="C", LANG="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0")

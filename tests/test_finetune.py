@@ -3,18 +3,20 @@ and what a fine-tuning update of a materialised ODE means at each N."""
 import dataclasses
 import json
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from flax import nnx
 
-from odetransformer.train import finetune, loading, metrics as metrics_lib, loop
 from odetransformer.model.config import ModelConfig
 from odetransformer.model.materialize import materialize
-from odetransformer.model.transformer import create_model
 from odetransformer.model.solvers import stage_times
+from odetransformer.model.transformer import create_model
+from odetransformer.train import finetune, loading, loop
+from odetransformer.train import metrics as metrics_lib
+
 from test_train import fast_compiles, tiny_config  # noqa: F401  (fixture: compile cache)
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.

@@ -14,21 +14,22 @@ import re
 import subprocess
 import tempfile
 
+from absl import flags
+from absl import logging as absl_logging
 import ml_collections
 import numpy as np
 import pytest
-from absl import flags
-from absl import logging as absl_logging
 
-from test_train import ROOT, fast_compiles  # pylint: disable=unused-import
-from test_reliability import config, main_cmd, subprocess_env
+from odetransformer.analysis import lyapunov, spectra
 from odetransformer.runtime import fileio
+from odetransformer.runtime.workdir_lock import WorkdirInUseError, WorkdirLock
 from odetransformer.tools import evaluate, generate
 from odetransformer.train import loop
-from odetransformer.train.checkpoint.paths import finalized_steps
-from odetransformer.analysis import lyapunov, spectra
 from odetransformer.train import metrics as metrics_lib
-from odetransformer.runtime.workdir_lock import WorkdirInUseError, WorkdirLock
+from odetransformer.train.checkpoint.paths import finalized_steps
+
+from test_reliability import config, main_cmd, subprocess_env
+from test_train import ROOT, fast_compiles  # pylint: disable=unused-import
 
 pytestmark = pytest.mark.xdist_group("test_gcs")   # module fixtures once, on one worker
 STEPS = 6

@@ -3,19 +3,20 @@ restricts to the top-k / top-p set, greedy decoding equals a plain argmax loop; 
 command line says what to expect of a model of its size."""
 import functools
 
+from absl import flags
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from absl import flags
-from flax import nnx
 
-from odetransformer.tools import generate
-from odetransformer.train import loading
 from odetransformer.model.config import ModelConfig
 from odetransformer.model.decode import Decoder
 from odetransformer.model.transformer import create_model
+from odetransformer.tools import generate
+from odetransformer.train import loading
+
 from test_model import _perturb_hypernet
 
 VOCAB = 97

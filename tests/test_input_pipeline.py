@@ -21,17 +21,14 @@ import time
 import numpy as np
 import pytest
 
-from conftest import shared_data_path
-from input_pipeline import DataError, create_datasets, restore_iterator_state
+from input_pipeline import DataError
 from input_pipeline import config as config_lib
-from input_pipeline import corpora
-from input_pipeline import embedded
-from input_pipeline import local_text
-from input_pipeline import pipeline
-from input_pipeline import prepare
-from input_pipeline import sources
+from input_pipeline import (corpora, create_datasets, embedded, local_text, pipeline, prepare,
+                            restore_iterator_state, sources)
 from input_pipeline import tokenizer as tokenizer_lib
 from odetransformer.runtime import fileio
+
+from conftest import shared_data_path
 from tiny import config_flags, cpu_env, tiny_config
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.

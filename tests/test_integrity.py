@@ -8,15 +8,13 @@ import os
 import shutil
 import signal
 
+from absl import flags
+from absl import logging as absl_logging
 import jax
 import numpy as np
 import pytest
 
 import input_pipeline
-from absl import flags
-from absl import logging as absl_logging
-from test_reliability import config, main_cmd, snapshot, start_and_wait_for_checkpoint
-from test_train import _final_params, fast_compiles  # pylint: disable=unused-import
 from odetransformer import errors
 from odetransformer.tools import generate
 from odetransformer.train import loading, loop
@@ -24,6 +22,9 @@ from odetransformer.train.checkpoint import restore
 from odetransformer.train.checkpoint.fingerprint import stored_fingerprint
 from odetransformer.train.checkpoint.integrity import INTEGRITY_FILE, UnverifiedCheckpointError
 from odetransformer.train.checkpoint.paths import CheckpointError, finalized_steps
+
+from test_reliability import config, main_cmd, snapshot, start_and_wait_for_checkpoint
+from test_train import _final_params, fast_compiles  # pylint: disable=unused-import
 
 pytestmark = pytest.mark.xdist_group("test_integrity")
 

@@ -10,10 +10,10 @@ import pathlib
 import subprocess
 import sys
 
+from flax import nnx
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 lm_eval = pytest.importorskip(
     "lm_eval", reason="lm-evaluation-harness is an optional dependency "
@@ -21,8 +21,9 @@ lm_eval = pytest.importorskip(
 
 from lm_eval.api.instance import Instance  # pylint: disable=g-import-not-at-top
 
-from odetransformer.train import loop  # pylint: disable=g-import-not-at-top
 from odetransformer.tools.lm_eval_model import ODETransformerLM  # pylint: disable=g-import-not-at-top
+from odetransformer.train import loop  # pylint: disable=g-import-not-at-top
+
 from tiny import tiny_run_config  # pylint: disable=g-import-not-at-top
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.

@@ -10,9 +10,10 @@ import jax
 
 from configs import default
 from odetransformer.model import blocks
-from odetransformer.tools import memory
 from odetransformer.model import config as config_lib
 from odetransformer.model.param_count import count_params
+from odetransformer.tools import memory
+
 from tiny import config_flags, cpu_env, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -4,15 +4,15 @@ import json
 import math
 import types
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
-from odetransformer.train.checkpoint.manager import Checkpointer
 from odetransformer.train import metrics
+from odetransformer.train.checkpoint.manager import Checkpointer
 
 
 def _step_metrics(loss_sum, weight_sum, grad_norm, lr, applied=1.0):

@@ -3,19 +3,19 @@ solver orders, finite-difference gradients, program size, init scale, baselines.
 import dataclasses
 import math
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 from odetransformer.model import solvers
 from odetransformer.model.config import ModelConfig, default_model_config
-from odetransformer.train.losses import token_cross_entropy
 from odetransformer.model.materialize import materialize
-from odetransformer.model.transformer import create_model
 from odetransformer.model.time_embedding import time_embedding
+from odetransformer.model.transformer import create_model
+from odetransformer.train.losses import token_cross_entropy
 
 TINY = ModelConfig(vocab_size=97, d_model=32, num_heads=4, mlp_dim=64, solver_steps=4, num_layers=4,
                    max_len=32, time_embed_dim=8, time_sinusoids=6, time_hidden=16,

@@ -35,8 +35,9 @@ import time
 
 import pytest
 
-from odetransformer.train.checkpoint.paths import finalized_steps
 from odetransformer.train import metrics as metrics_lib
+from odetransformer.train.checkpoint.paths import finalized_steps
+
 from tiny import cpu_env
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.

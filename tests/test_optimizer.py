@@ -1,16 +1,17 @@
 """Learning-rate schedule, weight-decay mask and clipping."""
 import math
+
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 from configs import default
-from odetransformer.train import optimizer
 from odetransformer.model.config import ModelConfig
 from odetransformer.model.transformer import create_model
+from odetransformer.train import optimizer
 
 
 def _optim(**kw):

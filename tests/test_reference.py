@@ -15,12 +15,13 @@ not at our own conventions, so the comparison can tell them apart.
 import dataclasses
 import math
 
+from flax import nnx
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from odetransformer.model.transformer import create_model
+
 from test_model import TINY, _np, _perturb_hypernet, tokens
 
 

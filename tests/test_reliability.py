@@ -19,13 +19,16 @@ import jax
 import numpy as np
 import pytest
 
-from test_train import ROOT, TINY_FLAGS, _final_params, fast_compiles, tiny_config  # pylint: disable=unused-import
 from input_pipeline import DataError
-from tiny import cpu_env
-from odetransformer.train.checkpoint.paths import CheckpointError, OWNERS_DIR, finalized_steps
-from odetransformer.train import metrics as metrics_lib
 from odetransformer import errors
-from odetransformer.train import health, steps, loop
+from odetransformer.train import health, loop
+from odetransformer.train import metrics as metrics_lib
+from odetransformer.train import steps
+from odetransformer.train.checkpoint.paths import OWNERS_DIR, CheckpointError, finalized_steps
+
+from test_train import (ROOT, TINY_FLAGS, _final_params,  # pylint: disable=unused-import
+                        fast_compiles, tiny_config)
+from tiny import cpu_env
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
 pytestmark = pytest.mark.xdist_group("test_reliability")

@@ -7,6 +7,7 @@ import jax
 
 from odetransformer.train import loop
 from odetransformer.train.checkpoint.manager import Checkpointer
+
 from tiny import tiny_config
 
 

@@ -1,9 +1,9 @@
 """Mesh shapes and logical-axis rules (no devices needed beyond the host CPU)."""
+from flax import nnx
 import jax
 import jax.numpy as jnp
-import pytest
-from flax import nnx
 from jax.sharding import PartitionSpec as P
+import pytest
 
 from configs import default
 from odetransformer.model import config as config_lib
@@ -11,6 +11,7 @@ from odetransformer.model.axes import LOGICAL_AXES
 from odetransformer.model.blocks import layer_param_specs
 from odetransformer.model.transformer import create_model
 from odetransformer.train import sharding, steps
+
 from tiny import tiny_config
 
 
@@ -213,6 +214,7 @@ def test_loss_and_gradients_on_8_device_meshes_equal_one_device(tmp_path):
   step's loss, on the (1,8,1), (2,4,1), (1,2,4) meshes (the fine-tuning cases on the
   last two) equal the 1-device ones to float32 rounding (sums in another order)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   from tiny import run_on_8_cpu_devices  # pylint: disable=g-import-not-at-top
   out, _ = run_on_8_cpu_devices(_EQUALITY_SCRIPT, tmp_path, timeout=1800)
   assert set(out) == {"ode_gpt", "continuous_llama", "lora"}

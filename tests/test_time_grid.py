@@ -2,20 +2,21 @@
 grid draw (model.train_time_grid) and its hook in the train step."""
 import dataclasses
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
-from odetransformer.train import sharding as sharding_lib
-from odetransformer.model import solvers, time_grid
-from odetransformer.train import steps
 from odetransformer.model import config as config_lib
+from odetransformer.model import solvers, time_grid
 from odetransformer.model.config import ModelConfig
-from odetransformer.train.losses import token_cross_entropy
 from odetransformer.model.transformer import create_model
+from odetransformer.train import sharding as sharding_lib
+from odetransformer.train import steps
+from odetransformer.train.losses import token_cross_entropy
+
 from test_model import (TINY, _np, _perturb_hypernet, linear_ode_problem, ref_field, ref_norm,
                         ref_weights, tokens)
 from tiny import tiny_config
@@ -224,7 +225,8 @@ def test_train_step_solves_on_the_grid_drawn_from_its_rng():
 def test_new_model_fields_match_fingerprints_written_before_them():
   """A checkpoint written before model.step_time / model.llama_block existed resumes
   under their defaults (its meaning then); a stored value that differs does not."""
-  from odetransformer.train.checkpoint.fingerprint import fingerprint, fingerprint_diffs  # pylint: disable=g-import-not-at-top
+  from odetransformer.train.checkpoint.fingerprint import (  # pylint: disable=g-import-not-at-top
+      fingerprint, fingerprint_diffs)
   c = tiny_config("/unused")
   new = fingerprint(c)
   assert new["model"]["step_time"] == "start" and new["model"]["llama_block"] == "paper"

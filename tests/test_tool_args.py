@@ -16,15 +16,15 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 from absl import flags
 from absl import logging as absl_logging
+import pytest
 
 from odetransformer import errors
 from odetransformer.tools import evaluate, generate
 from odetransformer.train import health
 from odetransformer.train.checkpoint.fingerprint import save_config
+
 from tiny import config_flags, cpu_env, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -126,6 +126,7 @@ def test_run_mesh_follows_the_run_or_the_flag():
   --mesh_shape value wins and a misfit one is a one-line error."""
   import jax  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
+
   from odetransformer import errors  # pylint: disable=g-import-not-at-top
   from odetransformer.train import loading
   n = jax.device_count()

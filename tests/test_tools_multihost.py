@@ -26,9 +26,10 @@ import ml_collections
 import numpy as np
 import pytest
 
+from odetransformer.analysis import lyapunov
 from odetransformer.tools import evaluate
 from odetransformer.train import loading, loop
-from odetransformer.analysis import lyapunov
+
 from tiny import cpu_env, tiny_config
 
 pytestmark = pytest.mark.xdist_group("test_tools_multihost")

@@ -7,27 +7,29 @@ import pathlib
 import re
 import textwrap
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 from configs import default
-from conftest import shared_data_path
-from odetransformer.train.checkpoint.manager import Checkpointer
-from odetransformer.train.checkpoint.restore import restore_model_state
 from odetransformer.errors import UserError
+from odetransformer.model import config as config_lib
+from odetransformer.model.transformer import create_model
+from odetransformer.train import loop
 from odetransformer.train import metrics as metrics_lib
 from odetransformer.train import optimizer as optimizer_lib
 from odetransformer.train import sharding as sharding_lib
-from odetransformer.train import steps, loop
-from odetransformer.model import config as config_lib
-from odetransformer.model.transformer import create_model
+from odetransformer.train import steps
+from odetransformer.train.checkpoint.manager import Checkpointer
+from odetransformer.train.checkpoint.restore import restore_model_state
 
-from tiny import config_flags, run_on_8_cpu_devices, tiny_config  # noqa: E402  (tiny_config re-exported for other test modules)
+from conftest import shared_data_path
+# tiny_config is also re-exported for other test modules.
+from tiny import config_flags, run_on_8_cpu_devices, tiny_config
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
 pytestmark = pytest.mark.xdist_group("test_train")

@@ -10,13 +10,14 @@ import time
 
 import pytest
 
-from test_train import ROOT, fast_compiles  # pylint: disable=unused-import
-from test_reliability import (assert_one_line_error, main_cmd, start_and_wait_for_checkpoint,
-                              subprocess_env)
 from odetransformer.runtime import fileio
+from odetransformer.runtime.workdir_lock import WorkdirInUseError, WorkdirLock
 from odetransformer.train.checkpoint.manager import Checkpointer
 from odetransformer.train.checkpoint.paths import OWNERS_DIR, finalized_steps, unfinished_steps
-from odetransformer.runtime.workdir_lock import WorkdirInUseError, WorkdirLock
+
+from test_reliability import (assert_one_line_error, main_cmd, start_and_wait_for_checkpoint,
+                              subprocess_env)
+from test_train import ROOT, fast_compiles  # pylint: disable=unused-import
 
 
 def test_object_lock_refuses_takes_over_stale_and_notices_loss(gcs_bucket, caplog):

@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Compilation is most of the suite's time, and these programs are seconds-sized: XLA:CPU's

@@ -10,9 +10,9 @@ whatever the model's compute dtype.
 import dataclasses
 from typing import Callable, Optional
 
+from flax import nnx
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from odetransformer.model import blocks
 from odetransformer.model.solvers import broadcast_stages, stage_times

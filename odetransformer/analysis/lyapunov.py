@@ -34,16 +34,16 @@ import re
 import sys
 from typing import Callable, Optional, Sequence
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 
+from odetransformer.analysis import fields
 from odetransformer.model import blocks
 from odetransformer.runtime import fileio, host
 from odetransformer.train import loading
 from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
-from odetransformer.analysis import fields
 
 
 # --------------------------------------------------------------------------- numerics
@@ -319,8 +319,8 @@ def render_png(pieces, res: Sensitivity, path: str, title: str = "") -> None:
   """The text coloured by the Lyapunov score (left) and by attention (right)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   from matplotlib import colormaps  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   cmap = colormaps["Reds"]
   n_chars = sum(len(p) + 1 for p in pieces)
   height = 0.8 + 0.3 * (1 + n_chars // 100)   # ~100+ characters per panel line

@@ -27,9 +27,9 @@ from typing import Optional
 import jax
 import numpy as np
 
+from odetransformer.analysis import fields
 from odetransformer.runtime import fileio, host
 from odetransformer.train import loading
-from odetransformer.analysis import fields
 from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 
 

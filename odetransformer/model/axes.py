@@ -11,8 +11,8 @@ mesh axis already splits the batch); a weight computed inside a step — DiffEqF
 W(t) — must instead live where its parameters do, so the caller passes the parameters'
 rules down to where it is made (the model's `param_rules` argument).
 """
-import jax
 from flax.core import spmd as core_spmd
+import jax
 
 LOGICAL_AXES = (
     "batch",       # examples in a batch

@@ -11,13 +11,13 @@ import dataclasses
 import math
 from typing import NamedTuple, Optional
 
+from flax.core import spmd as core_spmd
 import jax
 import jax.numpy as jnp
-from flax.core import spmd as core_spmd
 
+from odetransformer.errors import ConfigError
 from odetransformer.model.axes import constrain
 from odetransformer.model.config import ModelConfig
-from odetransformer.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

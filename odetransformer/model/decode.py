@@ -27,10 +27,10 @@ import dataclasses
 import functools
 from typing import NamedTuple, Optional
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from odetransformer.model import blocks, solvers
 from odetransformer.model.config import ModelConfig

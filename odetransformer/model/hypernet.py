@@ -32,9 +32,9 @@ at small scale on WikiText-2: `python -m benchmarks.quality --data_dir=DIR`, fig
 benchmarks/README.md ("Quality").
 """
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from odetransformer.model.axes import constrain
 from odetransformer.model.blocks import ParamSpec, layer_param_specs

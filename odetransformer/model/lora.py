@@ -9,9 +9,9 @@ export merges them (`merge_lora`).
 import dataclasses
 import math
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 
 class Frozen(nnx.Variable):

@@ -16,8 +16,8 @@ many again in P0, whatever K it is run at.
 """
 import dataclasses
 
-import jax
 from flax import nnx
+import jax
 
 from odetransformer.model.blocks import layer_param_specs
 from odetransformer.model.config import ModelConfig

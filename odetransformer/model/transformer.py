@@ -16,9 +16,9 @@ and the analysis all ask it (through `LanguageModel.step_weights`):
 import math
 from typing import Optional
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from odetransformer.model import blocks, lora, solvers
 from odetransformer.model.axes import constrain

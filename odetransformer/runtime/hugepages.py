@@ -27,8 +27,8 @@ import os
 import sys
 from typing import Mapping, Optional
 
-from odetransformer.runtime import host
 from odetransformer.errors import UserError
+from odetransformer.runtime import host
 
 SWITCH = "ODET_HUGEPAGES"
 TUNABLE = "glibc.malloc.hugetlb=1"

@@ -35,13 +35,13 @@ import os
 import socket
 import threading
 import time
-import uuid
 from typing import Optional
+import uuid
 
 from absl import logging
 
-from odetransformer.runtime import fileio
 from odetransformer.errors import UserError
+from odetransformer.runtime import fileio
 
 LOCK_FILE = ".lock"
 HEARTBEAT_S = 60.0     # how often a remote lock's heartbeat is rewritten

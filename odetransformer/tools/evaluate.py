@@ -33,19 +33,19 @@ import os
 import time
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from flax import nnx
 
-from odetransformer.runtime import fileio, host
-from odetransformer.train import loading, sharding
-from odetransformer.runtime.logs import quiet_library_logs
-from odetransformer.model.config import model_config
 from odetransformer.errors import UserError
-from odetransformer.train.losses import token_scores
+from odetransformer.model.config import model_config
 from odetransformer.model.transformer import LanguageModel
+from odetransformer.runtime import fileio, host
+from odetransformer.runtime.logs import quiet_library_logs
+from odetransformer.train import loading, sharding
+from odetransformer.train.losses import token_scores
 
 _LOCAL_PREFIX = "local:"
 
@@ -296,8 +296,9 @@ def main(argv, flag_values=None):
   process 0 prints and writes the plot."""
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
-  from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
+
+  from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS if flag_values is None else flag_values
   quiet_orbax(cli=True)
   # Every mistake in the flags is a UserError: one line and exit 2 (errors.run_cli).

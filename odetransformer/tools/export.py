@@ -40,20 +40,20 @@ import sys
 import tempfile
 from typing import Optional
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from flax import nnx
 
+from odetransformer.errors import UserError
+from odetransformer.model.config import model_config
+from odetransformer.model.materialize import check_materializable, materialize
+from odetransformer.model.transformer import LanguageModel
 from odetransformer.runtime import fileio
 from odetransformer.tools import hf_tokenizer
 from odetransformer.train import loading
 from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
-from odetransformer.model.config import model_config
-from odetransformer.errors import UserError
-from odetransformer.model.materialize import check_materializable, materialize
-from odetransformer.model.transformer import LanguageModel
 
 SHARD_BYTES = 5 * 2**30          # a larger model is written in shards of at most this
 TOLERANCE = 1e-4                 # --verify: max |Δlogit| <= TOLERANCE * max |logit|
@@ -436,6 +436,7 @@ def main(argv, flag_values=None):
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
   from absl import flags  # pylint: disable=g-import-not-at-top
+
   from odetransformer.tools.evaluate import quiet_orbax  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS if flag_values is None else flag_values
   quiet_orbax(cli=True)
@@ -448,7 +449,8 @@ def main(argv, flag_values=None):
                    f.solver_steps)
   if f.verify:
     try:
-      import torch, transformers  # pylint: disable=g-import-not-at-top,multiple-imports,unused-import
+      import torch  # pylint: disable=g-import-not-at-top,multiple-imports,unused-import
+      import transformers
     except ModuleNotFoundError as e:
       raise UserError(f"--verify needs {e.name}; fix: pip install -r "
                       "requirements-export.txt, or export without --verify") from e

@@ -23,14 +23,14 @@ import math
 import time
 from typing import Optional, Sequence
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from odetransformer.train import loading
 from odetransformer.errors import UserError
 from odetransformer.model.decode import Decoder, KVCache
+from odetransformer.train import loading
 
 PAD_ID = 0
 # Below either, samples are locally plausible at best: the paper's smallest runs
@@ -240,10 +240,11 @@ def main(argv, flag_values=None):
   only process 0 prints."""
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
+  from absl import flags  # pylint: disable=g-import-not-at-top
+
   from odetransformer.runtime import host  # pylint: disable=g-import-not-at-top
   from odetransformer.tools import evaluate
   from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
   flags_ = flags.FLAGS if flag_values is None else flag_values
   evaluate.quiet_orbax(cli=True)
   # Every mistake in the flags is a UserError: one line and exit 2 (errors.run_cli).

@@ -57,8 +57,9 @@ def main() -> None:
       sys.argv = without_writing_options(sys.argv)
       sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
   try:
-    from odetransformer.tools import lm_eval_model  # pylint: disable=g-import-not-at-top,unused-import
     from lm_eval.__main__ import cli_evaluate  # pylint: disable=g-import-not-at-top
+
+    from odetransformer.tools import lm_eval_model  # pylint: disable=g-import-not-at-top,unused-import
   except ModuleNotFoundError as e:
     if e.name and e.name.split(".")[0] == "lm_eval":
       raise errors.UserError("lm-evaluation-harness is not installed; fix: "

@@ -33,17 +33,17 @@ import functools
 import logging
 from typing import Optional
 
-import jax
-import numpy as np
 from flax import nnx
+import jax
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+import numpy as np
 from tqdm import tqdm
 
-from odetransformer.train import loading, sharding
 from odetransformer.model.decode import Decoder
 from odetransformer.tools.generate import Sampler, strip_after_eos
+from odetransformer.train import loading, sharding
 from odetransformer.train.losses import token_scores
 
 _log = logging.getLogger(__name__)

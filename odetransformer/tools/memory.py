@@ -67,18 +67,20 @@ import math
 import time
 from typing import Optional
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from odetransformer.model import blocks, hypernet
+from odetransformer import errors
+from odetransformer.model import blocks
+from odetransformer.model import config as config_lib
+from odetransformer.model import hypernet
+from odetransformer.model import transformer as model_lib
+from odetransformer.train import loop
 from odetransformer.train import optimizer as optimizer_lib
 from odetransformer.train import sharding as sharding_lib
-from odetransformer.model import config as config_lib
-from odetransformer import errors
-from odetransformer.train import steps, loop
-from odetransformer.model import transformer as model_lib
+from odetransformer.train import steps
 
 GIB = 1024 ** 3
 DEFAULT_COMPILE_MAX_PARAMS = 50_000_000

@@ -21,19 +21,19 @@ start reads `init_from`. The tokenizer is the pre-training run's.
 """
 import dataclasses
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
+from odetransformer.errors import ConfigError
 from odetransformer.model import blocks, lora
+from odetransformer.model.config import ModelConfig, model_config
+from odetransformer.model.materialize import materialize
 from odetransformer.runtime import fileio
 from odetransformer.train import loading, sharding
 from odetransformer.train.checkpoint.fingerprint import load_config
 from odetransformer.train.checkpoint.paths import CONFIG_FILE
-from odetransformer.model.config import ModelConfig, model_config
-from odetransformer.errors import ConfigError
-from odetransformer.model.materialize import materialize
 
 METHODS = ("continuous", "full", "lora")
 LORA_INITS = ("zero_b", "small")

@@ -6,9 +6,9 @@ error names the newest good step, which is left as it is.
 import math
 from typing import Callable, Optional
 
+from absl import logging
 import jax
 import numpy as np
-from absl import logging
 
 from odetransformer.errors import UserError
 

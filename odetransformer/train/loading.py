@@ -13,23 +13,22 @@ devices at hand (trained on 256 chips, evaluated on 8) is loaded fully sharded
 import dataclasses
 from typing import Optional
 
-import jax
-import ml_collections
-import numpy as np
 from absl import logging
 from flax import nnx
+import jax
 from jax.experimental import multihost_utils
+import ml_collections
+import numpy as np
 
+from odetransformer.errors import UserError
+from odetransformer.model.config import ModelConfig, model_config
+from odetransformer.model.transformer import LanguageModel, create_model
 from odetransformer.runtime import fileio
 from odetransformer.train import sharding
 from odetransformer.train.checkpoint.fingerprint import load_config
 from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 from odetransformer.train.checkpoint.paths import CONFIG_FILE, TOKENIZER_FILE
 from odetransformer.train.checkpoint.restore import restore_model_state
-from odetransformer.model.config import ModelConfig, model_config
-from odetransformer.errors import UserError
-from odetransformer.model.transformer import LanguageModel, create_model
-
 
 MESH_SHAPE_HELP = ("Device mesh (data,fsdp,tensor) to load the model on, e.g. 1,-1,1 "
                    "(-1 = the remaining devices); '' = the run's config.mesh.shape.")

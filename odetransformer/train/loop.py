@@ -12,28 +12,28 @@ stop (`odetransformer/train/checkpoint/`).
 import os
 import time
 
-import jax
-import ml_collections
-import numpy as np
 from absl import logging
 from clu import parameter_overview
 from flax import nnx
+import jax
+import ml_collections
+import numpy as np
 
 import input_pipeline
-from odetransformer.train.checkpoint.fingerprint import (check_resumable, check_tokenizer,
-                                                         save_config, save_tokenizer)
-from odetransformer.train.checkpoint.manager import Checkpointer, validate_options
+from odetransformer.errors import ConfigError
+from odetransformer.model.config import migrate_config, model_config
+from odetransformer.model.param_count import flops_per_token
 from odetransformer.runtime import fileio
+from odetransformer.runtime.workdir_lock import WorkdirLock
 from odetransformer.train import finetune
 from odetransformer.train import health as health_lib
 from odetransformer.train import metrics as metrics_lib
 from odetransformer.train import optimizer as optimizer_lib
 from odetransformer.train import sharding as sharding_lib
 from odetransformer.train import steps as steps_lib
-from odetransformer.model.config import migrate_config, model_config
-from odetransformer.errors import ConfigError
-from odetransformer.model.param_count import flops_per_token
-from odetransformer.runtime.workdir_lock import WorkdirLock
+from odetransformer.train.checkpoint.fingerprint import (check_resumable, check_tokenizer,
+                                                         save_config, save_tokenizer)
+from odetransformer.train.checkpoint.manager import Checkpointer, validate_options
 
 
 def check_config(config, mesh, rules):

@@ -14,12 +14,12 @@ import math
 import time
 from typing import Mapping, NamedTuple, Optional
 
+from absl import logging
+from clu import metrics as clu_metrics
 import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
-from clu import metrics as clu_metrics
 
 from odetransformer.runtime import fileio
 
@@ -377,6 +377,7 @@ def read_scalars(logdir: str) -> dict:
   are TFRecords (8-byte length, 4-byte crc, payload, 4-byte crc) of Event protos.
   """
   import struct  # pylint: disable=g-import-not-at-top
+
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
   out = {}
   for name in fileio.listdir(logdir):

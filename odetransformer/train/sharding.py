@@ -14,8 +14,8 @@ embedding gather in a pjit-style step.
 from typing import Mapping, Optional, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+import numpy as np
 
 from odetransformer.errors import UserError
 from odetransformer.model.axes import LOGICAL_AXES

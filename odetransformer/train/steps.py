@@ -18,18 +18,18 @@ import dataclasses
 import functools
 from typing import Any, Callable, Iterable, Optional
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
-from odetransformer.train import metrics as metrics_lib
-from odetransformer.train import sharding as sharding_lib
 from odetransformer.model import time_grid as time_grid_lib
 from odetransformer.model.config import ModelConfig
-from odetransformer.train.losses import token_cross_entropy, token_scores
 from odetransformer.model.transformer import create_model
+from odetransformer.train import metrics as metrics_lib
+from odetransformer.train import sharding as sharding_lib
+from odetransformer.train.losses import token_cross_entropy, token_scores
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
 

@@ -10,16 +10,15 @@ knowingly. Also the run's `config.json` and the copy of its tokenizer in the wor
 import json
 from typing import Optional
 
+from absl import logging
 import jax
 import ml_collections
-from absl import logging
 
 from odetransformer.errors import ConfigError
 from odetransformer.model.config import migrate_config, migrate_model_fields
 from odetransformer.runtime import fileio
-from odetransformer.train.checkpoint.paths import (CONFIG_FILE, TOKENIZER_FILE,
-                                                   checkpoint_dir, finalized_steps,
-                                                   read_json)
+from odetransformer.train.checkpoint.paths import (CONFIG_FILE, TOKENIZER_FILE, checkpoint_dir,
+                                                   finalized_steps, read_json)
 
 # Model fields that may change between a run and its resumption: no effect on the
 # checkpointed arrays or on what they mean (vocab_size is the tokenizer's, compared as

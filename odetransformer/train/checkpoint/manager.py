@@ -33,19 +33,19 @@ import threading
 import time
 from typing import Any, Optional
 
-import jax
-import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
+import jax
+import orbax.checkpoint as ocp
 
 from odetransformer.errors import UserError
 from odetransformer.runtime import fileio, logs, multihost, workdir_lock
 from odetransformer.train.checkpoint import integrity
 from odetransformer.train.checkpoint.paths import (CORRUPT_DIR, OWNERS_DIR, CheckpointError,
-                                                   checkpoint_dir, error_line,
-                                                   finalized_steps, read_json,
-                                                   unfinished_steps)
+                                                   checkpoint_dir, error_line, finalized_steps,
+                                                   read_json, unfinished_steps)
 from odetransformer.train.checkpoint.restore import restore_newest
+
 
 def validate_options(config):
   """UserError for checkpoint settings that would lose work (checked before any write)."""

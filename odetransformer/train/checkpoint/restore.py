@@ -14,16 +14,16 @@ import json
 import time
 from typing import Optional
 
-import jax
-import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 from flax import nnx
+import jax
+import orbax.checkpoint as ocp
 
 from odetransformer.runtime import fileio, logs, multihost
 from odetransformer.train.checkpoint import integrity
-from odetransformer.train.checkpoint.paths import (CheckpointError, checkpoint_dir,
-                                                   error_line, finalized_steps)
+from odetransformer.train.checkpoint.paths import (CheckpointError, checkpoint_dir, error_line,
+                                                   finalized_steps)
 
 # Array layouts that changed in the code (not the config) and what to do about them.
 SHAPE_CHANGE_HINT = (
