@@ -162,9 +162,14 @@ def test_an_old_run_loads_and_evaluates_as_before(old_run):
   assert result.loss == pytest.approx(OLD_LOSS[name], rel=1e-6)
 
 
-def test_an_old_run_resumes(old_run, tmp_path_factory):
+def test_an_old_run_resumes(tmp_path, tmp_path_factory):
+  """The Llama baseline's old run (kind='gpt', flavour='llama', num_steps: every renamed
+  model field) resumes under the new names. The ODE run's config loads and evaluates
+  above, and its fingerprint matches under the new names
+  (test_an_old_fingerprint_matches_the_same_run_under_new_names)."""
   from odetransformer.train import loop  # pylint: disable=g-import-not-at-top
-  _, workdir = old_run
+  workdir = str(tmp_path / "llama")
+  shutil.copytree(FIXTURES / "llama", workdir)
   config = ml_collections.ConfigDict(
       json.loads((pathlib.Path(workdir) / "config.json").read_text()))   # the old names
   config.num_train_steps = 3
