@@ -12,7 +12,7 @@ instead. Anything else is a bug and keeps its traceback.
 
     from odetransformer import errors
     if __name__ == "__main__":
-      errors.run_cli(lambda: app.run(main, flags_parser=errors.parse_absl_flags))
+      errors.run_absl_tool(main, define_flags)    # absl flags; argparse: run_cli(main)
 """
 import argparse
 import logging

@@ -42,6 +42,13 @@ def _field(default, meaning: str):
   return dataclasses.field(default=default, metadata={"meaning": meaning})
 
 
+def depth_fields(kind: str) -> tuple:
+  """(the depth field a kind uses, the one it does not): K ('solver_steps') for the ODE
+  kinds, L ('num_layers') for the discrete ones."""
+  return (("solver_steps", "num_layers") if kind in ODE_KINDS
+          else ("num_layers", "solver_steps"))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Typed, validated model config; each field's meaning is its `meaning` metadata."""
@@ -210,11 +217,11 @@ class ModelConfig:
   @property
   def depth_field(self) -> str:
     """'solver_steps' (ODE kinds) or 'num_layers' (discrete kinds): the field of `depth`."""
-    return "solver_steps" if self.is_ode else "num_layers"
+    return depth_fields(self.kind)[0]
 
   @property
   def unused_depth_field(self) -> str:
-    return "num_layers" if self.is_ode else "solver_steps"
+    return depth_fields(self.kind)[1]
 
   @property
   def depth(self) -> int:
@@ -265,8 +272,7 @@ def migrate_model_fields(values: dict, warn: bool = True) -> dict:
     family = OLD_FAMILIES[values["family"]]
     say(f"model.family={values['family']!r}", f"model.family={family!r}")
     values["family"] = family
-  ode = kind in ODE_KINDS
-  depth, other = ("solver_steps", "num_layers") if ode else ("num_layers", "solver_steps")
+  depth, other = depth_fields(kind)
   num_steps = values.pop("num_steps", None)
   if num_steps is not None:
     say(f"model.num_steps={num_steps}", f"model.{depth}={num_steps} (kind={kind!r})")
