@@ -101,6 +101,37 @@ def test_tensorboard_events_round_trip(tmp_path):
   assert metrics.read_scalars(str(tmp_path)) == {"train/loss": [(1, 3.0), (2, 2.5)]}
 
 
+def test_event_writer_leaves_torch_unimported_and_works_beside_it(tmp_path):
+  """In a fresh process (as main.py) writing events does not import PyTorch, though the
+  export extra installs it (tensorboardX's writer imports it: ~2 s per process); a
+  process that imports torch afterwards, or had it before, still writes and reads."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  from tiny import cpu_env  # pylint: disable=g-import-not-at-top
+  if importlib.util.find_spec("torch") is None:
+    pytest.skip("torch is not installed (requirements-export.txt)")
+  script = f"""
+import sys
+from odetransformer.train import metrics
+for i, logdir in enumerate(({str(tmp_path / "a")!r}, {str(tmp_path / "b")!r})):
+  w = metrics.MetricWriter(logdir, enabled=True)
+  w.write_scalars(1, {{"loss": 3.0 + i}})
+  w.close()
+  assert metrics.read_scalars(logdir) == {{"loss": [(1, 3.0 + i)]}}, logdir
+  if i == 0:
+    assert "torch" not in sys.modules, "torch was imported"
+    import torch
+print("ok")
+"""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=cpu_env(),
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0 and proc.stdout.split() == ["ok"], proc.stderr[-2000:]
+
+
 class _Tiny(nnx.Module):
   def __init__(self, rngs):
     self.linear = nnx.Linear(3, 4, rngs=rngs)

@@ -131,6 +131,24 @@ class _ObjectEventFiles:
     pass      # an object store has no directories to create
 
 
+def _import_tensorboardx():
+  """tensorboardX, imported without PyTorch unless this process already has it.
+
+  tensorboardX's writer imports torch whenever it is installed (to accept torch tensors):
+  about 2 s of CPU at the start of every training or tool process in an environment with
+  torch (the export extra, a GPU image), for event files that hold only floats and text.
+  """
+  import sys  # pylint: disable=g-import-not-at-top
+  if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+    sys.modules["torch"] = None       # `import torch` raises ImportError meanwhile
+    try:
+      import tensorboardX  # pylint: disable=g-import-not-at-top,unused-import
+    finally:
+      del sys.modules["torch"]
+  import tensorboardX.record_writer  # pylint: disable=g-import-not-at-top
+  return sys.modules["tensorboardX"]
+
+
 class MetricWriter:
   """TensorBoard scalars/text (tensorboardX) on process 0; no-op elsewhere."""
 
@@ -139,11 +157,11 @@ class MetricWriter:
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self._writer = None
     if self.enabled:
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      tensorboardx = _import_tensorboardx()
       if not fileio.is_local(logdir):
-        from tensorboardX import record_writer  # pylint: disable=g-import-not-at-top
-        record_writer.register_writer_factory(logdir.split("://")[0], _ObjectEventFiles())
-      self._writer = SummaryWriter(logdir=logdir, flush_secs=30)
+        tensorboardx.record_writer.register_writer_factory(logdir.split("://")[0],
+                                                           _ObjectEventFiles())
+      self._writer = tensorboardx.SummaryWriter(logdir=logdir, flush_secs=30)
 
   def write_scalars(self, step: int, scalars: Mapping[str, float], prefix: str = ""):
     if self._writer is None:
@@ -378,6 +396,7 @@ def read_scalars(logdir: str) -> dict:
   """
   import struct  # pylint: disable=g-import-not-at-top
 
+  _import_tensorboardx()
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
   out = {}
   for name in fileio.listdir(logdir):
