@@ -12,6 +12,7 @@ import tempfile
 
 from flax import nnx
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -39,16 +40,34 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAX_LEN = 48      # room for a prompt and 32 generated tokens (learned positions)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-  """A 1-step DiffEqFormer run (gpt family, K=2) on the embedded corpus."""
-  c = tiny_config(tmp_path_factory.mktemp("data"), num_train_steps=1)
+def train_one_step(cache, workdir, init_from=None, finetune=None, **model_fields):
+  """A 1-step run of `model_fields` on the embedded corpus (or a 1-step fine-tune of
+  `init_from`), at a constant learning rate of 0.05 from the first step: Adam moves every
+  trained parameter by about that much, so none is left at its initial value (zero
+  biases, unit norm scales) and a misplaced one shows in the logits."""
+  c = tiny_config(cache, num_train_steps=1)
   c.global_batch_size = c.eval_batch_size = 2
   c.data.eval_max_batches = 1
   c.model.max_len = MAX_LEN
-  w = tmp_path_factory.mktemp("run")
-  loop.train_and_evaluate(c, str(w))
-  return str(w)
+  c.optim.learning_rate, c.optim.schedule, c.optim.warmup_frac = 0.05, "constant", 0.0
+  for key, value in model_fields.items():
+    c.model[key] = value
+  if init_from:
+    c.init_from = init_from
+    c.finetune = ml_collections.ConfigDict(finetune)
+  loop.train_and_evaluate(c, str(workdir))
+  return str(workdir)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture(scope="module")
+def run(cache, tmp_path_factory):
+  """A 1-step DiffEqFormer run (gpt family, K=2)."""
+  return train_one_step(cache, tmp_path_factory.mktemp("run"))
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +76,12 @@ def sp_model(run):
 
 
 def model_of(kind, family, **options):
-  """A tiny model of `kind` with random weights, none at its initial value (biases, norm
-  shifts non-zero, norm scales 1 ± noise), so a misplaced one shows in the logits.
-  Filled from numpy: no op-by-op compilation."""
+  """A tiny model of `kind` in memory, for the checks that need no trained run: random
+  weights, none at its initial value (biases, norm shifts non-zero, norm scales 1 ±
+  noise). Filled from numpy: no op-by-op compilation."""
   cfg = ModelConfig(kind=kind, family=family, vocab_size=512, d_model=32, num_heads=2,
                     mlp_dim=64, solver_steps=2, num_layers=2, max_len=MAX_LEN, time_embed_dim=8,
-                    time_sinusoids=8, remat_policy="none", norm_eps=1e-4, rope_base=500.0,
-                    **options)
+                    time_sinusoids=8, remat_policy="none", **options)
   with nnx.use_eager_sharding(False):
     abstract = nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
@@ -87,25 +105,40 @@ def assert_agrees(e):
   return a
 
 
+# Norm epsilon and RoPE base away from their defaults: the export must carry them.
+_ODD = {"norm_eps": 1e-4, "rope_base": 500.0}
+
+
 @pytest.mark.parametrize("kind,family,options,dtype,architecture", [
-    ("transformer", "gpt2", {}, "float32", "GPT2LMHeadModel"),
-    ("transformer", "llama", {"tie_embeddings": False}, "bfloat16", "LlamaForCausalLM"),
+    ("transformer", "gpt2", _ODD, "float32", "GPT2LMHeadModel"),
+    ("transformer", "llama", {"tie_embeddings": False, **_ODD}, "bfloat16", "LlamaForCausalLM"),
     ("diffeqformer", "llama", {"llama_block": "reference", "step_time": "end",
-                               "tie_embeddings": False}, "float32",
+                               "tie_embeddings": False, **_ODD}, "float32",
      "OdeTransformerForCausalLM"),
-    ("shared", "llama", {}, "float32", "OdeTransformerForCausalLM"),
-    # A fine-tuned materialisation: dt as out_proj_scale, LoRA adapters (merged).
-    ("parallel", "gpt2", {"out_proj_scale": 0.5, "lora_rank": 2, "lora_targets": ("wq", "w2")},
+    ("shared", "llama", _ODD, "float32", "OdeTransformerForCausalLM"),
+    # LoRA fine-tuning of the DiffEqFormer run materialised at N = K: dt as the
+    # out_proj_scale of parallel layers, adapters merged.
+    ("parallel", "gpt2", {"finetune": dict(method="lora", solver_steps=2, lora_rank=2,
+                                           lora_alpha=4.0, targets="wq,w2", lora_init="small",
+                                           train_embeddings=False)},
      "float32", "OdeTransformerForCausalLM"),
 ])
 def test_each_kind_loads_in_transformers_with_our_logits(kind, family, options, dtype,
-                                                         architecture, sp_model, tmp_path):
-  """The GPT-family DiffEqFormer: test_command_line_verify_on_a_trained_run."""
-  model = model_of(kind, family, **options)
+                                                         architecture, cache, run, sp_model,
+                                                         tmp_path):
+  """Each kind from a short trained run (the GPT-family DiffEqFormer:
+  test_command_line_verify_on_a_trained_run)."""
+  if "finetune" in options:
+    workdir = train_one_step(cache, tmp_path / "run", init_from=run, **options)
+  else:
+    workdir = train_one_step(cache, tmp_path / "run", kind=kind, family=family, **options)
+  loaded = loading.load_model(workdir)
+  model = loaded.model
+  assert (model.config.kind, model.config.family) == (kind, family)
   num_steps = 3 if model.config.is_ode else None     # N != K: a materialisation
   out = tmp_path / "hf"
-  e = export.export_model(model, sp_model, str(out), context=32, num_steps=num_steps,
-                          dtype=dtype, shard_bytes=40_000)
+  e = export.export_model(model, sp_model, str(out), context=int(loaded.config.seq_len),
+                          num_steps=num_steps, dtype=dtype, shard_bytes=40_000)
   assert e.architecture == architecture and e.num_steps == (num_steps or 2)
   config = json.loads((out / "config.json").read_text())
   assert config["architectures"] == [architecture] and config["dtype"] == dtype
