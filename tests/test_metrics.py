@@ -103,7 +103,7 @@ def test_tensorboard_events_round_trip(tmp_path):
 
 def test_event_writer_leaves_torch_unimported_and_works_beside_it(tmp_path):
   """In a fresh process (as main.py) writing events does not import PyTorch, though the
-  export extra installs it (tensorboardX's writer imports it: ~2 s per process); a
+  export extra installs it (tensorboardX's writer imports it: seconds of CPU); a
   process that imports torch afterwards, or had it before, still writes and reads."""
   import importlib.util  # pylint: disable=g-import-not-at-top
   import pathlib  # pylint: disable=g-import-not-at-top

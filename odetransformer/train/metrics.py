@@ -135,7 +135,7 @@ def _import_tensorboardx():
   """tensorboardX, imported without PyTorch unless this process already has it.
 
   tensorboardX's writer imports torch whenever it is installed (to accept torch tensors):
-  about 2 s of CPU at the start of every training or tool process in an environment with
+  seconds of CPU at the start of every training or tool process in an environment with
   torch (the export extra, a GPU image), for event files that hold only floats and text.
   """
   import sys  # pylint: disable=g-import-not-at-top
