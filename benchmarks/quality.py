@@ -15,7 +15,8 @@ Defaults (d 256, 4 heads, 6 steps/layers, seq 128, batch 16, 600 steps, vocab 40
 d_t 64, lr 1e-3, β2 0.95) are sized for a 2-core CPU (run times: benchmarks/README.md,
 "Quality"). A `--workdir` that holds runs of the same code and config is
 reused (`common.keyed_run`): a finished run is only evaluated again and its line says
-so, naming the code version, so an interrupted benchmark continues where it stopped;
+so, naming the code version; an unfinished one resumes from its last checkpoint (every
+`--checkpoint_every` steps), so an interrupted benchmark continues where it stopped;
 runs of other code or another config are moved aside and trained afresh.
 """
 import argparse
@@ -51,7 +52,7 @@ def make_config(args, kind: str, seed: int, cache_dir: str):
   c.num_train_steps = args.steps
   c.log_every_steps = max(1, args.steps // 10)
   c.eval_every_steps = 0                      # only at the end
-  c.checkpoint_every_steps = 0                # only at the end
+  c.checkpoint_every_steps = args.checkpoint_every   # a rerun resumes from the last
   c.optim.learning_rate = args.lr
   c.optim.b2 = args.b2
   c.data.source = "local"
@@ -72,6 +73,9 @@ def parse_args(argv=None):
                  help="model.step_time of the DiffEqFormer")
   p.add_argument("--llama_block", choices=LLAMA_BLOCKS, default="paper",
                  help="model.llama_block of the Llama DiffEqFormer")
+  p.add_argument("--checkpoint_every", type=int, default=100,
+                 help="steps between checkpoints: a killed run rerun with the same command "
+                      "resumes from the last (0 = only at the end)")
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--seq_len", type=int, default=128)
   p.add_argument("--d_model", type=int, default=256)

@@ -281,6 +281,10 @@ def test_step_time_and_llama_block_flags_reach_the_runs(tmp_path):
   ode = config_lib.model_config(quality.make_config(args, "diffeqformer", 0, "c"))
   assert (ode.llama_block, ode.step_time) == ("reference", "end")
   assert config_lib.model_config(quality.make_config(args, "transformer", 0, "c")).llama_block == "paper"
+  # Runs of hours resume: checkpoints every --checkpoint_every steps (default 100).
+  assert quality.make_config(args, "diffeqformer", 0, "c").checkpoint_every_steps == 100
+  args = quality.parse_args(["--checkpoint_every=7"] + files)
+  assert quality.make_config(args, "transformer", 0, "c").checkpoint_every_steps == 7
   with pytest.raises(SystemExit):
     quality.parse_args(["--llama_block=reference"] + files)     # family gpt
   args = any_n.parse_args(["--option=random_shift", "--step_time=end"])
