@@ -54,8 +54,7 @@ MiB = 2 ** 20
 # heads and batch split over every mesh above, and its buffers are large enough that
 # `odetransformer.tools.memory`'s estimate is not dominated by XLA's small fixed ones.
 TINY = dict(model=dict(vocab_size=4096, d_model=128, num_heads=4, mlp_dim=512, solver_steps=2,
-                       num_layers=2,
-                       max_len=128, time_embed_dim=16, time_sinusoids=16),
+                       num_layers=2, max_len=128, time_embed_dim=16, time_sinusoids=16),
             seq_len=128, batch=8)
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -228,9 +227,9 @@ def main(argv=None):
   except (ValueError, sharding_lib.MeshError) as e:
     sys.exit(f"error: --meshes={args.meshes!r}: {e}; e.g. --meshes='1,8,1;2,4,1'")
   families = [f for f in args.families.split(",") if f]
-  bad = [f for f in families if f not in ("gpt2", "llama")]
+  bad = [f for f in families if f not in config_lib.FAMILIES]
   if bad or not families:
-    sys.exit(f"error: --families={args.families!r}: choose from gpt2,llama")
+    sys.exit(f"error: --families={args.families!r}: choose from {','.join(config_lib.FAMILIES)}")
   preset = TINY if args.tiny else common.PRESETS["bench-small"]
   m = preset["model"]
   print(f"{'tiny' if args.tiny else 'bench-small'}: vocab {m['vocab_size']}, d {m['d_model']}, "

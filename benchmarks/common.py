@@ -30,8 +30,8 @@ from odetransformer.runtime import hugepages
 if getattr(sys.modules["__main__"].__spec__, "name", "").startswith("benchmarks."):
   hugepages.reexec_with_huge_pages()
 
-from flax import nnx  # noqa: E402
 # pylint: disable=g-import-not-at-top,wrong-import-position
+from flax import nnx  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 

@@ -28,7 +28,7 @@ from absl import logging
 
 from benchmarks import common
 from configs import default
-from odetransformer.model.config import LLAMA_BLOCKS
+from odetransformer.model.config import FAMILIES, LLAMA_BLOCKS
 from odetransformer.model.solvers import STEP_TIMES
 
 
@@ -68,7 +68,7 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1, both models each")
   p.add_argument("--steps", type=int, default=600)
-  p.add_argument("--family", choices=("gpt2", "llama"), default="gpt2")
+  p.add_argument("--family", choices=FAMILIES, default="gpt2")
   p.add_argument("--step_time", choices=STEP_TIMES, default="start",
                  help="model.step_time of the DiffEqFormer")
   p.add_argument("--llama_block", choices=LLAMA_BLOCKS, default="paper",

@@ -22,10 +22,10 @@ import traceback
 from typing import Callable, Optional, Sequence
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130    # 128 + SIGINT, as a shell reports a Ctrl-C
 # Command-line flags renamed in a release: old name -> new. The old name still parses for
 # one release, with one warning line (`renamed_flags`).
 RENAMED_FLAGS = {"num_steps": "solver_steps"}
-EXIT_INTERRUPTED = 130    # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 class UserError(Exception):

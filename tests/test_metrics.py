@@ -1,7 +1,11 @@
 """Token-weighted metrics, log lines, TensorBoard events and the checkpoint round trip."""
 import functools
+import importlib.util
 import json
 import math
+import pathlib
+import subprocess
+import sys
 import types
 
 from flax import nnx
@@ -13,6 +17,10 @@ import pytest
 
 from odetransformer.train import metrics
 from odetransformer.train.checkpoint.manager import Checkpointer
+
+from tiny import cpu_env
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _step_metrics(loss_sum, weight_sum, grad_norm, lr, applied=1.0):
@@ -105,12 +113,6 @@ def test_event_writer_leaves_torch_unimported_and_works_beside_it(tmp_path):
   """In a fresh process (as main.py) writing events does not import PyTorch, though the
   export extra installs it (tensorboardX's writer imports it: seconds of CPU); a
   process that imports torch afterwards, or had it before, still writes and reads."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  import pathlib  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-
-  from tiny import cpu_env  # pylint: disable=g-import-not-at-top
   if importlib.util.find_spec("torch") is None:
     pytest.skip("torch is not installed (requirements-export.txt)")
   script = f"""
@@ -126,8 +128,7 @@ for i, logdir in enumerate(({str(tmp_path / "a")!r}, {str(tmp_path / "b")!r})):
     import torch
 print("ok")
 """
-  root = pathlib.Path(__file__).resolve().parents[1]
-  proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=cpu_env(),
+  proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=cpu_env(),
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0 and proc.stdout.split() == ["ok"], proc.stderr[-2000:]
 

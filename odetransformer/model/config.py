@@ -309,9 +309,7 @@ def migrate_config(config: ml_collections.ConfigDict,
   """
   config = ml_collections.ConfigDict(config.to_dict())
   if "model" in config:
-    values = migrate_model_fields(config.model.to_dict(), warn)
-    for old in DEPRECATED_KEYS:
-      values.pop(old, None)
+    values = migrate_model_fields(config.model.to_dict(), warn)   # old keys popped
     model = default_model_config()
     for old in DEPRECATED_KEYS:
       del model[old]

@@ -19,6 +19,7 @@ import dataclasses
 from flax import nnx
 import jax
 
+from odetransformer.model import solvers
 from odetransformer.model.blocks import layer_param_specs
 from odetransformer.model.config import ModelConfig
 from odetransformer.model.transformer import LanguageModel
@@ -68,12 +69,12 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, num_steps: int | None = None
   amortised over `tokens_per_batch` when given.
   """
   k = num_steps or cfg.depth
-  evals = {"euler": 1, "midpoint": 2, "rk4": 4}[cfg.solver] if cfg.is_ode else 1
+  evals = solvers.num_evals(cfg.solver) if cfg.is_ode else 1
   lp = layer_params(cfg)
   flops = 6.0 * (k * evals * lp + cfg.d_model * cfg.vocab_size)
   flops += 6.0 * k * evals * seq_len * cfg.d_model
   if cfg.kind == "diffeqformer" and tokens_per_batch:
-    stages = {"euler": 1, "midpoint": 2, "rk4": 3}[cfg.solver]
+    stages = len(solvers.STAGE_NODES[cfg.solver])   # distinct stage times (rk4: 3)
     flops += 6.0 * k * stages * cfg.time_embed_dim * lp / tokens_per_batch
   return flops
 

@@ -75,7 +75,7 @@ import numpy as np
 from odetransformer import errors
 from odetransformer.model import blocks
 from odetransformer.model import config as config_lib
-from odetransformer.model import hypernet
+from odetransformer.model import hypernet, solvers
 from odetransformer.model import transformer as model_lib
 from odetransformer.train import loop
 from odetransformer.train import optimizer as optimizer_lib
@@ -201,8 +201,7 @@ def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
   t, d, f, v, n = (config.seq_len, cfg.d_model, cfg.mlp_dim, cfg.vocab_size,
                    cfg.num_heads)
   cb = np.dtype(cfg.dtype).itemsize
-  stages = {"euler": 1, "midpoint": 2, "rk4": 4}[cfg.solver] if cfg.is_ode else 1
-  evals = cfg.depth * stages
+  evals = cfg.depth * (solvers.num_evals(cfg.solver) if cfg.is_ode else 1)
   tokens = b * t
 
   def shard_elements(tree):

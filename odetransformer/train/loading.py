@@ -13,6 +13,7 @@ devices at hand (trained on 256 chips, evaluated on 8) is loaded fully sharded
 import dataclasses
 from typing import Optional
 
+from absl import flags
 from absl import logging
 from flax import nnx
 import jax
@@ -44,16 +45,15 @@ class Loaded:
   rules: tuple = ()                          # the logical-axis rules they follow
 
 
-
 def define_load_flags(define, flag_values) -> None:
   """The flags of every command that loads a run, after its own: --mesh_shape,
   --checkpoint_allow_unverified, --verbose; and --workdir (defined by the command) made
   required. `define(kind, name, default, help)` defines one flag in `flag_values`."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
   define("string", "mesh_shape", "", MESH_SHAPE_HELP)
   define("bool", "checkpoint_allow_unverified", False, UNVERIFIED_FLAG_HELP)
   define("bool", "verbose", False, "Show the traceback of a user error as well.")
   flags.mark_flag_as_required("workdir", flag_values=flag_values)
+
 
 def parse_mesh_shape(text: str) -> tuple:
   """A `--mesh_shape` value: '2,-1,1', '(2,-1,1)' or '[2, -1, 1]' -> (2, -1, 1);
