@@ -40,6 +40,15 @@ pre-training grid:
   python -m benchmarks.adaptive_finetune --data_dir=DIR --seeds=1 --pretrain_steps=10 \\
       --finetune_steps=5 --k=2 --steps=1,2
 
+From runs pre-trained elsewhere (`--pretrained_diffeqformer=D1 --pretrained_gpt=D2`,
+e.g. the checkpoints of `benchmarks.single_epoch`), nothing is pre-trained: K, the GPT's
+depth, the shape, sequence length, batch, vocabulary and tokenizer are the runs', the
+DiffEqFormer's time grid is its run's, and the seeds are fine-tuning seeds (data order,
+adapter init, dropout) from the same two pre-trained models:
+
+  python -m benchmarks.adaptive_finetune --data_dir=DIR --out=D3 \
+      --pretrained_diffeqformer=D1 --pretrained_gpt=D2 --finetune_steps=100
+
 DIR holds wikitext-2/{valid,test}.txt (pre-training train/eval text) and
 tinyshakespeare/input.txt (fine-tuning text: first 90% train, last 10% validation), or
 pass the three files with --pretrain_train, --pretrain_eval and --finetune_text.
@@ -65,11 +74,22 @@ import ml_collections  # noqa: E402  pylint: disable=g-import-not-at-top
 
 from benchmarks import common  # noqa: E402  pylint: disable=g-import-not-at-top
 from configs import default  # noqa: E402  pylint: disable=g-import-not-at-top
+from odetransformer.errors import ConfigError  # noqa: E402  pylint: disable=g-import-not-at-top
+from odetransformer.model.config import model_config  # noqa: E402  pylint: disable=g-import-not-at-top
 from odetransformer.model.time_grid import TRAIN_TIME_GRIDS  # noqa: E402  pylint: disable=g-import-not-at-top
 from odetransformer.tools import evaluate  # noqa: E402  pylint: disable=g-import-not-at-top
+from odetransformer.train.checkpoint.fingerprint import load_config  # noqa: E402  pylint: disable=g-import-not-at-top
+from odetransformer.train.checkpoint.paths import CONFIG_FILE  # noqa: E402  pylint: disable=g-import-not-at-top
 
 METHODS = ("continuous", "full", "lora")
 LORA_TARGETS = "wq,wk,wv,wo,w1,w2"     # every linear map of a layer
+
+
+def optim(args) -> dict:
+  """Pre-training's and every fine-tuning method's AdamW schedule: the flags' peak rate
+  and b2, 1% warm-up, cosine to 0.1x, weight decay 0.1."""
+  return dict(learning_rate=args.lr, b2=args.b2, warmup_frac=0.01, min_lr_ratio=0.1,
+              weight_decay=0.1)
 
 
 def base_config(args, seed, cache_dir):
@@ -83,15 +103,28 @@ def base_config(args, seed, cache_dir):
   c.log_every_steps = 50
   c.eval_every_steps = 0                  # only at the end
   c.checkpoint_every_steps = 0            # only at the end
-  c.optim.learning_rate = args.lr
-  c.optim.b2 = args.b2
-  c.optim.warmup_frac = 0.01
-  c.optim.min_lr_ratio = 0.1
-  c.optim.weight_decay = 0.1
+  c.optim.update(optim(args))
   c.data.source = "local"
   c.data.vocab_size = args.vocab
   c.data.eval_max_batches = args.eval_batches
   c.data.cache_dir = cache_dir            # one tokenizer for every run
+  return c
+
+
+def pretrained_base(args, seed, cache_dir, src):
+  """A fine-tuning config on the pre-trained run `src`'s own config: its model shape,
+  sequence length, batch and vocabulary; this benchmark's optimizer and schedule."""
+  c = load_config(src)
+  with c.unlocked():
+    c.seed = seed
+    c.log_every_steps = 50
+    c.eval_every_steps = 0
+    c.checkpoint_every_steps = 0
+    c.optim.update(optim(args))
+    c.data.source = "local"
+    c.data.eval_max_batches = args.eval_batches
+    c.data.cache_dir = cache_dir
+    c.data.tokenizer_path = ""            # the pre-trained run's (finetune.prepare_config)
   return c
 
 
@@ -106,7 +139,8 @@ def pretrain(args, kind, layers, seed, workdir, cache_dir, grid="fixed"):
 
 
 def finetune(args, init_from, method, n, seed, workdir, cache_dir, files):
-  c = base_config(args, seed, cache_dir)
+  c = (pretrained_base(args, seed, cache_dir, init_from) if args.pretrained
+       else base_config(args, seed, cache_dir))
   c.init_from = init_from
   c.finetune = ml_collections.ConfigDict(dict(
       method=method, solver_steps=n, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
@@ -187,10 +221,17 @@ def parse_args(argv=None):
   p.add_argument("--pretrain_eval", default="", help="pre-training evaluation text")
   p.add_argument("--finetune_text", default="",
                  help="fine-tuning text: first 90%% train, last 10%% validation")
+  p.add_argument("--pretrained_diffeqformer", default="",
+                 help="a pre-trained DiffEqFormer workdir to fine-tune instead of "
+                      "pre-training (with --pretrained_gpt; shape, K and grid are the run's)")
+  p.add_argument("--pretrained_gpt", default="",
+                 help="the pre-trained GPT baseline's workdir (with --pretrained_diffeqformer)")
   args = p.parse_args(argv)
-  defaults = {"pretrain_train": ("wikitext-2", "valid.txt"),
-              "pretrain_eval": ("wikitext-2", "test.txt"),
-              "finetune_text": ("tinyshakespeare", "input.txt")}
+  args.pretrained = bool(args.pretrained_diffeqformer or args.pretrained_gpt)
+  defaults = {"finetune_text": ("tinyshakespeare", "input.txt")}
+  if not args.pretrained:
+    defaults.update(pretrain_train=("wikitext-2", "valid.txt"),
+                    pretrain_eval=("wikitext-2", "test.txt"))
   for flag, parts in defaults.items():
     if not getattr(args, flag) and args.data_dir:
       setattr(args, flag, os.path.join(args.data_dir, *parts))
@@ -199,16 +240,46 @@ def parse_args(argv=None):
               f"with {'/'.join(parts)} in DIR")
   if args.seeds < 1 or args.k < 1:
     p.error(f"--seeds={args.seeds} and --k={args.k} must be at least 1")
+  if args.pretrained:
+    try:
+      from_pretrained(args)
+    except (ConfigError, OSError, ValueError) as e:
+      p.error(str(e))
   args.ns = ([int(n) for n in args.steps.split(",")] if args.steps
              else sorted({max(1, args.k // 2), args.k, (3 * args.k) // 2}))
   args.gpt_layers = args.gpt_layers or max(1, round(4 * args.k / 3))
   args.lora_rank = args.lora_rank or max(1, round(200 * args.d_model / 1024))
   args.methods = [m for m in METHODS if m in args.methods.split(",")]
+  if args.pretrained:
+    return args
   args.grids = [g for g in args.pretrain_grids.split(",") if g]
   bad = [g for g in args.grids if g not in TRAIN_TIME_GRIDS]
   if bad or not args.grids:
     p.error(f"--pretrain_grids={args.pretrain_grids!r}: choose from {list(TRAIN_TIME_GRIDS)}")
   return args
+
+
+def from_pretrained(args) -> None:
+  """Sets K, the GPT's depth, the grid, the width and the pre-training steps of `args`
+  from the two pre-trained runs (ConfigError naming the flag when one is not usable)."""
+  cfgs = {}
+  for flag, kind in (("pretrained_diffeqformer", "diffeqformer"),
+                     ("pretrained_gpt", "transformer")):
+    src = getattr(args, flag)
+    if not src or not os.path.isfile(os.path.join(src, CONFIG_FILE)):
+      raise ConfigError(f"--{flag}={src!r} is not a training workdir ({CONFIG_FILE} "
+                        "missing); pass both --pretrained_diffeqformer and --pretrained_gpt")
+    config = load_config(src)
+    cfgs[kind] = config, model_config(config, config.data.vocab_size)
+    if cfgs[kind][1].kind != kind:
+      raise ConfigError(f"--{flag}={src} holds a {cfgs[kind][1].kind!r} model, not "
+                        f"{kind!r}")
+  (ode_run, ode), (_, gpt) = cfgs["diffeqformer"], cfgs["transformer"]
+  if ode.d_model != gpt.d_model or ode_run.data.vocab_size != cfgs["transformer"][0].data.vocab_size:
+    raise ConfigError("--pretrained_diffeqformer and --pretrained_gpt differ in width or "
+                      "vocabulary; pass two runs of one comparison")
+  args.k, args.gpt_layers, args.grids = ode.solver_steps, gpt.depth, [ode.train_time_grid]
+  args.d_model, args.pretrain_steps = ode.d_model, int(ode_run.num_train_steps)
 
 
 def mean_std(values):
@@ -231,6 +302,10 @@ def main(argv=None):
   # XLA:CPU compiles the (per-seed, so uncached) parameter init faster with 'rbg'.
   jax.config.update("jax_default_prng_impl", "rbg")
   files = split_text(args.finetune_text, args.out)
+  if args.pretrained:
+    print(f"pre-trained runs (not trained here): DiffEqFormer {args.pretrained_diffeqformer} "
+          f"(K = {args.k}, {args.grids[0]} grid), GPT {args.pretrained_gpt} "
+          f"({args.gpt_layers} layers); seeds are fine-tuning seeds", flush=True)
   cache = os.path.join(args.out, "cache")
   ode, start_ppl, gpt = {}, {}, {}        # (grid, method, N) / (grid, N) / method -> [ppl per seed]
   t0 = time.perf_counter()
@@ -240,6 +315,10 @@ def main(argv=None):
     pre = {}
     runs = [(g, "diffeqformer", args.k) for g in args.grids] + [("fixed", "transformer", args.gpt_layers)]
     for grid, kind, layers in runs:
+      if args.pretrained:                # the same two runs for every fine-tuning seed
+        pre[grid, kind] = getattr(args, "pretrained_gpt" if kind == "transformer"
+                                  else "pretrained_diffeqformer")
+        continue
       pre[grid, kind] = os.path.join(work, run_dir(grid, f"pre_{kind}"))
       r, note = pretrain(args, kind, layers, seed, pre[grid, kind], cache, grid)
       print(f"seed {seed} pre-trained {kind} ({layers} steps/layers, {grid} grid): eval "

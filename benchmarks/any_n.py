@@ -11,6 +11,12 @@ The last line is the option's solver robustness, on the seed-mean perplexities:
 
   python -m benchmarks.any_n                   # configs/default.py, 3 seeds × 2 modes
   python -m benchmarks.any_n --seeds=1 --steps=100 --option=random_offset
+  python -m benchmarks.any_n --runs=D1,D2 --data=local:DIR/test.txt   # no training
+
+`--runs` scores pre-trained DiffEqFormer workdirs (any training run's, e.g. those of
+`benchmarks.single_epoch`) at the same N ∈ {K/2, …, 4K} of each run's own K instead of
+training, on `--data` (default: each run's eval split), and prints one row per run
+(named by its time grid and step time) and the ratio line for each.
 
 Defaults are configs/default.py's (K = 4, 500 steps, the embedded corpus, so no data
 is needed; its run time is in benchmarks/README.md, "Any N"). A `--workdir`
@@ -21,6 +27,7 @@ other code or another config are moved aside and trained afresh.
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -28,11 +35,12 @@ from absl import logging
 
 from benchmarks import common
 from configs import default
+from odetransformer.errors import UserError
 from odetransformer.model import config as config_lib
 from odetransformer.model.solvers import STEP_TIMES
 from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
 from odetransformer.tools import evaluate
-from odetransformer.train import loop
+from odetransformer.train import loading, loop
 
 ROBUST_N = ("3K/2", "2K", "4K")
 
@@ -95,7 +103,15 @@ def parse_args(argv=None):
   p.add_argument("--rounds", type=int, default=20,
                  help="interleaved timing rounds (0 = no timing)")
   p.add_argument("--workdir", default="", help="default: a fresh temporary directory")
+  p.add_argument("--runs", default="", help="comma-separated pre-trained DiffEqFormer "
+                 "workdirs to score at every N (no training; the flags above that shape "
+                 "or train a run do not apply)")
+  p.add_argument("--data", default="", help="with --runs: the evaluation text, "
+                 "'local:<glob>' or a data.source ('' = each run's eval split)")
   args = p.parse_args(argv)
+  args.runs = [r for r in args.runs.split(",") if r]
+  if args.data and not args.runs:
+    p.error("--data applies to --runs only; the trained runs score on their eval split")
   if args.option not in TRAIN_TIME_GRIDS or args.option == "fixed":
     p.error(f"--option={args.option!r}: choose one of "
             f"{[g for g in TRAIN_TIME_GRIDS if g != 'fixed']}")
@@ -157,10 +173,46 @@ def train_and_score(config, workdir: str, eval_batches: int):
                f"eval tokens {stored['tokens']:,} | {trained:.0f}s")
 
 
+def score_runs(runs: list, data: str, eval_batches: int) -> None:
+  """Scores each pre-trained run at every N of its own K and prints a row per run and the
+  ratio lines."""
+  rows = []
+  for workdir in runs:
+    loaded = loading.load_model(workdir)
+    cfg = loaded.model_config
+    if cfg.kind != "diffeqformer":
+      raise UserError(f"--runs: {workdir} holds a {cfg.kind!r} model; any N needs a "
+                      "DiffEqFormer run")
+    counts = step_counts(int(cfg.solver_steps))
+    t = time.perf_counter()
+    batches = evaluate.eval_data(workdir, loaded.config, data=data,
+                                 max_batches=eval_batches).batches()
+    batches = list(batches)               # the same tokens at every N
+    ppl = {label: evaluate.evaluate_model(loaded.model, iter(batches), n, loaded.rules)
+           for label, n in counts.items()}
+    name = f"{cfg.train_time_grid} grid, step_time {cfg.step_time}"
+    rows.append((name, counts, {k: r.perplexity for k, r in ppl.items()}))
+    print(f"{workdir} (step {loaded.step}, {name}): ppl "
+          + " | ".join(f"N={counts[k]} {r.perplexity:.2f}" for k, r in ppl.items())
+          + f" | eval tokens {ppl['K'].num_tokens:,} | {time.perf_counter() - t:.0f}s",
+          flush=True)
+  print(f"{'run':40s} " + " ".join(f"{label:>9s}" for label in rows[0][1])
+        + "   max ppl(N)/ppl(K) over N in {3K/2, 2K, 4K}")
+  for name, _, row in rows:
+    worst = max(row[label] / row["K"] for label in ROBUST_N)
+    print(f"{name:40s} " + " ".join(f"{row[label]:9.2f}" for label in row) + f"   {worst:.3f}")
+  for name, _, row in rows:
+    worst = max(row[label] / row["K"] for label in ROBUST_N)
+    print(f"any-N ({name}): max ppl(N)/ppl(K) over N in {{3K/2, 2K, 4K}}: {worst:.3f}")
+
+
 def main(argv=None):
   args = parse_args(argv)
   logging.set_verbosity(logging.WARNING)
   evaluate.quiet_orbax()
+  if args.runs:
+    score_runs(args.runs, args.data, args.eval_batches)
+    return
   root = args.workdir or tempfile.mkdtemp(prefix="odet_any_n_")
   print(f"workdir {root}", flush=True)
   modes = ("fixed", args.option)
@@ -198,4 +250,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  try:
+    main()
+  except UserError as e:
+    sys.exit(f"error: {e}")

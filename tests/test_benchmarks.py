@@ -460,6 +460,79 @@ def test_single_epoch_resumes_and_serves_no_token_twice(tmp_path, capsys):
     single_epoch.main(flags[:4] + ["--seeds=2", f"--seed_steps={most + 1}"])
 
 
+def test_any_n_and_finetuning_from_single_epoch_runs(tmp_path, capsys):
+  """Issue 36's any-N and Fig. 5 stages start from the scale run's checkpoints without
+  training them again: any_n --runs scores the DiffEqFormer at every N (at N = K the
+  single-epoch benchmark's own test perplexity), adaptive_finetune --pretrained_* takes
+  K, depth, width and tokenizer from the runs, and its 'before' row is the pre-trained
+  model's perplexity on the fine-tuning text."""
+  from benchmarks import single_epoch  # pylint: disable=g-import-not-at-top
+  from odetransformer.tools import evaluate  # pylint: disable=g-import-not-at-top
+  data = _single_epoch_text(tmp_path)
+  runs = tmp_path / "runs"
+  single_epoch.main([f"--data_dir={data}", f"--workdir={runs}", "--preset=tiny", "--steps=2",
+                     "--eval_every=2", "--eval_batches=1", "--curve_batches=1"])
+  test_ppl = _num(_find(rf"^seed 0 step\s+2 diffeqformer\s+\| valid ppl\s+{NUM} \| test ppl"
+                        rf"\s+{NUM}", capsys.readouterr().out).group(2))
+  ode, gpt = runs / "diffeqformer_seed0_steps2", runs / "transformer_seed0_steps2"
+  keys = {d: (d / "benchmark_run_key.json").read_text() for d in (ode, gpt)}
+
+  out = _run("any_n", f"--runs={ode}", f"--data=local:{data / 'test.txt'}", "--eval_batches=1")
+  m = _find(rf"^fixed grid, step_time start\s+" + r"\s+".join([NUM] * 6) + "$", out)
+  row = [_num(m.group(i)) for i in range(1, 7)]
+  assert row[1] == pytest.approx(test_ppl, abs=0.006)          # N = K = 2
+  assert row[5] == pytest.approx(max(row[i] / row[1] for i in (2, 3, 4)), abs=2e-3)
+  assert out.strip().splitlines()[-1] == (
+      f"any-N (fixed grid, step_time start): max ppl(N)/ppl(K) over N in {{3K/2, 2K, 4K}}: "
+      f"{row[5]:.3f}")
+
+  shakespeare = shared_data_path("tinyshakespeare", "input.txt")
+  out = _run("adaptive_finetune", f"--finetune_text={shakespeare}", f"--out={tmp_path / 'ft'}",
+             f"--pretrained_diffeqformer={ode}", f"--pretrained_gpt={gpt}", "--seeds=1",
+             "--steps=2", "--finetune_steps=2", "--eval_batches=1", "--methods=full,lora")
+  table = (tmp_path / "ft" / "adaptive_finetune.md").read_text()
+  assert ("after 2 pre-training steps; DiffEqFormer K = 2, GPT 2 layers; d 32, LoRA r 6 "
+          "alpha 8") in table
+  before = _num(_find(rf"^\| DiffEqFormer fixed before \| {NUM} \|$", table).group(1))
+  [expected] = evaluate.evaluate(str(ode), [2], max_batches=1,
+                                 data=f"local:{tmp_path / 'ft' / 'finetune_valid.txt'}")
+  assert before == pytest.approx(expected.perplexity, abs=0.006)
+  m = _find(rf"^diffeqformer/gpt fine-tuned perplexity ratio at N=2: fixed: full {NUM}, "
+            rf"lora {NUM} \(mean of 1 seeds\)$", out)
+  for i, method in enumerate(("full", "lora"), 1):
+    ode_ppl = _num(_find(rf"^\| DiffEqFormer fixed {method} \| {NUM} \|$", table).group(1))
+    gpt_ppl = _num(_find(rf"^\| GPT \(2 layers\) {method} \| {NUM} \|$", table).group(1))
+    assert _num(m.group(i)) == pytest.approx(ode_ppl / gpt_ppl, abs=0.002)
+  # A DiffEqFormer of another grid trains beside them, alone; nothing else is touched.
+  single_epoch.main([f"--data_dir={data}", f"--workdir={runs}", "--preset=tiny", "--steps=2",
+                     "--eval_every=2", "--eval_batches=1", "--curve_batches=1",
+                     "--ode_grid=random_shift", "--kinds=diffeqformer"])
+  out = capsys.readouterr().out
+  _find(r"^seed 0 step\s+2 diffeqformer\s+\| valid ppl .* \| trained now$", out)
+  assert "transformer" not in out and "ratio" not in out
+  shifted = runs / "diffeqformer_random_shift_seed0_steps2"
+  assert json.loads((shifted / "config.json").read_text())["model"]["train_time_grid"] == \
+      "random_shift"
+  # Neither pre-trained run was trained again, nor re-keyed.
+  assert {d: (d / "benchmark_run_key.json").read_text() for d in (ode, gpt)} == keys
+  assert not list(runs.glob("*.stale-*"))
+
+
+def test_pretrained_and_kinds_flags_are_checked(tmp_path, monkeypatch, capsys):
+  shakespeare = shared_data_path("tinyshakespeare", "input.txt")
+  assert _usage_error("adaptive_finetune", [f"--finetune_text={shakespeare}",
+                                            f"--pretrained_diffeqformer={tmp_path}"],
+                      monkeypatch, capsys).endswith(
+      f"error: --pretrained_diffeqformer={str(tmp_path)!r} is not a training workdir "
+      "(config.json missing); pass both --pretrained_diffeqformer and --pretrained_gpt")
+  data = _single_epoch_text(tmp_path)
+  assert _usage_error("single_epoch", [f"--data_dir={data}", "--kinds=gpt"], monkeypatch,
+                      capsys).endswith(
+      "error: --kinds=gpt: choose diffeqformer and/or transformer, comma-separated")
+  assert _usage_error("any_n", ["--data=local:x.txt"], monkeypatch, capsys).endswith(
+      "error: --data applies to --runs only; the trained runs score on their eval split")
+
+
 def test_single_epoch_detects_a_second_epoch(tmp_path):
   """The documents-read check on the real pipeline: within the first epoch it counts
   fewer documents than the corpus holds; a stream read past it is refused."""
