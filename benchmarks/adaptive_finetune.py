@@ -228,10 +228,9 @@ def parse_args(argv=None):
                  help="the pre-trained GPT baseline's workdir (with --pretrained_diffeqformer)")
   args = p.parse_args(argv)
   args.pretrained = bool(args.pretrained_diffeqformer or args.pretrained_gpt)
-  defaults = {"finetune_text": ("tinyshakespeare", "input.txt")}
-  if not args.pretrained:
-    defaults.update(pretrain_train=("wikitext-2", "valid.txt"),
-                    pretrain_eval=("wikitext-2", "test.txt"))
+  defaults = {} if args.pretrained else {"pretrain_train": ("wikitext-2", "valid.txt"),
+                                          "pretrain_eval": ("wikitext-2", "test.txt")}
+  defaults["finetune_text"] = ("tinyshakespeare", "input.txt")
   for flag, parts in defaults.items():
     if not getattr(args, flag) and args.data_dir:
       setattr(args, flag, os.path.join(args.data_dir, *parts))
