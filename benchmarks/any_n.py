@@ -50,6 +50,11 @@ def step_counts(k: int) -> dict:
   return {"K/2": k // 2, "K": k, "3K/2": 3 * k // 2, "2K": 2 * k, "4K": 4 * k}
 
 
+def worst_ratio(row: dict) -> float:
+  """max ppl(N)/ppl(K) over the N of `ROBUST_N`, for a row label -> perplexity."""
+  return max(row[label] / row["K"] for label in ROBUST_N)
+
+
 def make_config(args, mode: str, seed: int, cache_dir: str):
   c = default.get_config()
   c.seed = seed
@@ -168,41 +173,36 @@ def train_and_score(config, workdir: str, eval_batches: int):
               else f"{note}, scored now")
   row = stored["perplexity"]
   cells = " | ".join(f"N={counts[label]} {row[label]:.2f}" for label in counts)
-  worst = max(row[label] / row["K"] for label in ROBUST_N)
-  return row, (f"{source} | ppl {cells} | max ratio {worst:.3f} | "
+  return row, (f"{source} | ppl {cells} | max ratio {worst_ratio(row):.3f} | "
                f"eval tokens {stored['tokens']:,} | {trained:.0f}s")
 
 
 def score_runs(runs: list, data: str, eval_batches: int) -> None:
-  """Scores each pre-trained run at every N of its own K and prints a row per run and the
-  ratio lines."""
+  """Scores each pre-trained run at every N of its own K (`evaluate.evaluate`) and prints
+  a row per run and the ratio lines."""
   rows = []
   for workdir in runs:
-    loaded = loading.load_model(workdir)
-    cfg = loaded.model_config
+    config = loading.load_run_config(workdir)
+    cfg = config_lib.model_config(config, config.data.vocab_size)
     if cfg.kind != "diffeqformer":
       raise UserError(f"--runs: {workdir} holds a {cfg.kind!r} model; any N needs a "
                       "DiffEqFormer run")
     counts = step_counts(int(cfg.solver_steps))
     t = time.perf_counter()
-    batches = evaluate.eval_data(workdir, loaded.config, data=data,
-                                 max_batches=eval_batches).batches()
-    batches = list(batches)               # the same tokens at every N
-    ppl = {label: evaluate.evaluate_model(loaded.model, iter(batches), n, loaded.rules)
-           for label, n in counts.items()}
+    results = evaluate.evaluate(workdir, list(counts.values()), data=data,
+                                max_batches=eval_batches)
+    row = {label: r.perplexity for label, r in zip(counts, results)}
     name = f"{cfg.train_time_grid} grid, step_time {cfg.step_time}"
-    rows.append((name, counts, {k: r.perplexity for k, r in ppl.items()}))
-    print(f"{workdir} (step {loaded.step}, {name}): ppl "
-          + " | ".join(f"N={counts[k]} {r.perplexity:.2f}" for k, r in ppl.items())
-          + f" | eval tokens {ppl['K'].num_tokens:,} | {time.perf_counter() - t:.0f}s",
+    rows.append((name, row, worst_ratio(row)))
+    print(f"{workdir} ({name}): ppl "
+          + " | ".join(f"N={n} {row[label]:.2f}" for label, n in counts.items())
+          + f" | eval tokens {results[0].num_tokens:,} | {time.perf_counter() - t:.0f}s",
           flush=True)
   print(f"{'run':40s} " + " ".join(f"{label:>9s}" for label in rows[0][1])
         + "   max ppl(N)/ppl(K) over N in {3K/2, 2K, 4K}")
-  for name, _, row in rows:
-    worst = max(row[label] / row["K"] for label in ROBUST_N)
-    print(f"{name:40s} " + " ".join(f"{row[label]:9.2f}" for label in row) + f"   {worst:.3f}")
-  for name, _, row in rows:
-    worst = max(row[label] / row["K"] for label in ROBUST_N)
+  for name, row, worst in rows:
+    print(f"{name:40s} " + " ".join(f"{v:9.2f}" for v in row.values()) + f"   {worst:.3f}")
+  for name, _, worst in rows:
     print(f"any-N ({name}): max ppl(N)/ppl(K) over N in {{3K/2, 2K, 4K}}: {worst:.3f}")
 
 
@@ -237,7 +237,7 @@ def main(argv=None):
         + "   max ppl(N)/ppl(K) over N in {3K/2, 2K, 4K}")
   ratios = {}
   for m in modes:
-    ratios[m] = max(mean[m][label] / mean[m]["K"] for label in ROBUST_N)
+    ratios[m] = worst_ratio(mean[m])
     print(f"{m:14s} " + " ".join(f"{mean[m][label]:9.2f}" for label in counts)
           + f"   {ratios[m]:.3f}")
   print(f"{args.option}/fixed perplexity at K: {mean[args.option]['K'] / mean['fixed']['K']:.4f}")
