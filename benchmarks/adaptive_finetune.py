@@ -85,45 +85,40 @@ METHODS = ("continuous", "full", "lora")
 LORA_TARGETS = "wq,wk,wv,wo,w1,w2"     # every linear map of a layer
 
 
-def optim(args) -> dict:
-  """Pre-training's and every fine-tuning method's AdamW schedule: the flags' peak rate
-  and b2, 1% warm-up, cosine to 0.1x, weight decay 0.1."""
-  return dict(learning_rate=args.lr, b2=args.b2, warmup_frac=0.01, min_lr_ratio=0.1,
-              weight_decay=0.1)
+def _run_settings(c, args, seed, cache_dir):
+  """What every run of this benchmark shares, set on config `c` (returned): the seed,
+  logging, one evaluation and checkpoint at the end, local text, and pre-training's
+  and every fine-tuning method's AdamW schedule (the flags' peak rate and b2, 1%
+  warm-up, cosine to 0.1x, weight decay 0.1)."""
+  with c.unlocked():
+    c.seed = seed
+    c.log_every_steps = 50
+    c.eval_every_steps = 0                # only at the end
+    c.checkpoint_every_steps = 0          # only at the end
+    c.optim.update(dict(learning_rate=args.lr, b2=args.b2, warmup_frac=0.01,
+                        min_lr_ratio=0.1, weight_decay=0.1))
+    c.data.source = "local"
+    c.data.eval_max_batches = args.eval_batches
+    c.data.cache_dir = cache_dir          # one tokenizer for every run
+  return c
 
 
 def base_config(args, seed, cache_dir):
-  c = default.get_config()
-  c.seed = seed
+  c = _run_settings(default.get_config(), args, seed, cache_dir)
   c.model.d_model, c.model.num_heads, c.model.mlp_dim = args.d_model, 4, 4 * args.d_model
   c.model.time_embed_dim = args.time_embed_dim
   c.model.time_sinusoids = args.time_sinusoids
   c.model.max_len = c.seq_len = args.seq_len
   c.global_batch_size = c.eval_batch_size = args.batch
-  c.log_every_steps = 50
-  c.eval_every_steps = 0                  # only at the end
-  c.checkpoint_every_steps = 0            # only at the end
-  c.optim.update(optim(args))
-  c.data.source = "local"
   c.data.vocab_size = args.vocab
-  c.data.eval_max_batches = args.eval_batches
-  c.data.cache_dir = cache_dir            # one tokenizer for every run
   return c
 
 
 def pretrained_base(args, seed, cache_dir, src):
-  """A fine-tuning config on the pre-trained run `src`'s own config: its model shape,
-  sequence length, batch and vocabulary; this benchmark's optimizer and schedule."""
-  c = load_config(src)
+  """A fine-tuning config on the pre-trained run `src`'s own config (its model shape,
+  sequence length, batch, vocabulary and tokenizer) with this benchmark's settings."""
+  c = _run_settings(load_config(src), args, seed, cache_dir)
   with c.unlocked():
-    c.seed = seed
-    c.log_every_steps = 50
-    c.eval_every_steps = 0
-    c.checkpoint_every_steps = 0
-    c.optim.update(optim(args))
-    c.data.source = "local"
-    c.data.eval_max_batches = args.eval_batches
-    c.data.cache_dir = cache_dir
     c.data.tokenizer_path = ""            # the pre-trained run's (finetune.prepare_config)
   return c
 
@@ -136,6 +131,19 @@ def pretrain(args, kind, layers, seed, workdir, cache_dir, grid="fixed"):
   c.num_train_steps = args.pretrain_steps
   c.data.train_files, c.data.eval_files = args.pretrain_train, args.pretrain_eval
   return common.keyed_run(c, workdir)
+
+
+def pretrain_all(args, seed, work, cache_dir) -> dict:
+  """Pre-trains one seed's DiffEqFormer per grid and its GPT baseline in `work`:
+  (grid, kind) -> workdir."""
+  pre = {}
+  runs = [(g, "diffeqformer", args.k) for g in args.grids] + [("fixed", "transformer", args.gpt_layers)]
+  for grid, kind, layers in runs:
+    pre[grid, kind] = os.path.join(work, run_dir(grid, f"pre_{kind}"))
+    r, note = pretrain(args, kind, layers, seed, pre[grid, kind], cache_dir, grid)
+    print(f"seed {seed} pre-trained {kind} ({layers} steps/layers, {grid} grid): eval "
+          f"perplexity {r['eval']['perplexity']:.2f}{_reused(note)}", flush=True)
+  return pre
 
 
 def finetune(args, init_from, method, n, seed, workdir, cache_dir, files):
@@ -261,7 +269,7 @@ def parse_args(argv=None):
 def from_pretrained(args) -> None:
   """Sets K, the GPT's depth, the grid, the width and the pre-training steps of `args`
   from the two pre-trained runs (ConfigError naming the flag when one is not usable)."""
-  cfgs = {}
+  models = {}
   for flag, kind in (("pretrained_diffeqformer", "diffeqformer"),
                      ("pretrained_gpt", "transformer")):
     src = getattr(args, flag)
@@ -269,16 +277,17 @@ def from_pretrained(args) -> None:
       raise ConfigError(f"--{flag}={src!r} is not a training workdir ({CONFIG_FILE} "
                         "missing); pass both --pretrained_diffeqformer and --pretrained_gpt")
     config = load_config(src)
-    cfgs[kind] = config, model_config(config, config.data.vocab_size)
-    if cfgs[kind][1].kind != kind:
-      raise ConfigError(f"--{flag}={src} holds a {cfgs[kind][1].kind!r} model, not "
-                        f"{kind!r}")
-  (ode_run, ode), (_, gpt) = cfgs["diffeqformer"], cfgs["transformer"]
-  if ode.d_model != gpt.d_model or ode_run.data.vocab_size != cfgs["transformer"][0].data.vocab_size:
+    models[kind] = model_config(config, config.data.vocab_size)
+    if models[kind].kind != kind:
+      raise ConfigError(f"--{flag}={src} holds a {models[kind].kind!r} model, not {kind!r}")
+    if kind == "diffeqformer":
+      args.pretrain_steps = int(config.num_train_steps)
+  ode, gpt = models["diffeqformer"], models["transformer"]
+  if (ode.d_model, ode.vocab_size) != (gpt.d_model, gpt.vocab_size):
     raise ConfigError("--pretrained_diffeqformer and --pretrained_gpt differ in width or "
                       "vocabulary; pass two runs of one comparison")
   args.k, args.gpt_layers, args.grids = ode.solver_steps, gpt.depth, [ode.train_time_grid]
-  args.d_model, args.pretrain_steps = ode.d_model, int(ode_run.num_train_steps)
+  args.d_model = ode.d_model
 
 
 def mean_std(values):
@@ -311,17 +320,11 @@ def main(argv=None):
   seeds = range(args.first_seed, args.first_seed + args.seeds)
   for seed in seeds:
     work = os.path.join(args.out, f"seed{seed}")
-    pre = {}
-    runs = [(g, "diffeqformer", args.k) for g in args.grids] + [("fixed", "transformer", args.gpt_layers)]
-    for grid, kind, layers in runs:
-      if args.pretrained:                # the same two runs for every fine-tuning seed
-        pre[grid, kind] = getattr(args, "pretrained_gpt" if kind == "transformer"
-                                  else "pretrained_diffeqformer")
-        continue
-      pre[grid, kind] = os.path.join(work, run_dir(grid, f"pre_{kind}"))
-      r, note = pretrain(args, kind, layers, seed, pre[grid, kind], cache, grid)
-      print(f"seed {seed} pre-trained {kind} ({layers} steps/layers, {grid} grid): eval "
-            f"perplexity {r['eval']['perplexity']:.2f}{_reused(note)}", flush=True)
+    if args.pretrained:                  # the same two runs for every fine-tuning seed
+      pre = {(args.grids[0], "diffeqformer"): args.pretrained_diffeqformer,
+             ("fixed", "transformer"): args.pretrained_gpt}
+    else:
+      pre = pretrain_all(args, seed, work, cache)
     for grid in args.grids:
       before = before_finetuning(args, pre[grid, "diffeqformer"], args.ns, files[1])
       for n, ppl in zip(args.ns, before):
