@@ -332,6 +332,7 @@ def main(argv=None):
         f"{tokens_per_step:,} tokens", flush=True)
   stop = args.stop_after or args.steps
   finals = {}
+  compare = args.kinds == KINDS           # else one model: its curve lines are all
   for seed in range(args.seeds):
     steps = args.steps if seed == 0 else args.seed_steps
     curves = {kind: run_points(args, kind, seed, steps, root, stop, text)
@@ -341,19 +342,16 @@ def main(argv=None):
             "continues", flush=True)
       return
     finals[seed] = {kind: curves[kind][steps] for kind in args.kinds}
-    if len(args.kinds) == 1:
-      print(single_epoch_check(config, epoch, steps, curves[args.kinds[0]][steps][
-          "documents_read"]), flush=True)
-      continue
-    ratio = finals[seed]["diffeqformer"]["test"]["perplexity"] / \
-        finals[seed]["transformer"]["test"]["perplexity"]
-    print(f"seed {seed} ({steps} steps) diffeqformer/gpt test perplexity ratio: {ratio:.3f}",
-          flush=True)
+    if compare:
+      ratio = finals[seed]["diffeqformer"]["test"]["perplexity"] / \
+          finals[seed]["transformer"]["test"]["perplexity"]
+      print(f"seed {seed} ({steps} steps) diffeqformer/gpt test perplexity ratio: "
+            f"{ratio:.3f}", flush=True)
     print(single_epoch_check(config, epoch, steps, max(
-        curves[kind][steps]["documents_read"] for kind in KINDS)), flush=True)
-    if seed == 0:
+        curves[kind][steps]["documents_read"] for kind in args.kinds)), flush=True)
+    if seed == 0 and compare:
       table = write_table(root, curves, tokens_per_step)
-  if len(args.kinds) == 1:                # no comparison: the curve lines above are all
+  if not compare:
     return
   print("\n".join(table))
   print(f"table: {root}/single_epoch.md, .json; learning curves: {root}/single_epoch.png")
