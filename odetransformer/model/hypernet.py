@@ -72,8 +72,9 @@ def generate_weights(h_kd, proj, base, axes, acc_dtype, param_rules=None):
   under a mesh each device makes its own shard of W(t_k) for every k from its own
   shard of P (`axes` are the weight's logical axes, and W is constrained to them by
   `param_rules`, the parameters' rules; None: the rules in force). Nothing gathers P; W
-  is gathered per solver step by the layer that uses it, exactly as a GPT's stacked weights are, and P's gradient is the
-  transposed GEMM on dW, reduced over the batch shards as a GPT weight's gradient is.
+  is gathered per solver step by the layer that uses it, exactly as a GPT's stacked
+  weights are, and P's gradient is the transposed GEMM on dW, reduced over the batch
+  shards as a GPT weight's gradient is.
   Plain autodiff: a hand-written backward would hide the contraction from the SPMD
   partitioner.
   """
