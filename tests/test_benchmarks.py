@@ -470,8 +470,9 @@ def test_any_n_and_finetuning_from_single_epoch_runs(tmp_path, capsys):
   from odetransformer.tools import evaluate  # pylint: disable=g-import-not-at-top
   data = _single_epoch_text(tmp_path)
   runs = tmp_path / "runs"
-  single_epoch.main([f"--data_dir={data}", f"--workdir={runs}", "--preset=tiny", "--steps=2",
-                     "--eval_every=2", "--eval_batches=1", "--curve_batches=1"])
+  flags = [f"--data_dir={data}", f"--workdir={runs}", "--preset=tiny", "--steps=2",
+           "--eval_every=2", "--eval_batches=1", "--curve_batches=1"]
+  single_epoch.main(flags)
   test_ppl = _num(_find(rf"^seed 0 step\s+2 diffeqformer\s+\| valid ppl\s+{NUM} \| test ppl"
                         rf"\s+{NUM}", capsys.readouterr().out).group(2))
   ode, gpt = runs / "diffeqformer_seed0_steps2", runs / "transformer_seed0_steps2"
@@ -504,9 +505,7 @@ def test_any_n_and_finetuning_from_single_epoch_runs(tmp_path, capsys):
     gpt_ppl = _num(_find(rf"^\| GPT \(2 layers\) {method} \| {NUM} \|$", table).group(1))
     assert _num(m.group(i)) == pytest.approx(ode_ppl / gpt_ppl, abs=0.002)
   # A DiffEqFormer of another grid trains beside them, alone; nothing else is touched.
-  single_epoch.main([f"--data_dir={data}", f"--workdir={runs}", "--preset=tiny", "--steps=2",
-                     "--eval_every=2", "--eval_batches=1", "--curve_batches=1",
-                     "--ode_grid=random_shift", "--kinds=diffeqformer"])
+  single_epoch.main(flags + ["--ode_grid=random_shift", "--kinds=diffeqformer"])
   out = capsys.readouterr().out
   _find(r"^seed 0 step\s+2 diffeqformer\s+\| valid ppl .* \| trained now$", out)
   assert "transformer" not in out and "ratio" not in out
