@@ -25,7 +25,8 @@ another config are moved aside (`common.keyed_run`). Progress (step, loss, token
 ETA) comes from the training loop's own log lines on stderr.
 
 Writes D/single_epoch.md and .json (the table) and D/single_epoch.png (the learning
-curves). `--seeds=N` adds seeds 1..N-1 at `--seed_steps` for the spread. The last line:
+curves). `--seeds=N` adds seeds 1..N-1 at `--seed_steps` for the spread (`--first_seed=F`
+starts the range at F: seed F trains `--steps`). The last line:
 
   single-epoch diffeqformer/gpt test perplexity ratio: R (steps S, tokens T)
 
@@ -34,7 +35,8 @@ GPT's parameters at the same shape; the parameter line says how many times.
 
 `--ode_grid=random_shift --kinds=diffeqformer` pre-trains only a DiffEqFormer of that
 time grid beside the others (same tokenizer, data order and schedule; its runs are named
-after the grid), for `benchmarks.any_n --runs` to compare with the fixed grid's. The
+after the grid), for `benchmarks.any_n --runs` to compare with the fixed grid's; with
+`--first_seed=1 --steps=1000` it pairs with seed 1 of the spread (same data order). The
 checkpoints are the starting point of the other single-epoch measurements:
 
   python -m benchmarks.any_n --runs=D/diffeqformer_seed0_steps3000,... --data=local:DIR/test.txt
@@ -74,9 +76,11 @@ def parse_args(argv=None):
   p.add_argument("--workdir", default="", help="the runs (resumable); default: a fresh "
                  "temporary directory")
   p.add_argument("--steps", type=int, default=3000, help="steps of seed 0")
-  p.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1; seeds >= 1 train "
-                 "--seed_steps steps")
+  p.add_argument("--seeds", type=int, default=1, help="N seeds from --first_seed; all but "
+                 "the first train --seed_steps steps")
   p.add_argument("--seed_steps", type=int, default=1000)
+  p.add_argument("--first_seed", type=int, default=0, help="the seeds are first_seed.."
+                 "first_seed+N-1; the first trains --steps, the others --seed_steps")
   p.add_argument("--eval_every", type=int, default=500, help="score both splits every "
                  "this many steps (and at the end)")
   p.add_argument("--eval_batches", type=int, default=0, help="batches per split of the "
@@ -111,6 +115,8 @@ def parse_args(argv=None):
   for flag in ("steps", "seeds", "seed_steps", "eval_every", "checkpoint_every", "log_every"):
     if getattr(args, flag) < 1:
       p.error(f"--{flag}={getattr(args, flag)} must be at least 1")
+  if args.first_seed < 0:
+    p.error(f"--first_seed={args.first_seed} must be at least 0")
   return args
 
 
@@ -274,7 +280,7 @@ def single_epoch_check(config, epoch: dict, steps: int, documents_read: int) -> 
 
 
 def write_table(root: str, curves: dict, tokens_per_step: int) -> list:
-  """The seed-0 learning curves as markdown, JSON and a PNG in `root`; returns the rows."""
+  """The first seed's learning curves as markdown, JSON and a PNG in `root`; returns the rows."""
   rows = []
   for step in sorted(set(curves["transformer"]) & set(curves["diffeqformer"])):
     row = {"step": step, "tokens": step * tokens_per_step}
@@ -333,8 +339,9 @@ def main(argv=None):
   stop = args.stop_after or args.steps
   finals = {}
   compare = args.kinds == KINDS           # else one model: its curve lines are all
-  for seed in range(args.seeds):
-    steps = args.steps if seed == 0 else args.seed_steps
+  first = args.first_seed
+  for seed in range(first, first + args.seeds):
+    steps = args.steps if seed == first else args.seed_steps
     curves = {kind: run_points(args, kind, seed, steps, root, stop, text)
               for kind in args.kinds}
     if any(steps not in curve for curve in curves.values()):
@@ -349,23 +356,23 @@ def main(argv=None):
             f"{ratio:.3f}", flush=True)
     print(single_epoch_check(config, epoch, steps, max(
         curves[kind][steps]["documents_read"] for kind in args.kinds)), flush=True)
-    if seed == 0 and compare:
+    if seed == first and compare:
       table = write_table(root, curves, tokens_per_step)
   if not compare:
     return
   print("\n".join(table))
   print(f"table: {root}/single_epoch.md, .json; learning curves: {root}/single_epoch.png")
-  n_ode, n_gpt = (finals[0][kind]["num_params"] for kind in KINDS)
+  n_ode, n_gpt = (finals[first][kind]["num_params"] for kind in KINDS)
   print(f"parameters: diffeqformer {n_ode:,} | gpt {n_gpt:,}: the DiffEqFormer holds "
         f"{n_ode / n_gpt:.1f}x GPT's parameters (its hypernetworks)")
   extra = [finals[s]["diffeqformer"]["test"]["perplexity"] /
-           finals[s]["transformer"]["test"]["perplexity"] for s in finals if s > 0]
+           finals[s]["transformer"]["test"]["perplexity"] for s in finals if s > first]
   if extra:
     print(f"spread: test perplexity ratio at {args.seed_steps} steps over seeds "
-          f"1..{args.seeds - 1}: " + ", ".join(f"{x:.3f}" for x in extra) +
+          f"{first + 1}..{first + args.seeds - 1}: " + ", ".join(f"{x:.3f}" for x in extra) +
           f" (min {min(extra):.3f}, max {max(extra):.3f})")
-  ratio = finals[0]["diffeqformer"]["test"]["perplexity"] / \
-      finals[0]["transformer"]["test"]["perplexity"]
+  ratio = finals[first]["diffeqformer"]["test"]["perplexity"] / \
+      finals[first]["transformer"]["test"]["perplexity"]
   print(f"single-epoch diffeqformer/gpt test perplexity ratio: {ratio:.3f} "
         f"(steps {args.steps}, tokens {args.steps * tokens_per_step:,})")
 

@@ -504,14 +504,16 @@ def test_any_n_and_finetuning_from_single_epoch_runs(tmp_path, capsys):
     ode_ppl = _num(_find(rf"^\| DiffEqFormer fixed {method} \| {NUM} \|$", table).group(1))
     gpt_ppl = _num(_find(rf"^\| GPT \(2 layers\) {method} \| {NUM} \|$", table).group(1))
     assert _num(m.group(i)) == pytest.approx(ode_ppl / gpt_ppl, abs=0.002)
-  # A DiffEqFormer of another grid trains beside them, alone; nothing else is touched.
-  single_epoch.main(flags + ["--ode_grid=random_shift", "--kinds=diffeqformer"])
+  # A DiffEqFormer of another grid trains beside them, alone, here from seed 1 (the
+  # spread's first seed, for a paired comparison); nothing else is touched.
+  single_epoch.main(flags + ["--ode_grid=random_shift", "--kinds=diffeqformer",
+                             "--first_seed=1"])
   out = capsys.readouterr().out
-  _find(r"^seed 0 step\s+2 diffeqformer\s+\| valid ppl .* \| trained now$", out)
-  assert "transformer" not in out and "ratio" not in out
-  shifted = runs / "diffeqformer_random_shift_seed0_steps2"
-  assert json.loads((shifted / "config.json").read_text())["model"]["train_time_grid"] == \
-      "random_shift"
+  _find(r"^seed 1 step\s+2 diffeqformer\s+\| valid ppl .* \| trained now$", out)
+  assert "transformer" not in out and "ratio" not in out and "seed 0" not in out
+  shifted = json.loads((runs / "diffeqformer_random_shift_seed1_steps2" / "config.json")
+                       .read_text())
+  assert (shifted["model"]["train_time_grid"], shifted["seed"]) == ("random_shift", 1)
   # Neither pre-trained run was trained again, nor re-keyed.
   assert {d: (d / "benchmark_run_key.json").read_text() for d in (ode, gpt)} == keys
   assert not list(runs.glob("*.stale-*"))
