@@ -85,8 +85,9 @@ class ModelConfig:
       "the paper's equation, RMSNorms with a time-dependent scale; 'reference' = the "
       "authors' code: the norms also carry a time-dependent shift B·h(t), the FFN reads "
       "N2(N1(x)), block norms use eps 1e-6 (the final norm keeps norm_eps). 'paper' is "
-      "the default: it is the paper's model, and Llama checkpoints written before this "
-      "field hold no norm shifts, so they restore only under it"))
+      "the default: it is the paper's model, it scored better than 'reference' at the "
+      "authors' init (benchmarks/README.md, Quality), and Llama checkpoints written "
+      "before this field hold no norm shifts, so they restore only under it"))
   train_time_grid: str = _field("fixed", (
       "training time grid per batch (ODE kinds; odetransformer/model/time_grid.py): "
       "'fixed' = k/K; 'random_shift' = interior times shifted by dt0 ~ U(0, 2/K): every "
