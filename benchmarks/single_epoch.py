@@ -75,7 +75,8 @@ def parse_args(argv=None):
                  help="train-*.txt, valid.txt and test.txt (the wikipedia-2015 layout)")
   p.add_argument("--workdir", default="", help="the runs (resumable); default: a fresh "
                  "temporary directory")
-  p.add_argument("--steps", type=int, default=3000, help="steps of seed 0")
+  p.add_argument("--steps", type=int, default=3000, help="steps of the first seed "
+                 "(--first_seed, default 0)")
   p.add_argument("--seeds", type=int, default=1, help="N seeds from --first_seed; all but "
                  "the first train --seed_steps steps")
   p.add_argument("--seed_steps", type=int, default=1000)
