@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # Sourced by the launch scripts: the jax version this checkout pins (requirements.txt's
-# `jax==X` line, the one place it is written) and the install of the jax extra for a
-# platform at that version.
+# `jax==X` line, the one place it is written), the install of the jax extra for a
+# platform at that version, and the command-line parsing every script shares.
 
 # pinned_jax_version ROOT: X of the `jax==X` line in ROOT/requirements.txt.
 pinned_jax_version() {
@@ -30,4 +30,79 @@ install_venv() {
   fi
   run_in "$root" "$venv/bin/pip" install -q -U pip
   run_in "$root" "$venv/bin/pip" install -q "jax[$extra]==$version" -r requirements.txt
+}
+
+# --- Command lines ---------------------------------------------------------------------
+# Each script sets PROG (its name, for errors) and OPTIONS (its flags), defines `usage`,
+# then calls `parse_args "$@"`. An OPTIONS entry is
+#   --flag=VAR      a value, `--flag V` or `--flag=V`, stored in VAR;
+#   --flag=+VAR     the same, and VAR is exported (NCCL's variables);
+#   --flag=VAR=V    a switch: `--flag` sets VAR to V.
+# COMMON_OPTIONS are every script's. Everything after `--`, and any --config.* flag,
+# goes to main.py (EXTRA; `main_py_args` puts it after --config and --workdir).
+# shellcheck disable=SC2034  # read by the scripts that source this file
+COMMON_OPTIONS=(--config=CONFIG --workdir=WORKDIR --data_dir=DATA_DIR --dry_run=DRY_RUN=1)
+
+# die MSG...: the one-line error of a misused command (exit status 2).
+die() { echo "${PROG:-launch}: $*" >&2; exit 2; }
+
+# require VAR FLAG [ENV]: dies unless VAR, set by FLAG or the environment variable ENV
+# (default: VAR), is non-empty.
+require() { [[ -n "${!1:-}" ]] || die "$2 (or ${3:-$1}) is required"; }
+
+# _option FLAG: the OPTIONS entry's right-hand side for FLAG; status 1 if none.
+_option() {
+  local entry
+  for entry in "${OPTIONS[@]}"; do
+    if [[ "${entry%%=*}" == "$1" ]]; then
+      echo "${entry#*=}"
+      return 0
+    fi
+  done
+  return 1
+}
+
+# parse_args ARGS...: sets the OPTIONS variables and EXTRA from ARGS; -h/--help prints
+# `usage` and exits 0; an unknown flag or a missing value is a one-line error.
+parse_args() {
+  EXTRA=()
+  local arg flag spec var value
+  while [[ $# -gt 0 ]]; do
+    arg="$1"
+    shift
+    case "$arg" in
+      -h|--help) usage; exit 0 ;;
+      --) EXTRA+=("$@"); return 0 ;;
+      --config.*) EXTRA+=("$arg"); continue ;;
+    esac
+    flag="${arg%%=*}"
+    spec="$(_option "$flag")" || die "unknown argument '$arg' (see --help)"
+    var="${spec#+}"
+    if [[ "$var" == *=* ]]; then                       # a switch
+      [[ "$arg" == "$flag" ]] || die "unknown argument '$arg' (see --help)"
+      printf -v "${var%%=*}" '%s' "${var#*=}"
+      continue
+    fi
+    if [[ "$arg" == *=* ]]; then
+      value="${arg#*=}"
+    else
+      [[ $# -ge 1 && -n "$1" ]] || die "$flag needs a value"
+      value="$1"
+      shift
+    fi
+    printf -v "$var" '%s' "$value"
+    if [[ "$spec" == +* ]]; then
+      export "${var?}"
+    fi
+  done
+}
+
+# main_py_args: MAIN_ARGS, main.py's flags: --config, --workdir, the data directory
+# (when DATA_DIR is set) and EXTRA.
+main_py_args() {
+  MAIN_ARGS=(--config="$CONFIG" --workdir="$WORKDIR")
+  if [[ -n "$DATA_DIR" ]]; then
+    MAIN_ARGS+=(--config.data.data_dir="$DATA_DIR")
+  fi
+  MAIN_ARGS+=("${EXTRA[@]}")
 }

@@ -70,49 +70,14 @@ GPUS_PER_NODE="${GPUS_PER_NODE:-}"
 VENV="${VENV:-.venv}"
 SETUP="${SETUP:-0}"
 DRY_RUN="${DRY_RUN:-0}"
-EXTRA=()
+PROG=gpu_multinode.sh
+OPTIONS=("${COMMON_OPTIONS[@]}" --num_nodes=NUM_NODES --node_rank=NODE_RANK
+         --coordinator=COORDINATOR --port=COORD_PORT --hosts=HOSTS
+         --procs_per_node=PROCS_PER_NODE --gpus_per_node=GPUS_PER_NODE --venv=VENV
+         --setup=SETUP=1 --nccl_socket_if=+NCCL_SOCKET_IFNAME --nccl_ib_hca=+NCCL_IB_HCA)
+parse_args "$@"
 
-die() { echo "gpu_multinode.sh: $*" >&2; exit 2; }
-need() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
-
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    -h|--help) usage; exit 0 ;;
-    --config) need "$@"; CONFIG="$2"; shift 2 ;;
-    --config=*) CONFIG="${1#*=}"; shift ;;
-    --workdir) need "$@"; WORKDIR="$2"; shift 2 ;;
-    --workdir=*) WORKDIR="${1#*=}"; shift ;;
-    --data_dir) need "$@"; DATA_DIR="$2"; shift 2 ;;
-    --data_dir=*) DATA_DIR="${1#*=}"; shift ;;
-    --num_nodes) need "$@"; NUM_NODES="$2"; shift 2 ;;
-    --num_nodes=*) NUM_NODES="${1#*=}"; shift ;;
-    --node_rank) need "$@"; NODE_RANK="$2"; shift 2 ;;
-    --node_rank=*) NODE_RANK="${1#*=}"; shift ;;
-    --coordinator) need "$@"; COORDINATOR="$2"; shift 2 ;;
-    --coordinator=*) COORDINATOR="${1#*=}"; shift ;;
-    --port) need "$@"; COORD_PORT="$2"; shift 2 ;;
-    --port=*) COORD_PORT="${1#*=}"; shift ;;
-    --hosts) need "$@"; HOSTS="$2"; shift 2 ;;
-    --hosts=*) HOSTS="${1#*=}"; shift ;;
-    --procs_per_node) need "$@"; PROCS_PER_NODE="$2"; shift 2 ;;
-    --procs_per_node=*) PROCS_PER_NODE="${1#*=}"; shift ;;
-    --gpus_per_node) need "$@"; GPUS_PER_NODE="$2"; shift 2 ;;
-    --gpus_per_node=*) GPUS_PER_NODE="${1#*=}"; shift ;;
-    --venv) need "$@"; VENV="$2"; shift 2 ;;
-    --venv=*) VENV="${1#*=}"; shift ;;
-    --setup) SETUP=1; shift ;;
-    --nccl_socket_if) need "$@"; export NCCL_SOCKET_IFNAME="$2"; shift 2 ;;
-    --nccl_socket_if=*) export NCCL_SOCKET_IFNAME="${1#*=}"; shift ;;
-    --nccl_ib_hca) need "$@"; export NCCL_IB_HCA="$2"; shift 2 ;;
-    --nccl_ib_hca=*) export NCCL_IB_HCA="${1#*=}"; shift ;;
-    --dry_run) DRY_RUN=1; shift ;;
-    --) shift; EXTRA+=("$@"); break ;;
-    --config.*) EXTRA+=("$1"); shift ;;
-    *) die "unknown argument '$1' (see --help)" ;;
-  esac
-done
-
-[[ -n "$WORKDIR" ]] || die "--workdir (or WORKDIR) is required"
+require WORKDIR --workdir
 for v in NUM_NODES NODE_RANK PROCS_PER_NODE COORD_PORT; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v must be a non-negative integer, got '${!v}'"
 done
@@ -181,9 +146,7 @@ export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
 
-ARGS=(--config="$CONFIG" --workdir="$WORKDIR")
-[[ -n "$DATA_DIR" ]] && ARGS+=(--config.data.data_dir="$DATA_DIR")
-ARGS+=("${EXTRA[@]}")
+main_py_args
 
 cd "$ROOT"
 if [[ "$SETUP" == 1 || ! -x "$VENV/bin/python" ]]; then
@@ -198,7 +161,7 @@ for ((local_rank = 0; local_rank < PROCS_PER_NODE; local_rank++)); do
     devices="$local_rank"
   fi
   cmd=(env JAX_PROCESS_ID="$pid_id" JAX_LOCAL_DEVICE_IDS="$devices"
-       "$VENV/bin/python" main.py "${ARGS[@]}")
+       "$VENV/bin/python" main.py "${MAIN_ARGS[@]}")
   if [[ "$DRY_RUN" == 1 ]]; then
     printf '+ JAX_COORDINATOR_ADDRESS=%q JAX_NUM_PROCESSES=%q' "$JAX_COORDINATOR_ADDRESS" "$JAX_NUM_PROCESSES"
     printf ' %q' "${cmd[@]}"; printf '\n'

@@ -76,56 +76,17 @@ MAX_RESTARTS="${MAX_RESTARTS:-100}"
 RETRY_SLEEP="${RETRY_SLEEP:-60}"
 DELETE_WHEN_DONE="${DELETE_WHEN_DONE:-0}"
 DRY_RUN="${DRY_RUN:-0}"
-EXTRA=()
+PROG=tpu_pod.sh
+OPTIONS=("${COMMON_OPTIONS[@]}" --name=NAME --zone=ZONE --project=PROJECT
+         --accelerator=ACCELERATOR --version=VERSION --spot=SPOT=1 --code_dir=CODE_DIR
+         --repo=REPO --branch=BRANCH --jax_spec=JAX_SPEC --skip_setup=SKIP_SETUP=1
+         --babysit=BABYSIT=1 --max_restarts=MAX_RESTARTS --retry_sleep=RETRY_SLEEP
+         --delete_when_done=DELETE_WHEN_DONE=1)
+parse_args "$@"
 
-die() { echo "tpu_pod.sh: $*" >&2; exit 2; }
-need() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
-
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    -h|--help) usage; exit 0 ;;
-    --name) need "$@"; NAME="$2"; shift 2 ;;
-    --name=*) NAME="${1#*=}"; shift ;;
-    --zone) need "$@"; ZONE="$2"; shift 2 ;;
-    --zone=*) ZONE="${1#*=}"; shift ;;
-    --project) need "$@"; PROJECT="$2"; shift 2 ;;
-    --project=*) PROJECT="${1#*=}"; shift ;;
-    --accelerator) need "$@"; ACCELERATOR="$2"; shift 2 ;;
-    --accelerator=*) ACCELERATOR="${1#*=}"; shift ;;
-    --version) need "$@"; VERSION="$2"; shift 2 ;;
-    --version=*) VERSION="${1#*=}"; shift ;;
-    --spot) SPOT=1; shift ;;
-    --config) need "$@"; CONFIG="$2"; shift 2 ;;
-    --config=*) CONFIG="${1#*=}"; shift ;;
-    --workdir) need "$@"; WORKDIR="$2"; shift 2 ;;
-    --workdir=*) WORKDIR="${1#*=}"; shift ;;
-    --data_dir) need "$@"; DATA_DIR="$2"; shift 2 ;;
-    --data_dir=*) DATA_DIR="${1#*=}"; shift ;;
-    --code_dir) need "$@"; CODE_DIR="$2"; shift 2 ;;
-    --code_dir=*) CODE_DIR="${1#*=}"; shift ;;
-    --repo) need "$@"; REPO="$2"; shift 2 ;;
-    --repo=*) REPO="${1#*=}"; shift ;;
-    --branch) need "$@"; BRANCH="$2"; shift 2 ;;
-    --branch=*) BRANCH="${1#*=}"; shift ;;
-    --jax_spec) need "$@"; JAX_SPEC="$2"; shift 2 ;;
-    --jax_spec=*) JAX_SPEC="${1#*=}"; shift ;;
-    --skip_setup) SKIP_SETUP=1; shift ;;
-    --babysit) BABYSIT=1; shift ;;
-    --max_restarts) need "$@"; MAX_RESTARTS="$2"; shift 2 ;;
-    --max_restarts=*) MAX_RESTARTS="${1#*=}"; shift ;;
-    --retry_sleep) need "$@"; RETRY_SLEEP="$2"; shift 2 ;;
-    --retry_sleep=*) RETRY_SLEEP="${1#*=}"; shift ;;
-    --delete_when_done) DELETE_WHEN_DONE=1; shift ;;
-    --dry_run) DRY_RUN=1; shift ;;
-    --) shift; EXTRA+=("$@"); break ;;
-    --config.*) EXTRA+=("$1"); shift ;;
-    *) die "unknown argument '$1' (see --help)" ;;
-  esac
-done
-
-[[ -n "$NAME" ]] || die "--name (or TPU_NAME) is required"
-[[ -n "$ZONE" ]] || die "--zone (or TPU_ZONE) is required"
-[[ -n "$WORKDIR" ]] || die "--workdir (or WORKDIR) is required"
+require NAME --name TPU_NAME
+require ZONE --zone TPU_ZONE
+require WORKDIR --workdir
 case "$WORKDIR" in
   gs://*|/*) ;;
   *) die "--workdir must be a gs:// URL or an absolute shared-disk path, got '$WORKDIR'" ;;
@@ -192,11 +153,9 @@ setup_workers() {
 }
 
 train_once() {
-  local args=(--config="$CONFIG" --workdir="$WORKDIR")
-  [[ -n "$DATA_DIR" ]] && args+=(--config.data.data_dir="$DATA_DIR")
-  args+=("${EXTRA[@]}")
+  main_py_args
   local quoted
-  quoted="$(printf ' %q' "${args[@]}")"
+  quoted="$(printf ' %q' "${MAIN_ARGS[@]}")"
   # Every worker runs the same command; JAX finds the other workers itself
   # (TPU_WORKER_HOSTNAMES -> main.py calls jax.distributed.initialize()).
   ssh_all "cd $CODE_DIR && .venv/bin/python main.py$quoted 2>&1 | tee -a train.log; exit \${PIPESTATUS[0]}"

@@ -4,6 +4,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+import textwrap
 
 import pytest
 
@@ -141,3 +142,81 @@ def test_multinode_dry_run_process_ids(tmp_path):
     assert f"JAX_LOCAL_DEVICE_IDS={local} " in line
     assert "JAX_NUM_PROCESSES=8" in line and "JAX_COORDINATOR_ADDRESS=n0:1234" in line
     assert line.endswith("--config.seed=3")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_scripts_parse_their_flags_with_common_sh(script):
+  """One parser for every script: each declares its flags and calls common.sh's."""
+  text = (ROOT / script).read_text()
+  assert 'parse_args "$@"' in text and "OPTIONS=(" in text
+  assert "while [[ $# -gt 0 ]]" not in text and "need()" not in text
+
+
+def _usage_flags(script, tmp_path):
+  """[(flag, takes a value)] of the options block of `script --help`."""
+  out = subprocess.run(["/bin/bash", str(ROOT / script), "--help"], env=_offline_env(tmp_path),
+                       capture_output=True, text=True, timeout=20, check=True).stdout
+  return [(m.group(1), bool(m.group(2)))
+          for m in re.finditer(r"(?m)^  (--\w+)(?: ([A-Z][A-Z0-9:_]*))?\s", out)]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_documented_flag_is_parsed(script, tmp_path):
+  """Each flag --help lists is one the script's parser knows: given before --help it
+  is consumed (an unknown one would end the run with exit 2 before --help)."""
+  flags = _usage_flags(script, tmp_path)
+  assert ("--workdir", True) in flags and ("--dry_run", False) in flags, flags
+  for flag, value in flags:
+    args = [f"{flag}=x"] if value else [flag]
+    r = subprocess.run(["/bin/bash", str(ROOT / script), *args, "--help"],
+                       env=_offline_env(tmp_path), capture_output=True, text=True, timeout=20)
+    assert r.returncode == 0 and "usage" in r.stdout.lower(), (flag, r.stderr)
+
+
+def _parse(*args):
+  """common.sh's parse_args on `args` with a flag of each kind (value, switch, exported
+  value) beside the common ones; returns the CompletedProcess, whose stdout is
+  A|B|E as a child process sees it|CONFIG|WORKDIR|DRY_RUN|EXTRA..., one per line."""
+  script = textwrap.dedent(f"""\
+      set -euo pipefail
+      source {ROOT}/launch/common.sh
+      PROG=t
+      usage() {{ echo "usage: t"; }}
+      A=a0 B=0 CONFIG=c0 WORKDIR= DATA_DIR= DRY_RUN=0
+      OPTIONS=("${{COMMON_OPTIONS[@]}}" --a=A --b=B=1 --e=+E)
+      parse_args "$@"
+      printf '%s\\n' "$A" "$B" "$(/bin/bash -c 'echo "${{E:-unset}}"')" "$CONFIG" \\
+          "$WORKDIR" "$DRY_RUN" "${{EXTRA[@]}}"
+      """)
+  return subprocess.run(["/bin/bash", "-c", script, "t", *args], capture_output=True,
+                        text=True, timeout=20)
+
+
+@pytest.mark.parametrize("args,expected", [
+    ([], ["a0", "0", "unset", "c0", "", "0"]),
+    (["--a", "x y", "--b", "--e", "v", "--workdir=/w", "--dry_run"],
+     ["x y", "1", "v", "c0", "/w", "1"]),
+    (["--a=k=v", "--config.seed=3", "--config", "f.py", "--", "--a", "--config.x=1"],
+     ["k=v", "0", "unset", "f.py", "", "0", "--config.seed=3", "--a", "--config.x=1"]),
+])
+def test_parse_args_sets_values_switches_exports_and_passes_the_rest(args, expected):
+  r = _parse(*args)
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.split("\n")[:-1] == expected
+
+
+@pytest.mark.parametrize("args,error", [
+    (["--a"], "t: --a needs a value"),
+    (["--a", ""], "t: --a needs a value"),
+    (["--b=1"], "t: unknown argument '--b=1' (see --help)"),
+    (["--zz", "--a", "x"], "t: unknown argument '--zz' (see --help)"),
+    (["--configs=x"], "t: unknown argument '--configs=x' (see --help)"),
+])
+def test_parse_args_misuse_is_one_line_exit_2(args, error):
+  r = _parse(*args)
+  assert (r.returncode, r.stderr, r.stdout) == (2, error + "\n", "")
+
+
+def test_parse_args_help_prints_usage_and_stops():
+  r = _parse("--a", "x", "-h", "--zz")
+  assert (r.returncode, r.stdout) == (0, "usage: t\n")
