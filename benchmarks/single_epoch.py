@@ -46,11 +46,17 @@ checkpoints are the starting point of the other single-epoch measurements:
 """
 import argparse
 import glob
+import importlib.util
 import os
-import sys
+import statistics
+import struct
 import tempfile
+import time
 
 from absl import logging
+import jax
+import ml_collections
+import numpy as np
 
 from benchmarks import common
 from configs import default
@@ -75,32 +81,51 @@ def parse_args(argv=None):
                  help="train-*.txt, valid.txt and test.txt (the wikipedia-2015 layout)")
   p.add_argument("--workdir", default="", help="the runs (resumable); default: a fresh "
                  "temporary directory")
-  p.add_argument("--steps", type=int, default=3000, help="steps of the first seed "
-                 "(--first_seed, default 0)")
+  p.add_argument("--config", default="", help="FILE[:VARIANT]: build both runs from this "
+                 "experiment config (e.g. configs/wikipedia_small.py) instead of --preset: "
+                 "its model, optimizer, batch and dtype; one whole epoch by default")
+  p.add_argument("--steps", type=int, default=None, help="steps of the first seed "
+                 "(--first_seed, default 0); default 3000, with --config one whole epoch")
   p.add_argument("--seeds", type=int, default=1, help="N seeds from --first_seed; all but "
                  "the first train --seed_steps steps")
-  p.add_argument("--seed_steps", type=int, default=1000)
+  p.add_argument("--seed_steps", type=int, default=None, help="default 1000, with --config "
+                 "--steps")
   p.add_argument("--first_seed", type=int, default=0, help="the seeds are first_seed.."
                  "first_seed+N-1; the first trains --steps, the others --seed_steps")
-  p.add_argument("--eval_every", type=int, default=500, help="score both splits every "
-                 "this many steps (and at the end)")
+  p.add_argument("--eval_every", type=int, default=None, help="score valid (and, without "
+                 "--config, test) every this many steps and at the end; default 500, with "
+                 "--config 10%% of the run")
   p.add_argument("--eval_batches", type=int, default=0, help="batches per split of the "
                  "final score (0 = the whole split)")
-  p.add_argument("--curve_batches", type=int, default=100, help="batches per split of "
-                 "the scores before the end (0 = the whole split)")
-  p.add_argument("--checkpoint_every", type=int, default=100)
-  p.add_argument("--log_every", type=int, default=25)
+  p.add_argument("--curve_batches", type=int, default=None, help="batches per split of "
+                 "the scores before the end (0 = the whole split); default 100, with "
+                 "--config 0")
+  p.add_argument("--eval_text", default="", help="FILE,...: held-out text files each "
+                 "model also scores at the end of each seed, one line per file")
+  p.add_argument("--checkpoint_every", type=int, default=None, help="default 100, with "
+                 "--config the config's")
+  p.add_argument("--log_every", type=int, default=None, help="default 25, with --config "
+                 "the config's")
   p.add_argument("--stop_after", type=int, default=0, help="train and score up to this "
                  "step, then exit (a rerun continues)")
-  p.add_argument("--preset", default="bench-small", choices=sorted(common.PRESETS))
-  p.add_argument("--vocab", type=int, default=0, help="0 = the preset's")
+  p.add_argument("--preset", default=None, choices=sorted(common.PRESETS),
+                 help="the model and batch without --config (default bench-small)")
+  p.add_argument("--vocab", type=int, default=0, help="0 = the preset's (the config's)")
   p.add_argument("--ode_grid", default="fixed", choices=TRAIN_TIME_GRIDS,
                  help="the DiffEqFormer's model.train_time_grid (runs of another grid than "
                       "'fixed' are named after it, beside the fixed-grid runs)")
   p.add_argument("--kinds", default=",".join(KINDS), help="the models to train: both "
                  "(the comparison), or one (e.g. a DiffEqFormer of another --ode_grid)")
-  p.add_argument("--lr", type=float, default=1e-3)
-  p.add_argument("--b2", type=float, default=0.95)
+  p.add_argument("--lr", type=float, default=None, help="peak lr without --config "
+                 "(default 1e-3)")
+  p.add_argument("--b2", type=float, default=None, help="AdamW beta2 without --config "
+                 "(default 0.95)")
+  p.add_argument("--analysis", default="auto", choices=("auto", "on", "off"),
+                 help="after the first seed, the spectra, Lyapunov and clustering plots of "
+                 "its DiffEqFormer into WORKDIR/analysis (auto: with --config)")
+  p.add_argument("--spectra_grid", type=int, default=64, help="points t of the spectra")
+  p.add_argument("--lyapunov_tokens", type=int, default=48, help="tokens of test.txt's "
+                 "first article whose Lyapunov map is drawn (the last one is the output)")
   args = p.parse_args(argv)
   for name in ("valid.txt", "test.txt"):
     if not os.path.isfile(os.path.join(args.data_dir, name)):
@@ -113,12 +138,60 @@ def parse_args(argv=None):
   if not named or set(named) - set(KINDS):
     p.error(f"--kinds={args.kinds}: choose {' and/or '.join(KINDS)}, comma-separated")
   args.kinds = tuple(k for k in KINDS if k in named)
-  for flag in ("steps", "seeds", "seed_steps", "eval_every", "checkpoint_every", "log_every"):
-    if getattr(args, flag) < 1:
+  args.eval_texts = [f for f in args.eval_text.split(",") if f]
+  for path in args.eval_texts:
+    if not os.path.isfile(path):
+      p.error(f"--eval_text: {path} is not a file; pass existing text files, comma-separated")
+  if len(set(args.eval_texts)) != len(args.eval_texts):
+    p.error(f"--eval_text={args.eval_text} names a file twice; name each once")
+  if args.config:
+    for flag in ("preset", "lr", "b2"):
+      if getattr(args, flag) is not None:
+        p.error(f"--{flag} applies without --config; with --config={args.config} the "
+                "config sets the model and optimizer (edit it, or leave --config out)")
+    try:
+      args.base_config = load_config_file(args.config)
+    except (OSError, ValueError, AttributeError, SyntaxError, ImportError) as e:
+      p.error(f"--config={args.config}: {e}; pass FILE.py[:VARIANT] whose get_config() "
+              "returns a ConfigDict, e.g. configs/wikipedia_small.py")
+    c = args.base_config
+    args.curve_batches = 0 if args.curve_batches is None else args.curve_batches
+    args.log_every = args.log_every or c.log_every_steps
+    args.checkpoint_every = args.checkpoint_every or c.checkpoint_every_steps
+  else:
+    args.base_config = None
+    defaults = dict(preset="bench-small", lr=1e-3, b2=0.95, steps=3000, seed_steps=1000,
+                    eval_every=500, curve_batches=100, checkpoint_every=100, log_every=25)
+    for flag, value in defaults.items():
+      if getattr(args, flag) is None:
+        setattr(args, flag, value)
+  for flag in ("steps", "seeds", "seed_steps", "eval_every", "checkpoint_every", "log_every",
+               "spectra_grid", "lyapunov_tokens"):
+    if getattr(args, flag) is not None and getattr(args, flag) < 1:
       p.error(f"--{flag}={getattr(args, flag)} must be at least 1")
+  if args.lyapunov_tokens < 2:
+    p.error(f"--lyapunov_tokens={args.lyapunov_tokens} must be at least 2 (an output and "
+            "a token before it)")
   if args.first_seed < 0:
     p.error(f"--first_seed={args.first_seed} must be at least 0")
+  args.analysis = (args.analysis == "on" or (args.analysis == "auto" and bool(args.config))
+                   ) and "diffeqformer" in args.kinds
   return args
+
+
+def load_config_file(spec: str):
+  """get_config() of `FILE.py[:VARIANT]` (ml_collections' config-file syntax, as main.py's
+  --config): the variant string is passed to get_config."""
+  path, _, variant = spec.partition(":")
+  if not os.path.isfile(path):
+    raise ValueError(f"{path} is not a file")
+  module_spec = importlib.util.spec_from_file_location("single_epoch_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  config = module.get_config(variant) if variant else module.get_config()
+  if not hasattr(config, "model") or not hasattr(config, "data"):
+    raise ValueError("get_config() returned no model and data sections")
+  return config
 
 
 def run_name(args, kind: str, seed: int, steps: int) -> str:
@@ -129,30 +202,41 @@ def run_name(args, kind: str, seed: int, steps: int) -> str:
 
 
 def make_config(args, kind: str, seed: int, steps: int, root: str):
-  preset = common.PRESETS[args.preset]
-  c = default.get_config()
+  """One run's config: --config's (its model, optimizer, batch, dtype) or the preset's on
+  configs/default.py, with the seed, kind, steps and the data of --data_dir."""
+  if args.base_config is not None:
+    c = ml_collections.ConfigDict(args.base_config.to_dict())
+    # The loop's own evaluation on valid.txt draws the learning curve (one training
+    # call per run: no recompilation at each point).
+    c.eval_every_steps = args.eval_every or max(1, round(steps / 10))
+    c.data.eval_max_batches = args.curve_batches
+    if args.vocab:
+      c.data.vocab_size = args.vocab
+  else:
+    preset = common.PRESETS[args.preset]
+    c = default.get_config()
+    c.model.family = "gpt2"
+    for key, value in preset["model"].items():
+      if key != "vocab_size":
+        c.model[key] = value
+    c.seq_len = preset["seq_len"]
+    c.model.max_len = max(c.model.max_len, c.seq_len)
+    c.global_batch_size = c.eval_batch_size = preset["batch"]
+    c.eval_every_steps = 0               # the benchmark scores the checkpoints itself
+    c.optim.learning_rate = args.lr
+    c.optim.b2 = args.b2
+    c.data.eval_max_batches = 1          # the loop's own end-of-run eval: one batch
+    c.data.vocab_size = args.vocab or preset["model"]["vocab_size"]
   c.seed = seed
   c.model.kind = kind
   if kind == "diffeqformer":
     c.model.train_time_grid = args.ode_grid
-  c.model.family = "gpt2"
-  for key, value in preset["model"].items():
-    if key != "vocab_size":
-      c.model[key] = value
-  c.seq_len = preset["seq_len"]
-  c.model.max_len = max(c.model.max_len, c.seq_len)
-  c.global_batch_size = c.eval_batch_size = preset["batch"]
   c.num_train_steps = steps
   c.log_every_steps = args.log_every
-  c.eval_every_steps = 0                 # the benchmark scores the checkpoints itself
   c.checkpoint_every_steps = args.checkpoint_every
-  c.optim.learning_rate = args.lr
-  c.optim.b2 = args.b2
   c.data.source = "local"
   c.data.train_files = os.path.join(os.path.abspath(args.data_dir), "train-*.txt")
   c.data.eval_files = os.path.join(os.path.abspath(args.data_dir), "valid.txt")
-  c.data.eval_max_batches = 1            # the loop's own end-of-run eval: one batch
-  c.data.vocab_size = args.vocab or preset["model"]["vocab_size"]
   c.data.cache_dir = os.path.join(root, "cache")   # one tokenizer for every run
   return c
 
@@ -215,16 +299,23 @@ def max_single_epoch_steps(config, epoch: dict) -> int:
   return max(0, (rows - max(1, config.data.shuffle_buffer)) // config.global_batch_size)
 
 
-def score(workdir: str, step: int, data_dir: str, max_batches: int) -> dict:
-  """Loss, perplexity and tokens of `workdir`'s checkpoint `step` on valid and test."""
+def score(workdir: str, step: int, data_dir: str, max_batches: int,
+          eval_texts: tuple = ()) -> dict:
+  """Loss, perplexity and tokens of `workdir`'s checkpoint `step` on valid and test, and
+  under 'texts' on each file of `eval_texts` (by its path)."""
   loaded = loading.load_model(workdir, step=step)
-  out = {}
-  for split in SPLITS:
+  files = {split: os.path.join(os.path.abspath(data_dir), f"{split}.txt") for split in SPLITS}
+  files.update({("text", path): path for path in eval_texts})
+  out = {"texts": {}} if eval_texts else {}
+  for name, path in files.items():
     data = evaluate.eval_data(workdir, loaded.config, max_batches=max_batches,
-                              data="local:" + os.path.join(os.path.abspath(data_dir),
-                                                           f"{split}.txt"))
+                              data="local:" + os.path.abspath(path))
     r = evaluate.evaluate_model(loaded.model, data.batches(), None, loaded.rules)
-    out[split] = {"loss": r.loss, "perplexity": r.perplexity, "tokens": r.num_tokens}
+    result = {"loss": r.loss, "perplexity": r.perplexity, "tokens": r.num_tokens}
+    if isinstance(name, tuple):
+      out["texts"][name[1]] = result
+    else:
+      out[name] = result
   return out
 
 
@@ -240,8 +331,10 @@ def run_points(args, kind: str, seed: int, steps: int, root: str, stop: int,
   done = {}
   for point in (s for s in points if s <= stop):
     batches = args.eval_batches if point == steps else args.curve_batches
+    texts = tuple(args.eval_texts) if point == steps else ()
     entry = stored.get(str(point))
-    if entry and entry["eval_batches"] == batches:
+    if (entry and entry["eval_batches"] == batches
+        and sorted(entry.get("texts", {})) == sorted(texts)):
       entry = dict(entry, note=f"read back from {evals_path} (code {common.code_version()})")
     else:
       r, note = common.keyed_run(config, workdir, stop_at_step=point if point < steps else 0)
@@ -253,7 +346,7 @@ def run_points(args, kind: str, seed: int, steps: int, root: str, stop: int,
               f"{r['step']} and scores only the step it stops at", flush=True)
         continue
       stored = common.read_json(evals_path) or {}   # empty when keyed_run moved a stale run aside
-      entry = dict(score(workdir, point, args.data_dir, batches), eval_batches=batches,
+      entry = dict(score(workdir, point, args.data_dir, batches, texts), eval_batches=batches,
                    num_params=int(r["num_params"]),
                    documents_read=text.documents_read(r["data_state"], seed))
       stored[str(point)] = entry
@@ -315,17 +408,228 @@ def write_table(root: str, curves: dict, tokens_per_step: int) -> list:
   return lines
 
 
+def read_curve(workdir: str, tag: str = "eval/perplexity") -> dict:
+  """{step: value} of one scalar the training loop wrote to WORKDIR/tensorboard: every
+  events file in name (= creation time) order, a later value for a step replacing an
+  earlier one (a resumed run writes a new file); a record cut short by a kill ends its
+  file."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  out = {}
+  for path in sorted(glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))):
+    with open(path, "rb") as f:
+      data = f.read()
+    i = 0
+    while i + 12 <= len(data):            # TFRecord: u64 length, u32 crc, data, u32 crc
+      (n,) = struct.unpack("<Q", data[i:i + 8])
+      if i + 16 + n > len(data):
+        break
+      event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+      i += 16 + n
+      for value in event.summary.value:
+        if value.tag == tag:
+          out[int(event.step)] = float(value.simple_value)
+  return out
+
+
+def describe_device() -> str:
+  devices = jax.devices()
+  return f"{len(devices)} x {devices[0].device_kind} ({devices[0].platform})"
+
+
+def run_whole(args, kind: str, seed: int, steps: int, root: str, stop: int,
+              text: TrainingText):
+  """--config mode: one training call per run, the loop evaluating valid.txt every
+  `eval_every_steps` (the learning curve, read back from its TensorBoard scalars); then
+  the final checkpoint scored on the whole valid and test splits and each --eval_text.
+  Returns the scores with 'curve' {step: valid perplexity}, 'train_seconds',
+  'score_seconds', 'num_params', 'documents_read', 'device' and 'note'; None when
+  --stop_after stopped the run first."""
+  config = make_config(args, kind, seed, steps, root)
+  workdir = os.path.join(root, run_name(args, kind, seed, steps))
+  evals_path = os.path.join(workdir, EVALS_FILE)
+  stored = (common.read_json(evals_path) or {}) if common.is_current(config, workdir) else {}
+  entry = stored.get(str(steps))
+  if (entry and entry["eval_batches"] == args.eval_batches
+      and sorted(entry.get("texts", {})) == sorted(args.eval_texts)):
+    entry = dict(entry, note=f"read back from {evals_path} (code {common.code_version()})")
+  else:
+    start = time.perf_counter()
+    r, note = common.keyed_run(config, workdir, stop_at_step=stop if stop < steps else 0)
+    train_seconds = time.perf_counter() - start
+    if r["step"] < steps:
+      if r["step"] == stop:
+        return None
+      raise UserError(f"{workdir} stopped at step {r['step']} (interrupted); fix: run the "
+                      "same command again to continue from its checkpoint")
+    start = time.perf_counter()
+    entry = score(workdir, steps, args.data_dir, args.eval_batches, tuple(args.eval_texts))
+    entry.update(
+        eval_batches=args.eval_batches, num_params=int(r["num_params"]),
+        documents_read=text.documents_read(r["data_state"], seed),
+        curve={str(k): v for k, v in sorted(read_curve(workdir).items())},
+        train_seconds=train_seconds, score_seconds=time.perf_counter() - start,
+        device=describe_device(), resumed_at=int(r["start_step"]))
+    stored = common.read_json(evals_path) or {}
+    stored[str(steps)] = entry
+    common.write_json(evals_path, stored)
+    entry = dict(entry, note=note or "trained now")
+  batches = f"{args.curve_batches} batches" if args.curve_batches else "whole split"
+  for step, value in entry["curve"].items():
+    print(f"seed {seed} step {int(step):>6} {kind:13s} | valid ppl {value:9.2f} "
+          f"({batches}, the loop's evaluation)", flush=True)
+  part = f", from step {entry['resumed_at']}" if entry.get("resumed_at") else ""
+  print(f"seed {seed} {kind:13s} | {steps} steps | valid ppl "
+        f"{entry['valid']['perplexity']:9.2f} | test ppl {entry['test']['perplexity']:9.2f} "
+        f"| {entry['test']['tokens']:,} test tokens | train {entry['train_seconds']:.1f} s"
+        f"{part}, score {entry['score_seconds']:.1f} s on {entry['device']} | "
+        f"{entry['note']}", flush=True)
+  return entry
+
+
+def write_curves(root: str, finals: dict, tokens_per_step: int) -> list:
+  """--config mode: the first seed's valid curves and final scores as markdown, JSON and
+  a PNG in `root`; returns the markdown lines."""
+  ode, gpt = (finals[kind] for kind in KINDS)
+  steps = sorted(set(map(int, ode["curve"])) & set(map(int, gpt["curve"])))
+  rows = [{"step": s, "tokens": s * tokens_per_step,
+           "diffeqformer_valid": ode["curve"][str(s)], "transformer_valid": gpt["curve"][str(s)]}
+          for s in steps]
+  for row in rows:
+    row["valid_ratio"] = row["diffeqformer_valid"] / row["transformer_valid"]
+  final = {f"{kind}_{split}": finals[kind][split]["perplexity"]
+           for kind in KINDS for split in SPLITS}
+  common.write_json(os.path.join(root, "single_epoch.json"), {"curve": rows, "final": final})
+  lines = ["| step | tokens | DiffEqFormer valid | GPT valid | valid ratio |",
+           "|---|---|---|---|---|"]
+  lines += [f"| {r['step']} | {r['tokens']:,} | {r['diffeqformer_valid']:.2f} | "
+            f"{r['transformer_valid']:.2f} | {r['valid_ratio']:.3f} |" for r in rows]
+  lines += ["", "| final (whole splits) | DiffEqFormer | GPT | ratio |", "|---|---|---|---|"]
+  lines += [f"| {split} | {final['diffeqformer_' + split]:.2f} | "
+            f"{final['transformer_' + split]:.2f} | "
+            f"{final['diffeqformer_' + split] / final['transformer_' + split]:.3f} |"
+            for split in SPLITS]
+  with open(os.path.join(root, "single_epoch.md"), "w", encoding="utf-8") as f:
+    f.write("\n".join(lines) + "\n")
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  fig = Figure(figsize=(6, 4), layout="constrained")
+  ax = fig.add_subplot()
+  last = steps[-1] * tokens_per_step if steps else 0
+  for kind, color in zip(KINDS, ("tab:blue", "tab:orange")):
+    ax.plot([r["tokens"] for r in rows], [r[f"{kind}_valid"] for r in rows], "o-",
+            color=color, label=f"{kind} valid")
+    ax.plot([last], [final[f"{kind}_test"]], "s", color=color, label=f"{kind} test (end)")
+  ax.set_yscale("log")
+  ax.set_xlabel("training tokens")
+  ax.set_ylabel("perplexity")
+  ax.legend()
+  fig.savefig(os.path.join(root, "single_epoch.png"))
+  return lines
+
+
+def trained_dispersion(model, res) -> dict:
+  """App. C.8's clustering measure on the trained model's own trajectory: the tokens'
+  states x(t) (Lyapunov's trajectory and its last Euler step), each centred over its
+  features as the block's norm does and projected to the unit sphere, then the mean
+  pairwise distance, the number of clusters and the polarisation gap of
+  `analysis.clustering` at every t."""
+  from odetransformer.analysis import clustering, fields  # pylint: disable=g-import-not-at-top
+  steps = fields.euler_steps(model)
+  field = jax.jit(fields.vector_field(model.config, res.trajectory.shape[1]))
+  last = {name: w[-1] for name, w in steps.weights.items()}
+  x_end = res.trajectory[-1] + steps.dt * np.asarray(field(res.trajectory[-1], last))
+  states = [np.asarray(x, np.float64) for x in list(res.trajectory) + [x_end]]
+  unit = [np.asarray(clustering.normalise(x - x.mean(-1, keepdims=True))) for x in states]
+  return {"times": (np.arange(len(states)) * steps.dt).tolist(),
+          "axis": steps.axis_label,
+          "mean_pairwise_distance": [clustering.mean_pairwise_distance(u) for u in unit],
+          "clusters": [clustering.num_clusters(u) for u in unit],
+          "polarisation_gap": [clustering.polarisation_gap(u) for u in unit],
+          "tokens": int(res.trajectory.shape[1])}
+
+
+def analyse(workdir: str, out: str, args) -> dict:
+  """Item 6 of the issue: Section 5's views of one trained DiffEqFormer, written to `out`
+  by the analysis package (spectra_{qk,ov,ff}.png, lyapunov.png/.html, App. C.8's
+  simulation clustering.png and clustering_dispersion.png) and the clustering measure
+  along the model's own trajectory (clustering_trained.png/.json); returns name -> path."""
+  from odetransformer.analysis import clustering, lyapunov, spectra  # pylint: disable=g-import-not-at-top
+  os.makedirs(out, exist_ok=True)
+  loaded = loading.load_model(workdir)
+  model = loaded.model
+  found = spectra.compute_spectra(model, args.spectra_grid)
+  paths = {f"spectra_{k}": v for k, v in spectra.write_outputs(found, out).items()}
+  print(spectra.summary_line(found), flush=True)
+  tokenizer = loading.load_tokenizer(workdir)
+  with open(os.path.join(args.data_dir, "test.txt"), encoding="utf-8") as f:
+    head = f.read(50_000)                 # the first held-out article(s)
+  count = min(args.lyapunov_tokens, loaded.model_config.max_len)
+  ids = [tokenizer.eos_id()] + list(tokenizer.encode(head))[:count - 1]   # eos: as in training
+  res = lyapunov.sensitivity(model, ids, -1)
+  pieces = [lyapunov.piece_text(tokenizer, i) for i in ids]
+  title = f"{loaded.model_config.kind} ({os.path.basename(workdir)}, step {loaded.step})"
+  paths.update({f"lyapunov_{k}": v for k, v in lyapunov.write_outputs(res, pieces, out,
+                                                                         title).items()})
+  print(lyapunov.summary_line(res, pieces), flush=True)
+  clustering.main([f"--out={out}"])       # App. C.8's simulation, as the paper ran it
+  paths["clustering_png"] = os.path.join(out, "clustering.png")
+  paths["clustering_dispersion_png"] = os.path.join(out, "clustering_dispersion.png")
+  measure = trained_dispersion(model, res)
+  measure["text"] = "".join(pieces)
+  common.write_json(os.path.join(out, "clustering_trained.json"), measure)
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  fig = Figure(figsize=(6, 3.8), layout="constrained")
+  ax = fig.add_subplot()
+  ax.plot(measure["times"], measure["mean_pairwise_distance"], "o-",
+          label="mean pairwise distance")
+  ax.plot(measure["times"], measure["polarisation_gap"], "s--", label="1 - |mean x|")
+  for t, d, n in zip(measure["times"], measure["mean_pairwise_distance"], measure["clusters"]):
+    ax.annotate(str(n), (t, d), textcoords="offset points", xytext=(0, 5), fontsize=7)
+  ax.set_xlabel(measure["axis"])
+  ax.set_ylabel("on the unit sphere")
+  ax.set_title(f"{title}\n{measure['tokens']} tokens' states along t (numbers: clusters)",
+               fontsize=9)
+  ax.legend(fontsize=8)
+  paths["clustering_trained_png"] = os.path.join(out, "clustering_trained.png")
+  paths["clustering_trained_json"] = os.path.join(out, "clustering_trained.json")
+  fig.savefig(paths["clustering_trained_png"], dpi=110)
+  d = measure["mean_pairwise_distance"]
+  print(f"clustering along {os.path.basename(workdir)}'s trajectory ({measure['tokens']} "
+        f"tokens): mean pairwise distance t=0 {d[0]:.3f} -> t=1 {d[-1]:.3f}, "
+        f"{measure['clusters'][-1]} cluster(s) at the end", flush=True)
+  return paths
+
+
+def model_label(config) -> str:
+  """'gpt2-small' (or medium, large) for the GPT-2 shapes, else d<width>-K<depth>."""
+  m = config.model
+  shapes = {(768, 12, 12): "gpt2-small", (1024, 16, 24): "gpt2-medium",
+            (1280, 20, 36): "gpt2-large"}
+  return shapes.get((m.d_model, m.num_heads, m.solver_steps),
+                    f"d{m.d_model}-h{m.num_heads}-K{m.solver_steps}")
+
+
+def mean_spread(values: list) -> str:
+  """'mean ± sample standard deviation' (just the value for one)."""
+  if len(values) == 1:
+    return f"{values[0]:.3f}"
+  return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
 def main(argv=None):
   args = parse_args(argv)
+  began = time.perf_counter()
   logging.set_verbosity(logging.INFO)        # the training loop's progress lines
   quiet_library_logs()
   root = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="odet_single_epoch_"))
   os.makedirs(root, exist_ok=True)
   print(f"workdir {root}", flush=True)
-  config = make_config(args, "transformer", 0, args.steps, root)
+  config = make_config(args, "transformer", 0, args.steps or 1, root)
   text = TrainingText(config, root)
   epoch = text.epoch
   most = max_single_epoch_steps(config, epoch)
+  if args.config:                         # one whole epoch unless told otherwise
+    args.steps = args.steps or most
+    args.seed_steps = args.seed_steps or args.steps
   flag, longest = max([("steps", args.steps)] + (
       [("seed_steps", args.seed_steps)] if args.seeds > 1 else []), key=lambda x: x[1])
   if longest > most:
@@ -337,6 +641,8 @@ def main(argv=None):
   print(f"training text: {epoch['documents']:,} documents, {epoch['tokens']:,} tokens "
         f"(vocab {epoch['vocab_size']:,}): one epoch holds {most:,} steps of "
         f"{tokens_per_step:,} tokens", flush=True)
+  if args.config:
+    return main_config(args, root, config, text, began)
   stop = args.stop_after or args.steps
   finals = {}
   compare = args.kinds == KINDS           # else one model: its curve lines are all
@@ -355,10 +661,14 @@ def main(argv=None):
           finals[seed]["transformer"]["test"]["perplexity"]
       print(f"seed {seed} ({steps} steps) diffeqformer/gpt test perplexity ratio: "
             f"{ratio:.3f}", flush=True)
+    print_eval_texts(args, seed, finals[seed])
     print(single_epoch_check(config, epoch, steps, max(
         curves[kind][steps]["documents_read"] for kind in args.kinds)), flush=True)
     if seed == first and compare:
       table = write_table(root, curves, tokens_per_step)
+    if seed == first and args.analysis:
+      analyse(os.path.join(root, run_name(args, "diffeqformer", seed, steps)),
+              os.path.join(root, "analysis"), args)
   if not compare:
     return
   print("\n".join(table))
@@ -378,8 +688,92 @@ def main(argv=None):
         f"(steps {args.steps}, tokens {args.steps * tokens_per_step:,})")
 
 
+def print_eval_texts(args, seed: int, finals: dict) -> None:
+  """One line per --eval_text file: each model's perplexity on it (and their ratio)."""
+  for path in args.eval_texts:
+    scored = {kind: finals[kind]["texts"][path] for kind in finals}
+    parts = [f"{kind} ppl {scored[kind]['perplexity']:.2f}" for kind in scored]
+    if len(scored) == len(KINDS):
+      parts.append("diffeqformer/gpt ratio "
+                   f"{scored['diffeqformer']['perplexity'] / scored['transformer']['perplexity']:.3f}")
+    tokens = next(iter(scored.values()))["tokens"]
+    print(f"seed {seed} eval_text {path} | " + " | ".join(parts) + f" | {tokens:,} tokens",
+          flush=True)
+
+
+def main_config(args, root: str, config, text: TrainingText, began: float) -> None:
+  """--config mode: every seed trains both models one whole epoch (by default) through
+  one training call each; the report ends with the mean ± spread of the ratios."""
+  epoch = text.epoch
+  label = model_label(config)
+  tokens_per_step = config.global_batch_size * config.seq_len
+  print(f"tokenizer: SentencePiece, {epoch['vocab_size']:,} pieces, trained once on "
+        f"{args.data_dir}/train-*.txt, shared by every run (sha256 "
+        f"{text.key['tokenizer'][:12]}); the same data order for both models of a seed",
+        flush=True)
+  print(f"device: {describe_device()}; {label}: {config.model.d_model} wide, "
+        f"{config.model.num_heads} heads, K = L = {config.model.solver_steps}, d_t "
+        f"{config.model.time_embed_dim}, S {config.model.time_sinusoids}, dropout "
+        f"{config.model.dropout_rate}, {config.model.dtype} compute; AdamW peak lr "
+        f"{config.optim.learning_rate:g}, betas {config.optim.b1:g}/{config.optim.b2:g}, "
+        f"weight decay {config.optim.weight_decay:g}, warm-up "
+        f"{config.optim.warmup_frac:.0%} then {config.optim.schedule} to "
+        f"{config.optim.min_lr_ratio:g}x; batch {config.global_batch_size} x "
+        f"{config.seq_len}", flush=True)
+  stop = args.stop_after or max(args.steps, args.seed_steps)
+  finals, first = {}, args.first_seed
+  compare = args.kinds == KINDS
+  for seed in range(first, first + args.seeds):
+    steps = args.steps if seed == first else args.seed_steps
+    runs = {kind: run_whole(args, kind, seed, steps, root, stop, text) for kind in args.kinds}
+    if any(r is None for r in runs.values()):
+      print(f"stopped after step {stop} (--stop_after); the same command without it "
+            "continues", flush=True)
+      return
+    finals[seed] = runs
+    if compare:
+      ratio = runs["diffeqformer"]["test"]["perplexity"] / runs["transformer"]["test"]["perplexity"]
+      print(f"seed {seed} ({steps} steps) diffeqformer/gpt test perplexity ratio: "
+            f"{ratio:.3f}", flush=True)
+    print_eval_texts(args, seed, runs)
+    print(single_epoch_check(config, epoch, steps,
+                             max(r["documents_read"] for r in runs.values())), flush=True)
+    if seed == first and compare:
+      table = write_curves(root, runs, tokens_per_step)
+    if seed == first and args.analysis:
+      analyse(os.path.join(root, run_name(args, "diffeqformer", seed, steps)),
+              os.path.join(root, "analysis"), args)
+  for kind in args.kinds:
+    seconds = [finals[s][kind]["train_seconds"] for s in finals]
+    print(f"wall time {kind}: training " + ", ".join(f"{x:.1f}" for x in seconds) +
+          " s per seed (compilation and the curve's evaluations included), scoring " +
+          ", ".join(f"{finals[s][kind]['score_seconds']:.1f}" for s in finals) + " s",
+          flush=True)
+  print(f"wall time of this command: {time.perf_counter() - began:.1f} s on "
+        f"{describe_device()}", flush=True)
+  if not compare:
+    return
+  print("\n".join(table))
+  print(f"table: {root}/single_epoch.md, .json; learning curves: {root}/single_epoch.png")
+  n_ode, n_gpt = (finals[first][kind]["num_params"] for kind in KINDS)
+  print(f"parameters: diffeqformer {n_ode:,} | gpt {n_gpt:,}: the DiffEqFormer holds "
+        f"{n_ode / n_gpt:.1f}x GPT's parameters (its hypernetworks)")
+  seeds = sorted(finals)
+  for path in args.eval_texts:
+    ratios = [finals[s]["diffeqformer"]["texts"][path]["perplexity"] /
+              finals[s]["transformer"]["texts"][path]["perplexity"] for s in seeds]
+    print(f"eval_text {path}: diffeqformer/gpt perplexity ratio {mean_spread(ratios)} "
+          f"({len(seeds)} seed{'s' if len(seeds) > 1 else ''})")
+  ratios = [finals[s]["diffeqformer"]["test"]["perplexity"] /
+            finals[s]["transformer"]["test"]["perplexity"] for s in seeds]
+  tokens = args.steps * tokens_per_step
+  others = (f"; seeds after the first {args.seed_steps * tokens_per_step:,} tokens"
+            if args.seeds > 1 and args.seed_steps != args.steps else "")
+  print(f"{label} single-epoch diffeqformer/gpt test perplexity ratio: "
+        f"{mean_spread(ratios)} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''}, "
+        f"{tokens:,} tokens{others})")
+
+
 if __name__ == "__main__":
-  try:
-    main()
-  except UserError as e:
-    sys.exit(f"error: {e}")
+  from odetransformer import errors  # pylint: disable=g-import-not-at-top
+  errors.run_cli(main)
