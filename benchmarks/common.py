@@ -54,6 +54,12 @@ PRESETS = {
                                   solver_steps=12, num_layers=12, max_len=1024,
                                   time_embed_dim=96, time_sinusoids=128),
                        seq_len=256, batch=4),
+    # The authors' GPT-2 small (configs/owt_small.py): d_t 20, S 128. Dropout off, as in
+    # nanoGPT's speed runs. `throughput --nanogpt` compares at this shape, batch 16 × 1024.
+    "owt-small": dict(model=dict(vocab_size=50304, d_model=768, num_heads=12, mlp_dim=3072,
+                                 solver_steps=12, num_layers=12, max_len=1024,
+                                 time_embed_dim=20, time_sinusoids=128),
+                      seq_len=1024, batch=16),
     # Seconds, not a measurement: the tests run every benchmark end to end at this size.
     "tiny": dict(model=dict(vocab_size=512, d_model=32, num_heads=2, mlp_dim=64,
                             solver_steps=2, num_layers=2, max_len=64, time_embed_dim=8,

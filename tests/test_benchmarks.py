@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from conftest import shared_data_path
+from conftest import shared_data_path, shared_reference_path
 from tiny import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -67,6 +67,7 @@ def _find(pattern, out):
   return m
 
 
+@pytest.mark.slow
 def test_throughput(monkeypatch, capsys):
   """The README's GPU command's flags (bf16, its batch and length), plus a baseline kind."""
   also, batch, seq, dtype = ["shared"], 1, 64, "bfloat16"
@@ -117,6 +118,7 @@ def test_benchmarks_are_a_package_of_modules_named_apart_from_the_code():
   assert not {p.stem for p in files} & measured
 
 
+@pytest.mark.slow
 def test_memory_vs_steps(monkeypatch, capsys):
   out = _run_here("memory_vs_steps", ["--preset=tiny", "--steps=2,4"], monkeypatch, capsys)
   rows = {(m.group(1), int(m.group(2))): (_num(m.group(3)), _num(m.group(4)))
@@ -129,6 +131,7 @@ def test_memory_vs_steps(monkeypatch, capsys):
   _find(rf"^ode temp growth per step / scan carry: {NUM} \(gpt: {NUM}\)$", out)
 
 
+@pytest.mark.slow
 def test_pipeline_speed():
   data = shared_data_path("wikitext-2", "valid.txt").parent
   out = _run("pipeline_speed", "--preset=tiny", "--batches=20", f"--data_dir={data}")
@@ -141,6 +144,7 @@ def test_pipeline_speed():
   assert ratio == pytest.approx(min(pipe) / train, rel=0.01, abs=0.06)
 
 
+@pytest.mark.slow
 def test_quality(tmp_path, monkeypatch, capsys):
   """One seed of both models on a user's own text files: the seed's ratio is its two
   perplexities' ratio, and the last line is the seeds' mean."""
@@ -169,6 +173,7 @@ def test_quality(tmp_path, monkeypatch, capsys):
   assert last and _num(last.group(1)) == pytest.approx(sum(ratios) / len(ratios), abs=0.002)
 
 
+@pytest.mark.slow
 def test_adaptive_finetune(tmp_path):
   """The discrete methods only: 'continuous' runs the same lines of the benchmark (the
   loop's continuous fine-tuning: test_finetune)."""
@@ -213,11 +218,57 @@ def test_adaptive_finetune_needs_its_texts(tmp_path, monkeypatch, capsys):
       "wikitext-2/valid.txt in DIR")
 
 
+@pytest.mark.slow
+@pytest.mark.slow
+def test_throughput_against_nanogpt_with_profile(monkeypatch, capsys):
+  """The GPU comparison's flags at toy size: two batches, nanoGPT's own step (its model.py
+  from the shared reference checkout, eager on CPU) timed in the same run, each ratio
+  what the lines beside it imply, and a profile per model and batch whose parts add up."""
+  nanogpt = shared_reference_path("nanogpt")
+  pytest.importorskip("torch")
+  batches, seq = (1, 2), 32
+  out = _run_here("throughput", ["--preset=tiny", "--rounds=1", "--batches=1,2",
+                                 f"--nanogpt={nanogpt}", "--profile", "--profile_steps=2"],
+                  monkeypatch, capsys)
+  blocks = re.split(r"^-- ", out, flags=re.MULTILINE)[1:]
+  assert [b.split(",")[0] for b in blocks] == [f"batch {b} × seq {seq}" for b in batches]
+  headline = {}
+  for b, block in zip(batches, blocks):
+    tps = {kind: _num(_find(rf"^{kind}\s+train:\s+{NUM} ms/step\s+{NUM} tokens/s", block)
+                      .group(2)) for kind in ("diffeqformer", "transformer", "nanogpt")}
+    assert "(torch " in _find(r"^nanogpt\s+train:.*$", block).group(0)
+    for kind in ("diffeqformer", "transformer"):
+      ratio = _num(_find(rf"^{kind}/nanogpt train tokens/s ratio: {NUM}$", block).group(1))
+      assert ratio == pytest.approx(tps[kind] / tps["nanogpt"], rel=0.01, abs=0.006)
+      m = _find(rf"^profile {kind} {b}×{seq}: step {NUM} ms = matmul {NUM} ms \({NUM}%\) \| "
+                rf"attention {NUM} ms \({NUM}%\) \| other fusions {NUM} ms \({NUM}%\) \| "
+                rf"copies {NUM} ms \({NUM}%\) \| idle {NUM} ms \({NUM}%\)$", block)
+      step, idle = _num(m.group(1)), _num(m.group(10))
+      busy = _num(_find(rf"^profile {kind} {b}×{seq}: {NUM} copies per step, {NUM} of them "
+                        rf"≥ 1 MiB; device busy {NUM} ms$", block).group(3))
+      assert _num(m.group(2)) > 0                     # the model's dots were found
+      assert idle == pytest.approx(max(0.0, step - busy), abs=0.02)
+    headline[b] = tps["diffeqformer"] / tps["transformer"]
+  last = out.strip().splitlines()[-1]
+  m = re.fullmatch(rf"ode/gpt train tokens/s ratio: {NUM} \(batch 1\), {NUM} \(batch 2\)",
+                   last)
+  assert m, last
+  assert [_num(m.group(1)), _num(m.group(2))] == pytest.approx(
+      [headline[1], headline[2]], abs=0.006)
+
+
+def test_throughput_rejects_a_missing_nanogpt(tmp_path, monkeypatch, capsys):
+  assert _usage_error("throughput", ["--preset=tiny", f"--nanogpt={tmp_path}"], monkeypatch,
+                      capsys).endswith(
+      f"error: --nanogpt={tmp_path} holds no model.py; pass a checkout of karpathy/nanoGPT")
+
+
 def test_throughput_rejects_an_unknown_kind(monkeypatch, capsys):
   assert _usage_error("throughput", ["--preset=tiny", "--also=parallel,gtp"], monkeypatch,
                       capsys).endswith("error: --also=gtp: choose from parallel, shared")
 
 
+@pytest.mark.slow
 def test_any_n(tmp_path):
   """One tiny seed of both training modes: the mean table is the seed's rows, each mode's
   ratio and the last line's R are what the table implies, and both modes were timed."""
@@ -250,6 +301,7 @@ def test_any_n(tmp_path):
   assert last and _num(last.group(1)) == pytest.approx(ratio["random_offset"], abs=6e-4)
 
 
+@pytest.mark.slow
 def test_checkpoint_integrity():
   out = _run("checkpoint_integrity", "--gib=0.004", "--repeats=1")
   rows = {}
@@ -376,7 +428,7 @@ def test_any_n_scores_are_read_back_only_for_the_same_code(tmp_path, monkeypatch
   def fake_evaluate(workdir, counts, max_batches):
     scored.append(workdir)
     return [types.SimpleNamespace(perplexity=50.0 + n, num_tokens=1000) for n in counts]
-  monkeypatch.setattr(any_n.evaluate, "evaluate", fake_evaluate)
+  monkeypatch.setattr(any_n.evaluation, "evaluate", fake_evaluate)
   args = any_n.parse_args(["--steps=4", "--solver_steps=2", "--rounds=0"])
   config = any_n.make_config(args, "fixed", 0, str(tmp_path / "cache"))
   wd, code = str(tmp_path / "fixed_seed0"), common.code_version()
@@ -407,6 +459,7 @@ def _single_epoch_text(tmp_path):
   return data
 
 
+@pytest.mark.slow
 def test_single_epoch_resumes_and_serves_no_token_twice(tmp_path, capsys):
   """Tiny shape, 4 steps (not the issue's 200: the same code paths in seconds), scored
   every 2: a run stopped at step 2 continues there (its step-2 scores read back, not
@@ -460,6 +513,7 @@ def test_single_epoch_resumes_and_serves_no_token_twice(tmp_path, capsys):
     single_epoch.main(flags[:4] + ["--seeds=2", f"--seed_steps={most + 1}"])
 
 
+@pytest.mark.slow
 def test_any_n_and_finetuning_from_single_epoch_runs(tmp_path, capsys):
   """Issue 36's any-N and Fig. 5 stages start from the scale run's checkpoints without
   training them again: any_n --runs scores the DiffEqFormer at every N (at N = K the
@@ -534,6 +588,7 @@ def test_pretrained_and_kinds_flags_are_checked(tmp_path, monkeypatch, capsys):
       "error: --data applies to --runs only; the trained runs score on their eval split")
 
 
+@pytest.mark.slow
 def test_single_epoch_detects_a_second_epoch(tmp_path):
   """The documents-read check on the real pipeline: within the first epoch it counts
   fewer documents than the corpus holds; a stream read past it is refused."""
