@@ -6,9 +6,10 @@
 Every mistake of the user's — a bad flag, config file or value, bad data settings, a
 workdir that is a file, read-only, in use by another run or holding checkpoints of
 another model, tokenizer or data, checkpoints none of which restores, a failed save, a
-diverged (NaN/inf) run — prints one line to stderr and exits with status 2 (add
---verbose for the traceback); such errors are found before anything is written to the
-workdir. SIGTERM or Ctrl-C saves a checkpoint at the current step and exits 0 (a second
+diverged (NaN/inf) run, a shape that does not fit the device's memory — prints one line
+to stderr and exits with status 2 (add --verbose for the traceback); such errors are
+found before anything is written to the workdir, or leave its checkpoints as they were.
+SIGTERM or Ctrl-C saves a checkpoint at the current step and exits 0 (a second
 Ctrl-C exits at once); a run killed outright resumes from its newest complete checkpoint
 when started again with the same command.
 
@@ -82,8 +83,17 @@ def main(argv):
   elif hugepages.opted_in(os.environ):
     logging.info("%s=1 has no effect here: %s", hugepages.SWITCH, hugepages.reason_not_here())
 
+  from odetransformer.tools import out_of_memory  # pylint: disable=g-import-not-at-top
   from odetransformer.train import loop  # pylint: disable=g-import-not-at-top
-  loop.train_and_evaluate(config, _WORKDIR.value)   # a UserError: one line (run_cli)
+  try:
+    loop.train_and_evaluate(config, _WORKDIR.value)   # a UserError: one line (run_cli)
+  except errors.UserError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  (XLA out of memory: one line too)
+    oom = out_of_memory.out_of_memory_error(e, config)
+    if oom is None:
+      raise
+    raise oom from e
 
 
 def _run():

@@ -1,0 +1,95 @@
+"""Out of device memory as one line: what XLA could not allocate against the device's
+memory, the planner's estimate for the config (`odetransformer.memory`), and what to
+change.
+
+`main.py` passes every exception of a training run through `out_of_memory_error`: XLA
+running out of memory (anywhere in the exception's chain) becomes a `UserError`, so
+the run ends with `error: out of memory ...` and exit 2 instead of a traceback. Nothing
+is written on the way out: the newest checkpoint stays the newest.
+"""
+import re
+from typing import Optional
+
+import jax
+
+from odetransformer import errors
+from odetransformer.tools import memory
+
+GIB = 1 << 30
+_BYTES = (re.compile(r"allocat\w* (\d+) bytes"), re.compile(r"\((\d+)B\)"),
+          re.compile(r"(\d+) bytes"))
+
+
+def find_out_of_memory(e: BaseException) -> Optional[BaseException]:
+  """XLA's out-of-memory error in `e`'s chain (causes and contexts), or None."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    # RESOURCE_EXHAUSTED from an allocator; XLA:CPU's dispatch says INTERNAL: ... Out of
+    # memory allocating N bytes.
+    if isinstance(e, jax.errors.JaxRuntimeError) and (
+        "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()):
+      return e
+    e = e.__cause__ or e.__context__
+  return None
+
+
+def requested_bytes(message: str) -> Optional[int]:
+  """The size of the allocation that failed, from XLA's message (None if it names none)."""
+  for pattern in _BYTES:
+    found = pattern.search(message)
+    if found:
+      return int(found.group(1))
+  return None
+
+
+def _gib(n) -> str:
+  return f"{n / GIB:,.1f} GiB"
+
+
+def _planned_bytes(config, device_memory_gib: float) -> Optional[int]:
+  """The analytic planner's per-device total for `config`, or None where it cannot say."""
+  try:
+    return memory.memory_report(config, compile_step=False,
+                                device_memory_gib=device_memory_gib).total_bytes
+  except Exception:  # pylint: disable=broad-except  (the line is worth more than the plan)
+    return None
+
+
+def advice(config) -> str:
+  """What to change, in the order that costs the run least."""
+  model, optim = config.model, config.optim
+  steps = [f"--config.model.remat_policy=full (now {model.remat_policy!r})"
+           if model.get("remat_policy", "full") != "full" else None,
+           f"--config.optim.grad_accum_steps={2 * int(optim.grad_accum_steps)} (the same "
+           f"global batch in {2 * int(optim.grad_accum_steps)} passes) or a smaller "
+           f"--config.global_batch_size (now {config.global_batch_size})",
+           "more devices in --config.mesh.shape (FSDP shards the parameters and AdamW state)"]
+  return "lower it with " + ", or ".join(s for s in steps if s)
+
+
+def out_of_memory_error(e: BaseException, config,
+                        device=None) -> Optional[errors.UserError]:
+  """`e` as a one-line UserError when it is XLA running out of memory, else None."""
+  oom = find_out_of_memory(e)
+  if oom is None:
+    return None
+  device = device or jax.local_devices()[0]
+  stats = device.memory_stats() or {}
+  limit = stats.get("bytes_limit")
+  requested = requested_bytes(str(oom))
+  what = (f"XLA could not allocate {_gib(requested)}" if requested is not None
+          else "XLA could not allocate a buffer")
+  if limit:
+    where = (f"with {_gib(stats.get('bytes_in_use', 0))} of the device's {_gib(limit)} in "
+             "use")
+  else:
+    where = "(the device reports no memory limit: host memory)"
+  planned = _planned_bytes(config, limit / GIB if limit else 80.0)
+  plan = (f"the planner estimates {_gib(planned)} per device for this config "
+          "(python -m odetransformer.memory --config=...)" if planned is not None
+          else "python -m odetransformer.memory --config=... plans it")
+  name = (device.platform if device.device_kind == device.platform
+          else f"{device.device_kind} ({device.platform})")
+  return errors.UserError(f"out of memory on {name}: {what} {where}; {plan}; "
+                          f"{advice(config)}")
