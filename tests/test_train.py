@@ -22,8 +22,10 @@ from odetransformer.model.transformer import create_model
 from odetransformer.train import loop
 from odetransformer.train import metrics as metrics_lib
 from odetransformer.train import optimizer as optimizer_lib
+from odetransformer.train import setup
 from odetransformer.train import sharding as sharding_lib
 from odetransformer.train import steps
+from odetransformer.train.checkpoint.fingerprint import stored_fingerprint
 from odetransformer.train.checkpoint.manager import Checkpointer
 from odetransformer.train.checkpoint.restore import restore_model_state
 
@@ -445,6 +447,62 @@ def test_bad_input_is_one_line_before_anything_is_written(tmp_path, overrides, k
     loop.train_and_evaluate(c, str(wd))
   assert type(err.value).__name__ == kind and "\n" not in str(err.value), err.value
   assert not wd.exists()
+
+
+def _override(config, overrides):
+  for key, value in overrides.items():
+    node, path = config, key.split(".")
+    for part in path[:-1]:
+      node = node[part]
+    node[path[-1]] = value
+
+
+def _files(directory):
+  """{relative path: (size, mtime_ns)} of every file under `directory`."""
+  return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
+          for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+# One setting that fails each of setup.check_run's checks, in its docstring's order, and
+# a phrase of the error it gives.
+_CHECK_RUN_BREAKS = [
+    ("1 paths", "data.cache_dir", "\udcff", "--config.data.cache_dir="),
+    ("2 init_from", "init_from", "/nonexistent/pretrained", "init_from='/nonexistent/pretrained'"),
+    ("3 mesh", "mesh.shape", (1, 1, 0), "mesh.shape=(1, 1, 0)"),
+    ("4 check_config", "num_train_steps", 0, "num_train_steps=0"),
+    ("5 model", "model.num_heads", 5, "model.num_heads=5"),
+    ("6 optimizer", "optim.b1", 1.5, "optim.b1=1.5"),
+    ("7 checkpoints kept", "checkpoint_max_to_keep", 0, "checkpoint_max_to_keep=0"),
+    ("8 resumable", "seed", 1, "holds checkpoints (step 6)"),
+]
+
+
+def test_check_run_reports_its_checks_in_docstring_order_and_writes_nothing(runs, tmp_path):
+  """Every check of `setup.check_run` failing at once, then mended one by one: each
+  error is the next check its docstring lists (the first failing one wins), one line
+  and a UserError, and the workdir (holding checkpoints) stays as it was. The mended
+  config gives the checked run: the workdir's checkpoints as the resume decision."""
+  wd = runs["wd_b"]
+  before = _files(wd)
+  base = tiny_config(wd.parent / "cache", 6)
+  for i, (name, _, _, phrase) in enumerate(_CHECK_RUN_BREAKS):
+    c = ml_collections.ConfigDict(base.to_dict())
+    for _, key, value, _ in _CHECK_RUN_BREAKS[i:]:
+      _override(c, {key: str(base.data.cache_dir) + value} if key == "data.cache_dir"
+                else {key: value})
+    with pytest.raises(UserError) as err:
+      setup.check_run(c, str(wd))
+    assert phrase in str(err.value) and "\n" not in str(err.value), (name, err.value)
+  assert _files(wd) == before
+
+  run = setup.check_run(ml_collections.ConfigDict(base.to_dict()), wd)
+  assert run.resume_from == stored_fingerprint(str(wd))[1]
+  assert run.workdir == str(wd) and dict(run.mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+  assert run.model == config_lib.model_config(base)
+  assert float(run.schedule(0)) > 0 and run.tx is not None and run.rules
+  fresh = tmp_path / "fresh"
+  assert setup.check_run(ml_collections.ConfigDict(base.to_dict()), fresh).resume_from is None
+  assert not fresh.exists() and _files(wd) == before
 
 
 def test_short_eval_batch_padding_rows_have_weight_zero():

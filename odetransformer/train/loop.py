@@ -1,15 +1,16 @@
 """The training loop: `train_and_evaluate(config, workdir)`.
 
-One run: mesh and logical-axis rules from `config.mesh` → datasets (process-local
-batches) → the TrainState (model and AdamW state, `odetransformer/train/steps.py`) created
-already sharded → resume from the newest checkpoint in `workdir`, or start from
-`init_from` (a fine-tuning run, `odetransformer/train/finetune.py`), or from scratch → a loop
-of the jitted, donated train step with periodic logging, evaluation and async
-checkpoints → a final evaluation and save. Non-finite values stop the run without
-touching its good checkpoints (`odetransformer/train/health.py`); SIGTERM and Ctrl-C save and
-stop (`odetransformer/train/checkpoint/`).
+One run: the checked setup (`odetransformer/train/setup.py`: config, mesh and
+logical-axis rules, model config, optimizer and schedule, resume decision; nothing
+written) → the workdir lock → datasets (process-local batches) → the run's files → the
+TrainState (model and AdamW state, `odetransformer/train/steps.py`) created already
+sharded → resume from the newest checkpoint in `workdir`, or start from `init_from` (a
+fine-tuning run, `odetransformer/train/finetune.py`), or from scratch → a loop of the
+jitted, donated train step with periodic logging, evaluation and async checkpoints → a
+final evaluation and save. Non-finite values stop the run without touching its good
+checkpoints (`odetransformer/train/health.py`); SIGTERM and Ctrl-C save and stop
+(`odetransformer/train/checkpoint/`).
 """
-import os
 import time
 
 from absl import logging
@@ -20,54 +21,18 @@ import ml_collections
 import numpy as np
 
 import input_pipeline
-from odetransformer.errors import ConfigError
-from odetransformer.model.config import migrate_config, model_config
 from odetransformer.model.param_count import flops_per_token
 from odetransformer.runtime import fileio
 from odetransformer.runtime.workdir_lock import WorkdirLock
 from odetransformer.train import finetune
 from odetransformer.train import health as health_lib
 from odetransformer.train import metrics as metrics_lib
-from odetransformer.train import optimizer as optimizer_lib
+from odetransformer.train import setup
 from odetransformer.train import sharding as sharding_lib
 from odetransformer.train import steps as steps_lib
-from odetransformer.train.checkpoint.fingerprint import (check_resumable, check_tokenizer,
-                                                         save_config, save_tokenizer)
-from odetransformer.train.checkpoint.manager import Checkpointer, validate_options
-
-
-def check_config(config, mesh, rules):
-  """Fails early, in one line, on settings that cannot work together."""
-  for key in ("num_train_steps", "global_batch_size", "seq_len"):
-    if int(config[key]) <= 0:
-      raise ConfigError(f"{key}={config[key]} must be positive")
-  for key in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
-    if int(config[key]) < 0:
-      raise ConfigError(f"{key}={config[key]} must be >= 0 (0 = only at the end)")
-  shards = sharding_lib.num_batch_shards(mesh, rules)
-  accum = int(config.optim.grad_accum_steps)
-  if accum <= 0:
-    raise ConfigError(f"optim.grad_accum_steps={accum} must be >= 1")
-  if config.global_batch_size % (shards * accum):
-    raise ConfigError(
-        f"global_batch_size={config.global_batch_size} must be a multiple of the batch "
-        f"shards ({shards}) × optim.grad_accum_steps ({accum})")
-  if shards % jax.process_count():
-    raise ConfigError(f"the batch is split {shards} ways (mesh data × fsdp) but there are "
-                      f"{jax.process_count()} processes; make data × fsdp a multiple of the "
-                      "process count (keep 'tensor' within a host)")
-  if config.global_batch_size % jax.process_count():
-    raise ConfigError(f"global_batch_size={config.global_batch_size} must be a multiple of "
-                      f"the {jax.process_count()} processes")
-  if config.eval_batch_size % shards or config.eval_batch_size % jax.process_count():
-    raise ConfigError(f"eval_batch_size={config.eval_batch_size} must be a multiple of the "
-                      f"batch shards ({shards}) and processes ({jax.process_count()})")
-  if int(config.optim.get("skip_nonfinite_steps", 0)) < 0:
-    raise ConfigError(f"optim.skip_nonfinite_steps={config.optim.skip_nonfinite_steps} must "
-                      "be >= 0 (0 = stop at the first non-finite step)")
-  if config.model.family == "gpt2" and config.seq_len > config.model.max_len:
-    raise ConfigError(f"seq_len={config.seq_len} exceeds model.max_len={config.model.max_len}")
-  metrics_lib.ProfileWindow.parse(config.get("profile_steps", ""))
+from odetransformer.train.checkpoint.manager import Checkpointer
+# Re-exported: tools/memory.py checks a config with loop.check_config.
+from odetransformer.train.setup import check_config  # noqa: F401
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
@@ -84,62 +49,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     loss)] at each log line, 'num_params': parameter count, 'data_state': the training
     iterator's state at 'step'}.
   """
-  config = migrate_config(config)   # old key names and values -> new, with a warning
-  workdir = os.fspath(workdir)
-  paths = {"--workdir": workdir, "--config.init_from": config.get("init_from")}
-  for key in ("tokenizer_path", "cache_dir", "data_dir"):
-    paths[f"--config.data.{key}"] = config.data.get(key)
-  for flag, value in paths.items():
-    if value:
-      fileio.check_encodable(value, flag)
-  if config.get("init_from"):
-    config = finetune.prepare_config(ml_collections.ConfigDict(config.to_dict()))
-  # Validation first: a config error leaves the workdir untouched (nothing created).
-  try:
-    mesh = sharding_lib.make_mesh(config.mesh)
-    rules = sharding_lib.logical_axis_rules(config.mesh)
-  except sharding_lib.MeshError as e:
-    raise ConfigError(str(e)) from e
-  check_config(config, mesh, rules)
-  ode = model_config(config).is_ode  # fail on a bad model config before the data is prepared
-  try:
-    tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps, ode=ode)
-    schedule = optimizer_lib.learning_rate_schedule(config.optim, config.num_train_steps)
-  except optimizer_lib.OptimConfigError as e:
-    raise ConfigError(str(e)) from e
-  validate_options(config)
-  stored = check_resumable(config, workdir)
+  run = setup.check_run(config, workdir)   # every check that needs no data; no writes
+  config = run.config
   # The first write of a run: one process per workdir (process 0 of a multi-host run).
-  lock = WorkdirLock(workdir, enabled=jax.process_index() == 0,
+  lock = WorkdirLock(run.workdir, enabled=jax.process_index() == 0,
                      stale_s=config.get("workdir_lock_stale_s", 600)).acquire()
   try:
-    metrics_lib.log(f"mesh {dict(mesh.shape)} on {jax.device_count()} "
+    metrics_lib.log(f"mesh {dict(run.mesh.shape)} on {jax.device_count()} "
                     f"{jax.devices()[0].platform} devices, {jax.process_count()} process(es)")
     ds = input_pipeline.create_datasets(
         config.data, seq_len=config.seq_len, global_batch_size=config.global_batch_size,
-        eval_batch_size=config.eval_batch_size, seed=config.seed, workdir=workdir,
+        eval_batch_size=config.eval_batch_size, seed=config.seed, workdir=run.workdir,
         process_index=jax.process_index(), process_count=jax.process_count())
-    tokenizer = getattr(ds, "tokenizer_path", "")
-    fingerprint = check_tokenizer(config, tokenizer, workdir, stored,
-                                  getattr(ds, "content_hash", None))
-    fileio.makedirs(workdir)
-    save_tokenizer(tokenizer, workdir)
-    cfg = model_config(config, ds.vocab_size)    # vocab_size: the tokenizer's
-    saved_config = ml_collections.ConfigDict(config.to_dict())
-    saved_config.model.vocab_size = cfg.vocab_size
-    if not saved_config.data.get("tokenizer_path") and tokenizer:
-      saved_config.data.tokenizer_path = tokenizer   # for tools, beside tokenizer.model
-    save_config(saved_config, workdir)
-    writer = metrics_lib.MetricWriter(fileio.join(workdir, "tensorboard"))
-    ckpt = Checkpointer(workdir, max_to_keep=config.checkpoint_max_to_keep,
+    record = setup.record_run(run, ds)   # tokenizer and data vs checkpoints; first files
+    writer = metrics_lib.MetricWriter(fileio.join(run.workdir, "tensorboard"))
+    ckpt = Checkpointer(run.workdir, max_to_keep=config.checkpoint_max_to_keep,
                         async_save=config.checkpoint_async,
-                        fingerprint=fingerprint, lock=lock)
+                        fingerprint=record.fingerprint, lock=lock)
     ckpt.allow_unverified = bool(config.get("checkpoint_allow_unverified", False))
     ckpt.install_sigterm_handler()   # SIGTERM and Ctrl-C: save at the current step, stop
     try:
-      with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-        return _train(config, saved_config, cfg, mesh, rules, tx, schedule, ds, writer, ckpt,
-                      stop_at_step)
+      with jax.set_mesh(run.mesh), nnx.logical_axis_rules(run.rules):
+        return _train(run, record, ds, writer, ckpt, stop_at_step)
     finally:
       ckpt.close()          # waits for a pending async save, restores the SIGTERM handler
       writer.close()
@@ -214,9 +145,11 @@ def _every(step: int, every: int, last: int) -> bool:
   return step == last or (every > 0 and step % every == 0)
 
 
-def _train(config, saved_config, cfg, mesh, rules, tx, schedule, ds, writer, ckpt,
+def _train(run: setup.Run, record: setup.RunRecord, ds, writer, ckpt,
            stop_at_step: int = 0) -> dict:
   """Creates or restores the TrainState and runs the loop (under the mesh and rules)."""
+  config, cfg, saved_config = run.config, record.model, record.saved_config
+  mesh, rules, tx, schedule = run.mesh, run.rules, run.tx, run.schedule
   train_iter = iter(ds.train)
   layout, state, rng, start_step, resumed = _restore_or_init(config, cfg, tx, mesh, ckpt,
                                                              train_iter)
