@@ -23,8 +23,8 @@ import pytest
 
 from input_pipeline import DataError
 from input_pipeline import config as config_lib
-from input_pipeline import (corpora, create_datasets, embedded, local_text, pipeline, prepare,
-                            restore_iterator_state, sources)
+from input_pipeline import (corpora, create_datasets, embedded, evaluation, local_text, packing,
+                            prepare, restore_iterator_state, sources)
 from input_pipeline import tokenizer as tokenizer_lib
 from odetransformer.runtime import fileio
 
@@ -153,14 +153,14 @@ def test_packing_loses_and_duplicates_no_token(ds, corpus_dir, cache):
           for d in corpus.train]
   common = dict(seq_len=SEQ, text_key="text", seed=5, worker_count=0, num_epochs=1)
   # Without row shuffling the packed rows are exactly the shuffled documents, in order.
-  rows = list(pipeline.packed_rows(corpus.train, proto, shuffle_buffer=0, **common))
-  order = list(pipeline.tokenized_documents(corpus.train, proto, text_key="text", seed=5,
+  rows = list(packing.packed_rows(corpus.train, proto, shuffle_buffer=0, **common))
+  order = list(packing.tokenized_documents(corpus.train, proto, text_key="text", seed=5,
                                             num_epochs=1, worker_count=0))
   packed = np.concatenate([r["tokens"][r["tokens_segment_ids"] > 0] for r in rows])
   np.testing.assert_array_equal(packed, np.concatenate([d["tokens"] for d in order]))
   assert sorted(map(tuple, (d["tokens"] for d in order))) == sorted(map(tuple, docs))
   # With row shuffling: the same multiset of tokens, as many as the tokenized corpus.
-  rows = list(pipeline.packed_rows(corpus.train, proto, shuffle_buffer=8, **common))
+  rows = list(packing.packed_rows(corpus.train, proto, shuffle_buffer=8, **common))
   packed = np.concatenate([r["tokens"][r["tokens_segment_ids"] > 0] for r in rows])
   assert len(packed) == sum(map(len, docs))
   assert collections.Counter(packed.tolist()) == collections.Counter(np.concatenate(docs).tolist())
@@ -168,7 +168,7 @@ def test_packing_loses_and_duplicates_no_token(ds, corpus_dir, cache):
 
 def test_documents_reshuffled_every_epoch(ds, corpus_dir, cache):
   corpus = _corpus(corpus_dir, cache)
-  docs = pipeline.tokenized_documents(corpus.train, ds.tokenizer.serialized_model_proto(),
+  docs = packing.tokenized_documents(corpus.train, ds.tokenizer.serialized_model_proto(),
                                       text_key="text", seed=0, num_epochs=2, worker_count=0)
   docs = [tuple(d["tokens"]) for d in docs]
   n = len(corpus.train)
@@ -266,7 +266,7 @@ def _process_streams(ds, corpus_dir, cache, process_count, num_shards, n, num_ep
   out = []
   for p in range(process_count):
     src = _Counting(corpus.train)
-    train = pipeline.train_dataset(
+    train = packing.train_dataset(
         src, ds.tokenizer.serialized_model_proto(), seq_len=SEQ, global_batch_size=BATCH,
         process_index=p, process_count=process_count, text_key="text", seed=0,
         shuffle_buffer=8, worker_count=0, num_shards=num_shards, num_epochs=num_epochs)
@@ -329,12 +329,12 @@ def test_resume_from_a_state_written_before_input_shards(ds, corpus_dir, cache):
   """Checkpoints of the earlier pipeline (every process held the state of one global
   stream: packed rows batched to the global batch) continue exactly on one process."""
   corpus = _corpus(corpus_dir, cache)
-  old = iter(pipeline.packed_rows(corpus.train, ds.tokenizer.serialized_model_proto(),
+  old = iter(packing.packed_rows(corpus.train, ds.tokenizer.serialized_model_proto(),
                                   seq_len=SEQ, text_key="text", seed=0, shuffle_buffer=8,
                                   worker_count=0).batch(BATCH))
   _take(old, 3)
   state = json.loads(json.dumps(old.get_state()))
-  expected = [pipeline.to_model_batch(b) for b in _take(old, 3)]
+  expected = [packing.to_model_batch(b) for b in _take(old, 3)]
   it = iter(ds.train)
   restore_iterator_state(it, state)
   assert _equal(_take(it, 3), expected)
@@ -354,7 +354,7 @@ def test_resume_with_another_shard_count_starts_the_next_epoch(ds, corpus_dir, c
     restore_iterator_state(one, states)
   assert "continues at the start of epoch 1" in caplog.text and "input_shards=2" in caplog.text
   corpus = _corpus(corpus_dir, cache)
-  docs = pipeline.tokenized_documents(corpus.train, ds.tokenizer.serialized_model_proto(),
+  docs = packing.tokenized_documents(corpus.train, ds.tokenizer.serialized_model_proto(),
                                       text_key="text", seed=0, num_epochs=2, worker_count=0)
   epoch1 = np.concatenate([d["tokens"] for d in list(docs)[len(corpus.train):]])
   b = next(one)
@@ -394,7 +394,7 @@ def test_eval_processes_and_max_batches(ds, corpus_dir, cache):
 
 def test_eval_rows_segments_and_positions():
   docs = [np.array([10, 11, 12]), np.array([20]), np.array([30, 31, 32, 33, 34, 35])]
-  rows = list(pipeline.eval_rows(docs, seq_len=4, eos_id=3))
+  rows = list(evaluation.eval_rows(docs, seq_len=4, eos_id=3))
   stream = np.concatenate([[3]] + docs)
   assert len(rows) == 3  # 10 targets / 4 per row, tail padded
   np.testing.assert_array_equal(rows[0]["inputs"], [3, 10, 11, 12])
