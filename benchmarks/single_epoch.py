@@ -553,6 +553,15 @@ def analyse(workdir: str, out: str, args) -> dict:
   simulation clustering.png and clustering_dispersion.png) and the clustering measure
   along the model's own trajectory (clustering_trained.png/.json); returns name -> path."""
   from odetransformer.analysis import clustering, lyapunov, spectra  # pylint: disable=g-import-not-at-top
+  names = ("spectra_qk", "spectra_ov", "spectra_ff", "lyapunov", "clustering",
+           "clustering_dispersion", "clustering_trained")
+  done = {name: os.path.join(out, f"{name}.png") for name in names}
+  stamp = os.path.join(out, "analysed.json")
+  if (common.read_json(stamp) == {"run": os.path.basename(workdir), "code": common.code_version()}
+      and all(os.path.isfile(p) for p in done.values())):
+    print(f"analysis of {os.path.basename(workdir)}: read back from {out} (code "
+          f"{common.code_version()})", flush=True)    # e.g. a later call without its checkpoint
+    return done
   os.makedirs(out, exist_ok=True)
   loaded = loading.load_model(workdir)
   model = loaded.model
@@ -593,6 +602,7 @@ def analyse(workdir: str, out: str, args) -> dict:
   paths["clustering_trained_json"] = os.path.join(out, "clustering_trained.json")
   fig.savefig(paths["clustering_trained_png"], dpi=110)
   d = measure["mean_pairwise_distance"]
+  common.write_json(stamp, {"run": os.path.basename(workdir), "code": common.code_version()})
   print(f"clustering along {os.path.basename(workdir)}'s trajectory ({measure['tokens']} "
         f"tokens): mean pairwise distance t=0 {d[0]:.3f} -> t=1 {d[-1]:.3f}, "
         f"{measure['clusters'][-1]} cluster(s) at the end", flush=True)

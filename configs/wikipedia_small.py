@@ -68,7 +68,6 @@ def get_config(variant: str = ""):
   config.data.eval_files = os.path.join(DATA_DIR, "valid.txt")
   config.data.vocab_size = 32768
   config.data.eval_max_batches = 0      # the whole validation split (~1 M tokens)
-  config.data.worker_count = 0          # one GPU host: tokenizing keeps up in-process
 
   if variant == "tiny":
     config.seq_len = 32
@@ -84,6 +83,7 @@ def get_config(variant: str = ""):
     config.model.remat_policy = "none"
     config.data.vocab_size = 512
     config.data.tokenizer_sample_bytes = 300_000
+    config.data.worker_count = 0        # a CPU's few cores: tokenize in-process
   elif variant:
-    raise ValueError(f"configs/wikipedia_small.py:{variant}: the variants are '' and 'tiny'")
+    raise ValueError(f"variant {variant!r}: the variants are '' and 'tiny'")
   return config
