@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from odetransformer import errors
 from odetransformer.runtime import fileio
 
 NUM_TOKENS = 40
@@ -209,9 +210,9 @@ def summary_line(results: dict) -> str:
 
 # ------------------------------------------------------------------------------ plots
 def plot_trajectories(results: dict, path: str, horizon: float = HORIZON) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib  # lazy: matplotlib only for the plots
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
 
   cases = list(results)
   fig = plt.figure(figsize=(3.6 * len(cases), 4.2))
@@ -242,9 +243,9 @@ def plot_trajectories(results: dict, path: str, horizon: float = HORIZON) -> Non
 
 
 def plot_dispersion(results: dict, path: str, horizon: float = HORIZON) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib  # lazy: matplotlib only for the plots
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
 
   fig, ax = plt.subplots(figsize=(6, 3.8))
   for case, r in results.items():
@@ -283,7 +284,6 @@ def write_outputs(results: dict, out_dir: str, settings: dict) -> dict:
 
 # -------------------------------------------------------------------------------- CLI
 def parse_args(argv):
-  from odetransformer import errors  # pylint: disable=g-import-not-at-top
   p = errors.ArgumentParser(
       prog="python -m odetransformer.analysis.clustering",
       description="App. C.8: attention-only token dynamics on the sphere, weights β(t)·W0.")
@@ -302,7 +302,6 @@ def parse_args(argv):
 def main(argv: Optional[list] = None) -> dict:
   """The command line; a bad flag is a UserError (one line: errors.run_cli)."""
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  from odetransformer import errors  # pylint: disable=g-import-not-at-top
   cases = [c for c in args.cases.split(",") if c]
   unknown = [c for c in cases if c not in CASES and not (c.startswith("poly") and
                                                          c[4:].isdigit())]
@@ -328,5 +327,4 @@ def main(argv: Optional[list] = None) -> dict:
 
 
 if __name__ == "__main__":
-  from odetransformer import errors  # pylint: disable=g-import-not-at-top
   errors.run_cli(main)

@@ -39,10 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from odetransformer import errors
 from odetransformer.analysis import fields
 from odetransformer.model import blocks
 from odetransformer.runtime import fileio, host
 from odetransformer.train import loading
+from odetransformer.train.checkpoint.fingerprint import load_config
 from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 
 
@@ -187,9 +189,8 @@ def sensitivity(model, tokens_l: Sequence[int], position: int = -1,
 # ------------------------------------------------------------------------ tokenizer
 def load_tokenizer(workdir: str, path: Optional[str] = None):
   """`path` if given, else the run's tokenizer (`loading.load_tokenizer`)."""
-  from input_pipeline import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
-  from odetransformer.train import loading  # pylint: disable=g-import-not-at-top
-  from odetransformer.train.checkpoint.fingerprint import load_config
+  # lazy: importing input_pipeline pulls in grain and tensorflow_datasets (~2 s)
+  from input_pipeline import tokenizer as tokenizer_lib
   if path:
     return tokenizer_lib.load(path, int(load_config(workdir).data.vocab_size))
   return loading.load_tokenizer(workdir)
@@ -212,7 +213,7 @@ def piece_text(sp, token_id: int) -> str:
 def spearman(a, b) -> float:
   """Spearman rank correlation of two maps (ties get their average rank); nan when
   either map is constant."""
-  from scipy.stats import rankdata  # pylint: disable=g-import-not-at-top
+  from scipy.stats import rankdata  # lazy: scipy.stats takes seconds to import
   if len(a) < 2:
     return float("nan")
   ra, rb = rankdata(np.asarray(a)), rankdata(np.asarray(b))
@@ -250,9 +251,9 @@ def _css_color(cmap, u):
 
 def render_html(pieces, res: Sensitivity, title: str = "") -> str:
   """Two coloured copies of the text: Lyapunov score and attention, side by side."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib  # lazy: matplotlib only for the pictures
   matplotlib.use("Agg")
-  from matplotlib import colormaps  # pylint: disable=g-import-not-at-top
+  from matplotlib import colormaps  # lazy: after the Agg backend is chosen
   cmap = colormaps["Reds"]
   active = np.arange(len(pieces)) <= res.position
 
@@ -317,10 +318,10 @@ def _flow_text(ax, fig, pieces, values, active, position, cmap, title):
 
 def render_png(pieces, res: Sensitivity, path: str, title: str = "") -> None:
   """The text coloured by the Lyapunov score (left) and by attention (right)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib  # lazy: matplotlib only for the pictures
   matplotlib.use("Agg")
-  from matplotlib import colormaps  # pylint: disable=g-import-not-at-top
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib import colormaps  # lazy: after the Agg backend is chosen
+  import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
   cmap = colormaps["Reds"]
   n_chars = sum(len(p) + 1 for p in pieces)
   height = 0.8 + 0.3 * (1 + n_chars // 100)   # ~100+ characters per panel line
@@ -376,7 +377,6 @@ def summary_line(res: Sensitivity, pieces: Sequence[str], top: int = 5) -> str:
 
 # -------------------------------------------------------------------------------- CLI
 def parse_args(argv):
-  from odetransformer import errors  # pylint: disable=g-import-not-at-top
   p = errors.ArgumentParser(
       prog="python -m odetransformer.analysis.lyapunov",
       description="Token sensitivity of one output position by Lyapunov exponents, "
@@ -396,16 +396,13 @@ def parse_args(argv):
                  help="put the document separator (eos) before the text, as in training")
   p.add_argument("--jacobian_chunk", type=int, default=None,
                  help="pull back this many Jacobian rows at a time (bounds memory)")
-  from odetransformer import errors  # pylint: disable=g-import-not-at-top
-  known = {a.dest for a in p._actions}  # pylint: disable=protected-access
+  known = {a.dest for a in p._actions}
   return p.parse_args(errors.renamed_flags(argv, known))
 
 
 def main(argv: Optional[list] = None) -> Sensitivity:
   """The command line; a bad flag or workdir is a UserError (one line: errors.run_cli)."""
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  from odetransformer import errors  # pylint: disable=g-import-not-at-top
-  from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
   if args.solver_steps is not None and args.solver_steps <= 0:
     raise errors.UserError(f"--solver_steps={args.solver_steps} must be a positive number of "
                            "Euler steps (or left out: the trained K)")
@@ -414,7 +411,7 @@ def main(argv: Optional[list] = None) -> Sensitivity:
   loading.parse_mesh_shape(args.mesh_shape)
   loading.load_run_config(args.workdir)
   host.initialize_distributed()   # several processes: jax.distributed, as main.py
-  loaded = load_model(args.workdir, step=args.step, mesh_shape=args.mesh_shape,
+  loaded = loading.load_model(args.workdir, step=args.step, mesh_shape=args.mesh_shape,
                       allow_unverified=args.checkpoint_allow_unverified)
   cfg = loaded.model_config
   sp = load_tokenizer(args.workdir, args.tokenizer)
@@ -442,5 +439,4 @@ def main(argv: Optional[list] = None) -> Sensitivity:
 
 
 if __name__ == "__main__":
-  from odetransformer import errors  # pylint: disable=g-import-not-at-top
   errors.run_cli(main)

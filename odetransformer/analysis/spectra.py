@@ -27,6 +27,7 @@ from typing import Optional
 import jax
 import numpy as np
 
+from odetransformer import errors
 from odetransformer.analysis import fields
 from odetransformer.runtime import fileio, host
 from odetransformer.train import loading
@@ -130,7 +131,7 @@ def save_npz(spectra: Spectra, path: str) -> None:
 # ------------------------------------------------------------------------------ plots
 def _lines(ax, x, values, cmap, marker):
   """One line per eigenvalue rank (values [T, r], already ordered per t)."""
-  from matplotlib.ticker import MaxNLocator  # pylint: disable=g-import-not-at-top
+  from matplotlib.ticker import MaxNLocator  # lazy: matplotlib only for the plots
   r = values.shape[-1]
   colors = cmap(np.linspace(0.0, 1.0, max(r, 2)))
   for j in range(r):
@@ -141,9 +142,9 @@ def _lines(ax, x, values, cmap, marker):
 
 def plot_heads(eigs, times, axis_label: str, title: str, path: str, max_cols: int = 8):
   """Real part (sorted) and magnitude (sorted) vs t, one column per head."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib  # lazy: matplotlib only for the plots
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
 
   n = eigs.shape[1]
   cols = min(n, max_cols)
@@ -182,9 +183,9 @@ def plot_heads(eigs, times, axis_label: str, title: str, path: str, max_cols: in
 
 
 def plot_ff(eigs, times, axis_label: str, title: str, path: str):
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib  # lazy: matplotlib only for the plots
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
 
   fig, (ax_re, ax_mag) = plt.subplots(1, 2, figsize=(9, 3.6))
   marker = "o" if axis_label == "layer" else None
@@ -227,7 +228,6 @@ def write_outputs(spectra: Spectra, out_dir: str) -> dict:
 
 # -------------------------------------------------------------------------------- CLI
 def parse_args(argv):
-  from odetransformer import errors  # pylint: disable=g-import-not-at-top
   p = errors.ArgumentParser(
       prog="python -m odetransformer.analysis.spectra",
       description="Eigenvalues of W_QK, W_OV per head and of W_1 W_2, along t or per layer.")
@@ -244,15 +244,13 @@ def parse_args(argv):
 def main(argv: Optional[list] = None) -> Spectra:
   """The command line; a bad flag or workdir is a UserError (one line: errors.run_cli)."""
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  from odetransformer import errors  # pylint: disable=g-import-not-at-top
-  from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
   if args.grid < 2:
     raise errors.UserError(f"--grid={args.grid}: an ODE's spectra need at least 2 points "
                            "t in [0, 1]; pass --grid=2 or more (default 64)")
   loading.parse_mesh_shape(args.mesh_shape)
   loading.load_run_config(args.workdir)
   host.initialize_distributed()   # several processes: jax.distributed, as main.py
-  loaded = load_model(args.workdir, step=args.step, mesh_shape=args.mesh_shape,
+  loaded = loading.load_model(args.workdir, step=args.step, mesh_shape=args.mesh_shape,
                       allow_unverified=args.checkpoint_allow_unverified)
   spectra = compute_spectra(loaded.model, args.grid)
   if jax.process_index() == 0:   # every process computed them; one writes
@@ -263,5 +261,4 @@ def main(argv: Optional[list] = None) -> Spectra:
 
 
 if __name__ == "__main__":
-  from odetransformer import errors  # pylint: disable=g-import-not-at-top
   errors.run_cli(main)
