@@ -81,7 +81,7 @@ def one_line_errors(where: str, *, need_bytes: int = 0, delete: str = "",
     yield
   except DataError:
     raise
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     detail = " ".join(str(e).split())[:160]
     if is_no_space(e):
       need = f" about {need_bytes / 2**20:,.0f} MiB" if need_bytes else ""

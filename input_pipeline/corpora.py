@@ -90,7 +90,7 @@ def iter_raw_documents(raw_dir: pathlib.Path) -> Iterator[str]:
     raise DataError(f"no *.parquet, *.jsonl or *.txt files under {raw_dir}; "
                     "fix: point --raw_dir at the downloaded OpenWebText files")
   if parquet:
-    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+    import pyarrow.parquet as pq  # lazy: pyarrow only for parquet files
     for path in parquet:
       for batch in pq.ParquetFile(path).iter_batches(columns=["text"], batch_size=1024):
         yield from batch.column(0).to_pylist()

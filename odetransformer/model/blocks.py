@@ -189,7 +189,8 @@ def _splash_attention(q_blnh, k_bsnh, v_bsnh, mask: Optional[SegmentMask], inter
 
   Under a mesh it runs per shard (`shard_map`): batch and heads split as the activation
   rules split them, the sequence whole."""
-  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
+  # lazy: the Pallas TPU kernels, only for attention_impl='splash'
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash
   length = q_blnh.shape[1]
   block = math.gcd(length, 512)
   sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,

@@ -173,7 +173,7 @@ def tokenizer_path(workdir: str, config=None) -> str:
   config = load_config(workdir) if config is None else config
   if config.data.get("tokenizer_path") and fileio.exists(config.data.tokenizer_path):
     return fileio.local_copy(config.data.tokenizer_path)
-  import input_pipeline  # pylint: disable=g-import-not-at-top
+  import input_pipeline  # lazy: grain and tensorflow_datasets (~2 s), only for this fallback
   ds = input_pipeline.create_datasets(
       config.data, seq_len=int(config.seq_len), global_batch_size=1, eval_batch_size=1,
       seed=int(config.seed), workdir=workdir, process_index=0, process_count=1)
@@ -184,6 +184,8 @@ def tokenizer_path(workdir: str, config=None) -> str:
 
 def load_tokenizer(workdir: str, config=None):
   """The run's SentencePiece processor (pad=0, unk=1, bos=2, eos=3)."""
-  from input_pipeline import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  # lazy: importing input_pipeline pulls in grain and tensorflow_datasets (~2 s), which
+  # the tools that load only the model (export, init_from) never need
+  from input_pipeline import tokenizer as tokenizer_lib
   config = load_config(workdir) if config is None else config
   return tokenizer_lib.load(tokenizer_path(workdir, config), int(config.data.vocab_size))

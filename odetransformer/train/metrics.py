@@ -11,6 +11,9 @@ step 0): the loss is a token-weighted mean (sum of losses / sum of target weight
 """
 import functools
 import math
+import struct
+import sys
+import tempfile
 import time
 from typing import Mapping, NamedTuple, Optional
 
@@ -21,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from odetransformer.errors import ConfigError
 from odetransformer.runtime import fileio
 
 
@@ -138,14 +142,13 @@ def _import_tensorboardx():
   seconds of CPU at the start of every training or tool process in an environment with
   torch (the export extra, a GPU image), for event files that hold only floats and text.
   """
-  import sys  # pylint: disable=g-import-not-at-top
   if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
     sys.modules["torch"] = None       # `import torch` raises ImportError meanwhile
     try:
-      import tensorboardX  # pylint: disable=g-import-not-at-top,unused-import
+      import tensorboardX  # lazy, with torch blocked: the point of this function
     finally:
       del sys.modules["torch"]
-  import tensorboardX.record_writer  # pylint: disable=g-import-not-at-top
+  import tensorboardX.record_writer  # noqa: F401  lazy (above); callers use .record_writer
   return sys.modules["tensorboardX"]
 
 
@@ -317,7 +320,6 @@ class ProfileWindow:
   @classmethod
   def parse(cls, spec: str, logdir: str = "") -> "ProfileWindow":
     """The window of `spec` ('' or 'a,b' with 0 <= a < b); a one-line error otherwise."""
-    from odetransformer.errors import ConfigError  # pylint: disable=g-import-not-at-top
     spec = str(spec or "").strip()
     if not spec:
       return cls()
@@ -335,7 +337,6 @@ class ProfileWindow:
     if step == self.start:
       self._local = self.logdir
       if not fileio.is_local(self.logdir):
-        import tempfile  # pylint: disable=g-import-not-at-top
         self._local = tempfile.mkdtemp(prefix="odet_profile_")
       jax.profiler.start_trace(self._local)
       log(f"profiling steps {self.start + 1}-{self.stop} into {self.logdir}")
@@ -394,10 +395,8 @@ def read_scalars(logdir: str) -> dict:
   A reader that needs neither TensorFlow nor the tensorboard package: event files
   are TFRecords (8-byte length, 4-byte crc, payload, 4-byte crc) of Event protos.
   """
-  import struct  # pylint: disable=g-import-not-at-top
-
   _import_tensorboardx()
-  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  from tensorboardX.proto import event_pb2  # lazy: tensorboardX without torch (above)
   out = {}
   for name in fileio.listdir(logdir):
     if not name.startswith("events.out.tfevents."):

@@ -17,6 +17,7 @@ the handlers that write and check these records (`integrity_item_handlers`).
 import json
 
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.serialization import tensorstore_utils
 
 from odetransformer.runtime import fileio
 from odetransformer.train.checkpoint.paths import CheckpointError
@@ -68,10 +69,9 @@ def _install_chunk_checksums():
   affected, and only `_IntegrityPyTreeHandler` writes zarr3.
   """
   global _ORBAX_BUILD_ZARR3_METADATA
-  from orbax.checkpoint._src.serialization import tensorstore_utils  # pylint: disable=g-import-not-at-top
   if _ORBAX_BUILD_ZARR3_METADATA is None:
-    _ORBAX_BUILD_ZARR3_METADATA = tensorstore_utils._build_zarr3_metadata  # pylint: disable=protected-access
-    tensorstore_utils._build_zarr3_metadata = _build_zarr3_metadata_with_crc32c  # pylint: disable=protected-access
+    _ORBAX_BUILD_ZARR3_METADATA = tensorstore_utils._build_zarr3_metadata
+    tensorstore_utils._build_zarr3_metadata = _build_zarr3_metadata_with_crc32c
 
 
 def _chunk_file(rel: str) -> bool:

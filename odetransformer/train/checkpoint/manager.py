@@ -149,12 +149,12 @@ class Checkpointer:
     """
     if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
       return
-    def handler(signum, frame):  # pylint: disable=unused-argument
+    def handler(signum, frame):
       name = signal.Signals(signum).name
       if signum == signal.SIGINT and self._preempted.is_set():
         print(f"{name} again: exiting now without saving; the newest complete checkpoint "
               f"in {self.directory} is kept", file=sys.stderr, flush=True)
-        os._exit(130)  # pylint: disable=protected-access
+        os._exit(130)
       # Set before logging: a second SIGINT can run this handler again as soon as the
       # line is out, and must then find the first one seen.
       self._preempted.set()
@@ -202,7 +202,7 @@ class Checkpointer:
     self.wait_until_finished()    # orbax waits for the previous save anyway
     try:
       saved = bool(self._manager.save(int(step), args=args, force=force))
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       raise self._save_error(int(step), e) from e
     if saved:
       self._pending_step = int(step)
@@ -268,7 +268,7 @@ class Checkpointer:
     try:
       self._manager.wait_until_finished()
       self._manager.check_for_errors()
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       step, self._pending_step = self._pending_step, None
       raise self._save_error(step if step is not None else -1, e) from e
     self._pending_step = None
@@ -280,7 +280,7 @@ class Checkpointer:
       self.uninstall_sigterm_handler()
       try:
         self._manager.close()
-      except Exception:  # pylint: disable=broad-except
+      except Exception:
         pass   # the save's own error (above) is the one to report
 
 

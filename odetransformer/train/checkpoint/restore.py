@@ -49,7 +49,7 @@ def _check_stored_shapes(directory, step: int, item: str, target):
   try:
     metadata = ocp.PyTreeCheckpointHandler().metadata(
         epath.Path(directory) / str(int(step)) / item)
-  except Exception:  # pylint: disable=broad-except
+  except Exception:
     return
   leaves = jax.tree_util.tree_flatten_with_path(getattr(metadata, "tree", metadata))[0]
   stored = {jax.tree_util.keystr(path): tuple(m.shape) for path, m in leaves
@@ -115,7 +115,7 @@ def _read_step(manager, directory: str, step: int, targets: dict, json_items: tu
     logging.warning("%s: restoring it unchecked (checkpoint_allow_unverified)", what)
   try:
     return manager.restore(step, args=ocp.args.Composite(**_restore_args(targets, json_items)))
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     corrupt = _corrupt_chunk(step_dir, e)
     if corrupt is not None:
       raise corrupt from e
@@ -170,7 +170,7 @@ def restore_newest(manager, directory: str, steps, abstract_model_state,
     verdict, restored = "", None
     try:
       restored = _read_step(manager, directory, step, targets, json_items, allow_unverified)
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       kind = ("vanished" if _vanished(fileio.join(directory, str(step)), e) else
               "unverified" if isinstance(e, integrity.UnverifiedCheckpointError) else "failed")
       verdict = f"{kind}\t{error_line(e) if kind == 'failed' else e}"
