@@ -18,9 +18,12 @@ other libraries need from it.
 import hashlib
 import io
 import os
+import tempfile
 from typing import Union
 
 from etils import epath
+import fsspec
+import numpy as np
 
 from odetransformer.errors import UserError
 
@@ -56,7 +59,6 @@ def configure_emulator() -> str:
   os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
   os.environ.setdefault("CLOUD_STORAGE_EMULATOR_ENDPOINT", url)
   os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-  import fsspec  # pylint: disable=g-import-not-at-top
   fsspec.config.conf.setdefault("gcs", {}).setdefault("token", "anon")
   return url
 
@@ -64,7 +66,6 @@ def configure_emulator() -> str:
 def _configure_gcsfs():
   """gcsfs lists objects afresh each time: other processes (tensorstore, other hosts)
   write the same bucket, and a cached listing would miss their checkpoints."""
-  import fsspec  # pylint: disable=g-import-not-at-top
   fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache", False)
 
 
@@ -175,7 +176,6 @@ def write_text_atomic(p: PathLike, text: str) -> None:
 
 def write_npz(p: PathLike, **arrays) -> None:
   """`np.savez` of `arrays` as the file `p`."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
   buf = io.BytesIO()
   np.savez(buf, **arrays)
   write_bytes_atomic(p, buf.getvalue())
@@ -232,7 +232,6 @@ def local_copy(p: PathLike) -> str:
   temporary directory named by its content's hash (made once per content)."""
   if is_local(p):
     return os.fspath(p)
-  import tempfile  # pylint: disable=g-import-not-at-top
   data = read_bytes(p)
   local = os.path.join(tempfile.gettempdir(), "odet_remote_copies",
                        hashlib.sha256(data).hexdigest()[:32], path(p).name)
@@ -252,7 +251,7 @@ def sha256(p: PathLike, block: int = 1 << 22) -> str:
 def gcs_blob(url: PathLike):
   """The google-cloud-storage Blob of `gs://bucket/name` (for what epath lacks:
   generation preconditions). Honours STORAGE_EMULATOR_HOST (no credentials then)."""
-  from google.cloud import storage  # pylint: disable=g-import-not-at-top
+  from google.cloud import storage  # lazy: google-cloud-storage only for gs:// locks
   url = os.fspath(url)
   if not url.startswith("gs://"):
     raise ValueError(f"{url} is not a gs:// URL")

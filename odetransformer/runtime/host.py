@@ -109,7 +109,7 @@ def initialize_distributed() -> bool:
   Returns whether this is a multi-process job."""
   if not multi_process_env():
     return False
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax  # lazy: this module decides things before jax is imported (stdlib only)
   if not jax.distributed.is_initialized():
     jax.distributed.initialize(**distributed_args())
   return True

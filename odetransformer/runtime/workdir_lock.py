@@ -183,7 +183,7 @@ class WorkdirLock:
 
   # -- object store: create-if-absent and heartbeats ------------------------------------
   def _acquire_object(self, record: dict):
-    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    from google.api_core import exceptions  # lazy: google-cloud only for a gs:// workdir
     try:
       self._blob = fileio.gcs_blob(self.path)
       try:
@@ -192,7 +192,7 @@ class WorkdirLock:
         self._take_over_if_stale(record)
     except WorkdirInUseError:
       raise
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       raise UserError(f"cannot create the workdir lock {self.path} ({type(e).__name__}: "
                       f"{' '.join(str(e).split())[:200]}); check the bucket's name and this "
                       "machine's access to it, or pass another --workdir") from e
@@ -208,7 +208,7 @@ class WorkdirLock:
     self._generation = self._blob.generation
 
   def _take_over_if_stale(self, record: dict):
-    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    from google.api_core import exceptions  # lazy: google-cloud only for a gs:// workdir
     blob = self._blob.bucket.get_blob(self._blob.name)
     if blob is None:                  # released meanwhile: create it afresh
       self._put(record, if_generation_match=0)
@@ -232,7 +232,7 @@ class WorkdirLock:
     self.previous = dict(holder, gone=True)   # as far as can be known: stale
 
   def _beat(self):
-    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    from google.api_core import exceptions  # lazy: google-cloud only for a gs:// workdir
     warned = False
     while not self._stop.wait(self.heartbeat_s):
       try:
@@ -240,7 +240,7 @@ class WorkdirLock:
       except (exceptions.PreconditionFailed, exceptions.NotFound):
         self._lost = self._check_object() or "was replaced"
         return
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:
         if not warned:
           logging.warning("cannot renew the workdir lock %s (%s); retrying", self.path,
                           type(e).__name__)
@@ -281,7 +281,7 @@ class WorkdirLock:
       try:
         if not self._lost:
           self._blob.delete(if_generation_match=self._generation)
-      except Exception:  # pylint: disable=broad-except
+      except Exception:
         pass   # taken over or gone: it is not this run's to delete
       self.record = None
     if self._fd is None:
