@@ -64,22 +64,22 @@ import os
 import statistics
 import time
 
+from absl import logging
 import jax
 import matplotlib
+import ml_collections
+
+from benchmarks import common
+from configs import default
+from odetransformer.errors import ConfigError
+from odetransformer.model.config import model_config
+from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
+from odetransformer.tools import evaluate
+from odetransformer.train.checkpoint.fingerprint import load_config
+from odetransformer.train.checkpoint.paths import CONFIG_FILE
 
 matplotlib.use("Agg")
-from absl import logging  # noqa: E402  pylint: disable=g-import-not-at-top
-import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=g-import-not-at-top
-import ml_collections  # noqa: E402  pylint: disable=g-import-not-at-top
-
-from benchmarks import common  # noqa: E402  pylint: disable=g-import-not-at-top
-from configs import default  # noqa: E402  pylint: disable=g-import-not-at-top
-from odetransformer.errors import ConfigError  # noqa: E402  pylint: disable=g-import-not-at-top
-from odetransformer.model.config import model_config  # noqa: E402  pylint: disable=g-import-not-at-top
-from odetransformer.model.time_grid import TRAIN_TIME_GRIDS  # noqa: E402  pylint: disable=g-import-not-at-top
-from odetransformer.tools import evaluate  # noqa: E402  pylint: disable=g-import-not-at-top
-from odetransformer.train.checkpoint.fingerprint import load_config  # noqa: E402  pylint: disable=g-import-not-at-top
-from odetransformer.train.checkpoint.paths import CONFIG_FILE  # noqa: E402  pylint: disable=g-import-not-at-top
+import matplotlib.pyplot as plt  # noqa: E402  after the Agg backend is chosen
 
 METHODS = ("continuous", "full", "lora")
 LORA_TARGETS = "wq,wk,wv,wo,w1,w2"     # every linear map of a layer

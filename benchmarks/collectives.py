@@ -20,6 +20,9 @@ their float32 gradient and Adam moments), which a GPT of the same shape does not
   python -m benchmarks.collectives --tiny          # seconds-sized, for the tests
   python -m benchmarks.collectives --meshes=1,8,1 --families=llama
 """
+import argparse
+import collections
+import math
 import re
 import sys
 
@@ -29,11 +32,7 @@ NUM_DEVICES = 8
 if __name__ == "__main__":
   force_host_devices(NUM_DEVICES)   # before jax is imported: 8 fake CPU devices
 
-# pylint: disable=g-import-not-at-top,wrong-import-position
-import argparse
-import collections
-import math
-
+# The rest after force_host_devices (E402): jax must see the 8 fake devices.
 from flax import nnx  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -18,6 +18,7 @@ within 0.85 to 1.15).
 The tests hold the estimate to ±15% at a seconds-sized shape through
 `python -m benchmarks.collectives --tiny`, which prints it beside each compiled step.
 """
+import argparse
 import sys
 
 from benchmarks.host_devices import force_host_devices
@@ -26,9 +27,7 @@ NUM_DEVICES = 8
 if __name__ == "__main__":
   force_host_devices(NUM_DEVICES)   # before jax is imported: 8 fake CPU devices
 
-# pylint: disable=g-import-not-at-top,wrong-import-position
-import argparse  # noqa: E402
-
+# The rest after force_host_devices (E402): jax must see the 8 fake devices.
 import jax  # noqa: E402
 
 from benchmarks import common  # noqa: E402

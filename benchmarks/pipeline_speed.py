@@ -26,12 +26,13 @@ from absl import flags
 import jax
 
 from benchmarks import common  # huge pages as main.py
+from input_pipeline import config as config_lib
+from input_pipeline import create_datasets
 
 
 def pipeline_tokens_per_s(data_dir: str, cache_dir: str, worker_count: int, num_batches: int,
                           vocab: int, seq: int, batch: int):
   """(tokens/s over `num_batches` after the first, batches for the train step)."""
-  from input_pipeline import create_datasets  # pylint: disable=g-import-not-at-top
   cfg = _local_text_config(data_dir, cache_dir, vocab, worker_count)
   t0 = time.perf_counter()
   ds = create_datasets(cfg, seq_len=seq, global_batch_size=batch, eval_batch_size=batch,
@@ -51,7 +52,6 @@ def pipeline_tokens_per_s(data_dir: str, cache_dir: str, worker_count: int, num_
 
 
 def _local_text_config(data_dir: str, cache_dir: str, vocab: int, worker_count: int = 0):
-  from input_pipeline import config as config_lib  # pylint: disable=g-import-not-at-top
   cfg = config_lib.get_config()
   cfg.source = "local"
   cfg.train_files = os.path.join(data_dir, "valid.txt")
@@ -67,7 +67,6 @@ def per_process_work(data_dir: str, cache_dir: str, num_batches: int, vocab: int
   """{P: CPU seconds process 0 of P spends on its share of `num_batches` global batches}
   (median of `rounds` rounds; the Ps alternate within a round, so that other work on the
   machine weighs on all alike)."""
-  from input_pipeline import create_datasets  # pylint: disable=g-import-not-at-top
   cfg = _local_text_config(data_dir, cache_dir, vocab)
   times = {p: [] for p in processes}
   for _ in range(rounds):
