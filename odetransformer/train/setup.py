@@ -108,9 +108,9 @@ def check_run(config: ml_collections.ConfigDict, workdir) -> Run:
   5. the model config (`model_config`: known kind, solver, divisible heads, ...);
   6. the optimizer and its schedule (`optim.*`);
   7. the checkpoint options keep at least one checkpoint;
-  8. checkpoints already in `workdir` are of this model, data source, tokenizer
-     settings, batch shape and seed (`resume_with_changes` accepts the last three;
-     fingerprint.check_resumable).
+  8. checkpoints already in `workdir` are of this model and tokenizer settings, and of
+     this data source, batch shape and seed unless `resume_with_changes` accepts other
+     ones (fingerprint.check_resumable).
   The data's own checks (files, splits, tokenizer) come after, in
   `input_pipeline.create_datasets`, and `record_run` compares its tokenizer and
   content with the checkpoints'.
