@@ -39,8 +39,8 @@ from odetransformer.errors import UserError
 from odetransformer.model import config as config_lib
 from odetransformer.model.solvers import STEP_TIMES
 from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
-from odetransformer.tools import evaluate
-from odetransformer.train import loading, loop
+from odetransformer.runtime.logs import quiet_tool_logs
+from odetransformer.train import evaluation, loading
 
 ROBUST_N = ("3K/2", "2K", "4K")
 
@@ -163,7 +163,7 @@ def train_and_score(config, workdir: str, eval_batches: int):
   if stored.get("key") == key:
     source = f"read back from {scores} (code {key['code']}, trained earlier: {r['step']} steps)"
   else:
-    results = evaluate.evaluate(workdir, list(counts.values()), max_batches=eval_batches)
+    results = evaluation.evaluate(workdir, list(counts.values()), max_batches=eval_batches)
     stored = {"key": key, "perplexity": {label: res.perplexity for label, res in
                                          zip(counts, results)},
               "tokens": results[0].num_tokens}
@@ -178,18 +178,18 @@ def train_and_score(config, workdir: str, eval_batches: int):
 
 
 def score_runs(runs: list, data: str, eval_batches: int) -> None:
-  """Scores each pre-trained run at every N of its own K (`evaluate.evaluate`) and prints
+  """Scores each pre-trained run at every N of its own K (`evaluation.evaluate`) and prints
   a row per run and the ratio lines."""
   rows = []
   for workdir in runs:
     config = loading.load_run_config(workdir)
     cfg = config_lib.model_config(config, config.data.vocab_size)
     if cfg.kind != "diffeqformer":
-      raise UserError(f"--runs: {workdir} holds a {cfg.kind!r} model; any N needs a "
-                      "DiffEqFormer run")
+      raise UserError(f"--runs: {workdir} holds a {cfg.kind!r} model, and any N needs a "
+                      "DiffEqFormer; pass DiffEqFormer runs")
     counts = step_counts(int(cfg.solver_steps))
     t = time.perf_counter()
-    results = evaluate.evaluate(workdir, list(counts.values()), data=data,
+    results = evaluation.evaluate(workdir, list(counts.values()), data=data,
                                 max_batches=eval_batches)
     row = {label: r.perplexity for label, r in zip(counts, results)}
     name = f"{cfg.train_time_grid} grid, step_time {cfg.step_time}"
@@ -209,7 +209,7 @@ def score_runs(runs: list, data: str, eval_batches: int) -> None:
 def main(argv=None):
   args = parse_args(argv)
   logging.set_verbosity(logging.WARNING)
-  evaluate.quiet_orbax()
+  quiet_tool_logs()
   if args.runs:
     score_runs(args.runs, args.data, args.eval_batches)
     return

@@ -124,6 +124,14 @@ def test_default_data_is_the_runs_eval_split(run):
   np.testing.assert_allclose(result.loss, trained["eval"]["loss"], rtol=1e-5)
 
 
+def test_a_tool_restore_prints_no_orbax_notice(run, caplog):
+  """A tool restores read-only on purpose: orbax's notices of it (WARNINGs) are not shown."""
+  with caplog.at_level("INFO"):
+    load_model(run[0])
+  assert not [r.getMessage() for r in caplog.records if "read only" in r.getMessage()
+              or "read_only" in r.getMessage()]
+
+
 def test_discrete_models_only_at_their_own_depth():
   cfg = ModelConfig(kind="transformer", vocab_size=64, d_model=16, num_heads=2, mlp_dim=32,
                     num_layers=2, max_len=16)

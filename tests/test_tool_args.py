@@ -95,6 +95,16 @@ def test_evaluate_refuses(workdir, flag, needle):
   assert needle in refusal(evaluate, workdir, flag)
 
 
+def test_solver_steps_on_a_discrete_run_is_refused_before_loading(tmp_path):
+  c = tiny_config(tmp_path / "cache")
+  c.model.kind = "transformer"
+  save_config(c, str(tmp_path))
+  for command in (evaluate, generate):
+    assert refusal(command, tmp_path, "--solver_steps=3") == (
+        "--solver_steps=3: this run is a discrete 'transformer' model of 2 layers, which "
+        "runs only at that depth; leave --solver_steps out")
+
+
 def test_evaluate_plot_refuses_a_directory(workdir):
   proc = run(["-m", "odetransformer.tools.evaluate", f"--workdir={workdir}", f"--plot={workdir}"])
   assert f"--plot={workdir} is a directory" in error_line(proc)

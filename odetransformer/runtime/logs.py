@@ -13,6 +13,10 @@ from typing import Optional
 from odetransformer import errors
 
 _CHATTY = ("/orbax/", "/tensorflow_datasets/")
+# Orbax's WARNINGs that a checkpoint manager is read-only (and which options that turns
+# off): every restore of ours opens it so on purpose (the tools, fine-tuning's
+# init_from), so they tell the user nothing.
+_NOTICES = ("Given directory is read only", "CheckpointManagerOptions.read_only=True")
 
 
 class _LibraryLogs(std_logging.Filter):
@@ -20,9 +24,10 @@ class _LibraryLogs(std_logging.Filter):
 
   Drops orbax and TFDS records below `min_level` (their INFO lines: dozens per
   checkpoint, and TFDS narrating the preparation of a local corpus file by file; tools
-  that only read a checkpoint raise it to ERROR). Orbax logs a failed background save
-  with a traceback per thread; the CheckpointError that follows says it in
-  one line: its error lines are kept, their tracebacks dropped (kept with --verbose).
+  that only read a checkpoint raise it to ERROR), and orbax's notices that a restore
+  opened its directory read-only (`_NOTICES`) at any level. Orbax logs a failed
+  background save with a traceback per thread; the CheckpointError that follows says it
+  in one line: its error lines are kept, their tracebacks dropped (kept with --verbose).
   """
 
   def __init__(self, min_level: int):
@@ -32,6 +37,8 @@ class _LibraryLogs(std_logging.Filter):
   def filter(self, record):
     if not any(lib in record.pathname for lib in _CHATTY):
       return True
+    if str(record.msg).startswith(_NOTICES):
+      return False
     if record.levelno >= std_logging.ERROR and "/orbax/" in record.pathname:
       if not errors.verbose_requested():
         record.exc_info, record.exc_text = None, None
@@ -49,6 +56,17 @@ def quiet_library_logs(min_level: Optional[int] = None) -> None:
       found[0].min_level = min_level
     return
   logger.addFilter(_LibraryLogs(std_logging.WARNING if min_level is None else min_level))
+
+
+def quiet_tool_logs(cli: bool = False) -> None:
+  """For the tools that only read a checkpoint (evaluate, generate, export, lm_eval, the
+  benchmarks that score a run): orbax's and TFDS's records below ERROR hidden (a
+  restore's notices are not the user's business); for a command line (`cli`), absl's
+  INFO lines of other libraries too."""
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  if cli and absl_logging.get_verbosity() >= absl_logging.INFO:
+    absl_logging.set_verbosity(absl_logging.WARNING)
+  quiet_library_logs(std_logging.ERROR)
 
 
 def _closed_loop_callback(exc_type, exc, tb) -> bool:

@@ -437,9 +437,9 @@ def main(argv, flag_values=None):
     raise UserError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
   from absl import flags  # pylint: disable=g-import-not-at-top
 
-  from odetransformer.tools.evaluate import quiet_orbax  # pylint: disable=g-import-not-at-top
+  from odetransformer.runtime.logs import quiet_tool_logs  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS if flag_values is None else flag_values
-  quiet_orbax(cli=True)
+  quiet_tool_logs(cli=True)
   if f.step is not None and f.step < 0:
     raise UserError(f"--step={f.step} must be a checkpoint step >= 0 (or left out)")
   if f.solver_steps is not None and f.solver_steps <= 0:

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from odetransformer.errors import UserError
+from odetransformer.model.config import model_config
 from odetransformer.model.decode import Decoder, KVCache
 from odetransformer.train import loading
 
@@ -205,31 +206,40 @@ def check_flags(f) -> None:
   """Every flag checked before any work (one-line UserErrors), the run's config.json
   included."""
   if f.max_new_tokens <= 0:
-    raise UserError(f"--max_new_tokens={f.max_new_tokens} must be a positive number of "
-                    "tokens to sample, e.g. 64")
+    raise UserError(f"--max_new_tokens={f.max_new_tokens} must be a positive number; pass "
+                    "how many tokens to sample, e.g. --max_new_tokens=64")
   if f.num_samples <= 0:
-    raise UserError(f"--num_samples={f.num_samples} must be >= 1")
+    raise UserError(f"--num_samples={f.num_samples} must be >= 1; pass how many samples "
+                    "to draw, e.g. --num_samples=1")
   if not SEED_RANGE[0] <= f.seed < SEED_RANGE[1]:
     raise UserError(f"--seed={f.seed} is out of range; pass an integer in "
                     f"[-2**63, 2**63), e.g. --seed=0")
   if not 0 <= f.temperature < math.inf:   # also refuses nan
-    raise UserError(f"--temperature={f.temperature} must be a finite number >= 0 "
-                    "(0 = greedy)")
+    raise UserError(f"--temperature={f.temperature} must be a finite number >= 0; pass e.g. "
+                    "--temperature=0.8, or 0 for greedy decoding")
   if f.top_k < 0:
-    raise UserError(f"--top_k={f.top_k} must be >= 0 (0 = all tokens)")
+    raise UserError(f"--top_k={f.top_k} must be >= 0; pass e.g. --top_k=40, or 0 for all "
+                    "tokens")
   if not 0 < f.top_p <= 1:
-    raise UserError(f"--top_p={f.top_p} must be in (0, 1] (1 = off)")
+    raise UserError(f"--top_p={f.top_p} must be in (0, 1]; pass e.g. --top_p=0.9, or 1 to "
+                    "turn it off")
   if f.solver_steps is not None and f.solver_steps <= 0:
-    raise UserError(f"--solver_steps={f.solver_steps} must be a positive number of solver steps "
-                    "(or left out: the training K)")
+    raise UserError(f"--solver_steps={f.solver_steps} is not a step count; pass a positive "
+                    "integer, or leave it out for the training K")
   if f.step is not None and f.step < 0:
-    raise UserError(f"--step={f.step} must be a checkpoint step >= 0 (or left out)")
+    raise UserError(f"--step={f.step} is not a checkpoint step; pass a step >= 0, or leave "
+                    "--step out for the latest")
   try:
     f.prompt.encode("utf-8")
   except UnicodeEncodeError as e:   # undecodable argv bytes arrive as lone surrogates
     raise UserError("--prompt is not valid UTF-8 text; pass the prompt in UTF-8") from e
   loading.parse_mesh_shape(f.mesh_shape)
-  loading.load_run_config(f.workdir)
+  config = loading.load_run_config(f.workdir)
+  cfg = model_config(config, vocab_size=config.data.get("vocab_size"))
+  if f.solver_steps is not None and not cfg.is_ode and f.solver_steps != cfg.depth:
+    raise UserError(f"--solver_steps={f.solver_steps}: this run is a discrete {cfg.kind!r} "
+                    f"model of {cfg.depth} layers, which runs only at that depth; leave "
+                    "--solver_steps out")
 
 
 def main(argv, flag_values=None):
@@ -243,10 +253,10 @@ def main(argv, flag_values=None):
   from absl import flags  # pylint: disable=g-import-not-at-top
 
   from odetransformer.runtime import host  # pylint: disable=g-import-not-at-top
-  from odetransformer.tools import evaluate
+  from odetransformer.runtime.logs import quiet_tool_logs  # pylint: disable=g-import-not-at-top
   from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
   flags_ = flags.FLAGS if flag_values is None else flag_values
-  evaluate.quiet_orbax(cli=True)
+  quiet_tool_logs(cli=True)
   # Every mistake in the flags is a UserError: one line and exit 2 (errors.run_cli).
   check_flags(flags_)
   host.initialize_distributed()
@@ -278,7 +288,7 @@ def main(argv, flag_values=None):
   if limit is not None and len(prompt_ids) + max_new > limit:
     if len(prompt_ids) >= limit:
       raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model embeds at most "
-                      f"{limit} positions: shorten --prompt")
+                      f"{limit} positions; shorten --prompt")
     max_new = limit - len(prompt_ids)
     print_(f"note: max_new_tokens lowered to {max_new} (model.max_len={limit})")
 

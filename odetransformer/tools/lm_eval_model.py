@@ -43,17 +43,16 @@ from tqdm import tqdm
 
 from odetransformer.model.decode import Decoder
 from odetransformer.tools.generate import Sampler, strip_after_eos
-from odetransformer.train import loading, sharding
-from odetransformer.train.losses import token_scores
+from odetransformer.train import evaluation, loading, sharding
 
 _log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 8
 
 
-def _score(graphdef, num_steps, state, inputs_bl, targets_bl, weights_bl):
-  """Per row: (sum of weighted target log-probs, all weighted targets are the argmax)."""
-  model = nnx.merge(graphdef, state)
-  scores = token_scores(model(inputs_bl, num_steps=num_steps), targets_bl, weights_bl)
+def _score(graphdef, num_steps, rules, state, batch):
+  """Per row, by the one scorer (`evaluation.score_rows`): (sum of weighted target
+  log-probs, all weighted targets are the argmax)."""
+  scores = evaluation.score_rows(nnx.merge(graphdef, state), batch, rules, num_steps)
   return -scores["nll"], scores["greedy"]
 
 
@@ -77,9 +76,9 @@ class ODETransformerLM(TemplateLM):
     if model is None:
       if not workdir:
         raise ValueError("odetransformer needs model_args workdir=<training run directory>")
-      from odetransformer.tools import evaluate  # pylint: disable=g-import-not-at-top
+      from odetransformer.runtime.logs import quiet_tool_logs  # pylint: disable=g-import-not-at-top
       from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
-      evaluate.quiet_orbax()
+      quiet_tool_logs()
       loaded = load_model(str(workdir), step=None if step in (None, "") else int(step),
                           mesh_shape=str(mesh_shape or "").replace(";", ","))
       model, rules = loaded.model, loaded.rules
@@ -108,7 +107,7 @@ class ODETransformerLM(TemplateLM):
     graphdef, self._state = nnx.split(model)
     self._mesh = loading.model_mesh(self._state)
     self._rules = tuple(rules) if rules else sharding.logical_axis_rules(None)
-    self._scorer = jax.jit(functools.partial(_score, graphdef, self.num_steps))
+    self._scorer = jax.jit(functools.partial(_score, graphdef, self.num_steps, self._rules))
     self._sampler = None  # built on the first generate_until
 
   # --- what TemplateLM needs -----------------------------------------------------------
@@ -163,13 +162,12 @@ class ODETransformerLM(TemplateLM):
     """The scorer on one batch: numpy (log-probs, greedy) per row. On a mesh the batch
     goes in as global arrays split by the 'batch' rule (padded to its shards) and the
     rows come back from every process."""
+    batch = {"inputs": inputs, "targets": targets, "weights": weights}
     if self._mesh is None:
-      return jax.device_get(self._scorer(self._state, inputs, targets, weights))
-    from odetransformer.tools import evaluate  # pylint: disable=g-import-not-at-top
-    batch = evaluate.global_batch({"inputs": inputs, "targets": targets, "weights": weights},
-                                  self._mesh, self._rules)
-    with evaluate.mesh_context(self._mesh, self._rules):
-      out = self._scorer(self._state, batch["inputs"], batch["targets"], batch["weights"])
+      return jax.device_get(self._scorer(self._state, batch))
+    batch = evaluation.global_batch_from_full(batch, self._mesh, self._rules)
+    with evaluation.mesh_context(self._mesh, self._rules):
+      out = self._scorer(self._state, batch)
     return tuple(loading.to_host(x)[:len(inputs)] for x in out)
 
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):

@@ -21,17 +21,15 @@ from typing import Any, Callable, Iterable, Optional
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from odetransformer.model import time_grid as time_grid_lib
 from odetransformer.model.config import ModelConfig
 from odetransformer.model.transformer import create_model
+from odetransformer.train import evaluation
 from odetransformer.train import metrics as metrics_lib
 from odetransformer.train import sharding as sharding_lib
-from odetransformer.train.losses import token_cross_entropy, token_scores
-
-BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
+from odetransformer.train.losses import token_cross_entropy
 
 # The training state: nnx.State {"model": model state, "optimizer": optimizer state}.
 TrainState = nnx.State
@@ -237,39 +235,40 @@ def make_param_norm(layout: StateLayout) -> Callable:
 
 
 def make_eval_step(layout: StateLayout, rules) -> Callable:
-  """The jitted eval step: (state, batch) -> EvalMetrics (deterministic forward).
+  """The jitted eval step: (state, batch) -> EvalMetrics, by the one scorer
+  (`evaluation.score_sums`: the deterministic forward pass at the training K).
 
   Traced as the train step is: under the activation rules, with generated weights
   sharded by the parameter rules. Call it under `jax.set_mesh(mesh)`."""
 
   def eval_step(state, batch):
     model, _ = layout.merge(state)
-    scores = token_scores(_logits(model, batch, rules), batch["targets"], batch["weights"])
+    nll, weight, correct = evaluation.score_sums(model, batch, rules)
     return metrics_lib.EvalMetrics.single_from_model_output(
-        loss_sum=jnp.sum(scores["nll"]), weight_sum=jnp.sum(scores["weight"]),
-        correct_sum=jnp.sum(scores["correct"]))
+        loss_sum=nll, weight_sum=weight, correct_sum=correct)
 
   return _with_rules(sharding_lib.activation_rules(rules),
                     jax.jit(eval_step))
 
 
 # --------------------------------------------------------------------------------------
-# Batches
+# Batches: each process its own rows
 # --------------------------------------------------------------------------------------
 def local_batch(batch, local_batch_size: Optional[int] = None) -> dict:
-  """The model's keys as numpy; pads a short (last eval) batch with weight-0 rows."""
-  out = {key: np.asarray(batch[key]) for key in BATCH_KEYS if key in batch}
-  if "weights" not in out:   # before padding: the padded rows get weight 0
-    out["weights"] = np.ones(out["targets"].shape, np.float32)
-  if local_batch_size is not None and out["targets"].shape[0] < local_batch_size:
-    for key, x in out.items():
-      out[key] = np.pad(x, [(0, local_batch_size - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-  return out
+  """This process's rows of a train or eval batch as the model's numpy arrays
+  (`evaluation.host_batch`): a short last eval batch padded to `local_batch_size` rows
+  of weight 0. `sharding.global_batch_from_local` makes them one global batch."""
+  return evaluation.host_batch(batch, local_batch_size)
 
 
 def evaluate(eval_step, state, batches: Iterable, batch_sharding, local_batch_size: int,
              num_eval_steps: int = -1) -> dict:
-  """Token-weighted loss, perplexity and accuracy over `batches` (at most num_eval_steps)."""
+  """The train loop's evaluation: token-weighted loss, perplexity and accuracy over at
+  most `num_eval_steps` of `batches` (this process's rows of each), summed on device.
+
+  The same scorer as `python -m odetransformer.evaluate`, which reads the whole split
+  (`evaluation.evaluate_model`); with `data.eval_max_batches` set, the two see different
+  amounts of text."""
   merged = None
   for i, batch in enumerate(batches):
     if 0 <= num_eval_steps <= i:
