@@ -4,6 +4,7 @@
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 
@@ -181,15 +182,27 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, message):
 
 @pytest.mark.slow
 def test_gpu_script_dry_run(tmp_path):
-  """benchmarks/gpu/wikipedia_small.sh with TINY=1 on CPU: packs the data as xz, unpacks
-  it, runs the one command and leaves the log, table and PNGs in $OUT."""
+  """benchmarks/gpu/wikipedia_small.sh with TINY=1 on CPU: `prepare` packs the data as xz,
+  unpacks it, trains the tokenizer and keeps it in the state; the run (on a fresh $WORK,
+  as a new machine) unpacks again, restores the state, trains no tokenizer, runs the one
+  command and leaves the log, table, PNGs and the next call's state in $OUT."""
   shared_data_path("wikipedia-2015")
-  out = tmp_path / "out"
-  env = dict(os.environ, TINY="1", OUT=str(out), WORK=str(tmp_path / "work"),
-             PACK=str(tmp_path / "pack"))
-  r = subprocess.run(["bash", "benchmarks/gpu/wikipedia_small.sh"], cwd=ROOT, env=env,
-                     capture_output=True, text=True, timeout=600)
-  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  out, work = tmp_path / "out", tmp_path / "work"
+  env = dict(os.environ, TINY="1", OUT=str(out), WORK=str(work), PACK=str(tmp_path / "pack"))
+
+  def script(*args):
+    r = subprocess.run(["bash", "benchmarks/gpu/wikipedia_small.sh", *args], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+  script("prepare")
+  assert (tmp_path / "pack" / "wikipedia-2015-tiny.tar.xz").stat().st_size > 0
+  assert list((tmp_path / "pack" / "state" / "cache" / "tokenizers").glob("*.model"))
+  shutil.rmtree(work)
+  script()
+  assert "training a 512-piece SentencePiece" not in (out / "train.log").read_text()
+  assert (out / "state" / "diffeqformer_seed0_steps4" / "single_epoch_evals.json").is_file()
   log = (out / "single_epoch.log").read_text()
   assert re.search(r"^d32-h2-K2 single-epoch diffeqformer/gpt test perplexity ratio: "
                    r"[0-9.]+ \(1 seed, [0-9,]+ tokens\)$", log.strip().splitlines()[-1])
