@@ -1,17 +1,25 @@
-"""Shared pytest setup: repo root on sys.path, CPU only, fast compiles, helpers for
-shared data."""
+"""Shared pytest setup: CPU unless JAX_PLATFORMS says otherwise, fast compiles (the XLA
+flags this XLA knows), the processes the tests start, markers, helpers for shared data.
+
+The packages come installed (`pip install -e .`); main.py, configs/ and benchmarks/ from
+the repository root, which pyproject's `pythonpath` gives this process and PYTHONPATH
+below the processes the tests start (with tests/, for the helpers they import).
+"""
 import atexit
 import os
 import pathlib
 import shutil
-import sys
 import tempfile
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Scripts the tests start import configs, main and the tests' own modules, as the tests do.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(ROOT), str(ROOT / "tests")] +
+    [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+     if p and p not in (str(ROOT), str(ROOT / "tests"))])
 # Before jax starts, for this process and its children (tiny.cpu_env copies os.environ):
 # the tests' XLA flags, and one persistent compilation cache for the session. Tests build
 # the same tiny models again and again, in this process and in the programs they launch;
@@ -27,6 +35,36 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache,
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+import tf32  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+if os.environ.get(tf32.EMULATE_ENV) == "1":
+  tf32.emulate_tf32_on_cpu()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_matmul_precision(request):
+  """A module marked `matmul_precision(name)` (pytestmark) runs its module fixtures and
+  tests under jax.default_matmul_precision(name)."""
+  yield from _under_matmul_precision(request.node)
+
+
+@pytest.fixture(autouse=True)
+def _test_matmul_precision(request):
+  """A test marked `matmul_precision(name)` runs (with its function fixtures) under
+  jax.default_matmul_precision(name): float32 comparisons ask for the precision they test,
+  since GPUs compute float32 matmuls as TF32 by default."""
+  yield from _under_matmul_precision(request.node)
+
+
+def _under_matmul_precision(node):
+  marker = node.get_closest_marker("matmul_precision")
+  if marker is None:
+    yield
+    return
+  import jax  # pylint: disable=g-import-not-at-top
+  with jax.default_matmul_precision(*marker.args):
+    yield
+
 
 SHARED_DATA = ROOT.parent / "shared" / "data"
 SHARED_REFERENCE = ROOT.parent / "shared" / "reference"

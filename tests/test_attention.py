@@ -46,6 +46,7 @@ def _inputs(b=2, t=128, n=2, h=16, dtype=np.float32):
   return q, k, v, seg
 
 
+@pytest.mark.matmul_precision("highest")
 @pytest.mark.parametrize("packed", [True, False])
 def test_xla_kernel_equals_the_reference(packed):
   q, k, v, seg = _inputs(t=48)
@@ -57,6 +58,7 @@ def test_xla_kernel_equals_the_reference(packed):
     assert np.max(np.abs(want - reference_attention(q, k, v, None))) > 0.1
 
 
+@pytest.mark.matmul_precision("highest")
 def test_model_attention_runs_the_configured_kernel_on_packed_rows():
   """`blocks.attention` (the model's) with attention_impl 'xla' and 'auto' (xla on CPU)
   equals the reference after the projections."""
@@ -77,6 +79,7 @@ def test_model_attention_runs_the_configured_kernel_on_packed_rows():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5, err_msg=impl)
 
 
+@pytest.mark.matmul_precision("highest")
 @pytest.mark.parametrize("packed", [True, False])
 def test_splash_kernel_interpreted_equals_the_reference(packed):
   """The splash kernel program (Pallas' interpreter: any platform) on packed rows."""
@@ -89,6 +92,7 @@ def test_splash_kernel_interpreted_equals_the_reference(packed):
                              rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.matmul_precision("highest")
 def test_splash_gradients_under_a_mesh_equal_xla_gradients():
   """Splash per shard (shard_map over the mesh's batch and head axes), differentiated:
   its q, k, v gradients equal the XLA kernel's (checked against the reference above)."""
@@ -185,7 +189,6 @@ _SPLASH_ON_A_MESH = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
-sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 from configs import default
 from odetransformer.model import blocks
 from odetransformer.train import sharding

@@ -21,7 +21,6 @@ def _env():
 _PARSER_SCRIPT = textwrap.dedent("""
     import json, os, sys
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-    sys.path.insert(0, sys.argv[1])
     import jax, jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
     from benchmarks.collectives import parse_collectives

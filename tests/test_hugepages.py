@@ -20,7 +20,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # /proc/self/smaps_rollup.
 _CHILD = f"""
 import ctypes, os, sys
-sys.path.insert(0, {str(ROOT)!r})
 print("start", os.getpid(), os.environ.get("GLIBC_TUNABLES"), flush=True)
 from odetransformer.runtime import host, hugepages
 if sys.argv[1:] == ["gpu"]:

@@ -611,7 +611,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 PREPARE_DRIVER = textwrap.dedent("""
     import os, pathlib, sys, time
-    sys.path[:0] = [os.environ["ODET_ROOT"], os.path.join(os.environ["ODET_ROOT"], "tests")]
     import test_input_pipeline as t
     from input_pipeline import local_text, tokenizer
     for cls, name in ((local_text.LocalText, "download_and_prepare"), (tokenizer, "train")):

@@ -49,7 +49,6 @@ STEPS = 1000             # the schedule's length: every run stops well before
 
 DRIVER = f"STEPS = {STEPS}\n" + textwrap.dedent("""
     import json, os, sys
-    sys.path[:0] = [os.environ["ODET_ROOT"], os.path.join(os.environ["ODET_ROOT"], "tests")]
     import time
     T0 = time.time()
     import main as main_lib

@@ -264,7 +264,6 @@ def test_skip_nonfinite_steps_stops_after_too_many_in_a_row(cache, tmp_path, mon
 _EIGHT_DEVICES = textwrap.dedent("""
     import sys
     import jax, numpy as np
-    sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
     from test_reliability import config
     from test_train import _final_params
     from odetransformer.train import loop
@@ -632,7 +631,7 @@ def test_second_run_on_a_live_workdir_exits_at_once(run_copy, cache):
   """Used to hang forever at 0% CPU. The holder is a process that holds the lock as
   main.py does; the second is the real command."""
   holder = subprocess.Popen(
-      [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+      [sys.executable, "-c", "import sys, time; "
        "from odetransformer.runtime.workdir_lock import WorkdirLock; "
        "WorkdirLock(sys.argv[2]).acquire(); print('locked', flush=True); time.sleep(600)",
        str(ROOT), str(run_copy)], cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,

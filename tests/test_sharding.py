@@ -131,7 +131,6 @@ _EQUALITY_SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
-sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 from tiny import tiny_config
 from odetransformer.train import sharding, steps
 from odetransformer.model import config as config_lib

@@ -40,7 +40,6 @@ EVAL_FLAGS = ("--batch_size=6", "--max_batches=2")   # 6 rows (2 input shards): 
 
 DRIVER = textwrap.dedent("""
     import contextlib, dataclasses, io, json, os, sys
-    sys.path[:0] = [os.environ["ODET_ROOT"], os.path.join(os.environ["ODET_ROOT"], "tests")]
     from odetransformer.runtime import host
     host.initialize_distributed()        # what main.py and the tools do first
     import jax

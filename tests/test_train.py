@@ -341,7 +341,6 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
     from flax import nnx
-    sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
     from test_train import tiny_config
     from odetransformer.model import config as config_lib
     from odetransformer.train import optimizer, sharding, steps

@@ -16,8 +16,47 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # programs, their shardings and memory plans, numerics to float tolerance) does not
 # depend on how the machine code is emitted; the benchmarks, run for their figures
 # outside the tests, keep XLA's default.
-TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 "
-                  "--xla_cpu_use_fusion_emitters=false")
+WANTED_TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",
+                         "--xla_cpu_use_fusion_emitters=false")
+# Where the flags this jax's XLA accepts are handed on: pytest's workers and every process
+# the tests start inherit it, so XLA is asked once per session.
+KNOWN_FLAGS_ENV = "ODET_TEST_XLA_FLAGS"
+_PROBE = "import jax; jax.jit(lambda x: x + 1)(1.0).block_until_ready()"
+
+
+def xla_accepts(flags) -> bool:
+  """Whether a process with `flags` as its XLA_FLAGS (and the caller's JAX_PLATFORMS)
+  compiles a program. XLA aborts the whole process on a flag it does not know (another
+  version of XLA may not know a test's flag), so it is asked in a child process."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
+  env.update(XLA_FLAGS=" ".join(flags), XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True,
+                        text=True, timeout=300)
+  if proc.returncode == 0:
+    return True
+  if "Unknown flag" in proc.stderr and any(f.split("=")[0] in proc.stderr for f in flags):
+    return False
+  raise RuntimeError(f"probing XLA_FLAGS={' '.join(flags)!r} failed for another reason "
+                     f"than an unknown flag:\n{proc.stderr[-3000:]}")
+
+
+def known_xla_flags(flags) -> list:
+  """The flags of `flags` that XLA accepts (all of them in one child when it knows
+  them all, the usual case; else one child each)."""
+  if xla_accepts(flags):
+    return list(flags)
+  return [f for f in flags if xla_accepts([f])]
+
+
+def session_xla_flags() -> str:
+  """WANTED_TEST_XLA_FLAGS less those this XLA does not know, as XLA_FLAGS text: from
+  KNOWN_FLAGS_ENV when a parent process has asked already, else asked now and put there."""
+  if KNOWN_FLAGS_ENV not in os.environ:
+    os.environ[KNOWN_FLAGS_ENV] = " ".join(known_xla_flags(WANTED_TEST_XLA_FLAGS))
+  return os.environ[KNOWN_FLAGS_ENV]
+
+
+TEST_XLA_FLAGS = session_xla_flags()
 
 
 def cpu_env(devices: int = 0, **extra) -> dict:
@@ -26,7 +65,7 @@ def cpu_env(devices: int = 0, **extra) -> dict:
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
   flags = TEST_XLA_FLAGS
   if devices:
-    flags += f" --xla_force_host_platform_device_count={devices}"
+    flags = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
   env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **{k: str(v) for k, v in extra.items()})
   return env
 
