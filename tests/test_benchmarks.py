@@ -239,7 +239,11 @@ def test_throughput_against_nanogpt_with_profile(monkeypatch, capsys):
     assert "(torch " in _find(r"^nanogpt\s+train:.*$", block).group(0)
     for kind in ("diffeqformer", "transformer"):
       ratio = _num(_find(rf"^{kind}/nanogpt train tokens/s ratio: {NUM}$", block).group(1))
-      assert ratio == pytest.approx(tps[kind] / tps["nanogpt"], rel=0.01, abs=0.006)
+      # tokens/s are printed to 1 (±0.5: slow eager steps print small numbers), the ratio
+      # to 0.01: it lies between the ratios the printed values' ends allow.
+      lo = (tps[kind] - 0.5) / (tps["nanogpt"] + 0.5)
+      hi = (tps[kind] + 0.5) / (tps["nanogpt"] - 0.5)
+      assert lo - 0.005 <= ratio <= hi + 0.005
       m = _find(rf"^profile {kind} {b}×{seq}: step {NUM} ms = matmul {NUM} ms \({NUM}%\) \| "
                 rf"attention {NUM} ms \({NUM}%\) \| other fusions {NUM} ms \({NUM}%\) \| "
                 rf"copies {NUM} ms \({NUM}%\) \| idle {NUM} ms \({NUM}%\)$", block)
