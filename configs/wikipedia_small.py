@@ -9,17 +9,18 @@ What differs, and why:
 - The text: the wikipedia-2015 files (../shared/data/wikipedia-2015, 102 MB of training
   articles; valid.txt and test.txt hold other articles), read as local text.
 - One SentencePiece tokenizer of 32,768 pieces, trained on the training files and
-  shared by both models: ~17-20 M tokens in the epoch, so a piece is seen hundreds of
-  times on average, where the authors' 50k vocabulary (sized for OpenWebText's 9 B
-  tokens) would spend a third of GPT's parameters on rows that see a few updates each.
-- Batch 64 x 1024 (the authors': 512): one epoch holds ~20 M tokens, which at 512 rows
-  would be ~35 optimizer steps (under 1 step of warm-up); 64 rows leave ~300, enough for
-  the warm-up and cosine decay to take their shape, and still a GPT-2 small batch that
-  fills an H100 (nanoGPT's per-device 12-64 rows).
+  shared by both models: the epoch is 23,281,441 tokens with it (29,274 documents;
+  `benchmarks.single_epoch --prepare_only`), so a piece is seen ~700 times on average,
+  where the authors' 50k vocabulary (sized for OpenWebText's 9 B tokens) would spend a
+  third of GPT's parameters on rows that see a few updates each.
+- Batch 64 x 1024 (the authors': 512): at 512 rows the epoch would be ~44 optimizer
+  steps (under one step of 1% warm-up); 64 rows leave 350, enough for the warm-up and
+  cosine decay to take their shape, and still a GPT-2 small batch that fills an H100
+  (nanoGPT's per-device 12-64 rows).
 - The eval batch is 64 rows (the logits of 256 x 1024 x 32k in f32 are 34 GB).
 - remat 'dots_saveable': 64 x 1024 fits an 80 GB card without recomputing the matmuls.
-- num_train_steps is a placeholder: `benchmarks.single_epoch` sets it to one whole
-  epoch (the most steps that serve no token twice), and evaluates every 10% of it.
+- num_train_steps is the epoch counted for this tokenizer: `benchmarks.single_epoch`
+  counts it again (the most steps that serve no token twice), and evaluates every 10%.
 
 The comparison (both models, 3 seeds, valid and test perplexity on the whole splits,
 extra held-out files, the analysis plots of seed 0's DiffEqFormer) is one command:
@@ -31,12 +32,13 @@ extra held-out files, the analysis plots of seed 0's DiffEqFormer) is one comman
 One model alone (the tokenizer is trained in the workdir's cache):
 
   python main.py --config=configs/wikipedia_small.py --workdir=$W
-  python main.py --config=configs/wikipedia_small.py --config.model.kind=transformer --workdir=$W_gpt
+  python main.py --config=configs/wikipedia_small.py --config.model.kind=transformer \
+      --workdir=$W_gpt
 
 `--config=configs/wikipedia_small.py:tiny` is the same recipe at toy size (d 32, K 2,
 32-token rows, vocabulary 512, float32) for CPU tests and the GPU script's dry run.
 
-Expect: both models train one epoch (~300 steps) without a token seen twice; the
+Expect: both models train one epoch (350 steps) without a token seen twice; the
 benchmark prints both perplexities, their ratio and its spread over seeds. No figures
 here: they are measured on a GPU and recorded in benchmarks/README.md.
 """
@@ -53,9 +55,9 @@ DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 def get_config(variant: str = ""):
   """The GPT-2 small recipe; variant 'tiny' shrinks the model and batch (same recipe)."""
   config = owt_small.get_config()
-  config.num_train_steps = 300          # placeholder: single_epoch sets one whole epoch
+  config.num_train_steps = 350          # one epoch (single_epoch counts it and sets it)
   config.log_every_steps = 10
-  config.eval_every_steps = 30          # ~10% of the epoch
+  config.eval_every_steps = 35          # 10% of the epoch
   config.checkpoint_every_steps = 100
   config.checkpoint_max_to_keep = 1     # a GPT-2 small DiffEqFormer's state is ~2 GB
   config.seq_len = 1024
