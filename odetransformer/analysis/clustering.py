@@ -28,10 +28,10 @@ gives the median over draws, because with random W0 the outcome depends on the d
 writes DIR/clustering.json, DIR/clustering.npz, DIR/clustering.png (3-D trajectories)
 and DIR/clustering_dispersion.png (dispersion vs t).
 """
+from collections.abc import Callable, Sequence
 import dataclasses
 import json
 import sys
-from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -233,7 +233,9 @@ def plot_trajectories(results: dict, path: str, horizon: float = HORIZON) -> Non
                  f"dispersion {r.initial:.2f}→{r.final:.3g}, {r.final_clusters} cluster(s)",
                  fontsize=9)
     ax.set_box_aspect((1, 1, 1))
-    ax.set_xticks([-1, 0, 1]); ax.set_yticks([-1, 0, 1]); ax.set_zticks([-1, 0, 1])
+    ax.set_xticks([-1, 0, 1])
+    ax.set_yticks([-1, 0, 1])
+    ax.set_zticks([-1, 0, 1])
     ax.tick_params(labelsize=6)
     if idx == 0:
       ax.legend(fontsize=7, loc="upper left")
@@ -299,7 +301,7 @@ def parse_args(argv):
   return p.parse_args(argv)
 
 
-def main(argv: Optional[list] = None) -> dict:
+def main(argv: list | None = None) -> dict:
   """The command line; a bad flag is a UserError (one line: errors.run_cli)."""
   args = parse_args(sys.argv[1:] if argv is None else argv)
   cases = [c for c in args.cases.split(",") if c]

@@ -7,8 +7,8 @@ with dt = 1, so x_{l+1} = x_l + F_l(x_l) is the same Euler recursion as the ODE'
 x_{k+1} = x_k + dt·F(x_k, t_k). The analysis runs in float32 (or the dtype asked for),
 whatever the model's compute dtype.
 """
+from collections.abc import Callable
 import dataclasses
-from typing import Callable, Optional
 
 from flax import nnx
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ def layer_weights(model, dtype=jnp.float32) -> dict:
   return model.layer_weights(dtype)
 
 
-def euler_steps(model, num_steps: Optional[int] = None, dtype=jnp.float32) -> StepWeights:
+def euler_steps(model, num_steps: int | None = None, dtype=jnp.float32) -> StepWeights:
   """The weights of each Euler step: W(t_k) at t_k = k/K, or (k+1)/K under
   step_time='end' (ODE kinds), or the layers."""
   cfg = model.config

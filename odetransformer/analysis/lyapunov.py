@@ -27,12 +27,12 @@ and DIR/lyapunov.png (the text coloured by each map, side by side). The model lo
 the run's mesh (or --mesh_shape=1,-1,1 ...), under `jax.distributed` when launched as
 several processes; process 0 writes.
 """
+from collections.abc import Callable, Sequence
 import dataclasses
 import html
 import json
 import re
 import sys
-from typing import Callable, Optional, Sequence
 
 from absl import logging
 import jax
@@ -49,7 +49,7 @@ from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 
 
 # --------------------------------------------------------------------------- numerics
-def jacobian_row(field: Callable, x_ld, p, position: int, chunk: Optional[int] = None):
+def jacobian_row(field: Callable, x_ld, p, position: int, chunk: int | None = None):
   """(J [l, d, d] with J[i] = ∂F_o/∂x_i, F(x) [l, d]) at one state.
 
   `chunk` bounds memory: the d cotangents are pulled back `chunk` at a time
@@ -87,7 +87,7 @@ def _tangent_steps(jac_ldd, q_ldd, dt):
 
 
 def tangent_exponents(field: Callable, x0_ld, step_weights, dt: float, position: int,
-                      chunk: Optional[int] = None):
+                      chunk: int | None = None):
   """Finite-time Lyapunov exponents of every input token for output `position`.
 
   Args:
@@ -153,7 +153,7 @@ class Sensitivity:
 
 
 def sensitivity(model, tokens_l: Sequence[int], position: int = -1,
-                num_steps: Optional[int] = None, chunk: Optional[int] = None,
+                num_steps: int | None = None, chunk: int | None = None,
                 dtype=jnp.float32) -> Sensitivity:
   """Lyapunov scores and the attention map of output `position` for one token sequence."""
   cfg = model.config
@@ -187,7 +187,7 @@ def sensitivity(model, tokens_l: Sequence[int], position: int = -1,
 
 
 # ------------------------------------------------------------------------ tokenizer
-def load_tokenizer(workdir: str, path: Optional[str] = None):
+def load_tokenizer(workdir: str, path: str | None = None):
   """`path` if given, else the run's tokenizer (`loading.load_tokenizer`)."""
   # lazy: importing input_pipeline pulls in grain and tensorflow_datasets (~2 s)
   from input_pipeline import tokenizer as tokenizer_lib
@@ -287,7 +287,7 @@ Spearman rank correlation of the two maps: {rho:.3f}.</p>
 <div class="col"><h4>Lyapunov score (max finite-time exponent)</h4><div class="text">{lyap}</div></div>
 <div class="col"><h4>Attention (mean over heads and steps)</h4><div class="text">{att}</div></div>
 </div></body></html>
-"""
+"""  # noqa: E501  the HTML page's own lines
 
 
 def _flow_text(ax, fig, pieces, values, active, position, cmap, title):
@@ -400,7 +400,7 @@ def parse_args(argv):
   return p.parse_args(errors.renamed_flags(argv, known))
 
 
-def main(argv: Optional[list] = None) -> Sensitivity:
+def main(argv: list | None = None) -> Sensitivity:
   """The command line; a bad flag or workdir is a UserError (one line: errors.run_cli)."""
   args = parse_args(sys.argv[1:] if argv is None else argv)
   if args.solver_steps is not None and args.solver_steps <= 0:

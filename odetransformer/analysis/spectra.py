@@ -22,7 +22,6 @@ launched as several processes; process 0 writes.
 import dataclasses
 import json
 import sys
-from typing import Optional
 
 import jax
 import numpy as np
@@ -232,7 +231,8 @@ def parse_args(argv):
       prog="python -m odetransformer.analysis.spectra",
       description="Eigenvalues of W_QK, W_OV per head and of W_1 W_2, along t or per layer.")
   p.add_argument("--workdir", required=True, help="training run directory (main.py --workdir)")
-  p.add_argument("--out", required=True, help="output directory (local or gs://...) for .npz, .json and PNGs")
+  p.add_argument("--out", required=True,
+                 help="output directory (local or gs://...) for .npz, .json and PNGs")
   p.add_argument("--grid", type=int, default=64,
                  help="points t in [0, 1] for ODE models (discrete models: every layer)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
@@ -241,7 +241,7 @@ def parse_args(argv):
   return p.parse_args(argv)
 
 
-def main(argv: Optional[list] = None) -> Spectra:
+def main(argv: list | None = None) -> Spectra:
   """The command line; a bad flag or workdir is a UserError (one line: errors.run_cli)."""
   args = parse_args(sys.argv[1:] if argv is None else argv)
   if args.grid < 2:

@@ -9,7 +9,7 @@ Shape suffixes: b batch, l/s query/key length, d width, n heads, h head dim, f m
 """
 import dataclasses
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 from flax.core import spmd as core_spmd
 import jax
@@ -58,7 +58,7 @@ def layer_param_specs(cfg: ModelConfig) -> dict:
   return specs
 
 
-def norm(x_bld, scale_d, shift_d: Optional[jax.Array], eps: float, center: bool = True):
+def norm(x_bld, scale_d, shift_d: jax.Array | None, eps: float, center: bool = True):
   """LayerNorm (with shift) or RMSNorm (shift None), computed in float32 or wider;
   `center=False` with a shift is an RMSNorm plus a shift (the reference Llama block's)."""
   wide = jnp.promote_types(x_bld.dtype, jnp.float32)
@@ -116,7 +116,7 @@ class SegmentMask(NamedTuple):
     return seg[:, None, :, None] == seg[:, None, None, :]
 
 
-def attention_mask(segment_ids_bl) -> Optional[SegmentMask]:
+def attention_mask(segment_ids_bl) -> SegmentMask | None:
   """The mask of packed rows (None: one document per row; causality is always on)."""
   return None if segment_ids_bl is None else SegmentMask(segment_ids_bl)
 
@@ -135,7 +135,7 @@ def _platform() -> str:
   return device.platform
 
 
-def attention_kernel(cfg: ModelConfig, seq_len: int, platform: Optional[str] = None) -> str:
+def attention_kernel(cfg: ModelConfig, seq_len: int, platform: str | None = None) -> str:
   """The kernel `cfg.attention_impl` runs on `platform` (default: this one).
 
   'auto' (the default) picks cuDNN's fused flash attention on NVIDIA GPUs when the
@@ -172,7 +172,7 @@ def attention_kernel(cfg: ModelConfig, seq_len: int, platform: Optional[str] = N
   return impl
 
 
-def dot_product_attention(q_blnh, k_bsnh, v_bsnh, mask: Optional[SegmentMask],
+def dot_product_attention(q_blnh, k_bsnh, v_bsnh, mask: SegmentMask | None,
                           kernel: str, interpret: bool = False):
   """Causal attention of [b, l, heads, head_dim] q, k, v within `mask`'s documents, by
   `kernel` ('xla', 'cudnn' or 'splash'; `interpret` runs splash's Pallas kernel in
@@ -184,7 +184,7 @@ def dot_product_attention(q_blnh, k_bsnh, v_bsnh, mask: Optional[SegmentMask],
                                       is_causal=True, implementation=kernel)
 
 
-def _splash_attention(q_blnh, k_bsnh, v_bsnh, mask: Optional[SegmentMask], interpret):
+def _splash_attention(q_blnh, k_bsnh, v_bsnh, mask: SegmentMask | None, interpret):
   """The Pallas TPU splash kernel: causal blocks skipped, segment ids compared in-tile.
 
   Under a mesh it runs per shard (`shard_map`): batch and heads split as the activation
@@ -264,8 +264,8 @@ class LayerCache(NamedTuple):
     return (jnp.arange(self.k_bsnh.shape[1])[None, None, :] <= query_bl[:, :, None])[:, None]
 
 
-def attention(x_bld, p, cfg: ModelConfig, mask: Optional[SegmentMask], positions_bl,
-              cache: Optional[LayerCache] = None):
+def attention(x_bld, p, cfg: ModelConfig, mask: SegmentMask | None, positions_bl,
+              cache: LayerCache | None = None):
   """Causal multi-head self-attention within `mask`'s documents, by the kernel
   `model.attention_impl` selects (`attention_kernel`).
 

@@ -14,7 +14,6 @@ Names changed in this release (the old ones still work, each with one warning li
 import dataclasses
 import logging
 import typing
-from typing import Optional
 
 import ml_collections
 
@@ -64,9 +63,9 @@ class ModelConfig:
   d_model: int = _field(128, "width d")
   num_heads: int = _field(4, "attention heads (must divide d_model)")
   mlp_dim: int = _field(512, "feed-forward hidden width")
-  solver_steps: Optional[int] = _field(None, (
+  solver_steps: int | None = _field(None, (
       f"K, solver steps of the ODE kinds (diffeqformer, shared); None = {DEFAULT_DEPTH}"))
-  num_layers: Optional[int] = _field(None, (
+  num_layers: int | None = _field(None, (
       f"L, layers of the discrete kinds (transformer, parallel); None = {DEFAULT_DEPTH}"))
   max_len: int = _field(256, "position table size (gpt2 family); RoPE has no limit")
   time_embed_dim: int = _field(32, "d_t: hypernetwork code width (paper: 20…144)")

@@ -25,7 +25,7 @@ forward pass (`model(tokens, num_steps=N)`) at every position (tests/test_genera
 """
 import dataclasses
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 from flax import nnx
 import jax
@@ -73,7 +73,7 @@ class Decoder:
     num_slots: cache slots (N × block evaluations per step).
   """
 
-  def __init__(self, model: LanguageModel, num_steps: Optional[int] = None):
+  def __init__(self, model: LanguageModel, num_steps: int | None = None):
     cfg = model.config
     n = model.resolve_num_steps(num_steps)
     self.source_config = cfg
@@ -101,7 +101,7 @@ class Decoder:
   def config(self) -> ModelConfig:
     return self.static.cfg
 
-  def max_positions(self) -> Optional[int]:
+  def max_positions(self) -> int | None:
     """Longest sequence the model can embed (learned positions), None for RoPE."""
     return self.config.max_len if self.config.family == "gpt2" else None
 

@@ -14,7 +14,6 @@ Llama vocab 32000, tied embeddings; hypernetwork MLP hidden width H = d):
 A DiffEqFormer holds about d_t × one layer's parameters in its projections P, plus as
 many again in P0, whatever K it is run at.
 """
-import dataclasses
 
 from flax import nnx
 import jax
@@ -82,7 +81,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, num_steps: int | None = None
 def table() -> str:
   rows = ["| shape | layers/K | d | heads | GPT params | DiffEqFormer params (d_t 96) | ratio |",
           "|---|---|---|---|---|---|---|"]
-  for name, (family, layers, d, heads, _, _) in PAPER_SHAPES.items():
+  for name, (_family, layers, d, heads, _, _) in PAPER_SHAPES.items():
     ode = count_params(paper_config(name))
     gpt = count_params(paper_config(name, kind="transformer"))
     rows.append(f"| {name} | {layers} | {d} | {heads} | {gpt / 1e6:,.1f} M | "

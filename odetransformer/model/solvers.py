@@ -25,8 +25,9 @@ per step, dt_k = g_{k+1} - g_k; the solver then scans the step sizes beside the 
 This module is the one place that walks a method's stages (tableaux, stage times, the
 step): the model's forward pass and cached decoding both run `fixed_step_solve`.
 """
+from collections.abc import Callable
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -188,7 +189,7 @@ def _split_constants(stage_inputs, num_stages: int):
 def fixed_step_solve(field: Callable[..., Any], x0, stage_inputs, dt,
                      method: str = "euler", remat_policy: str = "none",
                      return_trajectory: bool = False, eval_inputs=None,
-                     num_steps: Optional[int] = None, eval_outputs: bool = False):
+                     num_steps: int | None = None, eval_outputs: bool = False):
   """Integrates dx/dt = field(x, inputs(t)) with K fixed steps.
 
   Args:

@@ -28,7 +28,6 @@ a grid trains is the set of times the solver evaluates on it (`solvers.stage_tim
   the K-step solve is trained at many step sizes, not only at dt, and the step starts
   (ends) cover [0, 1) ((0, 1]). Same cost per step.
 """
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +57,7 @@ def random_uniform_grid(key, num_steps: int):
                           jnp.ones((1,), jnp.float32)])
 
 
-def train_time_grid(cfg, key) -> Optional[jax.Array]:
+def train_time_grid(cfg, key) -> jax.Array | None:
   """The grid of one training batch for `cfg.train_time_grid`; None = the uniform grid
   of `cfg.depth` (also for discrete kinds, whose depth has no time)."""
   if not cfg.is_ode or cfg.train_time_grid == "fixed":

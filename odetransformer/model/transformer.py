@@ -14,7 +14,6 @@ and the analysis all ask it (through `LanguageModel.step_weights`):
 `num_steps` is a call-time argument: an ODE's parameters hold no K.
 """
 import math
-from typing import Optional
 
 from flax import nnx
 import jax
@@ -150,7 +149,7 @@ class LanguageModel(nnx.Module):
                             * EMBED_STD, out_sharding=("embed", "vocab"))
 
   # ---------------------------------------------------------------------------------
-  def step_weights(self, num_steps: Optional[int] = None, time_grid=None, dtype=None,
+  def step_weights(self, num_steps: int | None = None, time_grid=None, dtype=None,
                    param_rules=None):
     """What the solver scans: (layer params name -> [K, S, *shape], dt, method).
 
@@ -195,7 +194,7 @@ class LanguageModel(nnx.Module):
       logits = jnp.einsum("bld,dv->blv", x, self.head[...].astype(dtype))
     return constrain(logits, ("batch", "length", "vocab"))
 
-  def resolve_num_steps(self, num_steps: Optional[int]) -> int:
+  def resolve_num_steps(self, num_steps: int | None) -> int:
     cfg = self.config
     k = cfg.depth if num_steps is None else int(num_steps)
     if k <= 0:
@@ -206,7 +205,7 @@ class LanguageModel(nnx.Module):
     return k
 
   def __call__(self, tokens_bl, *, segment_ids_bl=None, positions_bl=None,
-               num_steps: Optional[int] = None, deterministic: bool = True,
+               num_steps: int | None = None, deterministic: bool = True,
                dropout_rng=None, return_trajectory: bool = False, time_grid=None,
                param_rules=None):
     """Logits [b, l, vocab] in the compute dtype.
@@ -290,7 +289,7 @@ class LanguageModel(nnx.Module):
     return nnx.merge(graphdef, state)
 
 
-def create_model(cfg: ModelConfig, *, seed: int = 0, rngs: Optional[nnx.Rngs] = None):
+def create_model(cfg: ModelConfig, *, seed: int = 0, rngs: nnx.Rngs | None = None):
   """Builds a model. Under `jax.set_mesh(mesh)` + `nnx.logical_axis_rules(rules)` its
   params are created already sharded (inside one jit: no full replica on a host);
   with no mesh in context they are ordinary unsharded arrays."""
