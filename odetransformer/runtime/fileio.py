@@ -19,7 +19,6 @@ import hashlib
 import io
 import os
 import tempfile
-from typing import Union
 
 from etils import epath
 import fsspec
@@ -27,7 +26,7 @@ import numpy as np
 
 from odetransformer.errors import UserError
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 EMULATOR_VAR = "STORAGE_EMULATOR_HOST"
 

@@ -18,9 +18,9 @@ one is what must not happen, hence the broad list.
 downstream tools): `jax.distributed.initialize()` when the environment says this is one
 of several processes, nothing on a single host.
 """
+from collections.abc import Mapping
 import glob
 import os
-from typing import Mapping
 
 _DEVICE_FILES = ("dev/nvidia0", "dev/nvidiactl", "dev/dxg", "dev/kfd", "dev/accel*",
                  "dev/vfio/[0-9]*")

@@ -23,9 +23,9 @@ arguments). It happens only when all of these hold:
 - Linux with glibc ≥ 2.35 and transparent huge pages in `madvise` mode (`always`
   needs no request; `never` cannot be asked).
 """
+from collections.abc import Mapping
 import os
 import sys
-from typing import Mapping, Optional
 
 from odetransformer.errors import UserError
 from odetransformer.runtime import host
@@ -44,7 +44,7 @@ def opted_in(environ: Mapping[str, str]) -> bool:
   return value == "1"
 
 
-def _glibc_version() -> Optional[tuple]:
+def _glibc_version() -> tuple | None:
   try:
     name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
     return tuple(int(p) for p in version.split(".")[:2]) if name == "glibc" else None
@@ -63,7 +63,7 @@ def _thp_mode() -> str:
   return text[start + 1:end] if 0 <= start < end else ""
 
 
-def reason_not_to(environ: Mapping[str, str], thp_mode: str, glibc: Optional[tuple],
+def reason_not_to(environ: Mapping[str, str], thp_mode: str, glibc: tuple | None,
                   accelerators: list) -> str:
   """Why there is no re-exec in this environment and machine state ('' when there is one).
 

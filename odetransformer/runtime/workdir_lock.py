@@ -35,7 +35,6 @@ import os
 import socket
 import threading
 import time
-from typing import Optional
 import uuid
 
 from absl import logging
@@ -105,15 +104,15 @@ class WorkdirLock:
     self.path = fileio.join(self.workdir, LOCK_FILE)
     self.enabled = enabled
     self.heartbeat_s, self.stale_s = float(heartbeat_s), float(stale_s)
-    self.record: Optional[dict] = None
-    self.previous: Optional[dict] = None
-    self._fd: Optional[int] = None
+    self.record: dict | None = None
+    self.previous: dict | None = None
+    self._fd: int | None = None
     self._created_dir = False
     self._blob = None
     self._generation = None
     self._lost = ""                       # why the lock is no longer this run's
     self._stop = threading.Event()
-    self._thread: Optional[threading.Thread] = None
+    self._thread: threading.Thread | None = None
 
   def acquire(self) -> "WorkdirLock":
     """Takes the lock or raises a one-line UserError (in use, not a directory, not
@@ -164,7 +163,7 @@ class WorkdirLock:
     self.record = record
     self._write_fd(record)
 
-  def _write_fd(self, record: Optional[dict]):
+  def _write_fd(self, record: dict | None):
     os.ftruncate(self._fd, 0)
     if record:
       os.pwrite(self._fd, (json.dumps(record) + "\n").encode(), 0)

@@ -3,8 +3,8 @@
 A diverged run must not overwrite its good checkpoints: every save checks first, and the
 error names the newest good step, which is left as it is.
 """
+from collections.abc import Callable
 import math
-from typing import Callable, Optional
 
 from absl import logging
 import jax
@@ -34,7 +34,7 @@ class HealthCheck:
   itself; they are logged here, and more than `skip_limit` of them in a row stop the run.
   """
 
-  def __init__(self, directory: str, last_good: Optional[int], skip_limit: int = 0,
+  def __init__(self, directory: str, last_good: int | None, skip_limit: int = 0,
                optim_config=None):
     self.directory, self.last_good, self.skip_limit = directory, last_good, skip_limit
     self.hint = divergence_hint(optim_config)
@@ -44,7 +44,7 @@ class HealthCheck:
   def add(self, step: int, metrics):
     self.pending.append((step, metrics))
 
-  def check(self, param_norm: Optional[Callable[[], float]] = None):
+  def check(self, param_norm: Callable[[], float] | None = None):
     """Nothing pending (already checked at this step): nothing is measured."""
     if not self.pending:
       return

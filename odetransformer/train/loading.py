@@ -11,10 +11,8 @@ devices at hand (trained on 256 chips, evaluated on 8) is loaded fully sharded
 `host.initialize_distributed()` first, as main.py does.
 """
 import dataclasses
-from typing import Optional
 
-from absl import flags
-from absl import logging
+from absl import flags, logging
 from flax import nnx
 import jax
 from jax.experimental import multihost_utils
@@ -41,7 +39,7 @@ class Loaded:
   model_config: ModelConfig
   config: object          # the run's ml_collections.ConfigDict
   step: int
-  mesh: Optional[jax.sharding.Mesh] = None   # the model's arrays live on it
+  mesh: jax.sharding.Mesh | None = None   # the model's arrays live on it
   rules: tuple = ()                          # the logical-axis rules they follow
 
 
@@ -110,7 +108,7 @@ def load_run_config(workdir: str):
                     "restore it, or resume the run with main.py to rewrite it") from e
 
 
-def load_model(workdir: str, step: Optional[int] = None, mesh=None, *, mesh_shape: str = "",
+def load_model(workdir: str, step: int | None = None, mesh=None, *, mesh_shape: str = "",
                rules=None, allow_unverified: bool = False) -> Loaded:
   """The model of the latest (or given) checkpoint in `workdir` that restores.
 
@@ -134,7 +132,7 @@ def load_model(workdir: str, step: Optional[int] = None, mesh=None, *, mesh_shap
                 step=int(restored_step), mesh=mesh, rules=tuple(rules))
 
 
-def model_mesh(tree) -> Optional[jax.sharding.Mesh]:
+def model_mesh(tree) -> jax.sharding.Mesh | None:
   """The mesh a model's (or a state's) arrays live on; None when they are not placed by
   a NamedSharding (a model created outside a mesh)."""
   for leaf in jax.tree.leaves(tree):
@@ -184,8 +182,7 @@ def tokenizer_path(workdir: str, config=None) -> str:
 
 def load_tokenizer(workdir: str, config=None):
   """The run's SentencePiece processor (pad=0, unk=1, bos=2, eos=3)."""
-  # lazy: importing input_pipeline pulls in grain and tensorflow_datasets (~2 s), which
-  # the tools that load only the model (export, init_from) never need
+  # lazy: input_pipeline imports grain and tfds (~2 s), which model-only tools never need
   from input_pipeline import tokenizer as tokenizer_lib
   config = load_config(workdir) if config is None else config
   return tokenizer_lib.load(tokenizer_path(workdir, config), int(config.data.vocab_size))

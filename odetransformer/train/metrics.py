@@ -9,13 +9,14 @@ event file is written through `odetransformer.runtime.fileio` (`_ObjectEventFile
 Metrics are averaged over the interval since the last write and then reset (not since
 step 0): the loss is a token-weighted mean (sum of losses / sum of target weights).
 """
+from collections.abc import Mapping
 import functools
 import math
 import struct
 import sys
 import tempfile
 import time
-from typing import Mapping, NamedTuple, Optional
+from typing import NamedTuple
 
 from absl import logging
 from clu import metrics as clu_metrics
@@ -155,7 +156,7 @@ def _import_tensorboardx():
 class MetricWriter:
   """TensorBoard scalars/text (tensorboardX) on process 0; no-op elsewhere."""
 
-  def __init__(self, logdir: str, enabled: Optional[bool] = None):
+  def __init__(self, logdir: str, enabled: bool | None = None):
     self.logdir = logdir
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self._writer = None
@@ -205,7 +206,7 @@ class PeakFlops(NamedTuple):
   source: str
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measured_matmul_flops(device: jax.Device, dtype: str = "float32", n: int = 1024,
                           reps: int = 3) -> float:
   """FLOP/s of the fastest of `reps` n×n `dtype` matmuls on `device` (after one call
@@ -223,7 +224,7 @@ def measured_matmul_flops(device: jax.Device, dtype: str = "float32", n: int = 1
   return 2 * n ** 3 / best
 
 
-def device_peak_flops(device: Optional[jax.Device] = None, override: float = 0.0,
+def device_peak_flops(device: jax.Device | None = None, override: float = 0.0,
                       dtype: str = "float32") -> PeakFlops:
   """The peak FLOP/s of one device that MFU divides by, for training and benchmarks alike.
 

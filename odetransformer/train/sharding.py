@@ -11,7 +11,7 @@ is split over (MaxText's `logical_axis_rules`). The mesh has three axes:
 Axes are `AxisType.Auto` (GSPMD style): jax 0.10 defaults to Explicit, which breaks the
 embedding gather in a pjit-style step.
 """
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -60,7 +60,7 @@ def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple:
   return shape
 
 
-def make_mesh(mesh_config, devices: Optional[Sequence[jax.Device]] = None) -> jax.sharding.Mesh:
+def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
   """The ('data', 'fsdp', 'tensor') mesh from `config.mesh.shape`, with Auto axes."""
   devices = list(jax.devices() if devices is None else devices)
   shape = resolve_mesh_shape(mesh_config.shape, len(devices))
@@ -97,8 +97,9 @@ def logical_axis_rules(mesh_config=None) -> tuple:
   """Rules for `nnx.logical_axis_rules`: DEFAULT_RULES with `mesh.rules` overrides.
 
   `mesh.rules` maps a logical name to a mesh axis ('fsdp'), several ('data,fsdp'),
-  or none ('' or None: replicated). Every logical name must end up with a rule: flax passes an unknown name
-  through unchanged, which would then fail deep inside sharding with a cryptic error.
+  or none ('' or None: replicated). Every logical name must end up with a rule: flax
+  passes an unknown name through unchanged, which would then fail deep inside sharding
+  with a cryptic error.
   """
   rules = dict(DEFAULT_RULES)
   overrides: Mapping = {}
@@ -142,7 +143,7 @@ def activation_rules(rules) -> tuple:
   return tuple(out)
 
 
-def logical_to_spec(names: Sequence[Optional[str]], rules) -> PartitionSpec:
+def logical_to_spec(names: Sequence[str | None], rules) -> PartitionSpec:
   """PartitionSpec for logical `names` under `rules` (no context needed)."""
   table = dict(rules)
   return PartitionSpec(*(None if n is None else table[n] for n in names))
@@ -168,7 +169,7 @@ def num_batch_shards(mesh: jax.sharding.Mesh, rules) -> int:
 
 def global_batch_from_local(local_batch: Mapping[str, np.ndarray],
                             sharding: NamedSharding,
-                            global_batch_size: Optional[int] = None) -> dict:
+                            global_batch_size: int | None = None) -> dict:
   """Global jax.Arrays from this process's slice of the batch (multi-host safe).
 
   With `global_batch_size` the global shape is stated, so jax rejects process-local

@@ -8,7 +8,6 @@ seed — so that a resume with other settings is refused before anything is writ
 knowingly. Also the run's `config.json` and the copy of its tokenizer in the workdir.
 """
 import json
-from typing import Optional
 
 from absl import logging
 import jax
@@ -17,8 +16,13 @@ import ml_collections
 from odetransformer.errors import ConfigError
 from odetransformer.model.config import migrate_config, migrate_model_fields
 from odetransformer.runtime import fileio
-from odetransformer.train.checkpoint.paths import (CONFIG_FILE, TOKENIZER_FILE, checkpoint_dir,
-                                                   finalized_steps, read_json)
+from odetransformer.train.checkpoint.paths import (
+  CONFIG_FILE,
+  TOKENIZER_FILE,
+  checkpoint_dir,
+  finalized_steps,
+  read_json,
+)
 
 # Model fields that may change between a run and its resumption: no effect on the
 # checkpointed arrays or on what they mean (vocab_size is the tokenizer's, compared as
@@ -41,8 +45,8 @@ def file_sha256(path: str) -> str:
   return fileio.sha256(path)
 
 
-def fingerprint(config, tokenizer_sha256: Optional[str] = None,
-                data_hash: Optional[str] = None) -> dict:
+def fingerprint(config, tokenizer_sha256: str | None = None,
+                data_hash: str | None = None) -> dict:
   """What a run's checkpoints depend on, as plain JSON values.
 
   The model config (less `RESUMABLE_MODEL_FIELDS`), the data source and split and the
@@ -87,7 +91,7 @@ def fingerprint_diffs(old: dict, new: dict) -> list:
   return diffs
 
 
-def stored_fingerprint(workdir: str) -> Optional[tuple]:
+def stored_fingerprint(workdir: str) -> tuple | None:
   """(step, fingerprint) of the newest checkpoint whose meta reads; None if none.
 
   Checkpoints written before fingerprints were recorded give one made from the config
@@ -105,11 +109,11 @@ def stored_fingerprint(workdir: str) -> Optional[tuple]:
   return None
 
 
-def tokenizer_sha256(path: Optional[str]) -> Optional[str]:
+def tokenizer_sha256(path: str | None) -> str | None:
   return fileio.sha256(path) if path and fileio.isfile(path) else None
 
 
-def check_resumable(config, workdir: str) -> Optional[dict]:
+def check_resumable(config, workdir: str) -> dict | None:
   """ConfigError when `workdir` holds checkpoints of another model, data or tokenizer,
   or of other batch settings.
 
@@ -129,8 +133,8 @@ def check_resumable(config, workdir: str) -> Optional[dict]:
   return stored
 
 
-def check_tokenizer(config, tokenizer_path: str, workdir: str, stored: Optional[dict],
-                    data_hash: Optional[str] = None) -> dict:
+def check_tokenizer(config, tokenizer_path: str, workdir: str, stored: dict | None,
+                    data_hash: str | None = None) -> dict:
   """The run's fingerprint, with its tokenizer's hash and its training data's content
   hash (`Datasets.content_hash`); ConfigError when a resumed run's tokenizer file or
   data differ from the checkpoints' (before the tokenizer is copied into the workdir).

@@ -31,7 +31,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 from absl import logging
 from flax import nnx
@@ -41,9 +41,16 @@ import orbax.checkpoint as ocp
 from odetransformer.errors import UserError
 from odetransformer.runtime import fileio, logs, multihost, workdir_lock
 from odetransformer.train.checkpoint import integrity
-from odetransformer.train.checkpoint.paths import (CORRUPT_DIR, OWNERS_DIR, CheckpointError,
-                                                   checkpoint_dir, error_line, finalized_steps,
-                                                   read_json, unfinished_steps)
+from odetransformer.train.checkpoint.paths import (
+  CORRUPT_DIR,
+  OWNERS_DIR,
+  CheckpointError,
+  checkpoint_dir,
+  error_line,
+  finalized_steps,
+  read_json,
+  unfinished_steps,
+)
 from odetransformer.train.checkpoint.restore import restore_newest
 
 
@@ -77,8 +84,8 @@ class Checkpointer:
   allow_unverified = False
 
   def __init__(self, workdir: str, *, max_to_keep: int = 3, async_save: bool = True,
-               fingerprint: Optional[dict] = None,
-               lock: Optional[workdir_lock.WorkdirLock] = None):
+               fingerprint: dict | None = None,
+               lock: workdir_lock.WorkdirLock | None = None):
     self.workdir = os.fspath(workdir)
     self.directory = checkpoint_dir(workdir)
     self.fingerprint = fingerprint
@@ -174,7 +181,7 @@ class Checkpointer:
     return self._preempted.is_set()
 
   # -- save / restore -------------------------------------------------------------------
-  def latest_step(self) -> Optional[int]:
+  def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
   def all_steps(self) -> list:

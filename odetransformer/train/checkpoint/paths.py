@@ -12,7 +12,6 @@ rename, once `<step>/` holds `commit_success.txt`.
 """
 import json
 import re
-from typing import Optional
 
 from odetransformer.errors import UserError
 from odetransformer.runtime import fileio
@@ -57,7 +56,7 @@ def checkpoint_dir(workdir: str) -> str:
   return fileio.join(workdir, CHECKPOINT_DIR)
 
 
-def read_json(path: str) -> Optional[dict]:
+def read_json(path: str) -> dict | None:
   """The JSON object in `path`; None when it is missing, unreadable or not an object."""
   try:
     value = json.loads(fileio.read_text(path))

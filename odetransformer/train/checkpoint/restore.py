@@ -12,7 +12,6 @@ committed step. Every process reads its part and they agree on the verdict.
 """
 import json
 import time
-from typing import Optional
 
 from absl import logging
 from etils import epath
@@ -22,8 +21,12 @@ import orbax.checkpoint as ocp
 
 from odetransformer.runtime import fileio, logs, multihost
 from odetransformer.train.checkpoint import integrity
-from odetransformer.train.checkpoint.paths import (CheckpointError, checkpoint_dir, error_line,
-                                                   finalized_steps)
+from odetransformer.train.checkpoint.paths import (
+  CheckpointError,
+  checkpoint_dir,
+  error_line,
+  finalized_steps,
+)
 
 # Array layouts that changed in the code (not the config) and what to do about them.
 SHAPE_CHANGE_HINT = (
@@ -76,7 +79,7 @@ def _restore_args(targets: dict, json_items: tuple) -> dict:
   return args
 
 
-def _in_chain(e: Optional[BaseException], found) -> Optional[BaseException]:
+def _in_chain(e: BaseException | None, found) -> BaseException | None:
   """The first exception of `e`'s chain (e, its cause, ...) for which `found` holds."""
   while e is not None and not found(e):
     e = e.__cause__ or e.__context__
@@ -84,7 +87,7 @@ def _in_chain(e: Optional[BaseException], found) -> Optional[BaseException]:
 
 
 def _corrupt_chunk(step_dir: str,
-                   e: BaseException) -> Optional[integrity.CorruptCheckpointError]:
+                   e: BaseException) -> integrity.CorruptCheckpointError | None:
   """The CorruptCheckpointError for tensorstore's checksum failure `e` (None: another
   error)."""
   e = _in_chain(e, lambda x: "Digest mismatch" in str(x))
@@ -211,7 +214,7 @@ def restore_newest(manager, directory: str, steps, abstract_model_state,
       f"{newest}: {error})")
 
 
-def restore_model_state(workdir: str, abstract_model_state, step: Optional[int] = None,
+def restore_model_state(workdir: str, abstract_model_state, step: int | None = None,
                         allow_unverified: bool = False):
   """Just the model item (for evaluation, generation, materialisation).
 
