@@ -137,7 +137,8 @@ def pretrain_all(args, seed, work, cache_dir) -> dict:
   """Pre-trains one seed's DiffEqFormer per grid and its GPT baseline in `work`:
   (grid, kind) -> workdir."""
   pre = {}
-  runs = [(g, "diffeqformer", args.k) for g in args.grids] + [("fixed", "transformer", args.gpt_layers)]
+  runs = ([(g, "diffeqformer", args.k) for g in args.grids]
+          + [("fixed", "transformer", args.gpt_layers)])
   for grid, kind, layers in runs:
     pre[grid, kind] = os.path.join(work, run_dir(grid, f"pre_{kind}"))
     r, note = pretrain(args, kind, layers, seed, pre[grid, kind], cache_dir, grid)

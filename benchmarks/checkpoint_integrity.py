@@ -4,8 +4,9 @@
 (`odetransformer.train.checkpoint.integrity`): arrays as zarr3 with a crc32c per chunk,
 each item's other files hashed into integrity.json before the commit; the restore
 checks the records, and tensorstore every chunk's crc32c. "orbax default" is the same
-save and restore through orbax's standard handlers (zarr2, no checksum of the data). "+ sha256" adds what the previous design did on process 0: a
-synchronous sha256 of every file after the save and again before the restore.
+save and restore through orbax's standard handlers (zarr2, no checksum of the data).
+"+ sha256" adds what the previous design did on process 0: a synchronous sha256 of every
+file after the save and again before the restore.
 
 The state: model + Adam moments (mu, nu) of float32 normal random values (weights do
 not compress), as 1-device CPU arrays; async save, timed to the commit. Variants
@@ -34,10 +35,15 @@ import orbax.checkpoint as ocp
 
 from odetransformer.runtime import fileio
 from odetransformer.runtime.logs import quiet_library_logs
-from odetransformer.train.checkpoint.integrity import (ArraysRestore, ArraysSave, JsonRestore,
-                                                       JsonSave, files_under,
-                                                       integrity_item_handlers,
-                                                       verify_integrity_record)
+from odetransformer.train.checkpoint.integrity import (
+  ArraysRestore,
+  ArraysSave,
+  JsonRestore,
+  JsonSave,
+  files_under,
+  integrity_item_handlers,
+  verify_integrity_record,
+)
 from odetransformer.train.checkpoint.paths import checkpoint_dir
 
 ARRAYS_PER_PART = 16     # model, mu and nu: 16 arrays each

@@ -178,7 +178,8 @@ def hypernet_bytes(ts) -> int:
   their Adam moments, and their float32 gradient (the state a GPT of the same shape
   does not have; its layers' own state is the GPT's too)."""
   total = 0
-  for part, tree in enumerate((ts.abstract["model"], ts.abstract["optimizer"])):     # (model, optimizer) state
+  # part 0: the model's state, 1: the optimizer's
+  for part, tree in enumerate((ts.abstract["model"], ts.abstract["optimizer"])):
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
       if "'gens'" not in jax.tree_util.keystr(path):
         continue

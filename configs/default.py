@@ -8,7 +8,8 @@ Command:
   python main.py --config=configs/default.py --workdir=/tmp/odet_default
 
 Transformer baseline (GPT-2 family; same width, depth L = K, data and schedule):
-  python main.py --config=configs/default.py --config.model.kind=transformer --workdir=/tmp/odet_default_gpt
+  python main.py --config=configs/default.py --config.model.kind=transformer \
+      --workdir=/tmp/odet_default_gpt
 
 Expect: the training loss falls from ≈ ln 2048 at step 1; the DiffEqFormer and the
 baseline end at about the same evaluation perplexity (figures, with this command:
@@ -33,7 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 250   # async checkpoint (and at the end)
   config.checkpoint_max_to_keep = 3     # older checkpoints are deleted
   config.checkpoint_async = True        # save in the background while training goes on
-  config.workdir_lock_stale_s = 600     # gs:// workdirs: a lock without heartbeat this long is taken over
+  config.workdir_lock_stale_s = 600     # gs://: a lock this long without heartbeat is taken over
   config.checkpoint_allow_unverified = False  # restore checkpoints without an integrity record
   config.resume_with_changes = False    # resume despite other data, batch shape or seed
 

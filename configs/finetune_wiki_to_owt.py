@@ -4,10 +4,11 @@ fine-tune on OpenWebText with N ∈ {9, 12, 18, 24} steps, each method.
 From the authors' config/finetune/wiki_owt.yaml (SDML-KU/qkvflow): the same settings
 as finetune_owt_to_wiki.py with the two corpora swapped.
 
-  python main.py --config=configs/wikitext103_medium.py --workdir=$PRE --config.data.data_dir=$DATA \
-      --config.model.solver_steps=18 --config.model.time_embed_dim=100 --config.model.time_sinusoids=256
-  python main.py --config=configs/wikitext103_medium.py --workdir=$PRE_GPT --config.data.data_dir=$DATA \
-      --config.model.kind=transformer --config.model.num_layers=24
+  python main.py --config=configs/wikitext103_medium.py --workdir=$PRE \
+      --config.data.data_dir=$DATA --config.model.solver_steps=18 \
+      --config.model.time_embed_dim=100 --config.model.time_sinusoids=256
+  python main.py --config=configs/wikitext103_medium.py --workdir=$PRE_GPT \
+      --config.data.data_dir=$DATA --config.model.kind=transformer --config.model.num_layers=24
   python main.py --config=configs/finetune_wiki_to_owt.py --workdir=$W_${METHOD}_$N \
       --config.init_from=$PRE --config.finetune.method=$METHOD \
       --config.finetune.solver_steps=$N --config.data.data_dir=$DATA

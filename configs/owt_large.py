@@ -4,7 +4,8 @@ From the authors' config/owt/large.yaml (SDML-KU/qkvflow). Differs from owt_medi
 36 steps/layers, d 1280, 20 heads, MLP 5120, Adam ε 1e-6, and β2 = 0.95 (see below).
 
   python main.py --config=configs/owt_large.py --workdir=$W --config.data.data_dir=$DATA
-  python main.py --config=configs/owt_large.py --config.model.kind=transformer --config.optim.b2=0.999 --workdir=$W_gpt --config.data.data_dir=$DATA
+  python main.py --config=configs/owt_large.py --config.model.kind=transformer \
+      --config.optim.b2=0.999 --workdir=$W_gpt --config.data.data_dir=$DATA
 
 (App. C.5: β2 = 0.95 lowered DiffEqFormer's validation perplexity at this size, while
 GPT-large did better with 0.999, hence the baseline's override.)

@@ -10,7 +10,8 @@ model a DiffEqFormer with the time_embed_dim 96 and sinusodial_dim 256 the file 
 biases). Weight decay on the embeddings only, as for the authors' ODE runs.
 
   python main.py --config=configs/owt_llama_1b_ode.py --workdir=$W --config.data.data_dir=$DATA
-  python main.py --config=configs/owt_llama_1b.py --workdir=$W_llama --config.data.data_dir=$DATA   # the baseline
+  python main.py --config=configs/owt_llama_1b.py --workdir=$W_llama \
+      --config.data.data_dir=$DATA   # the baseline
 
 Expect: DiffEqFormer below the Llama-1B baseline in validation perplexity (the paper's
 Table 2 and Fig. 8 report such a comparison). Not run by us (8 × H100 in the paper).

@@ -5,7 +5,8 @@ From the authors' config/owt/medium.yaml (SDML-KU/qkvflow). Differs from owt_sma
 authors' count), peak lr 3e-4, evaluation every 500 steps.
 
   python main.py --config=configs/owt_medium.py --workdir=$W --config.data.data_dir=$DATA
-  python main.py --config=configs/owt_medium.py --config.model.kind=transformer --workdir=$W_gpt --config.data.data_dir=$DATA
+  python main.py --config=configs/owt_medium.py --config.model.kind=transformer --workdir=$W_gpt \
+      --config.data.data_dir=$DATA
 
 Expect: validation perplexity below owt_small's, DiffEqFormer at or below GPT-medium
 (paper Table 2). Not run by us (accelerator pod; ~355 M GPT, ~1.27 B DiffEqFormer params).

@@ -14,7 +14,8 @@ Prepare the data once (downloads OpenWebText, builds array_record files):
 Train (any number of GPUs/TPU chips; the mesh is FSDP over all of them):
   python main.py --config=configs/owt_small.py --workdir=$W --config.data.data_dir=$DATA
 GPT baseline:
-  python main.py --config=configs/owt_small.py --config.model.kind=transformer --workdir=$W_gpt --config.data.data_dir=$DATA
+  python main.py --config=configs/owt_small.py --config.model.kind=transformer --workdir=$W_gpt \
+      --config.data.data_dir=$DATA
 
 Expect: validation perplexity in the low 20s at the end, DiffEqFormer at or below the
 GPT baseline (paper Table 2; its numbers are not in our copy of the text). Not run by

@@ -7,7 +7,8 @@ Differs from wikitext103_small: 24 steps/layers, d 1024, 16 heads, MLP 4096, d_t
 peak lr 3e-4.
 
   python main.py --config=configs/wikitext103_medium.py --workdir=$W --config.data.data_dir=$DATA
-  python main.py --config=configs/wikitext103_medium.py --config.model.kind=transformer --workdir=$W_gpt --config.data.data_dir=$DATA
+  python main.py --config=configs/wikitext103_medium.py --config.model.kind=transformer \
+      --workdir=$W_gpt --config.data.data_dir=$DATA
 
 Expect: GPT-medium overfits (validation perplexity turns up late in training) while
 DiffEqFormer-medium does not, and ends lower (paper Table 1, Fig. 4). Not run by us.

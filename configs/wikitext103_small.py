@@ -10,7 +10,8 @@ split. Same peak lr 6e-4, d_t 20, S 128.
 
   python -m input_pipeline.prepare --dataset=wikitext103 --data_dir=$DATA
   python main.py --config=configs/wikitext103_small.py --workdir=$W --config.data.data_dir=$DATA
-  python main.py --config=configs/wikitext103_small.py --config.model.kind=transformer --workdir=$W_gpt --config.data.data_dir=$DATA
+  python main.py --config=configs/wikitext103_small.py --config.model.kind=transformer \
+      --workdir=$W_gpt --config.data.data_dir=$DATA
   Weight-sharing baseline (Zhong et al.): --config.model.kind=shared
 
 Expect: DiffEqFormer below GPT-small and the weight-sharing ODE in validation

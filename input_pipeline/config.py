@@ -11,13 +11,17 @@ def get_config() -> ml_collections.ConfigDict:
   # 'openwebtext' or 'wikitext103' (the paper's corpora; prepare them once with
   # `python -m input_pipeline.prepare --dataset=<name> --data_dir=DIR`).
   c.source = "embedded"
-  c.train_split = "train"      # split to train on (tfds / openwebtext / wikitext103); TFDS slices like 'train[:90%]' work
-  c.eval_split = ""            # split to evaluate on; '' = the source's own (validation, or test where there is none)
-  c.data_dir = ""              # TFDS data_dir holding prepared datasets; '' = TFDS default (~/tensorflow_datasets)
+  # Split to train on (tfds / openwebtext / wikitext103); TFDS slices like 'train[:90%]' work.
+  c.train_split = "train"
+  # Split to evaluate on; '' = the source's own (validation, or test where there is none).
+  c.eval_split = ""
+  # TFDS data_dir holding prepared datasets; '' = TFDS default (~/tensorflow_datasets).
+  c.data_dir = ""
   c.train_files = ""           # 'local': comma-separated globs of training text files
   c.eval_files = ""            # 'local': comma-separated globs of validation text files
-  c.vocab_size = 2048          # SentencePiece vocabulary size (a given tokenizer_path must match it)
-  c.tokenizer_path = ""        # SentencePiece .model to use; '' = train on the training split and cache it
+  c.vocab_size = 2048          # SentencePiece vocabulary size (tokenizer_path's must match)
+  # SentencePiece .model to use; '' = train on the training split and cache it.
+  c.tokenizer_path = ""
   c.tokenizer_sample_bytes = 10_000_000  # bytes of training text the tokenizer is trained on
   c.text_key = "text"          # feature holding the text in each example
   # Tokenizer worker processes per input shard; 0 tokenizes in the training process. 0 by
@@ -31,7 +35,8 @@ def get_config() -> ml_collections.ConfigDict:
   # with the same count continues exactly (on any process count dividing it); another
   # count starts at the next epoch.
   c.input_shards = 0
-  c.shuffle_buffer = 256       # packed rows shuffled together after packing (0 or 1 = no row shuffle)
-  c.eval_max_batches = 0       # evaluate on at most this many batches (0 = the whole eval split)
-  c.cache_dir = ""             # tokenizers and prepared local text; '' = data_dir, else <workdir>/data_cache
+  c.shuffle_buffer = 256       # packed rows shuffled together (0 or 1 = no row shuffle)
+  c.eval_max_batches = 0       # evaluate on at most this many batches (0 = the whole split)
+  # Tokenizers and prepared local text; '' = data_dir, else <workdir>/data_cache.
+  c.cache_dir = ""
   return c

@@ -18,9 +18,8 @@ import sys
 from absl import app, flags
 import tensorflow_datasets as tfds
 
-from input_pipeline import cache
+from input_pipeline import cache, corpora, sources
 from input_pipeline import config as config_lib
-from input_pipeline import corpora, sources
 from input_pipeline import tokenizer as tokenizer_lib
 from input_pipeline.errors import DataError
 
@@ -44,7 +43,8 @@ def prepare(dataset: str, data_dir: str, raw_dir: str | None = None, vocab_size:
     try:
       builder = tfds.builder(dataset[len("tfds:"):], data_dir=data_dir, file_format="array_record")
     except tfds.core.registered.DatasetNotFoundError as e:
-      raise DataError(f"unknown TFDS dataset {dataset!r}; fix: use a name from the TFDS catalog") from e
+      raise DataError(f"unknown TFDS dataset {dataset!r}; fix: use a name from the TFDS "
+                      "catalog") from e
   else:
     raise DataError(f"cannot prepare {dataset!r}; fix: use 'openwebtext', 'wikitext103' or "
                     "'tfds:<name>' ('embedded' and 'local' are prepared automatically)")

@@ -99,7 +99,8 @@ def _tfds(name: str, data_cfg: ml_collections.ConfigDict) -> Corpus:
     builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
   except tfds.core.registered.DatasetNotFoundError as e:
     raise DataError(f"unknown TFDS dataset {name!r}; fix: use a name from the TFDS catalog "
-                    "(https://www.tensorflow.org/datasets/catalog), e.g. data.source='tfds:lm1b'") from e
+                    "(https://www.tensorflow.org/datasets/catalog), e.g. "
+                    "data.source='tfds:lm1b'") from e
   return _open_builder(builder, f"tfds:{name}", hint, data_cfg.train_split, data_cfg.eval_split)
 
 

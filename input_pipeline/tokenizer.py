@@ -139,7 +139,8 @@ def load(path: str, vocab_size: int) -> spm.SentencePieceProcessor:
     sp = spm.SentencePieceProcessor(model_proto=fileio.read_bytes(path))
   except (OSError, RuntimeError) as e:
     raise DataError(f"tokenizer file {path} is not a SentencePiece model ({e}); "
-                    "fix: point data.tokenizer_path at a .model file, or set it to '' to train one") from e
+                    "fix: point data.tokenizer_path at a .model file, or set it to '' to "
+                    "train one") from e
   _check(sp, path, vocab_size)
   return sp
 
