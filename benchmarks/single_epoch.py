@@ -739,8 +739,8 @@ def print_eval_texts(args, seed: int, finals: dict) -> None:
     scored = {kind: finals[kind]["texts"][path] for kind in finals}
     parts = [f"{kind} ppl {scored[kind]['perplexity']:.2f}" for kind in scored]
     if len(scored) == len(KINDS):
-      parts.append("diffeqformer/gpt ratio "
-                   f"{scored['diffeqformer']['perplexity'] / scored['transformer']['perplexity']:.3f}")
+      ratio = scored["diffeqformer"]["perplexity"] / scored["transformer"]["perplexity"]
+      parts.append(f"diffeqformer/gpt ratio {ratio:.3f}")
     tokens = next(iter(scored.values()))["tokens"]
     print(f"seed {seed} eval_text {path} | " + " | ".join(parts) + f" | {tokens:,} tokens",
           flush=True)

@@ -8,9 +8,8 @@ import shutil
 import statistics
 import subprocess
 
-import pytest
-
 from conftest import ROOT, shared_data_path
+import pytest
 
 NUM = r"([0-9][0-9,]*\.?[0-9]*)"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -124,7 +123,7 @@ def test_one_command_compares_both_models_and_plots_seed0(tmp_path, capsys):
     return [where(evals["diffeqformer", s]) / where(evals["transformer", s]) for s in (0, 1)]
 
   for path in texts:
-    r = ratios(lambda e: e["texts"][path]["perplexity"])
+    r = ratios(lambda e, path=path: e["texts"][path]["perplexity"])
     assert (f"eval_text {path}: diffeqformer/gpt perplexity ratio {statistics.mean(r):.3f} ± "
             f"{statistics.stdev(r):.3f} (2 seeds)") in lines
   m = _find(r"^wall time of this command: ([0-9.]+) s on 1 x \S+ \(cpu\)$", out)
