@@ -6,9 +6,12 @@ the repository root, which pyproject's `pythonpath` gives this process and PYTHO
 below the processes the tests start (with tests/, for the helpers they import).
 """
 import atexit
+import multiprocessing.process
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -64,6 +67,65 @@ def _under_matmul_precision(node):
   import jax  # pylint: disable=g-import-not-at-top
   with jax.default_matmul_precision(*marker.args):
     yield
+
+
+# --------------------------------------------------------------------------------------
+# The quick tier (-m "not slow") starts no Python process and no GCS emulator: each costs
+# seconds (a fresh jax, or the emulator's start). In a run that leaves slow tests out, a
+# test that does fails, naming what it started, so the edit loop stays quick as tests are
+# added; a full run (CI) is not slowed by such a test and lets it pass.
+# --------------------------------------------------------------------------------------
+_started = []     # what the running test's setup and call started (a list of words each)
+
+
+def _is_python(program) -> bool:
+  name = os.path.basename(os.fsdecode(program))
+  return program == sys.executable or name.startswith("python")
+
+
+_popen_init = subprocess.Popen.__init__
+
+
+def _recording_popen_init(self, args, *rest, **kwargs):
+  argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+  if argv and _is_python(argv[0]) and not kwargs.get("shell"):
+    _started.append(" ".join(map(os.fsdecode, argv))[:200])
+  _popen_init(self, args, *rest, **kwargs)
+
+
+_process_start = multiprocessing.process.BaseProcess.start
+
+
+def _recording_process_start(self):
+  _started.append(f"multiprocessing {self.name}")
+  _process_start(self)
+
+
+subprocess.Popen.__init__ = _recording_popen_init
+multiprocessing.process.BaseProcess.start = _recording_process_start
+
+
+@pytest.hookimpl(tryfirst=True)   # before the fixtures of the test are set up
+def pytest_runtest_setup(item):
+  del item
+  _started.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  outcome = yield
+  report = outcome.get_result()
+  if (call.when != "call" or not report.passed or item.get_closest_marker("slow") or
+      "not slow" not in (item.config.option.markexpr or "")):
+    return
+  started = list(_started)
+  if "gcs_bucket" in getattr(item, "fixturenames", ()):
+    started.append("the GCS emulator (fixture gcs_bucket)")
+  if started:
+    report.outcome = "failed"
+    report.longrepr = (f"{item.nodeid} started {len(started)} process(es) but is not marked "
+                       "slow (@pytest.mark.slow, or pytestmark in its module):\n  " +
+                       "\n  ".join(started[:5]))
 
 
 SHARED_DATA = ROOT.parent / "shared" / "data"

@@ -149,6 +149,7 @@ def test_eigenvalues_of_constructed_products():
     assert np.all(np.diff(np.real(got["ff"][step])) <= 1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_model_spectra_match_per_head_products(request, name):
   model = _model(request, name)
@@ -220,6 +221,7 @@ def test_lyapunov_linear_ode_gives_real_parts_of_eigenvalues():
   np.testing.assert_allclose(exps, np.sort(np.real(lam))[::-1], atol=3e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_jacobian_blocks_match_central_differences(request, name):
   model = _model(request, name)
@@ -243,6 +245,7 @@ def test_jacobian_blocks_match_central_differences(request, name):
     assert np.all(np.asarray(jac)[o + 1:] == 0.0)                     # causal
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_sensitivity_follows_the_models_own_trajectory(request, name):
   model = _model(request, name)
@@ -260,6 +263,7 @@ def test_sensitivity_follows_the_models_own_trajectory(request, name):
   assert res.attention_steps.shape == (cfg.depth, cfg.num_heads, 7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["diffeqformer", "shared-llama"])
 def test_attention_map_reproduces_the_attention_output(request, name):
   model = _model(request, name)
@@ -321,6 +325,7 @@ def test_dispersion_measures():
   assert clustering.mean_pairwise_distance(two) == pytest.approx(math.sqrt(2))
 
 
+@pytest.mark.slow
 def test_spectra_cli(workdir, tmp_path, capsys):
   out = tmp_path / "spectra"
   res = spectra.main([f"--workdir={workdir}", f"--out={out}", "--grid=9"])
@@ -336,6 +341,7 @@ def test_spectra_cli(workdir, tmp_path, capsys):
   np.testing.assert_array_equal(data["qk"], res.qk)
 
 
+@pytest.mark.slow
 def test_lyapunov_cli(workdir, tmp_path, capsys):
   out = tmp_path / "lyap"
   res = lyapunov.main([f"--workdir={workdir}", "--text=def add(a, b):\n    return a + b",

@@ -220,6 +220,7 @@ print(json.dumps({"splash": splash, "xla": xla, "spec": splash_spec}))
 """
 
 
+@pytest.mark.slow
 def test_splash_sharded_over_batch_and_heads_equals_xla(tmp_path):
   """Splash per shard on a (2, 2, 2) mesh of 8 host devices (batch over data × fsdp,
   heads over tensor), interpreted: output and q, k, v gradients equal XLA's there."""

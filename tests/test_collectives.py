@@ -9,7 +9,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tiny import cpu_env
+
+pytestmark = pytest.mark.slow   # every test here starts processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -162,6 +162,7 @@ def test_an_old_run_loads_and_evaluates_as_before(old_run):
   assert result.loss == pytest.approx(OLD_LOSS[name], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_an_old_run_resumes(tmp_path, tmp_path_factory):
   """The Llama baseline's old run (kind='gpt', flavour='llama', num_steps: every renamed
   model field) resumes under the new names. The ODE run's config loads and evaluates

@@ -24,7 +24,7 @@ from odetransformer.train.loading import load_model
 from tiny import tiny_run_config
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
-pytestmark = pytest.mark.xdist_group("test_evaluate")
+pytestmark = [pytest.mark.xdist_group("test_evaluate"), pytest.mark.slow]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EVAL_TEXT = '''def read_config(path):

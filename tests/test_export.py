@@ -35,7 +35,7 @@ from odetransformer.train import loading, loop
 from conftest import shared_data_path  # pylint: disable=g-import-not-at-top
 from tiny import cpu_env, tiny_config  # pylint: disable=g-import-not-at-top
 
-pytestmark = pytest.mark.xdist_group("test_export")
+pytestmark = [pytest.mark.xdist_group("test_export"), pytest.mark.slow]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAX_LEN = 48      # room for a prompt and 32 generated tokens (learned positions)
 

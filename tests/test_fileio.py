@@ -89,6 +89,7 @@ def root(request, tmp_path):
   return f"{request.getfixturevalue('gcs_bucket')}/fileio-{os.getpid()}"
 
 
+@pytest.mark.slow
 def test_same_results_on_local_and_gs(root):
   fileio.write_text_atomic(fileio.join(root, "a", "b.txt"), "bé")
   fileio.write_bytes_atomic(fileio.join(root, "c.bin"), b"\0\1")
@@ -127,6 +128,7 @@ def test_emulator_variables_derive_from_storage_emulator_host(monkeypatch):
   assert os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] == "false"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["main.py", "--config=configs/default.py"],
                                      ["-m", "odetransformer.tools.evaluate"]])
 def test_undecodable_path_is_one_line_before_any_work(command, tmp_path):

@@ -20,7 +20,7 @@ from odetransformer.train import metrics as metrics_lib
 from test_train import fast_compiles, tiny_config  # noqa: F401  (fixture: compile cache)
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
-pytestmark = pytest.mark.xdist_group("test_finetune")
+pytestmark = [pytest.mark.xdist_group("test_finetune"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,8 @@ from odetransformer.train.checkpoint.paths import finalized_steps
 from test_reliability import config, main_cmd, subprocess_env
 from test_train import ROOT, fast_compiles  # pylint: disable=unused-import
 
-pytestmark = pytest.mark.xdist_group("test_gcs")   # module fixtures once, on one worker
+pytestmark = [pytest.mark.xdist_group("test_gcs"),   # module fixtures once, on one worker
+              pytest.mark.slow]
 STEPS = 6
 
 

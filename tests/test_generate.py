@@ -105,6 +105,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_cached_decoding_matches_full_forward(name):
   model = tiny_model(**CASES[name])
@@ -115,6 +116,7 @@ def test_cached_decoding_matches_full_forward(name):
   np.testing.assert_allclose(cached_logits(decoder, toks, PREFILL), full, rtol=0, atol=TOL)
 
 
+@pytest.mark.slow
 def test_cached_decoding_matches_full_forward_in_bfloat16():
   """bfloat16 compute (float32 ODE state): the cached logits equal the full forward's up
   to bfloat16 rounding; an error above that (a wrong cache slot or stage weight) fails.

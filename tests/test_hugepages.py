@@ -65,6 +65,7 @@ def test_when_to_reexec(environ, mode, glibc, accelerators, expect):
     assert reason == ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["yes", "true", "2"])
 def test_a_bad_switch_value_is_a_one_line_error(value):
   with pytest.raises(errors.UserError, match=r"ODET_HUGEPAGES=.* set ODET_HUGEPAGES=1"):
@@ -142,6 +143,7 @@ def _no_reexec(lines):
   return int(lines[1][3])
 
 
+@pytest.mark.slow
 def test_off_by_default():
   """No switch: no re-exec, and malloc'd buffers keep 4 KiB pages (the contrast that makes
   the huge-page assertion below meaningful)."""
@@ -150,6 +152,7 @@ def test_off_by_default():
     assert kb < 128 << 10
 
 
+@pytest.mark.slow
 def test_opted_in_on_a_cpu_host_reexecs_the_same_process_with_huge_pages():
   env = _env(ODET_HUGEPAGES="1")
   lines = _run(env)
@@ -167,6 +170,7 @@ def test_opted_in_on_a_cpu_host_reexecs_the_same_process_with_huge_pages():
   assert int(after[3]) >= 128 << 10, f"huge pages back only {after[3]} kB of the 256 MB buffer"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["device", "JAX_PLATFORMS"])
 def test_never_on_an_accelerator_host(how):
   if how == "device":   # the child sees a /dev/nvidia0

@@ -146,6 +146,7 @@ def test_train_batches_layout(ds):
   assert any((b["inputs"] == 3).any() for b in batches)  # eos after each document
 
 
+@pytest.mark.slow
 def test_packing_loses_and_duplicates_no_token(ds, corpus_dir, cache):
   corpus = _corpus(corpus_dir, cache)
   proto = ds.tokenizer.serialized_model_proto()
@@ -166,6 +167,7 @@ def test_packing_loses_and_duplicates_no_token(ds, corpus_dir, cache):
   assert collections.Counter(packed.tolist()) == collections.Counter(np.concatenate(docs).tolist())
 
 
+@pytest.mark.slow
 def test_documents_reshuffled_every_epoch(ds, corpus_dir, cache):
   corpus = _corpus(corpus_dir, cache)
   docs = packing.tokenized_documents(corpus.train, ds.tokenizer.serialized_model_proto(),
@@ -218,6 +220,7 @@ def test_plain_set_state_after_json_is_the_grain_bug(ds):
   assert not _equal(_take(naive, 3), expected)
 
 
+@pytest.mark.slow
 def test_workers_same_stream_and_exact_resume(ds, corpus_dir, cache):
   epoch = _epoch_batches(ds, corpus_dir, cache)
   stops = (1, 7, epoch + 2)
@@ -274,6 +277,7 @@ def _process_streams(ds, corpus_dir, cache, process_count, num_shards, n, num_ep
   return out
 
 
+@pytest.mark.slow
 def test_each_process_reads_and_tokenizes_only_its_shard(ds, corpus_dir, cache):
   n = 8
   (whole, _), = _process_streams(ds, corpus_dir, cache, 1, 2, n)
@@ -325,6 +329,7 @@ def test_resume_per_process_and_on_another_process_count(ds, corpus_dir, cache):
 
 
 
+@pytest.mark.slow
 def test_resume_from_a_state_written_before_input_shards(ds, corpus_dir, cache):
   """Checkpoints of the earlier pipeline (every process held the state of one global
   stream: packed rows batched to the global batch) continue exactly on one process."""
@@ -340,6 +345,7 @@ def test_resume_from_a_state_written_before_input_shards(ds, corpus_dir, cache):
   assert _equal(_take(it, 3), expected)
 
 
+@pytest.mark.slow
 def test_resume_with_another_shard_count_starts_the_next_epoch(ds, corpus_dir, cache, caplog):
   """Another shard count is another stream: the resumed run starts at the next epoch
   (the first batch of 2 shards is within epoch 0), skipping the rest of epoch 0."""
@@ -562,6 +568,7 @@ def test_openwebtext_prepare_path_on_fake_documents(tmp_path):
   assert corpus.eval_split == "test" and len(corpus.eval) == len(test)
 
 
+@pytest.mark.slow
 def test_prepared_corpus_reads_from_gs(tmp_path, gcs_bucket):
   """A TFDS (array_record) corpus under a gs:// data_dir: TFDS finds it through epath,
   array_record's own GCS reader reads it (at the emulator fileio points it to); the same
@@ -629,6 +636,7 @@ PREPARE_DRIVER = textwrap.dedent("""
     """)
 
 
+@pytest.mark.slow
 def test_two_jobs_preparing_one_new_cache_prepare_it_once(corpus_dir, tmp_path):
   cache = tmp_path / "cache"
   files = {"train": sources.expand_globs(str(corpus_dir / "train_*.txt"), "train_files"),
@@ -679,6 +687,7 @@ def _error_line(code: int, err: str) -> str:
   return errors[0]
 
 
+@pytest.mark.slow
 def test_damaged_cache_is_one_line_naming_the_directory_to_delete(ds, corpus_dir, cache,
                                                                    tmp_path):
   del ds  # prepared the cache
@@ -695,6 +704,7 @@ def test_damaged_cache_is_one_line_naming_the_directory_to_delete(ds, corpus_dir
   _check_batch(next(iter(_create(_cfg(corpus_dir, damaged)).train)))
 
 
+@pytest.mark.slow
 def test_full_disk_while_preparing_is_one_line_with_the_space_needed(corpus_dir, tmp_path):
   small = tmp_path / "small"
   small.mkdir()
@@ -744,6 +754,7 @@ def _alive(pid: int, start: str) -> bool:
   return fields[19] == start and fields[0] != "Z"   # the same process, not a zombie
 
 
+@pytest.mark.slow
 def test_worker_processes_die_with_a_killed_trainer(ds, corpus_dir, cache, tmp_path):
   del ds  # prepared the cache
   c = tiny_config(cache, num_train_steps=100_000)
@@ -774,6 +785,7 @@ def test_worker_processes_die_with_a_killed_trainer(ds, corpus_dir, cache, tmp_p
   assert len(family) >= 2 and not [p for p, s in family.items() if _alive(p, s)]
 
 
+@pytest.mark.slow
 def test_tokenizer_cached_on_and_read_from_gcs(tmp_path, monkeypatch, gcs_bucket):
   """`data.cache_dir` / `data.tokenizer_path` on gs:// (a GCS emulator): the tokenizer is
   written as an object and read back; nothing goes to a local directory named 'gs:'."""

@@ -26,7 +26,7 @@ from odetransformer.train.checkpoint.paths import CheckpointError, finalized_ste
 from test_reliability import config, main_cmd, snapshot, start_and_wait_for_checkpoint
 from test_train import _final_params, fast_compiles  # pylint: disable=unused-import
 
-pytestmark = pytest.mark.xdist_group("test_integrity")
+pytestmark = [pytest.mark.xdist_group("test_integrity"), pytest.mark.slow]
 
 ITEMS = ("model", "opt", "meta", "data")
 

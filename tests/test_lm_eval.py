@@ -27,7 +27,7 @@ from odetransformer.train import loop  # pylint: disable=g-import-not-at-top
 from tiny import tiny_run_config  # pylint: disable=g-import-not-at-top
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
-pytestmark = pytest.mark.xdist_group("test_lm_eval")
+pytestmark = [pytest.mark.xdist_group("test_lm_eval"), pytest.mark.slow]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TASK_DIR = ROOT / "examples" / "lm_eval_tasks"

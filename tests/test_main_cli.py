@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow   # every test here starts processes
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

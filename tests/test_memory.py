@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 from configs import default
 from odetransformer.model import blocks
@@ -62,6 +63,7 @@ def test_param_bytes_equal_eval_shape_count():
   assert not r.compiled and r.total_bytes > r.state_bytes
 
 
+@pytest.mark.slow
 def test_analytic_cli_shards_params_over_fake_devices(tmp_path):
   config = small_config()
   n = count_params(config_lib.model_config(config, config.data.vocab_size))
@@ -87,6 +89,7 @@ def _weight_heavy_flags():
   return config_flags(c)
 
 
+@pytest.mark.slow
 def test_compiled_cli_on_four_fake_devices(tmp_path):
   """Train and eval steps compiled on 4 devices (fsdp 4); the eval step's generated
   weights are sharded as the train step's: its temporaries hold a quarter of the K
@@ -111,6 +114,7 @@ def test_compiled_cli_on_four_fake_devices(tmp_path):
   assert "eval step peak" in stdout
 
 
+@pytest.mark.slow
 def test_large_config_uses_the_analytic_path_and_a_verdict(tmp_path):
   stdout, rep = _cli(tmp_path, "--config=configs/owt_large.py", "--num_devices=8",
                      "--device_memory_gib=1", timeout=60)
@@ -119,6 +123,7 @@ def test_large_config_uses_the_analytic_path_and_a_verdict(tmp_path):
   assert "DOES NOT FIT" in stdout and not rep["fits"]
 
 
+@pytest.mark.slow
 def test_bad_mesh_is_a_one_line_error(tmp_path):
   r = subprocess.run([sys.executable, "-m", "odetransformer.tools.memory",
                       "--config=configs/default.py", "--num_devices=4",

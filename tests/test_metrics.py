@@ -109,6 +109,7 @@ def test_tensorboard_events_round_trip(tmp_path):
   assert metrics.read_scalars(str(tmp_path)) == {"train/loss": [(1, 3.0), (2, 2.5)]}
 
 
+@pytest.mark.slow
 def test_event_writer_leaves_torch_unimported_and_works_beside_it(tmp_path):
   """In a fresh process (as main.py) writing events does not import PyTorch, though the
   export extra installs it (tensorboardX's writer imports it: seconds of CPU); a

@@ -140,6 +140,7 @@ def ref_logits(model, toks, num_steps, seg=None, pos=None):
   return np.stack(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("shared_mlp", [False, True])
 def test_scan_matches_reference_loop(family, shared_mlp):
@@ -164,6 +165,7 @@ def _perturb_hypernet(model, scale=0.3, seed=7):
   nnx.update(model, jax.tree.unflatten(tree, leaves))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,options", [
     ("gpt2", {}), ("llama", {}), ("gpt2", {"step_time": "end"}),
     ("llama", {"step_time": "end", "llama_block": "reference"})])
@@ -200,6 +202,7 @@ KINDS = [("diffeqformer", "gpt2"), ("diffeqformer", "llama"), ("transformer", "g
          ("transformer", "llama"), ("parallel", "gpt2"), ("shared", "llama")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,family", KINDS)
 def test_causality_and_segments(kind, family):
   model = create_model(dataclasses.replace(TINY, kind=kind, family=family), seed=4)
@@ -277,6 +280,7 @@ def test_solver_broadcasts_constant_inputs_and_returns_evaluation_outputs():
       atol=1e-6)   # float32 state of O(1)
 
 
+@pytest.mark.slow
 def test_model_solver_converges():
   """Each solver reaches its order on a real (smooth in t) transformer field.
 
@@ -296,6 +300,7 @@ def test_model_solver_converges():
     assert np.log2(e8 / e16) > order - 0.5, (method, e8, e16)
 
 
+@pytest.mark.slow
 def test_hypernetwork_gradients_match_finite_differences():
   cfg = dataclasses.replace(TINY, dtype="float64", param_dtype="float64", d_model=16,
                             num_heads=2, mlp_dim=32)
@@ -353,6 +358,7 @@ def test_program_size_flat_in_k():
   assert abs(large - small) / small < 0.05, (small, large)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 16, 128])
 def test_init_well_scaled_at_any_k(k):
   """A fresh DiffEqFormer's field is near zero (W(t) = P·h(t) with P and h both O(σ)), so
@@ -419,6 +425,7 @@ def test_embedding_init_follows_the_reference_models(kind):
       assert abs(got[name] / want[name] - 1) < 0.1, (name, got, want)
 
 
+@pytest.mark.slow
 def test_init_final_state_scale_independent_of_k():
   cfg = dataclasses.replace(TINY, d_model=64, mlp_dim=256)
   model = create_model(cfg, seed=11)
@@ -431,6 +438,7 @@ def test_init_final_state_scale_independent_of_k():
   assert max(finals) / min(finals) < 1.5, finals
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,family", KINDS)
 def test_kinds_train(kind, family):
   model = create_model(dataclasses.replace(TINY, kind=kind, family=family,
@@ -451,6 +459,7 @@ def test_kinds_train(kind, family):
   assert losses[-1] < losses[0] - 0.5, losses
 
 
+@pytest.mark.slow
 def test_remat_policies_same_gradients():
   toks = tokens(14)
   grads = []
@@ -598,6 +607,7 @@ def test_param_count_matches_allocated_model_and_gpt2():
   assert count_params(paper_config("gpt-small", kind="transformer")) == closed
 
 
+@pytest.mark.slow
 def test_lora_starts_at_base_trains_adapters_only_and_merges():
   from odetransformer.model.lora import Frozen, LoraParam, merge_lora
   base = materialize(create_model(TINY, seed=20), 5)

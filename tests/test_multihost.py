@@ -41,7 +41,7 @@ from odetransformer.train.checkpoint.paths import finalized_steps
 from tiny import cpu_env
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
-pytestmark = pytest.mark.xdist_group("test_multihost")
+pytestmark = [pytest.mark.xdist_group("test_multihost"), pytest.mark.slow]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240          # per group of processes; a hang is killed, not waited on

@@ -195,6 +195,7 @@ CASES = {"gpt2": dict(family="gpt2"),
          "llama": dict(family="llama", llama_block="reference", tie_embeddings=False)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_end_step_time_is_the_reference_forward(name):
   """Max |ours - reference| / max |reference| below 1e-5 at step_time='end' (float32

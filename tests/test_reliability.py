@@ -31,7 +31,7 @@ from test_train import (ROOT, TINY_FLAGS, _final_params,  # pylint: disable=unus
 from tiny import cpu_env
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
-pytestmark = pytest.mark.xdist_group("test_reliability")
+pytestmark = [pytest.mark.xdist_group("test_reliability"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

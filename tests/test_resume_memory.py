@@ -4,11 +4,14 @@ import gc
 import threading
 
 import jax
+import pytest
 
 from odetransformer.train import loop
 from odetransformer.train.checkpoint.manager import Checkpointer
 
 from tiny import tiny_config
+
+pytestmark = pytest.mark.slow   # runs training end to end
 
 
 def _live_bytes() -> int:

@@ -207,6 +207,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_loss_and_gradients_on_8_device_meshes_equal_one_device(tmp_path):
   """DiffEqFormer (both families), continuous and LoRA fine-tuning: the real
   train step's loss, gradient norm and every gradient, and (DiffEqFormer) the eval

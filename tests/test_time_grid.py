@@ -180,6 +180,7 @@ def test_train_time_grid_option():
   assert time_grid.train_time_grid(dataclasses.replace(on, kind="transformer"), key) is None
 
 
+@pytest.mark.slow
 def test_train_step_solves_on_the_grid_drawn_from_its_rng():
   """The train step's loss is the model's loss on random_offset_grid(fold_in(rng,
   _GRID_STREAM), K), not on the uniform grid (both taken directly from the same params)."""

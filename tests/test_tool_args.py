@@ -69,6 +69,7 @@ def refusal(command, workdir, flag) -> str:
   return msg
 
 
+@pytest.mark.slow
 def test_generate_refuses_in_one_stderr_line(workdir):
   proc = run(["-m", "odetransformer.tools.generate", f"--workdir={workdir}", "--max_new_tokens=0"])
   assert "--max_new_tokens=0 must be a positive number" in error_line(proc)
@@ -105,12 +106,14 @@ def test_solver_steps_on_a_discrete_run_is_refused_before_loading(tmp_path):
         "runs only at that depth; leave --solver_steps out")
 
 
+@pytest.mark.slow
 def test_evaluate_plot_refuses_a_directory(workdir):
   proc = run(["-m", "odetransformer.tools.evaluate", f"--workdir={workdir}", f"--plot={workdir}"])
   assert f"--plot={workdir} is a directory" in error_line(proc)
   assert sorted(os.listdir(workdir)) == ["config.json"]   # no probe file left
 
 
+@pytest.mark.slow
 def test_main_refuses_a_nan_learning_rate(tmp_path):
   c = tiny_config(tmp_path / "cache")
   proc = run(["main.py", "--config=configs/default.py", f"--workdir={tmp_path / 'wd'}",
@@ -131,6 +134,7 @@ def test_divergence_hints():
       "lower optim.learning_rate (now 0.001) or lower optim.grad_clip_norm (now 0.5)")
 
 
+@pytest.mark.slow
 def test_run_mesh_follows_the_run_or_the_flag():
   """The run's mesh.shape when it fits these devices, else fsdp over all of them; a
   --mesh_shape value wins and a misfit one is a one-line error."""

@@ -32,7 +32,7 @@ from odetransformer.train import loading, loop
 
 from tiny import cpu_env, tiny_config
 
-pytestmark = pytest.mark.xdist_group("test_tools_multihost")
+pytestmark = [pytest.mark.xdist_group("test_tools_multihost"), pytest.mark.slow]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240          # per group of processes; a hang is killed, not waited on

@@ -34,7 +34,7 @@ from conftest import shared_data_path
 from tiny import config_flags, run_on_8_cpu_devices, tiny_config
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
-pytestmark = pytest.mark.xdist_group("test_train")
+pytestmark = [pytest.mark.xdist_group("test_train"), pytest.mark.slow]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

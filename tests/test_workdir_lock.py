@@ -20,6 +20,7 @@ from test_reliability import (assert_one_line_error, main_cmd, start_and_wait_fo
 from test_train import ROOT, fast_compiles  # pylint: disable=unused-import
 
 
+@pytest.mark.slow
 def test_object_lock_refuses_takes_over_stale_and_notices_loss(gcs_bucket, caplog):
   wd = f"{gcs_bucket}/lock"
   lock_path = f"{wd}/.lock"
@@ -91,6 +92,7 @@ def test_startup_deletes_only_saves_whose_writer_has_ended(remote, request, tmp_
   assert [s for s, _ in unfinished_steps(wd)] == [4, 5, 6]
 
 
+@pytest.mark.slow
 def test_run_whose_lock_file_was_replaced_stops_in_one_line(tmp_path):
   """The real command: its `.lock` deleted, and another run's created, under it; at its
   next save it stops (exit 2, one line) and writes no checkpoint after."""

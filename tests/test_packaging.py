@@ -1,0 +1,189 @@
+"""The project as a package (pyproject.toml) and the test set-up around it: what the wheel
+holds and that it imports without the checkout, its dependencies against the pinned
+requirements, the test tiers (a test that starts processes is marked slow), the XLA-flag
+probe, the matmul-precision marker and the TF32 emulation used to find where it is needed.
+"""
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+import tomllib
+import zipfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tiny
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def _name(requirement: str) -> str:
+  return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.\-]+", requirement)[0]).lower()
+
+
+def _pins(*files) -> dict:
+  """{normalised name: version} of the `name==v` / `name~=v` lines of requirements files."""
+  pins = {}
+  for f in files:
+    for line in (ROOT / f).read_text(encoding="utf-8").splitlines():
+      m = re.match(r"([A-Za-z0-9_.\-]+)\s*(==|~=)\s*([0-9][^\s#;]*)", line)
+      if m:
+        pins[_name(m[1])] = m[3]
+  return pins
+
+
+def test_dependencies_are_lower_bounds_at_the_requirements_pins():
+  """pyproject declares what the library needs as `>=` the version requirements*.txt pin
+  (the set the tests run with), so the two lists cannot drift apart."""
+  project = PYPROJECT["project"]
+  groups = {"requirements.txt": project["dependencies"] + project["optional-dependencies"]["test"],
+            "requirements-eval.txt": project["optional-dependencies"]["eval"],
+            "requirements-export.txt": project["optional-dependencies"]["export"]}
+  for requirements, declared in groups.items():
+    pins = _pins(requirements)
+    for dep in declared:
+      name, bound = _name(dep), dep.split(">=")[1]
+      assert name in pins, f"{dep} is not pinned in {requirements}"
+      assert pins[name] == bound, (dep, requirements, pins[name])
+
+
+def test_no_test_edits_sys_path():
+  """The packages come installed and the repository root from pytest's `pythonpath`
+  (child processes: PYTHONPATH from conftest); no test or script a test runs patches it."""
+  edit = re.compile(r"sys\.path\s*(\.insert|\.append|\.extend|\[[^\]]*\]\s*=|\+?=)")
+  offenders = [f"{p.name}:{i}" for p in sorted((ROOT / "tests").glob("*.py"))
+               for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+               if edit.search(line)]
+  assert not offenders, offenders
+
+
+@pytest.mark.slow
+def test_the_wheel_holds_the_two_packages_and_imports_without_the_checkout(tmp_path):
+  """`pip install .` installs odetransformer and input_pipeline, every module of both and
+  nothing else; installed into a fresh directory, they import from there in a process
+  whose path has no checkout (the tools' `python -m odetransformer.<tool>` included)."""
+  subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                  "--no-build-isolation", "-w", str(tmp_path / "dist"), str(ROOT)],
+                 check=True, capture_output=True, timeout=300)
+  wheel, = (tmp_path / "dist").glob("odetransformer-*.whl")
+  names = set(zipfile.ZipFile(wheel).namelist())
+  assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {
+      "odetransformer", "input_pipeline"}
+  modules = {p.relative_to(ROOT).as_posix() for package in ("odetransformer", "input_pipeline")
+             for p in (ROOT / package).rglob("*.py")}
+  assert modules <= names, sorted(modules - names)
+
+  site = tmp_path / "site"
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                  "--target", str(site), str(wheel)], check=True, capture_output=True,
+                 timeout=300)
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  env["PYTHONPATH"] = str(site)
+  script = textwrap.dedent("""
+      import odetransformer, input_pipeline
+      from odetransformer.model import config
+      from input_pipeline import tokenizer
+      print(odetransformer.__file__, input_pipeline.__file__)
+      """)
+  out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, check=True,
+                       capture_output=True, text=True, timeout=300).stdout.split()
+  assert all(path.startswith(str(site)) for path in out), out
+  r = subprocess.run([sys.executable, "-m", "odetransformer.generate", "--help"], cwd=tmp_path,
+                     env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                     timeout=300)
+  assert r.returncode == 0 and "--workdir" in r.stdout + r.stderr, r.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------------------
+# The XLA flags of the tests
+# --------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_probe_keeps_known_flags_and_drops_an_unknown_one():
+  """XLA aborts a process whose XLA_FLAGS holds a flag it does not know (another XLA
+  version, e.g. the GPU image's); the probe leaves such a flag out and keeps the rest."""
+  known = "--xla_backend_optimization_level=0"
+  unknown = "--xla_no_such_flag_for_the_tests_probe=true"
+  assert tiny.xla_accepts([known])
+  assert not tiny.xla_accepts([unknown])
+  assert tiny.known_xla_flags([known, unknown]) == [known]
+
+
+@pytest.mark.slow
+def test_a_probe_that_fails_for_another_reason_is_an_error(monkeypatch):
+  """Not every failure is an unknown flag: one that is not is raised, not read as 'drop
+  all flags'."""
+  monkeypatch.setenv("JAX_PLATFORMS", "no_such_platform")
+  with pytest.raises(RuntimeError, match="another reason"):
+    tiny.xla_accepts(["--xla_backend_optimization_level=0"])
+
+
+def test_the_session_flags_reach_workers_and_children_once_probed():
+  """The probe ran once (in the process that started the session) and its result is in
+  the environment every worker and child inherits; the children's XLA_FLAGS hold it."""
+  assert os.environ[tiny.KNOWN_FLAGS_ENV] == tiny.TEST_XLA_FLAGS
+  assert set(tiny.TEST_XLA_FLAGS.split()) <= set(tiny.WANTED_TEST_XLA_FLAGS)
+  assert tiny.TEST_XLA_FLAGS in os.environ["XLA_FLAGS"]
+  flags = tiny.cpu_env(8)["XLA_FLAGS"].split()
+  assert flags == tiny.TEST_XLA_FLAGS.split() + ["--xla_force_host_platform_device_count=8"]
+
+
+# --------------------------------------------------------------------------------------
+# Matmul precision
+# --------------------------------------------------------------------------------------
+@pytest.mark.matmul_precision("highest")
+def test_a_test_marked_with_a_matmul_precision_runs_under_it():
+  assert jax.config.jax_default_matmul_precision == "highest"
+
+
+def test_an_unmarked_test_runs_at_the_default_precision():
+  assert jax.config.jax_default_matmul_precision is None
+
+
+_TF32_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    import tf32
+    tf32.emulate_tf32_on_cpu()
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((64, 256)), rng.standard_normal((256, 32))
+    want = a @ b                                           # float64
+    def err(precision=None):
+      got = jax.jit(lambda x, y: jnp.einsum("ik,kj->ij", x, y, precision=precision))(
+          a.astype(np.float32), b.astype(np.float32))
+      return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
+    with jax.default_matmul_precision("highest"):
+      under_context = err()
+    print(json.dumps({"default": err(), "highest": err("highest"), "context": under_context,
+                      "bf16": float(jax.jit(lambda x: x @ x.T)(jnp.ones((4, 4), jnp.bfloat16))[0, 0])}))
+    """)
+
+
+@pytest.mark.slow
+def test_the_tf32_emulation_rounds_only_default_precision_float32_dots(tmp_path):
+  """On the CPU with ODET_TEST_EMULATE_TF32, a default-precision float32 dot is off by
+  TF32's ~1e-3 (what a GPU gives), one at 'highest' (asked for, or from the marker's
+  context) by float32's ~1e-7; other dtypes compile and run as before."""
+  import json  # pylint: disable=g-import-not-at-top
+  out = subprocess.run([sys.executable, "-c", _TF32_SCRIPT], env=tiny.cpu_env(),
+                       capture_output=True, text=True, timeout=300, check=True).stdout
+  errors = json.loads(out.strip().splitlines()[-1])
+  assert 1e-4 < errors["default"] < 1e-2, errors
+  assert errors["highest"] < 1e-5 and errors["context"] < 1e-5, errors
+  assert errors["bf16"] == 4.0
+
+
+def test_float32_matmuls_in_this_process_are_exact_to_float32_on_the_cpu():
+  """Without the emulation the CPU computes float32 dots in float32 at any precision:
+  why float32 tests pass here either way, and need the marker only on a GPU or TPU."""
+  if os.environ.get("ODET_TEST_EMULATE_TF32") == "1" or jax.default_backend() != "cpu":
+    pytest.skip("float32 dots at the default precision are TF32 here")
+  rng = np.random.default_rng(0)
+  a, b = rng.standard_normal((64, 256)), rng.standard_normal((256, 32))
+  got = jnp.asarray(a, jnp.float32) @ jnp.asarray(b, jnp.float32)
+  np.testing.assert_allclose(np.asarray(got, np.float64), a @ b, rtol=0, atol=1e-4)
