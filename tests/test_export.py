@@ -29,7 +29,7 @@ torch.set_num_threads(1)
 from odetransformer.errors import UserError  # pylint: disable=g-import-not-at-top
 from odetransformer.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
 from odetransformer.model.transformer import LanguageModel  # pylint: disable=g-import-not-at-top
-from odetransformer.tools import export  # pylint: disable=g-import-not-at-top
+from odetransformer.tools import export, hf_verify  # pylint: disable=g-import-not-at-top
 from odetransformer.train import loading, loop
 
 from conftest import shared_data_path  # pylint: disable=g-import-not-at-top
@@ -96,10 +96,10 @@ def model_of(kind, family, **options):
 
 
 def assert_agrees(e):
-  a = export.verify(e)
+  a = hf_verify.verify(e)
   print(f"{e.architecture} ({e.source.config.kind}/{e.source.config.family}, {e.dtype}): "
         f"{a.describe()}")
-  assert a.max_error <= export.TOLERANCE * a.scale, a.describe()
+  assert a.max_error <= hf_verify.TOLERANCE * a.scale, a.describe()
   assert a.ours == a.theirs and len(a.ours[1]) > 0
   assert a.tokens_equal
   return a
@@ -157,8 +157,8 @@ def test_verify_fails_on_a_wrong_export(sp_model, tmp_path):
   e = export.export_model(model_of("transformer", "gpt2"), sp_model, str(tmp_path), context=32)
   config = json.loads((tmp_path / "config.json").read_text())
   (tmp_path / "config.json").write_text(json.dumps(dict(config, layer_norm_epsilon=1e-2)))
-  a = export.verify(e)
-  assert not a.ok and a.max_error > export.TOLERANCE * a.scale and "NO" in a.describe()
+  a = hf_verify.verify(e)
+  assert not a.ok and a.max_error > hf_verify.TOLERANCE * a.scale and "NO" in a.describe()
 
 
 def test_gcs_run_exports_to_gcs_as_it_does_locally(run, gcs_bucket, tmp_path):
@@ -206,6 +206,41 @@ def test_discrete_model_keeps_its_depth(sp_model, tmp_path):
   with pytest.raises(UserError, match="has 2 layers; leave --solver_steps out"):
     export.export_model(model_of("transformer", "gpt2"), sp_model, str(tmp_path), context=32,
                         num_steps=4)
+
+
+def test_out_is_never_merged_into_nor_left_half_written(sp_model, tmp_path, monkeypatch):
+  """A non-empty --out is refused as it was; --overwrite replaces it whole; an export
+  that fails midway leaves --out as it was (or absent) and no staging directory."""
+  model = model_of("transformer", "gpt2")
+  out = tmp_path / "hf"
+  out.mkdir()
+  (out / "notes.txt").write_text("mine")
+  with pytest.raises(UserError) as info:
+    export.export_model(model, sp_model, str(out), context=32)
+  assert str(info.value) == (f"--out={out} is not empty; pass a new or empty directory, "
+                             "or --overwrite to replace what it holds")
+  assert sorted(os.listdir(out)) == ["notes.txt"]
+  written = []
+  write_bytes = export.fileio.write_bytes_atomic
+
+  def fail_on_the_weights(path, data):
+    if str(path).endswith(".safetensors"):
+      raise OSError(28, "No space left on device")
+    written.append(path)
+    write_bytes(path, data)
+  monkeypatch.setattr(export.fileio, "write_bytes_atomic", fail_on_the_weights)
+  for target, overwrite in ((out, True), (tmp_path / "new", False)):
+    with pytest.raises(OSError, match="No space left"):
+      export.export_model(model, sp_model, str(target), context=32, overwrite=overwrite)
+  assert written and sorted(os.listdir(out)) == ["notes.txt"]
+  assert sorted(os.listdir(tmp_path)) == ["hf"]          # no staging, no "new"
+  monkeypatch.undo()
+  export.export_model(model, sp_model, str(out), context=32, overwrite=True)
+  assert "notes.txt" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
+  assert sorted(os.listdir(tmp_path)) == ["hf"]
+  (tmp_path / "empty").mkdir()                            # an empty --out is fine
+  export.export_model(model, sp_model, str(tmp_path / "empty"), context=32)
+  assert sorted(os.listdir(tmp_path / "empty")) == sorted(os.listdir(out))
 
 
 def test_tokenizer_gives_sentencepiece_ids_on_real_text(sp_model, tmp_path):
