@@ -140,6 +140,7 @@ def ref_logits(model, toks, num_steps, seg=None, pos=None):
   return np.stack(out)
 
 
+@pytest.mark.matmul_precision("highest")
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("shared_mlp", [False, True])
@@ -165,6 +166,7 @@ def _perturb_hypernet(model, scale=0.3, seed=7):
   nnx.update(model, jax.tree.unflatten(tree, leaves))
 
 
+@pytest.mark.matmul_precision("highest")
 @pytest.mark.slow
 @pytest.mark.parametrize("family,options", [
     ("gpt2", {}), ("llama", {}), ("gpt2", {"step_time": "end"}),
@@ -181,6 +183,7 @@ def test_materialized_equals_euler_solve(family, options):
     np.testing.assert_allclose(np.asarray(disc(toks)), np.asarray(ode), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.matmul_precision("highest")
 def test_materialized_shared_equals_solve():
   model = create_model(dataclasses.replace(TINY, kind="shared"), seed=3)
   _perturb_hypernet(model)
@@ -251,6 +254,7 @@ def test_solver_order(method, order, step_time):
     np.testing.assert_allclose(rates, order, atol=0.15)
 
 
+@pytest.mark.matmul_precision("highest")
 def test_solver_broadcasts_constant_inputs_and_returns_evaluation_outputs():
   """A [1, 1] stage input (a weight-shared layer) is the same at every stage, closed over
   rather than copied K·S times: the solve equals the one with the input copied to
@@ -566,6 +570,7 @@ def test_discrete_model_rejects_other_depth():
     model(tokens(), num_steps=TINY.depth + 1)
 
 
+@pytest.mark.matmul_precision("highest")
 @pytest.mark.parametrize("k", [1, 6, 12])
 def test_generate_weights_and_gradients_match_a_loop_in_float64(k):
   """W[k] = P·h_k + P0 for every k (one einsum over the unreshaped P [*shape, d_t]);

@@ -62,6 +62,7 @@ def test_bfloat16_state_stays_bfloat16_with_per_step_dt():
   np.testing.assert_allclose(np.asarray(x1, np.float32), 0.75 * 0.25, rtol=1e-2)
 
 
+@pytest.mark.matmul_precision("highest")
 @pytest.mark.parametrize("family,step_time", [("gpt2", "start"), ("llama", "start"),
                                                ("llama", "end")])
 def test_model_on_a_time_grid_matches_a_reference_loop(family, step_time):
