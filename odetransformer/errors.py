@@ -2,12 +2,13 @@
 
 `UserError` is raised wherever a user's input is at fault — a flag, a config value or
 file, a data file, a workdir — with a message that names the problem and the fix.
-Every command (main.py, evaluate, generate, memory, lm_eval, the analysis tools) runs
-its main function through `run_cli`, the one place that turns a UserError into
+Every command (main.py, evaluate, generate, export, memory, lm_eval, the analysis tools)
+runs its main function through `run_cli`, the one place that turns a UserError into
 
     error: <what is wrong>; <what to do>
 
-on stderr and exit status 2. `--verbose` on the command line shows the traceback
+on stderr and exit status 2 (`describe`: no class name; a config value's error that
+names no fix gets where to change it). `--verbose` on the command line shows the traceback
 instead. Anything else is a bug and keeps its traceback.
 
     from odetransformer import errors
@@ -15,8 +16,10 @@ instead. Anything else is a bug and keeps its traceback.
       errors.run_absl_tool(main, define_flags)    # absl flags; argparse: run_cli(main)
 """
 import argparse
+import ast
 import logging
 import os
+import re
 import sys
 import traceback
 from typing import Callable, Optional, Sequence
@@ -45,10 +48,19 @@ def one_line(text) -> str:
   return " ".join(str(text).split())
 
 
+# A message about one config value: `<dotted.key>=<value> …`.
+_CONFIG_VALUE = re.compile(r"([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)=\S")
+
+
 def describe(e: BaseException) -> str:
-  """The error line's text: `<Subclass>: message`, or the bare message of a UserError."""
+  """The error line's text, `<what>; <what to do>`, in one line (a subclass's name is for
+  code that catches it, not for the user). A ConfigError that names one value and no fix
+  (`model.solver_steps=0 must be a positive integer`) gets where to change it."""
   message = one_line(e) or type(e).__name__
-  return message if type(e) is UserError else f"{type(e).__name__}: {message}"
+  value = _CONFIG_VALUE.match(message)
+  if isinstance(e, ConfigError) and value and "; " not in message:
+    message += f"; change --config.{value.group(1)} (or its line in the config file)"
+  return message
 
 
 def verbose_requested(argv: Optional[Sequence[str]] = None) -> bool:
@@ -154,15 +166,36 @@ def parse_absl_flags(argv: list) -> list:
     raise UserError(f"config file {e.filename} line {e.lineno} has a syntax error "
                     f"({e.msg}); fix the file") from e
   except (AttributeError, KeyError) as e:
-    key = one_line(e).strip("\"'")
-    raise UserError(f"unknown config key {key!r} in {_unknown_override(argv, key)}; fix "
-                    "its spelling (the config file lists every key)") from e
+    raise UserError(_unknown_key_message(e, argv)) from e
   except OSError as e:
     raise UserError(f"the config file does not load ({_first_line(e)}); pass an "
                     "existing --config=configs/<name>.py") from e
   except (TypeError, ValueError) as e:
     raise UserError(f"the config does not load ({_first_line(e, last=True)}); fix the "
                     "config file or the --config.* override") from e
+
+
+def _unknown_key_message(e: BaseException, argv: Sequence[str]) -> str:
+  """An override of a key the config lacks, from ml_collections' KeyError (whose text is
+  `'key'` plus, on a second line, `Did you mean "keys" instead of "key"?`)."""
+  text = str(e.args[0]) if e.args else str(e)
+  while text[:1] in ("'", '"'):   # a KeyError's text is the repr of its message (twice
+    try:                          # when an AttributeError wraps it)
+      text = str(ast.literal_eval(text))
+    except (ValueError, SyntaxError):
+      break
+  first, _, rest = text.partition("\n")
+  key = first.strip().strip("\"'")
+  where = _unknown_override(argv, key)
+  suggestion = re.search(r'Did you mean "([^"]+)"', rest)
+  if suggestion and where.startswith("--") and "," not in where:
+    flag = where.split("=")[0]
+    fix = f"did you mean {flag[:flag.rindex(key)]}{suggestion.group(1)}?"
+  elif suggestion:
+    fix = f"did you mean {suggestion.group(1)!r}?"
+  else:
+    fix = "fix its spelling (the config file lists every key)"
+  return f"unknown config key {key!r} in {where}; {fix}"
 
 
 def _first_line(e: BaseException, last: bool = False) -> str:

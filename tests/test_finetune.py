@@ -63,14 +63,19 @@ def test_full_at_training_k_starts_at_the_ode_loss(pretrained, tmp_path):
   assert json.loads((tmp_path / "config.json").read_text())["model"]["kind"] == "parallel"
 
 
-def test_lora_with_embeddings_changes_only_adapters_and_embeddings(pretrained, tmp_path):
+def test_lora_with_embeddings_changes_only_adapters_and_embeddings(pretrained, tmp_path,
+                                                                  caplog):
   base, _ = pretrained
   c = ft_config(pretrained, "lora", 3, train_embeddings=True, lora_init="small")
   start = finetune.initial_model_state(c, finetune.finetune_model_config(c))
   b0 = np.asarray(nnx.to_pure_dict(start)["stack"]["lora"]["wq"]["b"])
   assert b0.shape == (3, 2, 32) and 0 < np.abs(b0).max() < 1e-5   # 1e-6·N(0, 1)
-  loop.train_and_evaluate(c, tmp_path)
-  tuned = loading.load_model(str(tmp_path)).model
+  with caplog.at_level("WARNING"):
+    loop.train_and_evaluate(c, tmp_path)
+    tuned = loading.load_model(str(tmp_path)).model
+  # The pre-trained K is no setting of the user's: neither the run nor a tool warns of it.
+  assert "is not used by kind" not in caplog.text, caplog.text
+  assert tuned.config.kind == "parallel" and tuned.config.depth == 3
   assert tuned.config.out_proj_scale == pytest.approx(1 / 3)
   reference = materialize(loading.load_model(str(base / "run")).model, 3, fold_dt=False)
   for name, w in reference.stack.params.items():   # frozen layers: bit for bit

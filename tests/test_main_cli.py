@@ -32,3 +32,26 @@ def test_an_unknown_flag_is_still_a_one_line_error():
   assert r.returncode == 2
   assert r.stderr.splitlines() == [
       "error: Unknown command line flag 'no_such_flag'; see --helpshort for the flags"]
+
+
+def test_a_misspelt_override_names_the_key_and_the_fix(tmp_path):
+  r = subprocess.run([sys.executable, "main.py", "--config=configs/default.py",
+                      f"--workdir={tmp_path / 'wd'}", "--config.model.solver_step=5"], cwd=ROOT,
+                     capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 2
+  assert r.stderr.splitlines() == [
+      "error: unknown config key 'solver_step' in --config.model.solver_step=5; did you mean "
+      "--config.model.solver_steps?"]
+
+
+def test_a_bad_value_says_where_to_change_it(tmp_path):
+  r = subprocess.run([sys.executable, "main.py", "--config=configs/default.py",
+                      f"--workdir={tmp_path / 'wd'}", "--config.num_train_steps=-5"], cwd=ROOT,
+                     capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 2
+  assert [l for l in r.stderr.splitlines() if l.startswith("error:")] == [
+      "error: num_train_steps=-5 must be positive; change --config.num_train_steps (or its "
+      "line in the config file)"]
+  assert not (tmp_path / "wd").exists()

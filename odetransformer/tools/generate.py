@@ -235,8 +235,9 @@ def check_flags(f) -> None:
     raise UserError("--prompt is not valid UTF-8 text; pass the prompt in UTF-8") from e
   loading.parse_mesh_shape(f.mesh_shape)
   config = loading.load_run_config(f.workdir)
-  cfg = model_config(config, vocab_size=config.data.get("vocab_size"))
-  if f.solver_steps is not None and not cfg.is_ode and f.solver_steps != cfg.depth:
+  cfg = (model_config(config, vocab_size=config.data.get("vocab_size"))
+         if f.solver_steps is not None else None)
+  if cfg is not None and not cfg.is_ode and f.solver_steps != cfg.depth:
     raise UserError(f"--solver_steps={f.solver_steps}: this run is a discrete {cfg.kind!r} "
                     f"model of {cfg.depth} layers, which runs only at that depth; leave "
                     "--solver_steps out")

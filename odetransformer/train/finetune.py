@@ -76,14 +76,16 @@ def finetune_model_config(config) -> ModelConfig:
           f"{getattr(pre, field)!r} (init_from={config.init_from}); remove the override")
   n = int(ft.solver_steps or 0) or pre.depth
   if n <= 0:
-    raise FinetuneError(f"finetune.solver_steps={n} must be positive")
+    raise FinetuneError(f"finetune.solver_steps={n} must be positive; set it to the N to "
+                        "fine-tune at, or leave it unset for the pre-trained K")
   keep = dict(dropout_rate=float(config.model.get("dropout_rate", pre.dropout_rate)),
               remat_policy=config.model.get("remat_policy", pre.remat_policy),
               dtype=config.model.get("dtype", pre.dtype))
   if method == "continuous":
     if not pre.is_ode:
       raise FinetuneError(f"finetune.method='continuous' needs an ODE model; the "
-                          f"pre-trained model is kind={pre.kind!r} (use 'full' or 'lora')")
+                          f"pre-trained model is kind={pre.kind!r}; use "
+                          "finetune.method='full' or 'lora'")
     return dataclasses.replace(pre, solver_steps=n, num_layers=n, **keep)
   if pre.is_ode and pre.solver != "euler":
     raise FinetuneError(f"finetune.method={method!r} materialises N Euler layers, a "
@@ -94,8 +96,9 @@ def finetune_model_config(config) -> ModelConfig:
                                **keep)
   else:
     if n != pre.depth:
-      raise FinetuneError(f"a discrete {pre.kind!r} model has {pre.depth} layers; "
-                          f"finetune.solver_steps={n} needs an ODE model")
+      raise FinetuneError(f"finetune.solver_steps={n}: the pre-trained model is a discrete "
+                          f"{pre.kind!r} model of {pre.depth} layers; leave "
+                          "finetune.solver_steps unset, or fine-tune an ODE run")
     disc = dataclasses.replace(pre, **keep)
   if method == "full":
     return disc
@@ -113,13 +116,21 @@ def prepare_config(config):
     for field in dataclasses.fields(cfg):
       value = getattr(cfg, field.name)
       config.model[field.name] = ",".join(value) if isinstance(value, tuple) else value
+    # A discrete model materialised from an ODE has no K: the pre-trained K would stay
+    # in the record as the depth field its kind does not use, differing from its depth,
+    # and every read of the config would warn about a setting the user never made.
+    # Left out, it reads as unset (None); a run recorded with it still resumes (a key
+    # only one fingerprint has is not compared).
+    if config.model.get(cfg.unused_depth_field) not in (None, cfg.depth):
+      del config.model[cfg.unused_depth_field]
     tokenizer = fileio.join(config.init_from, loading.TOKENIZER_FILE)
     if not config.data.get("tokenizer_path"):
       config.data.tokenizer_path = (fileio.local_copy(tokenizer) if fileio.exists(tokenizer)
                                     else pre.data.get("tokenizer_path", ""))
     if int(config.data.vocab_size) != int(pre.data.vocab_size):
       raise FinetuneError(f"data.vocab_size={config.data.vocab_size} differs from the "
-                          f"pre-trained run's {pre.data.vocab_size}; the tokenizer is shared")
+                          f"pre-trained run's {pre.data.vocab_size}; remove the override (the "
+                          "pre-trained run's tokenizer is reused)")
   return config
 
 
@@ -162,13 +173,15 @@ def place_initial_weights(config, cfg: ModelConfig, model_state: nnx.State) -> t
     for key, value in src.items():
       where = f"{path}/{key}"
       if key not in dst:
-        raise FinetuneError(f"init_from weight {where} has no place in this model")
+        raise FinetuneError(f"init_from weight {where} has no place in this model; point "
+                            "init_from at a run of this model's shape")
       if isinstance(value, dict):
         match(dst[key], value, where)
         continue
       if tuple(value.shape) != tuple(dst[key].shape):
         raise FinetuneError(f"init_from weight {where} has shape {tuple(value.shape)}, "
-                            f"this model {tuple(dst[key].shape)}")
+                            f"this model {tuple(dst[key].shape)}; point init_from at a run "
+                            "of this model's shape")
       pairs.append((dst, key, value, dst[key]))
   match(target, source, "")
   on_mesh, on_host = [], []   # restored arrays / host values (fresh LoRA factors)
