@@ -13,12 +13,12 @@ odetransformer.evaluate`, the lm-eval adapter and the benchmarks that score a ru
   here, sums per batch in float64 on the host (`evaluate_model`) over the whole split
   (`eval_data`), at any N.
 """
+from collections.abc import Callable, Iterable, Iterator, Sequence
 import contextlib
 import dataclasses
 import functools
 import math
 import time
-from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from flax import nnx
 import jax
@@ -40,7 +40,7 @@ LOCAL_DATA_PREFIX = "local:"   # `eval_data(data=...)`: text files instead of a 
 # The scorer
 # --------------------------------------------------------------------------------------
 def score_rows(model: LanguageModel, batch: dict, rules=None,
-               num_steps: Optional[int] = None) -> dict:
+               num_steps: int | None = None) -> dict:
   """`losses.token_scores` per row of `batch` under the model's deterministic forward
   pass at `num_steps` solver steps (None: the training K; discrete models: their depth).
 
@@ -55,7 +55,7 @@ def score_rows(model: LanguageModel, batch: dict, rules=None,
 
 
 def score_sums(model: LanguageModel, batch: dict, rules=None,
-               num_steps: Optional[int] = None) -> tuple:
+               num_steps: int | None = None) -> tuple:
   """(Σ weighted target NLL, Σ weights, Σ weighted argmax hits) of `score_rows`."""
   scores = score_rows(model, batch, rules, num_steps)
   return tuple(jnp.sum(scores[k]) for k in ("nll", "weight", "correct"))
@@ -64,7 +64,7 @@ def score_sums(model: LanguageModel, batch: dict, rules=None,
 # --------------------------------------------------------------------------------------
 # Batches
 # --------------------------------------------------------------------------------------
-def host_batch(batch, rows: Optional[int] = None) -> dict:
+def host_batch(batch, rows: int | None = None) -> dict:
   """The model's keys of `batch` as numpy (weights: ones where absent), padded to `rows`
   rows with weight-0 rows (a short last batch; a padded row scores nothing)."""
   out = {key: np.asarray(batch[key]) for key in BATCH_KEYS if key in batch}
@@ -119,7 +119,7 @@ def _sums(graphdef, num_steps, rules, state, batch):
 
 
 def evaluate_model(model: LanguageModel, batches: Iterable[dict],
-                   num_steps: Optional[int] = None, rules=None) -> Result:
+                   num_steps: int | None = None, rules=None) -> Result:
   """Token-weighted NLL over `batches` (dicts with inputs, targets and optionally
   weights, segment_ids, positions), summed per batch in float64 on the host.
 
@@ -204,7 +204,7 @@ def eval_data(workdir: str, config: ml_collections.ConfigDict, *, data: str = ""
                               f"batches of {batch_size}")
 
 
-def evaluate(workdir: str, num_steps: Sequence[Optional[int]] = (None,), *, step=None,
+def evaluate(workdir: str, num_steps: Sequence[int | None] = (None,), *, step=None,
              mesh_shape: str = "", **data_kwargs) -> list:
   """Loads the checkpoint (on the run's mesh, or `mesh_shape`) and returns a `Result` per
   entry of `num_steps` over `eval_data(workdir, config, **data_kwargs)`."""
