@@ -50,7 +50,9 @@ analysis package's functions). The last line:
   gpt2-small single-epoch diffeqformer/gpt test perplexity ratio: R ± s (3 seeds, T tokens)
 
 R the mean of the per-seed ratios, s their sample standard deviation.
-`benchmarks/gpu/wikipedia_small.sh` runs it on the GPU machine.
+`--prepare_only` trains the tokenizer and counts the epoch into D, then stops (the GPU
+script does that on a CPU first). `benchmarks/gpu/wikipedia_small.sh` runs it on the GPU
+machine.
 
 `--ode_grid=random_shift --kinds=diffeqformer` pre-trains only a DiffEqFormer of that
 time grid beside the others (same tokenizer, data order and schedule; its runs are named
