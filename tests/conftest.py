@@ -30,6 +30,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 # Scripts that tests launch may import test modules (and so this file) again: keep the
 # flags and the cache they were given.
 from tiny import TEST_XLA_FLAGS  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -40,6 +41,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 import tf32  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
 if os.environ.get(tf32.EMULATE_ENV) == "1":
   tf32.emulate_tf32_on_cpu()
 
