@@ -270,7 +270,8 @@ def main(argv, flag_values=None):
   try:
     decoder = Decoder(loaded.model, flags_.solver_steps)
   except ValueError as e:
-    raise UserError(f"--solver_steps={flags_.solver_steps}: {e}") from e
+    raise UserError(f"--solver_steps={flags_.solver_steps} cannot decode this model ({e}); "
+                    "pass another step count, or leave --solver_steps out") from e
   how = (f"materialised at N={decoder.num_steps} layers" if cfg.is_ode and cfg.solver == "euler"
          else f"{cfg.solver} solver at N={decoder.num_steps} steps" if cfg.is_ode
          else f"{decoder.num_steps} layers")
