@@ -64,36 +64,45 @@ checkpoints are the starting point of the other single-epoch measurements:
   python -m benchmarks.adaptive_finetune --finetune_text=T --out=D2 \
       --pretrained_diffeqformer=D/diffeqformer_seed0_steps3000 \
       --pretrained_gpt=D/transformer_seed0_steps3000
+
+This module holds the command line and the order of the runs; one run's config, training
+and scores are in `single_epoch_runs`, the epoch's count and check in
+`single_epoch_corpus`, the tables, PNG and ratio lines in `single_epoch_report`, and the
+analysis stage in `single_epoch_analysis`.
 """
 import argparse
 import glob
 import importlib.util
 import os
-import statistics
-import struct
 import tempfile
 import time
 
 from absl import logging
-import jax
-import ml_collections
-import numpy as np
 
 from benchmarks import common
-from configs import default
-import input_pipeline
-from input_pipeline import iterator_state, pipeline, sources
+from benchmarks.single_epoch_analysis import analyse_or_say_why_not
+from benchmarks.single_epoch_corpus import (
+  TrainingText,
+  max_single_epoch_steps,
+  single_epoch_check,
+)
+from benchmarks.single_epoch_report import (
+  mean_spread,
+  model_label,
+  print_eval_texts,
+  write_curves,
+  write_table,
+)
+from benchmarks.single_epoch_runs import (
+  KINDS,
+  describe_device,
+  make_config,
+  run_points,
+  run_whole,
+)
 from odetransformer.errors import UserError
 from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
 from odetransformer.runtime.logs import quiet_library_logs
-from odetransformer.tools import evaluate
-from odetransformer.train import loading
-from odetransformer.train.checkpoint.fingerprint import tokenizer_sha256
-
-KINDS = ("diffeqformer", "transformer")
-SPLITS = ("valid", "test")
-EVALS_FILE = "single_epoch_evals.json"
-EPOCH_FILE = "single_epoch_corpus.json"
 
 
 def parse_args(argv=None):
@@ -217,447 +226,6 @@ def load_config_file(spec: str):
   return config
 
 
-def run_name(args, kind: str, seed: int, steps: int) -> str:
-  """A run's directory name in the workdir; a DiffEqFormer of a random time grid is named
-  after its grid (the fixed grid's runs keep the plain names)."""
-  grid = f"_{args.ode_grid}" if kind == "diffeqformer" and args.ode_grid != "fixed" else ""
-  return f"{kind}{grid}_seed{seed}_steps{steps}"
-
-
-def make_config(args, kind: str, seed: int, steps: int, root: str):
-  """One run's config: --config's (its model, optimizer, batch, dtype) or the preset's on
-  configs/default.py, with the seed, kind, steps and the data of --data_dir."""
-  if args.base_config is not None:
-    c = ml_collections.ConfigDict(args.base_config.to_dict())
-    # The loop's own evaluation on valid.txt draws the learning curve (one training
-    # call per run: no recompilation at each point).
-    c.eval_every_steps = args.eval_every or max(1, round(steps / 10))
-    c.data.eval_max_batches = args.curve_batches
-    if args.vocab:
-      c.data.vocab_size = args.vocab
-  else:
-    preset = common.PRESETS[args.preset]
-    c = default.get_config()
-    c.model.family = "gpt2"
-    for key, value in preset["model"].items():
-      if key != "vocab_size":
-        c.model[key] = value
-    c.seq_len = preset["seq_len"]
-    c.model.max_len = max(c.model.max_len, c.seq_len)
-    c.global_batch_size = c.eval_batch_size = preset["batch"]
-    c.eval_every_steps = 0               # the benchmark scores the checkpoints itself
-    c.optim.learning_rate = args.lr
-    c.optim.b2 = args.b2
-    c.data.eval_max_batches = 1          # the loop's own end-of-run eval: one batch
-    c.data.vocab_size = args.vocab or preset["model"]["vocab_size"]
-  c.seed = seed
-  c.model.kind = kind
-  if kind == "diffeqformer":
-    c.model.train_time_grid = args.ode_grid
-  c.num_train_steps = steps
-  c.log_every_steps = args.log_every
-  c.checkpoint_every_steps = args.checkpoint_every
-  c.data.source = "local"
-  c.data.train_files = os.path.join(os.path.abspath(args.data_dir), "train-*.txt")
-  c.data.eval_files = os.path.join(os.path.abspath(args.data_dir), "valid.txt")
-  c.data.cache_dir = os.path.join(root, "cache")   # one tokenizer for every run
-  return c
-
-
-class TrainingText:
-  """The runs' training documents and tokenizer (prepared and trained once, in `root`)."""
-
-  def __init__(self, config, root: str):
-    self.config = config
-    ds = input_pipeline.create_datasets(
-        config.data, seq_len=config.seq_len, global_batch_size=config.global_batch_size,
-        eval_batch_size=config.eval_batch_size, seed=config.seed, workdir=root,
-        process_index=0, process_count=1)
-    self.tokenizer = ds.tokenizer
-    self.documents = sources.open_corpus(config.data, config.data.cache_dir).train
-    self.key = {"tokenizer": tokenizer_sha256(ds.tokenizer_path),
-                "corpus": ds.content_hash}
-    self.epoch = self._count(os.path.join(root, EPOCH_FILE))
-
-  def _count(self, path: str) -> dict:
-    """Documents and tokens in one pass (each document + eos, as the pipeline makes
-    them), counted once and kept at `path` under the tokenizer's and corpus's hashes."""
-    stored = common.read_json(path) or {}
-    if stored.get("key") == self.key:
-      return stored
-    key = self.config.data.text_key
-    texts = [self.documents[i][key] for i in range(len(self.documents))]
-    lengths = [len(ids) + 1 for ids in self.tokenizer.encode(
-        [t.decode("utf-8") if isinstance(t, bytes) else t for t in texts])]
-    counted = {"key": self.key, "documents": len(lengths), "tokens": sum(lengths),
-               "longest_document": max(lengths),
-               "vocab_size": self.tokenizer.get_piece_size()}
-    common.write_json(path, counted)
-    return counted
-
-  def documents_read(self, data_state, seed: int) -> int:
-    """Document positions the training stream had read when it stopped (this epoch's
-    while below the corpus's count): the packer's position once it filled the row
-    shuffle's current window, replayed from the window's start in the saved state."""
-    state = iterator_state.fix_grain_state(data_state)
-    if state["num_shards"] != 1:
-      raise UserError("the single-epoch check reads one input shard; fix: run on one process")
-    shard = state["shards"]["0"]
-    c = self.config
-    rows = pipeline.packed_rows(self.documents, self.tokenizer.serialized_model_proto(),
-                                seq_len=c.seq_len, text_key=c.data.text_key, seed=seed,
-                                shuffle_buffer=0, worker_count=0)
-    it = iter(rows)
-    it.set_state(shard.get("parent_window_start_state", shard))
-    for _ in range(c.data.shuffle_buffer if "parent_window_start_state" in shard else 0):
-      next(it)
-    return int(it.get_state()["parent_state"]["next_index"])
-
-
-def max_single_epoch_steps(config, epoch: dict) -> int:
-  """The most steps whose rows fit in one pass: each row takes seq_len + 1 positions of
-  the packed stream, the row shuffle reads up to one window of rows ahead, and the
-  packer up to one document past the last row."""
-  rows = (epoch["tokens"] - epoch["longest_document"]) // (config.seq_len + 1)
-  return max(0, (rows - max(1, config.data.shuffle_buffer)) // config.global_batch_size)
-
-
-def score(workdir: str, step: int, data_dir: str, max_batches: int,
-          eval_texts: tuple = ()) -> dict:
-  """Loss, perplexity and tokens of `workdir`'s checkpoint `step` on valid and test, and
-  under 'texts' on each file of `eval_texts` (by its path)."""
-  loaded = loading.load_model(workdir, step=step)
-  files = {split: os.path.join(os.path.abspath(data_dir), f"{split}.txt") for split in SPLITS}
-  files.update({("text", path): path for path in eval_texts})
-  out = {"texts": {}} if eval_texts else {}
-  for name, path in files.items():
-    data = evaluate.eval_data(workdir, loaded.config, max_batches=max_batches,
-                              data="local:" + os.path.abspath(path))
-    r = evaluate.evaluate_model(loaded.model, data.batches(), None, loaded.rules)
-    result = {"loss": r.loss, "perplexity": r.perplexity, "tokens": r.num_tokens}
-    if isinstance(name, tuple):
-      out["texts"][name[1]] = result
-    else:
-      out[name] = result
-  return out
-
-
-def run_points(args, kind: str, seed: int, steps: int, root: str, stop: int,
-               text: TrainingText) -> dict:
-  """Trains one model up to each evaluation step (up to `stop`) and scores it there;
-  returns {step: scores} with each score's 'note' (trained now / read back)."""
-  config = make_config(args, kind, seed, steps, root)
-  workdir = os.path.join(root, run_name(args, kind, seed, steps))
-  evals_path = os.path.join(workdir, EVALS_FILE)
-  stored = (common.read_json(evals_path) or {}) if common.is_current(config, workdir) else {}
-  points = [s for s in range(args.eval_every, steps, args.eval_every)] + [steps]
-  done = {}
-  for point in (s for s in points if s <= stop):
-    batches = args.eval_batches if point == steps else args.curve_batches
-    texts = tuple(args.eval_texts) if point == steps else ()
-    entry = stored.get(str(point))
-    if (entry and entry["eval_batches"] == batches
-        and sorted(entry.get("texts", {})) == sorted(texts)):
-      entry = dict(entry, note=f"read back from {evals_path} (code {common.code_version()})")
-    else:
-      r, note = common.keyed_run(config, workdir, stop_at_step=point if point < steps else 0)
-      if r["step"] < point:                # SIGTERM or Ctrl-C: saved, stopped
-        raise UserError(f"{workdir} stopped at step {r['step']} (interrupted); fix: run the "
-                        "same command again to continue from its checkpoint")
-      if r["step"] > point:                # already past it, with its score lost
-        print(f"seed {seed} step {point:>6} {kind:13s} | not scored: {workdir} is at step "
-              f"{r['step']} and scores only the step it stops at", flush=True)
-        continue
-      stored = common.read_json(evals_path) or {}   # empty when keyed_run moved a stale run aside
-      entry = dict(score(workdir, point, args.data_dir, batches, texts), eval_batches=batches,
-                   num_params=int(r["num_params"]),
-                   documents_read=text.documents_read(r["data_state"], seed))
-      stored[str(point)] = entry
-      common.write_json(evals_path, stored)
-      entry = dict(entry, note=note or "trained now")
-    done[point] = entry
-    print(f"seed {seed} step {point:>6} {kind:13s} | valid ppl "
-          f"{entry['valid']['perplexity']:9.2f} | test ppl {entry['test']['perplexity']:9.2f} "
-          f"| {entry['test']['tokens']:,} test tokens | {entry['note']}", flush=True)
-  return done
-
-
-def single_epoch_check(config, epoch: dict, steps: int, documents_read: int) -> str:
-  """The tokens a run saw and its single-epoch proof, or UserError when a document was
-  served a second time."""
-  if documents_read > epoch["documents"]:
-    raise UserError(f"the training stream read {documents_read:,} document positions, more "
-                    f"than the {epoch['documents']:,} documents of one pass: some tokens "
-                    "were served twice; fix: fewer --steps")
-  tokens = steps * config.global_batch_size * config.seq_len
-  return (f"tokens seen per model: {tokens:,} ({steps:,} steps x {config.global_batch_size} "
-          f"rows x {config.seq_len} targets); documents read {documents_read:,} of "
-          f"{epoch['documents']:,} ({epoch['tokens']:,} tokens): single epoch, no token "
-          "position of the training text served twice")
-
-
-def write_table(root: str, curves: dict, tokens_per_step: int) -> list:
-  """The first seed's learning curves as markdown, JSON and a PNG in `root`; returns the rows."""
-  rows = []
-  for step in sorted(set(curves["transformer"]) & set(curves["diffeqformer"])):
-    row = {"step": step, "tokens": step * tokens_per_step}
-    for kind in KINDS:
-      for split in SPLITS:
-        row[f"{kind}_{split}"] = curves[kind][step][split]["perplexity"]
-    row["test_ratio"] = row["diffeqformer_test"] / row["transformer_test"]
-    row["test_tokens_scored"] = curves["transformer"][step]["test"]["tokens"]
-    rows.append(row)
-  common.write_json(os.path.join(root, "single_epoch.json"), rows)
-  lines = ["| step | tokens | DiffEqFormer valid | DiffEqFormer test | GPT valid | GPT test "
-           "| test ratio | test tokens scored |", "|---|---|---|---|---|---|---|---|"]
-  lines += [f"| {r['step']} | {r['tokens']:,} | {r['diffeqformer_valid']:.2f} | "
-            f"{r['diffeqformer_test']:.2f} | {r['transformer_valid']:.2f} | "
-            f"{r['transformer_test']:.2f} | "
-            f"{r['test_ratio']:.3f} | {r['test_tokens_scored']:,} |" for r in rows]
-  with open(os.path.join(root, "single_epoch.md"), "w", encoding="utf-8") as f:
-    f.write("\n".join(lines) + "\n")
-  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
-  fig = Figure(figsize=(6, 4), layout="constrained")
-  ax = fig.add_subplot()
-  for kind in KINDS:
-    for split, style in zip(SPLITS, ("--", "-")):
-      ax.plot([r["tokens"] for r in rows], [r[f"{kind}_{split}"] for r in rows],
-              "o" + style, label=f"{kind} {split}")
-  ax.set_yscale("log")
-  ax.set_xlabel("training tokens")
-  ax.set_ylabel("perplexity")
-  ax.legend()
-  fig.savefig(os.path.join(root, "single_epoch.png"))
-  return lines
-
-
-def read_curve(workdir: str, tag: str = "eval/perplexity") -> dict:
-  """{step: value} of one scalar the training loop wrote to WORKDIR/tensorboard: every
-  events file in name (= creation time) order, a later value for a step replacing an
-  earlier one (a resumed run writes a new file); a record cut short by a kill ends its
-  file."""
-  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
-  out = {}
-  for path in sorted(glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))):
-    with open(path, "rb") as f:
-      data = f.read()
-    i = 0
-    while i + 12 <= len(data):            # TFRecord: u64 length, u32 crc, data, u32 crc
-      (n,) = struct.unpack("<Q", data[i:i + 8])
-      if i + 16 + n > len(data):
-        break
-      event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
-      i += 16 + n
-      for value in event.summary.value:
-        if value.tag == tag:
-          out[int(event.step)] = float(value.simple_value)
-  return out
-
-
-def describe_device() -> str:
-  devices = jax.devices()
-  return f"{len(devices)} x {devices[0].device_kind} ({devices[0].platform})"
-
-
-def run_whole(args, kind: str, seed: int, steps: int, root: str, stop: int,
-              text: TrainingText):
-  """--config mode: one training call per run, the loop evaluating valid.txt every
-  `eval_every_steps` (the learning curve, read back from its TensorBoard scalars); then
-  the final checkpoint scored on the whole valid and test splits and each --eval_text.
-  Returns the scores with 'curve' {step: valid perplexity}, 'train_seconds',
-  'score_seconds', 'num_params', 'documents_read', 'device' and 'note'; None when
-  --stop_after stopped the run first."""
-  config = make_config(args, kind, seed, steps, root)
-  workdir = os.path.join(root, run_name(args, kind, seed, steps))
-  evals_path = os.path.join(workdir, EVALS_FILE)
-  stored = (common.read_json(evals_path) or {}) if common.is_current(config, workdir) else {}
-  entry = stored.get(str(steps))
-  if (entry and entry["eval_batches"] == args.eval_batches
-      and sorted(entry.get("texts", {})) == sorted(args.eval_texts)):
-    entry = dict(entry, note=f"read back from {evals_path} (code {common.code_version()})")
-  else:
-    start = time.perf_counter()
-    r, note = common.keyed_run(config, workdir, stop_at_step=stop if stop < steps else 0)
-    train_seconds = time.perf_counter() - start
-    if r["step"] < steps:
-      if r["step"] == stop:
-        return None
-      raise UserError(f"{workdir} stopped at step {r['step']} (interrupted); fix: run the "
-                      "same command again to continue from its checkpoint")
-    start = time.perf_counter()
-    entry = score(workdir, steps, args.data_dir, args.eval_batches, tuple(args.eval_texts))
-    entry.update(
-        eval_batches=args.eval_batches, num_params=int(r["num_params"]),
-        documents_read=text.documents_read(r["data_state"], seed),
-        curve={str(k): v for k, v in sorted(read_curve(workdir).items())},
-        train_seconds=train_seconds, score_seconds=time.perf_counter() - start,
-        device=describe_device(), resumed_at=int(r["start_step"]))
-    stored = common.read_json(evals_path) or {}
-    stored[str(steps)] = entry
-    common.write_json(evals_path, stored)
-    entry = dict(entry, note=note or "trained now")
-  batches = f"{args.curve_batches} batches" if args.curve_batches else "whole split"
-  for step, value in entry["curve"].items():
-    print(f"seed {seed} step {int(step):>6} {kind:13s} | valid ppl {value:9.2f} "
-          f"({batches}, the loop's evaluation)", flush=True)
-  part = f", from step {entry['resumed_at']}" if entry.get("resumed_at") else ""
-  print(f"seed {seed} {kind:13s} | {steps} steps | valid ppl "
-        f"{entry['valid']['perplexity']:9.2f} | test ppl {entry['test']['perplexity']:9.2f} "
-        f"| {entry['test']['tokens']:,} test tokens | train {entry['train_seconds']:.1f} s"
-        f"{part}, score {entry['score_seconds']:.1f} s on {entry['device']} | "
-        f"{entry['note']}", flush=True)
-  return entry
-
-
-def write_curves(root: str, finals: dict, tokens_per_step: int) -> list:
-  """--config mode: the first seed's valid curves and final scores as markdown, JSON and
-  a PNG in `root`; returns the markdown lines."""
-  ode, gpt = (finals[kind] for kind in KINDS)
-  steps = sorted(set(map(int, ode["curve"])) & set(map(int, gpt["curve"])))
-  rows = [{"step": s, "tokens": s * tokens_per_step,
-           "diffeqformer_valid": ode["curve"][str(s)], "transformer_valid": gpt["curve"][str(s)]}
-          for s in steps]
-  for row in rows:
-    row["valid_ratio"] = row["diffeqformer_valid"] / row["transformer_valid"]
-  final = {f"{kind}_{split}": finals[kind][split]["perplexity"]
-           for kind in KINDS for split in SPLITS}
-  common.write_json(os.path.join(root, "single_epoch.json"), {"curve": rows, "final": final})
-  lines = ["| step | tokens | DiffEqFormer valid | GPT valid | valid ratio |",
-           "|---|---|---|---|---|"]
-  lines += [f"| {r['step']} | {r['tokens']:,} | {r['diffeqformer_valid']:.2f} | "
-            f"{r['transformer_valid']:.2f} | {r['valid_ratio']:.3f} |" for r in rows]
-  lines += ["", "| final (whole splits) | DiffEqFormer | GPT | ratio |", "|---|---|---|---|"]
-  lines += [f"| {split} | {final['diffeqformer_' + split]:.2f} | "
-            f"{final['transformer_' + split]:.2f} | "
-            f"{final['diffeqformer_' + split] / final['transformer_' + split]:.3f} |"
-            for split in SPLITS]
-  with open(os.path.join(root, "single_epoch.md"), "w", encoding="utf-8") as f:
-    f.write("\n".join(lines) + "\n")
-  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
-  fig = Figure(figsize=(6, 4), layout="constrained")
-  ax = fig.add_subplot()
-  last = steps[-1] * tokens_per_step if steps else 0
-  for kind, color in zip(KINDS, ("tab:blue", "tab:orange")):
-    ax.plot([r["tokens"] for r in rows], [r[f"{kind}_valid"] for r in rows], "o-",
-            color=color, label=f"{kind} valid")
-    ax.plot([last], [final[f"{kind}_test"]], "s", color=color, label=f"{kind} test (end)")
-  ax.set_yscale("log")
-  ax.set_xlabel("training tokens")
-  ax.set_ylabel("perplexity")
-  ax.legend()
-  fig.savefig(os.path.join(root, "single_epoch.png"))
-  return lines
-
-
-def trained_dispersion(model, res) -> dict:
-  """App. C.8's clustering measure on the trained model's own trajectory: the tokens'
-  states x(t) (Lyapunov's trajectory and its last Euler step), each centred over its
-  features as the block's norm does and projected to the unit sphere, then the mean
-  pairwise distance, the number of clusters and the polarisation gap of
-  `analysis.clustering` at every t."""
-  from odetransformer.analysis import clustering, fields  # pylint: disable=g-import-not-at-top
-  steps = fields.euler_steps(model)
-  field = jax.jit(fields.vector_field(model.config, res.trajectory.shape[1]))
-  last = {name: w[-1] for name, w in steps.weights.items()}
-  x_end = res.trajectory[-1] + steps.dt * np.asarray(field(res.trajectory[-1], last))
-  states = [np.asarray(x, np.float64) for x in list(res.trajectory) + [x_end]]
-  unit = [np.asarray(clustering.normalise(x - x.mean(-1, keepdims=True))) for x in states]
-  return {"times": (np.arange(len(states)) * steps.dt).tolist(),
-          "axis": steps.axis_label,
-          "mean_pairwise_distance": [clustering.mean_pairwise_distance(u) for u in unit],
-          "clusters": [clustering.num_clusters(u) for u in unit],
-          "polarisation_gap": [clustering.polarisation_gap(u) for u in unit],
-          "tokens": int(res.trajectory.shape[1])}
-
-
-def analyse(workdir: str, out: str, args) -> dict:
-  """Item 6 of the issue: Section 5's views of one trained DiffEqFormer, written to `out`
-  by the analysis package (spectra_{qk,ov,ff}.png, lyapunov.png/.html, App. C.8's
-  simulation clustering.png and clustering_dispersion.png) and the clustering measure
-  along the model's own trajectory (clustering_trained.png/.json); returns name -> path."""
-  from odetransformer.analysis import clustering, lyapunov, spectra  # pylint: disable=g-import-not-at-top
-  names = ("spectra_qk", "spectra_ov", "spectra_ff", "lyapunov", "clustering",
-           "clustering_dispersion", "clustering_trained")
-  done = {name: os.path.join(out, f"{name}.png") for name in names}
-  stamp = os.path.join(out, "analysed.json")
-  if (common.read_json(stamp) == {"run": os.path.basename(workdir), "code": common.code_version()}
-      and all(os.path.isfile(p) for p in done.values())):
-    print(f"analysis of {os.path.basename(workdir)}: read back from {out} (code "
-          f"{common.code_version()})", flush=True)    # e.g. a later call without its checkpoint
-    return done
-  os.makedirs(out, exist_ok=True)
-  loaded = loading.load_model(workdir)
-  model = loaded.model
-  found = spectra.compute_spectra(model, args.spectra_grid)
-  paths = {f"spectra_{k}": v for k, v in spectra.write_outputs(found, out).items()}
-  print(spectra.summary_line(found), flush=True)
-  tokenizer = loading.load_tokenizer(workdir)
-  with open(os.path.join(args.data_dir, "test.txt"), encoding="utf-8") as f:
-    head = f.read(50_000)                 # the first held-out article(s)
-  count = min(args.lyapunov_tokens, loaded.model_config.max_len)
-  ids = [tokenizer.eos_id()] + list(tokenizer.encode(head))[:count - 1]   # eos: as in training
-  res = lyapunov.sensitivity(model, ids, -1)
-  pieces = [lyapunov.piece_text(tokenizer, i) for i in ids]
-  title = f"{loaded.model_config.kind} ({os.path.basename(workdir)}, step {loaded.step})"
-  paths.update({f"lyapunov_{k}": v for k, v in lyapunov.write_outputs(res, pieces, out,
-                                                                         title).items()})
-  print(lyapunov.summary_line(res, pieces), flush=True)
-  clustering.main([f"--out={out}"])       # App. C.8's simulation, as the paper ran it
-  paths["clustering_png"] = os.path.join(out, "clustering.png")
-  paths["clustering_dispersion_png"] = os.path.join(out, "clustering_dispersion.png")
-  measure = trained_dispersion(model, res)
-  measure["text"] = "".join(pieces)
-  common.write_json(os.path.join(out, "clustering_trained.json"), measure)
-  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
-  fig = Figure(figsize=(6, 3.8), layout="constrained")
-  ax = fig.add_subplot()
-  ax.plot(measure["times"], measure["mean_pairwise_distance"], "o-",
-          label="mean pairwise distance")
-  ax.plot(measure["times"], measure["polarisation_gap"], "s--", label="1 - |mean x|")
-  for t, d, n in zip(measure["times"], measure["mean_pairwise_distance"], measure["clusters"]):
-    ax.annotate(str(n), (t, d), textcoords="offset points", xytext=(0, 5), fontsize=7)
-  ax.set_xlabel(measure["axis"])
-  ax.set_ylabel("on the unit sphere")
-  ax.set_title(f"{title}\n{measure['tokens']} tokens' states along t (numbers: clusters)",
-               fontsize=9)
-  ax.legend(fontsize=8)
-  paths["clustering_trained_png"] = os.path.join(out, "clustering_trained.png")
-  paths["clustering_trained_json"] = os.path.join(out, "clustering_trained.json")
-  fig.savefig(paths["clustering_trained_png"], dpi=110)
-  d = measure["mean_pairwise_distance"]
-  common.write_json(stamp, {"run": os.path.basename(workdir), "code": common.code_version()})
-  print(f"clustering along {os.path.basename(workdir)}'s trajectory ({measure['tokens']} "
-        f"tokens): mean pairwise distance t=0 {d[0]:.3f} -> t=1 {d[-1]:.3f}, "
-        f"{measure['clusters'][-1]} cluster(s) at the end", flush=True)
-  return paths
-
-
-def analyse_or_say_why_not(args, root: str, seed: int, steps: int) -> None:
-  """`analyse` of the seed's DiffEqFormer; when its checkpoint is gone (its scores were
-  read back in a later call on another machine) a line says so and the report goes on."""
-  try:
-    analyse(os.path.join(root, run_name(args, "diffeqformer", seed, steps)),
-            os.path.join(root, "analysis"), args)
-  except UserError as e:
-    print(f"analysis skipped: {e}", flush=True)
-
-
-def model_label(config) -> str:
-  """'gpt2-small' (or medium, large) for the GPT-2 shapes, else d<width>-K<depth>."""
-  m = config.model
-  shapes = {(768, 12, 12): "gpt2-small", (1024, 16, 24): "gpt2-medium",
-            (1280, 20, 36): "gpt2-large"}
-  return shapes.get((m.d_model, m.num_heads, m.solver_steps),
-                    f"d{m.d_model}-h{m.num_heads}-K{m.solver_steps}")
-
-
-def mean_spread(values: list) -> str:
-  """'mean ± sample standard deviation' (just the value for one)."""
-  if len(values) == 1:
-    return f"{values[0]:.3f}"
-  return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
-
-
 def main(argv=None):
   args = parse_args(argv)
   began = time.perf_counter()
@@ -733,19 +301,6 @@ def main(argv=None):
       finals[first]["transformer"]["test"]["perplexity"]
   print(f"single-epoch diffeqformer/gpt test perplexity ratio: {ratio:.3f} "
         f"(steps {args.steps}, tokens {args.steps * tokens_per_step:,})")
-
-
-def print_eval_texts(args, seed: int, finals: dict) -> None:
-  """One line per --eval_text file: each model's perplexity on it (and their ratio)."""
-  for path in args.eval_texts:
-    scored = {kind: finals[kind]["texts"][path] for kind in finals}
-    parts = [f"{kind} ppl {scored[kind]['perplexity']:.2f}" for kind in scored]
-    if len(scored) == len(KINDS):
-      ratio = scored["diffeqformer"]["perplexity"] / scored["transformer"]["perplexity"]
-      parts.append(f"diffeqformer/gpt ratio {ratio:.3f}")
-    tokens = next(iter(scored.values()))["tokens"]
-    print(f"seed {seed} eval_text {path} | " + " | ".join(parts) + f" | {tokens:,} tokens",
-          flush=True)
 
 
 def main_config(args, root: str, config, text: TrainingText, began: float) -> None:
