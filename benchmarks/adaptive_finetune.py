@@ -74,7 +74,7 @@ from configs import default
 from odetransformer.errors import ConfigError
 from odetransformer.model.config import model_config
 from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
-from odetransformer.tools import evaluate
+from odetransformer.train import evaluation
 from odetransformer.train.checkpoint.fingerprint import load_config
 from odetransformer.train.checkpoint.paths import CONFIG_FILE
 
@@ -167,8 +167,8 @@ def _reused(note: str) -> str:
 
 def before_finetuning(args, workdir, ns, valid_file):
   """Validation perplexity on the fine-tuning text of a pre-trained run at each N."""
-  results = evaluate.evaluate(workdir, ns, data=f"local:{valid_file}",
-                              max_batches=args.eval_batches)
+  results = evaluation.evaluate(workdir, ns, data=f"local:{valid_file}",
+                                max_batches=args.eval_batches)
   return [r.perplexity for r in results]
 
 
