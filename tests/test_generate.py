@@ -111,9 +111,14 @@ def test_cached_decoding_matches_full_forward(name):
   model = tiny_model(**CASES[name])
   toks = tokens(B, LEN)
   full = forward(model, toks)
-  assert float(jnp.max(jnp.abs(full))) > 1.0  # the comparison is not trivially small
+  scale = float(jnp.max(jnp.abs(full)))
+  assert scale > 1.0  # the comparison is not trivially small
   decoder = decoder_for(model)
-  np.testing.assert_allclose(cached_logits(decoder, toks, PREFILL), full, rtol=0, atol=TOL)
+  # TOL, or 4 float32 ulps at the logits' scale where they are large (the perturbed
+  # reference case reaches ~80, where one ulp is 7.6e-6): the cached and the full pass
+  # sum in different orders, and how they round depends on the CPU's vector width.
+  atol = max(TOL, 4 * float(jnp.finfo(jnp.float32).eps) * scale)
+  np.testing.assert_allclose(cached_logits(decoder, toks, PREFILL), full, rtol=0, atol=atol)
 
 
 @pytest.mark.slow
