@@ -15,7 +15,7 @@ from benchmarks import common
 from benchmarks.single_epoch_corpus import TrainingText
 from configs import default
 from odetransformer.errors import UserError
-from odetransformer.tools import evaluate
+from odetransformer.train import evaluation as evaluate
 from odetransformer.train import loading
 
 KINDS = ("diffeqformer", "transformer")
