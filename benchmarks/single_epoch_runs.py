@@ -15,8 +15,7 @@ from benchmarks import common
 from benchmarks.single_epoch_corpus import TrainingText
 from configs import default
 from odetransformer.errors import UserError
-from odetransformer.train import evaluation as evaluate
-from odetransformer.train import loading
+from odetransformer.train import evaluation, loading
 
 KINDS = ("diffeqformer", "transformer")
 SPLITS = ("valid", "test")
@@ -79,9 +78,9 @@ def score(workdir: str, step: int, data_dir: str, max_batches: int,
   files.update({("text", path): path for path in eval_texts})
   out = {"texts": {}} if eval_texts else {}
   for name, path in files.items():
-    data = evaluate.eval_data(workdir, loaded.config, max_batches=max_batches,
+    data = evaluation.eval_data(workdir, loaded.config, max_batches=max_batches,
                               data="local:" + os.path.abspath(path))
-    r = evaluate.evaluate_model(loaded.model, data.batches(), None, loaded.rules)
+    r = evaluation.evaluate_model(loaded.model, data.batches(), None, loaded.rules)
     result = {"loss": r.loss, "perplexity": r.perplexity, "tokens": r.num_tokens}
     if isinstance(name, tuple):
       out["texts"][name[1]] = result
