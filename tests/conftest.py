@@ -18,6 +18,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# On a GPU, pytest-xdist's workers share the card: without this each would take 75% of its
+# memory at start and the second would fail.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Scripts the tests start import configs, main and the tests' own modules, as the tests do.
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(ROOT), str(ROOT / "tests")] +
