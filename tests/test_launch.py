@@ -80,7 +80,8 @@ def _dry_run(script, args, tmp_path, root=ROOT, **env):
 
 
 def _pinned_jax(root=ROOT):
-  return re.search(r"^jax==(\S+)$", (root / "requirements.txt").read_text(), re.M).group(1)
+  # The CPU pin (Python < 3.12; an environment marker may follow it).
+  return re.search(r"^jax==([^\s;]+)", (root / "requirements.txt").read_text(), re.M).group(1)
 
 
 _INSTALLS = {   # script, the arguments of a dry run that sets up its venv, jax's extra
@@ -103,7 +104,7 @@ def test_scripts_install_the_platform_jax_extra_at_the_requirements_pin(script, 
     shutil.copytree(ROOT / "launch", root / "launch")
     (root / "main.py").touch()
     text = (ROOT / "requirements.txt").read_text()
-    (root / "requirements.txt").write_text(re.sub(r"(?m)^jax==\S+$", "jax==9.8.7", text))
+    (root / "requirements.txt").write_text(re.sub(r"(?m)^jax==[^\s;]+", "jax==9.8.7", text))
   args, extra = _INSTALLS[script]
   out = _dry_run(script, args, tmp_path, root=root).replace("\\", "")
   installs = re.findall(r"pip install -q (jax\[\w+\]==\S+) -r requirements.txt", out)

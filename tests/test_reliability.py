@@ -8,6 +8,7 @@ each misuse case runs the real command in a subprocess and checks its exit statu
 its single `error:` line (no traceback) and that the workdir is exactly as it was."""
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -453,12 +454,13 @@ def run_command(args, timeout=120):
 
 
 def assert_one_line_error(proc, *needles, status=2):
-  """Exit `status`, exactly one stderr line `error: ...` holding every needle, and no
-  traceback."""
+  """Exit `status`, exactly one stderr line `error: ...` holding every needle, in the one
+  style (no exception class before the message), and no traceback."""
   assert proc.returncode == status, proc.stderr[-3000:]
   errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
   assert len(errors) == 1, proc.stderr[-3000:]
   assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert not re.match(r"error: \w+(Error|Exception): ", errors[0]), errors[0]
   for needle in needles:
     assert needle in errors[0], errors[0]
   return errors[0]
@@ -554,7 +556,7 @@ def test_misuse_is_one_line_and_changes_nothing(case, run_copy, cache, tmp_path)
     args = main_cmd(wd, cache, 4, "--config.data.source=local",
                     f"--config.data.train_files={tmp_path / 'train.txt'}",
                     f"--config.data.eval_files={tmp_path / 'valid.txt'}")[1:]
-    needles = ("DataError", "not UTF-8 text", "convert the files to UTF-8")
+    needles = ("not UTF-8 text", "convert the files to UTF-8")
   before = snapshot(wd)
   tokenizers = snapshot(pathlib.Path(cache) / "tokenizers")
   proc, seconds = run_command(args)
@@ -641,7 +643,7 @@ def test_second_run_on_a_live_workdir_exits_at_once(run_copy, cache):
     assert holder.stdout.readline().strip() == "locked"
     before = snapshot(run_copy)
     proc, seconds = run_command(main_cmd(run_copy, cache, 4)[1:])
-    assert_one_line_error(proc, "WorkdirInUseError", f"PID {holder.pid} on host ",
+    assert_one_line_error(proc, f"PID {holder.pid} on host ",
                           "another --workdir")
     assert snapshot(run_copy) == before
     assert seconds < 90, seconds
@@ -683,7 +685,7 @@ def test_failed_save_is_one_line(run_copy, cache):
   finally:
     proc.kill()
   assert_one_line_error(subprocess.CompletedProcess([], proc.returncode, "", err),
-                        "CheckpointError", "saving the checkpoint of step", "failed")
+                        "saving the checkpoint of step", "failed")
 
 
 def test_ctrl_c_saves_like_sigterm_and_twice_exits_at_once(run_copy, cache, tmp_path):
