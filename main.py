@@ -26,27 +26,35 @@ on N hosts:
 
   JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=N JAX_PROCESS_ID=i python main.py ...
 """
+
 import os
 
-from absl import app
-from absl import flags
-from absl import logging
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from odetransformer import errors
-from odetransformer.runtime import host
-from odetransformer.runtime import hugepages
+from odetransformer.runtime import host, hugepages
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file, e.g. configs/default.py; override any of its "
-    "keys with --config.<key>=<value>.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and the tokenizer.")
-flags.DEFINE_bool("verbose", False, "Show the traceback of a user error (bad flag, config, "
-                  "data or workdir) as well as its one-line message.")
+  "config",
+  None,
+  "Experiment config file, e.g. configs/default.py; override any of its "
+  "keys with --config.<key>=<value>.",
+  lock_config=True,
+)
+_WORKDIR = flags.DEFINE_string(
+  "workdir", None, "Directory for checkpoints, logs and the tokenizer."
+)
+flags.DEFINE_bool(
+  "verbose",
+  False,
+  "Show the traceback of a user error (bad flag, config, "
+  "data or workdir) as well as its one-line message.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?", "h")
-_cpu_by_default = False   # whether this process set JAX_PLATFORMS=cpu (host.default_to_cpu)
+_cpu_by_default = False  # whether this process set JAX_PLATFORMS=cpu (host.default_to_cpu)
 
 
 def _parse_flags(argv: list) -> list:
@@ -64,20 +72,30 @@ def _parse_flags(argv: list) -> list:
 
 def main(argv):
   if len(argv) > 1:
-    raise errors.UserError(f"unexpected arguments {argv[1:]}; flags take the form "
-                           "--name=value (see --helpshort)")
+    raise errors.UserError(
+      f"unexpected arguments {argv[1:]}; flags take the form --name=value (see --helpshort)"
+    )
   config = errors.load_config_flag(_CONFIG)
   from odetransformer.runtime.logs import quiet_library_logs  # pylint: disable=g-import-not-at-top
-  quiet_library_logs()   # orbax and TFDS: warnings and errors only
+
+  quiet_library_logs()  # orbax and TFDS: warnings and errors only
   # Imported after flag parsing: grain workers read absl flags, which must be parsed.
   import jax  # pylint: disable=g-import-not-at-top
+
   if _cpu_by_default:
-    logging.info("no GPU or TPU device found: running on CPU (JAX_PLATFORMS=cpu; set "
-                 "JAX_PLATFORMS yourself to choose)")
-  host.initialize_distributed()     # several processes: jax.distributed (host.py)
-  logging.info("JAX process %d/%d, %d local / %d global devices (%s)", jax.process_index(),
-               jax.process_count(), jax.local_device_count(), jax.device_count(),
-               jax.devices()[0].device_kind)
+    logging.info(
+      "no GPU or TPU device found: running on CPU (JAX_PLATFORMS=cpu; set "
+      "JAX_PLATFORMS yourself to choose)"
+    )
+  host.initialize_distributed()  # several processes: jax.distributed (host.py)
+  logging.info(
+    "JAX process %d/%d, %d local / %d global devices (%s)",
+    jax.process_index(),
+    jax.process_count(),
+    jax.local_device_count(),
+    jax.device_count(),
+    jax.devices()[0].device_kind,
+  )
   if os.environ.get("GLIBC_TUNABLES") == hugepages.TUNABLE:
     logging.info("GLIBC_TUNABLES=%s: host buffers use transparent huge pages", hugepages.TUNABLE)
   elif hugepages.opted_in(os.environ):
@@ -85,8 +103,9 @@ def main(argv):
 
   from odetransformer.tools import out_of_memory  # pylint: disable=g-import-not-at-top
   from odetransformer.train import loop  # pylint: disable=g-import-not-at-top
+
   try:
-    loop.train_and_evaluate(config, _WORKDIR.value)   # a UserError: one line (run_cli)
+    loop.train_and_evaluate(config, _WORKDIR.value)  # a UserError: one line (run_cli)
   except errors.UserError:
     raise
   except Exception as e:  # pylint: disable=broad-except  (XLA out of memory: one line too)
@@ -98,10 +117,10 @@ def main(argv):
 
 def _run():
   global _cpu_by_default
-  hugepages.reexec_with_huge_pages()   # before jax is imported; see hugepages.py
+  hugepages.reexec_with_huge_pages()  # before jax is imported; see hugepages.py
   _cpu_by_default = host.default_to_cpu()
   app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":
-  errors.run_cli(_run)   # a bad ODET_HUGEPAGES value is a UserError too
+  errors.run_cli(_run)  # a bad ODET_HUGEPAGES value is a UserError too

@@ -59,6 +59,7 @@ interrupted benchmark continues where it stopped; runs of other code or another 
 afresh; a persistent compilation cache in --out lets later seeds
 skip XLA compilation.
 """
+
 import argparse
 import os
 import statistics
@@ -82,7 +83,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  after the Agg backend is chosen
 
 METHODS = ("continuous", "full", "lora")
-LORA_TARGETS = "wq,wk,wv,wo,w1,w2"     # every linear map of a layer
+LORA_TARGETS = "wq,wk,wv,wo,w1,w2"  # every linear map of a layer
 
 
 def _run_settings(c, args, seed, cache_dir):
@@ -93,13 +94,14 @@ def _run_settings(c, args, seed, cache_dir):
   with c.unlocked():
     c.seed = seed
     c.log_every_steps = 50
-    c.eval_every_steps = 0                # only at the end
-    c.checkpoint_every_steps = 0          # only at the end
-    c.optim.update(dict(learning_rate=args.lr, b2=args.b2, warmup_frac=0.01,
-                        min_lr_ratio=0.1, weight_decay=0.1))
+    c.eval_every_steps = 0  # only at the end
+    c.checkpoint_every_steps = 0  # only at the end
+    c.optim.update(
+      dict(learning_rate=args.lr, b2=args.b2, warmup_frac=0.01, min_lr_ratio=0.1, weight_decay=0.1)
+    )
     c.data.source = "local"
     c.data.eval_max_batches = args.eval_batches
-    c.data.cache_dir = cache_dir          # one tokenizer for every run
+    c.data.cache_dir = cache_dir  # one tokenizer for every run
   return c
 
 
@@ -119,7 +121,7 @@ def pretrained_base(args, seed, cache_dir, src):
   sequence length, batch, vocabulary and tokenizer) with this benchmark's settings."""
   c = _run_settings(load_config(src), args, seed, cache_dir)
   with c.unlocked():
-    c.data.tokenizer_path = ""            # the pre-trained run's (finetune.prepare_config)
+    c.data.tokenizer_path = ""  # the pre-trained run's (finetune.prepare_config)
   return c
 
 
@@ -137,23 +139,38 @@ def pretrain_all(args, seed, work, cache_dir) -> dict:
   """Pre-trains one seed's DiffEqFormer per grid and its GPT baseline in `work`:
   (grid, kind) -> workdir."""
   pre = {}
-  runs = ([(g, "diffeqformer", args.k) for g in args.grids]
-          + [("fixed", "transformer", args.gpt_layers)])
+  runs = [(g, "diffeqformer", args.k) for g in args.grids] + [
+    ("fixed", "transformer", args.gpt_layers)
+  ]
   for grid, kind, layers in runs:
     pre[grid, kind] = os.path.join(work, run_dir(grid, f"pre_{kind}"))
     r, note = pretrain(args, kind, layers, seed, pre[grid, kind], cache_dir, grid)
-    print(f"seed {seed} pre-trained {kind} ({layers} steps/layers, {grid} grid): eval "
-          f"perplexity {r['eval']['perplexity']:.2f}{_reused(note)}", flush=True)
+    print(
+      f"seed {seed} pre-trained {kind} ({layers} steps/layers, {grid} grid): eval "
+      f"perplexity {r['eval']['perplexity']:.2f}{_reused(note)}",
+      flush=True,
+    )
   return pre
 
 
 def finetune(args, init_from, method, n, seed, workdir, cache_dir, files):
-  c = (pretrained_base(args, seed, cache_dir, init_from) if args.pretrained
-       else base_config(args, seed, cache_dir))
+  c = (
+    pretrained_base(args, seed, cache_dir, init_from)
+    if args.pretrained
+    else base_config(args, seed, cache_dir)
+  )
   c.init_from = init_from
-  c.finetune = ml_collections.ConfigDict(dict(
-      method=method, solver_steps=n, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-      targets=LORA_TARGETS, lora_init="small", train_embeddings=True))
+  c.finetune = ml_collections.ConfigDict(
+    dict(
+      method=method,
+      solver_steps=n,
+      lora_rank=args.lora_rank,
+      lora_alpha=args.lora_alpha,
+      targets=LORA_TARGETS,
+      lora_init="small",
+      train_embeddings=True,
+    )
+  )
   c.num_train_steps = args.finetune_steps
   c.data.train_files, c.data.eval_files = files
   r, note = common.keyed_run(c, workdir)
@@ -167,8 +184,9 @@ def _reused(note: str) -> str:
 
 def before_finetuning(args, workdir, ns, valid_file):
   """Validation perplexity on the fine-tuning text of a pre-trained run at each N."""
-  results = evaluation.evaluate(workdir, ns, data=f"local:{valid_file}",
-                                max_batches=args.eval_batches)
+  results = evaluation.evaluate(
+    workdir, ns, data=f"local:{valid_file}", max_batches=args.eval_batches
+  )
   return [r.perplexity for r in results]
 
 
@@ -183,8 +201,10 @@ def split_text(path, directory):
     text = f.read()
   cut = text.rfind("\n\n", 0, int(0.9 * len(text)))
   cut = cut if cut > 0 else int(0.9 * len(text))
-  paths = (os.path.join(directory, "finetune_train.txt"),
-           os.path.join(directory, "finetune_valid.txt"))
+  paths = (
+    os.path.join(directory, "finetune_train.txt"),
+    os.path.join(directory, "finetune_valid.txt"),
+  )
   for out, part in zip(paths, (text[:cut], text[cut:])):
     with open(out, "w", encoding="utf-8") as f:
       f.write(part)
@@ -193,59 +213,103 @@ def split_text(path, directory):
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", default="/tmp/odet_adaptive_finetune",
-                 help="runs, table and plot (finished runs here are reused)")
+  p.add_argument(
+    "--out",
+    default="/tmp/odet_adaptive_finetune",
+    help="runs, table and plot (finished runs here are reused)",
+  )
   p.add_argument("--seeds", type=int, default=3, help="number of seeds")
-  p.add_argument("--first_seed", type=int, default=0,
-                 help="seeds first_seed..first_seed+S-1 (run seeds in parallel processes "
-                      "with the same --out; a final run over all of them reuses their runs)")
+  p.add_argument(
+    "--first_seed",
+    type=int,
+    default=0,
+    help="seeds first_seed..first_seed+S-1 (run seeds in parallel processes "
+    "with the same --out; a final run over all of them reuses their runs)",
+  )
   p.add_argument("--k", type=int, default=6, help="DiffEqFormer pre-training steps K")
   p.add_argument("--steps", default="", help="fine-tuning N values (default K/2,K,3K/2)")
-  p.add_argument("--gpt_layers", type=int, default=0,
-                 help="GPT baseline depth (default round(4K/3): the paper's 24 vs K=18)")
+  p.add_argument(
+    "--gpt_layers",
+    type=int,
+    default=0,
+    help="GPT baseline depth (default round(4K/3): the paper's 24 vs K=18)",
+  )
   p.add_argument("--d_model", type=int, default=64)
   p.add_argument("--time_embed_dim", type=int, default=32)
-  p.add_argument("--time_sinusoids", type=int, default=32,
-                 help="S; 32 at this width (d 64), the size the figures were measured at")
+  p.add_argument(
+    "--time_sinusoids",
+    type=int,
+    default=32,
+    help="S; 32 at this width (d 64), the size the figures were measured at",
+  )
   p.add_argument("--seq_len", type=int, default=64)
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--vocab", type=int, default=1024)
   p.add_argument("--pretrain_steps", type=int, default=300)
   p.add_argument("--finetune_steps", type=int, default=60)
-  p.add_argument("--lr", type=float, default=1e-3,
-                 help="peak lr of pre-training and of every fine-tuning method")
+  p.add_argument(
+    "--lr", type=float, default=1e-3, help="peak lr of pre-training and of every fine-tuning method"
+  )
   p.add_argument("--b2", type=float, default=0.999)
-  p.add_argument("--lora_rank", type=int, default=0,
-                 help="default round(200·d/1024), the authors' share of the width")
+  p.add_argument(
+    "--lora_rank",
+    type=int,
+    default=0,
+    help="default round(200·d/1024), the authors' share of the width",
+  )
   p.add_argument("--lora_alpha", type=float, default=8.0)
-  p.add_argument("--pretrain_grids", default="fixed,random_offset",
-                 help="DiffEqFormer pre-training time grids (model.train_time_grid), "
-                      "each pre-trained and fine-tuned")
-  p.add_argument("--methods", default=",".join(METHODS),
-                 help="fine-tuning methods to run (the GPT runs the discrete ones)")
+  p.add_argument(
+    "--pretrain_grids",
+    default="fixed,random_offset",
+    help="DiffEqFormer pre-training time grids (model.train_time_grid), "
+    "each pre-trained and fine-tuned",
+  )
+  p.add_argument(
+    "--methods",
+    default=",".join(METHODS),
+    help="fine-tuning methods to run (the GPT runs the discrete ones)",
+  )
   p.add_argument("--eval_batches", type=int, default=8)
-  p.add_argument("--data_dir", default="",
-                 help="directory with wikitext-2/{valid,test}.txt and tinyshakespeare/input.txt")
+  p.add_argument(
+    "--data_dir",
+    default="",
+    help="directory with wikitext-2/{valid,test}.txt and tinyshakespeare/input.txt",
+  )
   p.add_argument("--pretrain_train", default="", help="pre-training text (UTF-8)")
   p.add_argument("--pretrain_eval", default="", help="pre-training evaluation text")
-  p.add_argument("--finetune_text", default="",
-                 help="fine-tuning text: first 90%% train, last 10%% validation")
-  p.add_argument("--pretrained_diffeqformer", default="",
-                 help="a pre-trained DiffEqFormer workdir to fine-tune instead of "
-                      "pre-training (with --pretrained_gpt; shape, K and grid are the run's)")
-  p.add_argument("--pretrained_gpt", default="",
-                 help="the pre-trained GPT baseline's workdir (with --pretrained_diffeqformer)")
+  p.add_argument(
+    "--finetune_text", default="", help="fine-tuning text: first 90%% train, last 10%% validation"
+  )
+  p.add_argument(
+    "--pretrained_diffeqformer",
+    default="",
+    help="a pre-trained DiffEqFormer workdir to fine-tune instead of "
+    "pre-training (with --pretrained_gpt; shape, K and grid are the run's)",
+  )
+  p.add_argument(
+    "--pretrained_gpt",
+    default="",
+    help="the pre-trained GPT baseline's workdir (with --pretrained_diffeqformer)",
+  )
   args = p.parse_args(argv)
   args.pretrained = bool(args.pretrained_diffeqformer or args.pretrained_gpt)
-  defaults = {} if args.pretrained else {"pretrain_train": ("wikitext-2", "valid.txt"),
-                                          "pretrain_eval": ("wikitext-2", "test.txt")}
+  defaults = (
+    {}
+    if args.pretrained
+    else {
+      "pretrain_train": ("wikitext-2", "valid.txt"),
+      "pretrain_eval": ("wikitext-2", "test.txt"),
+    }
+  )
   defaults["finetune_text"] = ("tinyshakespeare", "input.txt")
   for flag, parts in defaults.items():
     if not getattr(args, flag) and args.data_dir:
       setattr(args, flag, os.path.join(args.data_dir, *parts))
     if not os.path.isfile(getattr(args, flag)):
-      p.error(f"--{flag}={getattr(args, flag)!r} is not a file; pass it, or --data_dir=DIR "
-              f"with {'/'.join(parts)} in DIR")
+      p.error(
+        f"--{flag}={getattr(args, flag)!r} is not a file; pass it, or --data_dir=DIR "
+        f"with {'/'.join(parts)} in DIR"
+      )
   if args.seeds < 1 or args.k < 1:
     p.error(f"--seeds={args.seeds} and --k={args.k} must be at least 1")
   if args.pretrained:
@@ -253,8 +317,11 @@ def parse_args(argv=None):
       from_pretrained(args)
     except (ConfigError, OSError, ValueError) as e:
       p.error(str(e))
-  args.ns = ([int(n) for n in args.steps.split(",")] if args.steps
-             else sorted({max(1, args.k // 2), args.k, (3 * args.k) // 2}))
+  args.ns = (
+    [int(n) for n in args.steps.split(",")]
+    if args.steps
+    else sorted({max(1, args.k // 2), args.k, (3 * args.k) // 2})
+  )
   args.gpt_layers = args.gpt_layers or max(1, round(4 * args.k / 3))
   args.lora_rank = args.lora_rank or max(1, round(200 * args.d_model / 1024))
   args.methods = [m for m in METHODS if m in args.methods.split(",")]
@@ -271,12 +338,16 @@ def from_pretrained(args) -> None:
   """Sets K, the GPT's depth, the grid, the width and the pre-training steps of `args`
   from the two pre-trained runs (ConfigError naming the flag when one is not usable)."""
   models = {}
-  for flag, kind in (("pretrained_diffeqformer", "diffeqformer"),
-                     ("pretrained_gpt", "transformer")):
+  for flag, kind in (
+    ("pretrained_diffeqformer", "diffeqformer"),
+    ("pretrained_gpt", "transformer"),
+  ):
     src = getattr(args, flag)
     if not src or not os.path.isfile(os.path.join(src, CONFIG_FILE)):
-      raise ConfigError(f"--{flag}={src!r} is not a training workdir ({CONFIG_FILE} "
-                        "missing); pass both --pretrained_diffeqformer and --pretrained_gpt")
+      raise ConfigError(
+        f"--{flag}={src!r} is not a training workdir ({CONFIG_FILE} "
+        "missing); pass both --pretrained_diffeqformer and --pretrained_gpt"
+      )
     config = load_config(src)
     models[kind] = model_config(config, config.data.vocab_size)
     if models[kind].kind != kind:
@@ -285,8 +356,10 @@ def from_pretrained(args) -> None:
       args.pretrain_steps = int(config.num_train_steps)
   ode, gpt = models["diffeqformer"], models["transformer"]
   if (ode.d_model, ode.vocab_size) != (gpt.d_model, gpt.vocab_size):
-    raise ConfigError("--pretrained_diffeqformer and --pretrained_gpt differ in width or "
-                      "vocabulary; pass two runs of one comparison")
+    raise ConfigError(
+      "--pretrained_diffeqformer and --pretrained_gpt differ in width or "
+      "vocabulary; pass two runs of one comparison"
+    )
   args.k, args.gpt_layers, args.grids = ode.solver_steps, gpt.depth, [ode.train_time_grid]
   args.d_model = ode.d_model
 
@@ -312,46 +385,74 @@ def main(argv=None):
   jax.config.update("jax_default_prng_impl", "rbg")
   files = split_text(args.finetune_text, args.out)
   if args.pretrained:
-    print(f"pre-trained runs (not trained here): DiffEqFormer {args.pretrained_diffeqformer} "
-          f"(K = {args.k}, {args.grids[0]} grid), GPT {args.pretrained_gpt} "
-          f"({args.gpt_layers} layers); seeds are fine-tuning seeds", flush=True)
+    print(
+      f"pre-trained runs (not trained here): DiffEqFormer {args.pretrained_diffeqformer} "
+      f"(K = {args.k}, {args.grids[0]} grid), GPT {args.pretrained_gpt} "
+      f"({args.gpt_layers} layers); seeds are fine-tuning seeds",
+      flush=True,
+    )
   cache = os.path.join(args.out, "cache")
-  ode, start_ppl, gpt = {}, {}, {}        # (grid, method, N) / (grid, N) / method -> [ppl per seed]
+  ode, start_ppl, gpt = {}, {}, {}  # (grid, method, N) / (grid, N) / method -> [ppl per seed]
   t0 = time.perf_counter()
   seeds = range(args.first_seed, args.first_seed + args.seeds)
   for seed in seeds:
     work = os.path.join(args.out, f"seed{seed}")
-    if args.pretrained:                  # the same two runs for every fine-tuning seed
-      pre = {(args.grids[0], "diffeqformer"): args.pretrained_diffeqformer,
-             ("fixed", "transformer"): args.pretrained_gpt}
+    if args.pretrained:  # the same two runs for every fine-tuning seed
+      pre = {
+        (args.grids[0], "diffeqformer"): args.pretrained_diffeqformer,
+        ("fixed", "transformer"): args.pretrained_gpt,
+      }
     else:
       pre = pretrain_all(args, seed, work, cache)
     for grid in args.grids:
       before = before_finetuning(args, pre[grid, "diffeqformer"], args.ns, files[1])
       for n, ppl in zip(args.ns, before):
         start_ppl.setdefault((grid, n), []).append(ppl)
-      print(f"seed {seed} diffeqformer {grid} before fine-tuning, N={args.ns}: "
-            f"{', '.join(f'{p:.2f}' for p in before)}", flush=True)
+      print(
+        f"seed {seed} diffeqformer {grid} before fine-tuning, N={args.ns}: "
+        f"{', '.join(f'{p:.2f}' for p in before)}",
+        flush=True,
+      )
       for method in args.methods:
         for n in args.ns:
-          ppl, note = finetune(args, pre[grid, "diffeqformer"], method, n, seed,
-                               os.path.join(work, run_dir(grid, f"ft_{method}_{n}")), cache,
-                               files)
+          ppl, note = finetune(
+            args,
+            pre[grid, "diffeqformer"],
+            method,
+            n,
+            seed,
+            os.path.join(work, run_dir(grid, f"ft_{method}_{n}")),
+            cache,
+            files,
+          )
           ode.setdefault((grid, method, n), []).append(ppl)
-          print(f"seed {seed} diffeqformer {grid} {method:10s} N={n:2d}: {ppl:8.2f}"
-                f"{_reused(note)}", flush=True)
+          print(
+            f"seed {seed} diffeqformer {grid} {method:10s} N={n:2d}: {ppl:8.2f}{_reused(note)}",
+            flush=True,
+          )
     gpt.setdefault("before", []).append(
-        before_finetuning(args, pre["fixed", "transformer"], [None], files[1])[0])
+      before_finetuning(args, pre["fixed", "transformer"], [None], files[1])[0]
+    )
     for method in [m for m in ("full", "lora") if m in args.methods]:
-      ppl, note = finetune(args, pre["fixed", "transformer"], method, 0, seed,
-                           os.path.join(work, f"ft_gpt_{method}"), cache, files)
+      ppl, note = finetune(
+        args,
+        pre["fixed", "transformer"],
+        method,
+        0,
+        seed,
+        os.path.join(work, f"ft_gpt_{method}"),
+        cache,
+        files,
+      )
       gpt.setdefault(method, []).append(ppl)
-      print(f"seed {seed} gpt          {method:10s} L={args.gpt_layers:2d}: {ppl:8.2f}"
-            f"{_reused(note)}", flush=True)
+      print(
+        f"seed {seed} gpt          {method:10s} L={args.gpt_layers:2d}: {ppl:8.2f}{_reused(note)}",
+        flush=True,
+      )
     print(f"seed {seed} done at {time.perf_counter() - t0:.0f} s", flush=True)
 
   ns, s = args.ns, args.seeds
-  rows = {}                               # row name -> [values per N, each a list over seeds]
+  rows = {}  # row name -> [values per N, each a list over seeds]
   for grid in args.grids:
     rows[f"DiffEqFormer {grid} before"] = [start_ppl[grid, n] for n in ns]
     for method in args.methods:
@@ -360,18 +461,31 @@ def main(argv=None):
     rows[f"GPT ({args.gpt_layers} layers) {method}"] = [values for _ in ns]
   header = "| model pre-training grid, method | " + " | ".join(f"N={n}" for n in ns) + " |"
   rule = "|" + "---|" * (len(ns) + 1)
-  lines = [f"Fine-tuned validation perplexity, mean ± std over {s} seeds "
-           f"({args.finetune_steps} fine-tuning steps after {args.pretrain_steps} "
-           f"pre-training steps; DiffEqFormer K = {args.k}, GPT {args.gpt_layers} layers; "
-           f"d {args.d_model}, LoRA r {args.lora_rank} alpha {args.lora_alpha:g}; "
-           "'before' = the pre-trained model, not fine-tuned)", "", header, rule]
-  lines += [f"| {name} | " + " | ".join(fmt(v) for v in values) + " |"
-            for name, values in rows.items()]
-  lines += ["", "Per seed:", "", "| seed | run | " + " | ".join(f"N={n}" for n in ns) + " |",
-            "|---|" + "---|" * (len(ns) + 1)]
+  lines = [
+    f"Fine-tuned validation perplexity, mean ± std over {s} seeds "
+    f"({args.finetune_steps} fine-tuning steps after {args.pretrain_steps} "
+    f"pre-training steps; DiffEqFormer K = {args.k}, GPT {args.gpt_layers} layers; "
+    f"d {args.d_model}, LoRA r {args.lora_rank} alpha {args.lora_alpha:g}; "
+    "'before' = the pre-trained model, not fine-tuned)",
+    "",
+    header,
+    rule,
+  ]
+  lines += [
+    f"| {name} | " + " | ".join(fmt(v) for v in values) + " |" for name, values in rows.items()
+  ]
+  lines += [
+    "",
+    "Per seed:",
+    "",
+    "| seed | run | " + " | ".join(f"N={n}" for n in ns) + " |",
+    "|---|" + "---|" * (len(ns) + 1),
+  ]
   for i, seed in enumerate(seeds):
-    lines += [f"| {seed} | {name} | " + " | ".join(f"{v[i]:.2f}" for v in values) + " |"
-              for name, values in rows.items()]
+    lines += [
+      f"| {seed} | {name} | " + " | ".join(f"{v[i]:.2f}" for v in values) + " |"
+      for name, values in rows.items()
+    ]
   text = "\n".join(lines)
   with open(os.path.join(args.out, "adaptive_finetune.md"), "w") as f:
     f.write(text + "\n")
@@ -379,14 +493,26 @@ def main(argv=None):
 
   fig, ax = plt.subplots(figsize=(6, 4))
   for grid, style in zip(args.grids, ("-", "--", ":")):
-    for method, color in zip(args.methods, ("C0", "C1", "C2")):   # 'before': in the table
+    for method, color in zip(args.methods, ("C0", "C1", "C2")):  # 'before': in the table
       means = [mean_std(v) for v in rows[f"DiffEqFormer {grid} {method}"]]
-      ax.errorbar(ns, [m for m, _ in means], yerr=[e for _, e in means], marker="o",
-                  capsize=3, linestyle=style, color=color, label=f"DiffEqFormer {grid} {method}")
+      ax.errorbar(
+        ns,
+        [m for m, _ in means],
+        yerr=[e for _, e in means],
+        marker="o",
+        capsize=3,
+        linestyle=style,
+        color=color,
+        label=f"DiffEqFormer {grid} {method}",
+      )
   for method, values in gpt.items():
     if method != "before":
-      ax.axhline(mean_std(values)[0], linestyle="-." if method == "full" else ":",
-                 color="black", label=f"GPT {method} ({args.gpt_layers} layers)")
+      ax.axhline(
+        mean_std(values)[0],
+        linestyle="-." if method == "full" else ":",
+        color="black",
+        label=f"GPT {method} ({args.gpt_layers} layers)",
+      )
   ax.set_xlabel("fine-tuning steps N")
   ax.set_ylabel("validation perplexity (log scale)")
   ax.set_yscale("log")
@@ -396,13 +522,18 @@ def main(argv=None):
   fig.savefig(os.path.join(args.out, "adaptive_finetune.png"), dpi=120)
   per_grid = []
   for grid in args.grids:
-    ratios = [f"{m} {mean_std(ode[grid, m, args.k])[0] / mean_std(gpt[m])[0]:.3f}"
-              for m in ("full", "lora") if m in gpt and (grid, m, args.k) in ode]
+    ratios = [
+      f"{m} {mean_std(ode[grid, m, args.k])[0] / mean_std(gpt[m])[0]:.3f}"
+      for m in ("full", "lora")
+      if m in gpt and (grid, m, args.k) in ode
+    ]
     if ratios:
       per_grid.append(f"{grid}: {', '.join(ratios)}")
   if per_grid:
-    print(f"diffeqformer/gpt fine-tuned perplexity ratio at N={args.k}: "
-          f"{'; '.join(per_grid)} (mean of {s} seeds)")
+    print(
+      f"diffeqformer/gpt fine-tuned perplexity ratio at N={args.k}: "
+      f"{'; '.join(per_grid)} (mean of {s} seeds)"
+    )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ that holds runs of the same code and config is reused (`common.keyed_run`): a fi
 run's scores are read back, and its line says so and names the code version; runs of
 other code or another config are moved aside and trained afresh.
 """
+
 import argparse
 import json
 import os
@@ -61,21 +62,24 @@ def make_config(args, mode: str, seed: int, cache_dir: str):
   c.model.train_time_grid = mode
   c.num_train_steps = args.steps
   c.log_every_steps = max(1, args.steps // 5)
-  c.eval_every_steps = 0                      # evaluated below, at every N
-  c.checkpoint_every_steps = 0                # only at the end
-  c.data.cache_dir = cache_dir                # one tokenizer for every run
+  c.eval_every_steps = 0  # evaluated below, at every N
+  c.checkpoint_every_steps = 0  # only at the end
+  c.data.cache_dir = cache_dir  # one tokenizer for every run
   # Only what a flag sets differs from configs/default.py (0 = keep the config's).
-  for node, key, value in ((c.model, "solver_steps", args.solver_steps),
-                           (c.model, "d_model", args.d_model),
-                           (c.model, "mlp_dim", 4 * args.d_model),
-                           (c.model, "num_heads", args.num_heads),
-                           (c.model, "time_embed_dim", args.time_embed_dim),
-                           (c.model, "time_sinusoids", args.time_sinusoids),
-                           (c.model, "step_time", args.step_time),
-                           (c.model, "max_len", args.seq_len),
-                           (c, "seq_len", args.seq_len), (c, "global_batch_size", args.batch),
-                           (c.data, "vocab_size", args.vocab),
-                           (c.data, "tokenizer_sample_bytes", args.tokenizer_sample_bytes)):
+  for node, key, value in (
+    (c.model, "solver_steps", args.solver_steps),
+    (c.model, "d_model", args.d_model),
+    (c.model, "mlp_dim", 4 * args.d_model),
+    (c.model, "num_heads", args.num_heads),
+    (c.model, "time_embed_dim", args.time_embed_dim),
+    (c.model, "time_sinusoids", args.time_sinusoids),
+    (c.model, "step_time", args.step_time),
+    (c.model, "max_len", args.seq_len),
+    (c, "seq_len", args.seq_len),
+    (c, "global_batch_size", args.batch),
+    (c.data, "vocab_size", args.vocab),
+    (c.data, "tokenizer_sample_bytes", args.tokenizer_sample_bytes),
+  ):
     if value:
       setattr(node, key, value)
   c.eval_batch_size = c.global_batch_size
@@ -86,13 +90,24 @@ def make_config(args, mode: str, seed: int, cache_dir: str):
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--seeds", type=int, default=3, help="number of seeds, both modes each")
-  p.add_argument("--first_seed", type=int, default=0,
-                 help="seeds first_seed … first_seed + seeds - 1 (split runs over processes)")
-  p.add_argument("--option", default="random_offset",
-                 help=f"the model.train_time_grid to compare with 'fixed' "
-                      f"({', '.join(g for g in TRAIN_TIME_GRIDS if g != 'fixed')})")
-  p.add_argument("--step_time", choices=("",) + STEP_TIMES, default="",
-                 help="model.step_time of both runs ('' = the config's)")
+  p.add_argument(
+    "--first_seed",
+    type=int,
+    default=0,
+    help="seeds first_seed … first_seed + seeds - 1 (split runs over processes)",
+  )
+  p.add_argument(
+    "--option",
+    default="random_offset",
+    help=f"the model.train_time_grid to compare with 'fixed' "
+    f"({', '.join(g for g in TRAIN_TIME_GRIDS if g != 'fixed')})",
+  )
+  p.add_argument(
+    "--step_time",
+    choices=("",) + STEP_TIMES,
+    default="",
+    help="model.step_time of both runs ('' = the config's)",
+  )
   p.add_argument("--steps", type=int, default=0, help="train steps (0 = the config's)")
   p.add_argument("--solver_steps", type=int, default=0, help="K, even (0 = the config's)")
   p.add_argument("--d_model", type=int, default=0, help="0 = the config's (mlp = 4·d)")
@@ -103,23 +118,35 @@ def parse_args(argv=None):
   p.add_argument("--batch", type=int, default=0, help="0 = the config's")
   p.add_argument("--vocab", type=int, default=0, help="0 = the config's")
   p.add_argument("--tokenizer_sample_bytes", type=int, default=0, help="0 = the config's")
-  p.add_argument("--eval_batches", type=int, default=16,
-                 help="evaluation batches per N (0 = the whole eval split)")
-  p.add_argument("--rounds", type=int, default=20,
-                 help="interleaved timing rounds (0 = no timing)")
+  p.add_argument(
+    "--eval_batches",
+    type=int,
+    default=16,
+    help="evaluation batches per N (0 = the whole eval split)",
+  )
+  p.add_argument("--rounds", type=int, default=20, help="interleaved timing rounds (0 = no timing)")
   p.add_argument("--workdir", default="", help="default: a fresh temporary directory")
-  p.add_argument("--runs", default="", help="comma-separated pre-trained DiffEqFormer "
-                 "workdirs to score at every N (no training; the flags above that shape "
-                 "or train a run do not apply)")
-  p.add_argument("--data", default="", help="with --runs: the evaluation text, "
-                 "'local:<glob>' or a data.source ('' = each run's eval split)")
+  p.add_argument(
+    "--runs",
+    default="",
+    help="comma-separated pre-trained DiffEqFormer "
+    "workdirs to score at every N (no training; the flags above that shape "
+    "or train a run do not apply)",
+  )
+  p.add_argument(
+    "--data",
+    default="",
+    help="with --runs: the evaluation text, "
+    "'local:<glob>' or a data.source ('' = each run's eval split)",
+  )
   args = p.parse_args(argv)
   args.runs = [r for r in args.runs.split(",") if r]
   if args.data and not args.runs:
     p.error("--data applies to --runs only; the trained runs score on their eval split")
   if args.option not in TRAIN_TIME_GRIDS or args.option == "fixed":
-    p.error(f"--option={args.option!r}: choose one of "
-            f"{[g for g in TRAIN_TIME_GRIDS if g != 'fixed']}")
+    p.error(
+      f"--option={args.option!r}: choose one of {[g for g in TRAIN_TIME_GRIDS if g != 'fixed']}"
+    )
   if args.seeds < 1:
     p.error(f"--seeds={args.seeds} must be at least 1")
   if args.rounds < 0 or args.first_seed < 0:
@@ -139,8 +166,9 @@ def train_tokens_per_second(config, rounds: int, option: str) -> dict:
   trainers = {m: common.Trainer(common.replace(cfg, train_time_grid=m), seed=0) for m in modes}
   b, length = config.global_batch_size, config.seq_len
   batch = trainers["fixed"].batch(b, length)
-  seconds = common.time_alternating({m: (lambda t=t: t.step(batch)) for m, t in
-                                     trainers.items()}, rounds)
+  seconds = common.time_alternating(
+    {m: (lambda t=t: t.step(batch)) for m, t in trainers.items()}, rounds
+  )
   return {m: b * length / s for m, s in seconds.items()}
 
 
@@ -154,8 +182,12 @@ def train_and_score(config, workdir: str, eval_batches: int):
   r, note = common.keyed_run(config, workdir)
   trained = time.perf_counter() - t
   hist = r["loss_history"]
-  key = {"code": common.code_version(), "step": int(r["step"]),
-         "eval_batches": eval_batches, "counts": counts}
+  key = {
+    "code": common.code_version(),
+    "step": int(r["step"]),
+    "eval_batches": eval_batches,
+    "counts": counts,
+  }
   stored = {}
   if os.path.exists(scores):
     with open(scores) as f:
@@ -164,17 +196,22 @@ def train_and_score(config, workdir: str, eval_batches: int):
     source = f"read back from {scores} (code {key['code']}, trained earlier: {r['step']} steps)"
   else:
     results = evaluation.evaluate(workdir, list(counts.values()), max_batches=eval_batches)
-    stored = {"key": key, "perplexity": {label: res.perplexity for label, res in
-                                         zip(counts, results)},
-              "tokens": results[0].num_tokens}
+    stored = {
+      "key": key,
+      "perplexity": {label: res.perplexity for label, res in zip(counts, results)},
+      "tokens": results[0].num_tokens,
+    }
     with open(scores, "w") as f:
       json.dump(stored, f)
-    source = (f"train loss {hist[0][1]:.3f} -> {hist[-1][1]:.3f}" if not note
-              else f"{note}, scored now")
+    source = (
+      f"train loss {hist[0][1]:.3f} -> {hist[-1][1]:.3f}" if not note else f"{note}, scored now"
+    )
   row = stored["perplexity"]
   cells = " | ".join(f"N={counts[label]} {row[label]:.2f}" for label in counts)
-  return row, (f"{source} | ppl {cells} | max ratio {worst_ratio(row):.3f} | "
-               f"eval tokens {stored['tokens']:,} | {trained:.0f}s")
+  return row, (
+    f"{source} | ppl {cells} | max ratio {worst_ratio(row):.3f} | "
+    f"eval tokens {stored['tokens']:,} | {trained:.0f}s"
+  )
 
 
 def score_runs(runs: list, data: str, eval_batches: int) -> None:
@@ -185,21 +222,29 @@ def score_runs(runs: list, data: str, eval_batches: int) -> None:
     config = loading.load_run_config(workdir)
     cfg = config_lib.model_config(config, config.data.vocab_size)
     if cfg.kind != "diffeqformer":
-      raise UserError(f"--runs: {workdir} holds a {cfg.kind!r} model, and any N needs a "
-                      "DiffEqFormer; pass DiffEqFormer runs")
+      raise UserError(
+        f"--runs: {workdir} holds a {cfg.kind!r} model, and any N needs a "
+        "DiffEqFormer; pass DiffEqFormer runs"
+      )
     counts = step_counts(int(cfg.solver_steps))
     t = time.perf_counter()
-    results = evaluation.evaluate(workdir, list(counts.values()), data=data,
-                                max_batches=eval_batches)
+    results = evaluation.evaluate(
+      workdir, list(counts.values()), data=data, max_batches=eval_batches
+    )
     row = {label: r.perplexity for label, r in zip(counts, results)}
     name = f"{cfg.train_time_grid} grid, step_time {cfg.step_time}"
     rows.append((name, row, worst_ratio(row)))
-    print(f"{workdir} ({name}): ppl "
-          + " | ".join(f"N={n} {row[label]:.2f}" for label, n in counts.items())
-          + f" | eval tokens {results[0].num_tokens:,} | {time.perf_counter() - t:.0f}s",
-          flush=True)
-  print(f"{'run':40s} " + " ".join(f"{label:>9s}" for label in rows[0][1])
-        + "   max ppl(N)/ppl(K) over N in {3K/2, 2K, 4K}")
+    print(
+      f"{workdir} ({name}): ppl "
+      + " | ".join(f"N={n} {row[label]:.2f}" for label, n in counts.items())
+      + f" | eval tokens {results[0].num_tokens:,} | {time.perf_counter() - t:.0f}s",
+      flush=True,
+    )
+  print(
+    f"{'run':40s} "
+    + " ".join(f"{label:>9s}" for label in rows[0][1])
+    + "   max ppl(N)/ppl(K) over N in {3K/2, 2K, 4K}"
+  )
   for name, row, worst in rows:
     print(f"{name:40s} " + " ".join(f"{v:9.2f}" for v in row.values()) + f"   {worst:.3f}")
   for name, _, worst in rows:
@@ -216,7 +261,7 @@ def main(argv=None):
   root = args.workdir or tempfile.mkdtemp(prefix="odet_any_n_")
   print(f"workdir {root}", flush=True)
   modes = ("fixed", args.option)
-  ppl = {m: [] for m in modes}   # per seed: label -> perplexity
+  ppl = {m: [] for m in modes}  # per seed: label -> perplexity
   config = None
   seeds = range(args.first_seed, args.first_seed + args.seeds)
   for seed in seeds:
@@ -229,23 +274,29 @@ def main(argv=None):
 
   k = config.model.solver_steps
   counts = step_counts(k)
-  mean = {m: {label: sum(row[label] for row in ppl[m]) / len(ppl[m]) for label in counts}
-          for m in modes}
-  print(f"mean perplexity of seed(s) {', '.join(map(str, seeds))}, {args.steps} steps, "
-        f"K = {k}:")
-  print(f"{'mode':14s} " + " ".join(f"{f'N={n}':>9s}" for n in counts.values())
-        + "   max ppl(N)/ppl(K) over N in {3K/2, 2K, 4K}")
+  mean = {
+    m: {label: sum(row[label] for row in ppl[m]) / len(ppl[m]) for label in counts} for m in modes
+  }
+  print(f"mean perplexity of seed(s) {', '.join(map(str, seeds))}, {args.steps} steps, K = {k}:")
+  print(
+    f"{'mode':14s} "
+    + " ".join(f"{f'N={n}':>9s}" for n in counts.values())
+    + "   max ppl(N)/ppl(K) over N in {3K/2, 2K, 4K}"
+  )
   ratios = {}
   for m in modes:
     ratios[m] = worst_ratio(mean[m])
-    print(f"{m:14s} " + " ".join(f"{mean[m][label]:9.2f}" for label in counts)
-          + f"   {ratios[m]:.3f}")
+    print(
+      f"{m:14s} " + " ".join(f"{mean[m][label]:9.2f}" for label in counts) + f"   {ratios[m]:.3f}"
+    )
   print(f"{args.option}/fixed perplexity at K: {mean[args.option]['K'] / mean['fixed']['K']:.4f}")
   if args.rounds:
     tps = train_tokens_per_second(config, args.rounds, args.option)
-    print(f"train tokens/s: fixed {tps['fixed']:,.0f}, {args.option} {tps[args.option]:,.0f} "
-          f"({args.option}/fixed time per step {tps['fixed'] / tps[args.option]:.3f}; "
-          f"median of {args.rounds} interleaved rounds)")
+    print(
+      f"train tokens/s: fixed {tps['fixed']:,.0f}, {args.option} {tps[args.option]:,.0f} "
+      f"({args.option}/fixed time per step {tps['fixed'] / tps[args.option]:.3f}; "
+      f"median of {args.rounds} interleaved rounds)"
+    )
   print(f"any-N: max ppl(N)/ppl(K) over N in {{3K/2, 2K, 4K}}: {ratios[args.option]:.3f}")
 
 

@@ -20,6 +20,7 @@ cache holds it, for every variant alike).
 
 Last line: `integrity overhead: save R×, restore R× (target ≤ 1.10)`.
 """
+
 import argparse
 import contextlib
 import functools
@@ -46,7 +47,7 @@ from odetransformer.train.checkpoint.integrity import (
 )
 from odetransformer.train.checkpoint.paths import checkpoint_dir
 
-ARRAYS_PER_PART = 16     # model, mu and nu: 16 arrays each
+ARRAYS_PER_PART = 16  # model, mu and nu: 16 arrays each
 
 
 def make_states(gib: float, seed: int = 0):
@@ -57,16 +58,18 @@ def make_states(gib: float, seed: int = 0):
   rng = np.random.default_rng(seed)
 
   def part():
-    return {f"w{i}": jax.device_put(rng.standard_normal((rows, cols), dtype=np.float32))
-            for i in range(ARRAYS_PER_PART)}
+    return {
+      f"w{i}": jax.device_put(rng.standard_normal((rows, cols), dtype=np.float32))
+      for i in range(ARRAYS_PER_PART)
+    }
+
   model = nnx.State({"params": part()})
   opt = nnx.State({"mu": part(), "nu": part(), "count": jax.device_put(np.int32(7))})
   return model, opt
 
 
 def abstract(state):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                      state)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
 
 class Timer:
@@ -88,8 +91,9 @@ def _sha256_all(step_dir: str):
     fileio.sha256(fileio.join(step_dir, rel))
 
 
-def save_and_restore(workdir, model, opt, save: Timer, restore: Timer, *,
-                     integrity: bool, sha256: bool = False):
+def save_and_restore(
+  workdir, model, opt, save: Timer, restore: Timer, *, integrity: bool, sha256: bool = False
+):
   """One save and one restore of the checkpoint's four items: with `integrity`
   through the training code's handlers (and the record checked before the restore),
   else through orbax's standard ones; with `sha256`, the old design's hash of every
@@ -99,21 +103,31 @@ def save_and_restore(workdir, model, opt, save: Timer, restore: Timer, *,
   save_json = JsonSave if integrity else ocp.args.JsonSave
   step_dir = fileio.join(checkpoint_dir(workdir), "1")
   mngr = ocp.CheckpointManager(
-      checkpoint_dir(workdir), item_handlers=handlers,
-      options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True,
-                                           enable_async_checkpointing=True))
+    checkpoint_dir(workdir),
+    item_handlers=handlers,
+    options=ocp.CheckpointManagerOptions(
+      max_to_keep=1, create=True, enable_async_checkpointing=True
+    ),
+  )
   with save.measure():
-    mngr.save(1, args=ocp.args.Composite(
-        model=save_arrays(nnx.to_pure_dict(model)), opt=save_arrays(nnx.to_pure_dict(opt)),
-        meta=save_json({"note": "benchmark"}), data=save_json({"states": [{"position": 0}]})))
+    mngr.save(
+      1,
+      args=ocp.args.Composite(
+        model=save_arrays(nnx.to_pure_dict(model)),
+        opt=save_arrays(nnx.to_pure_dict(opt)),
+        meta=save_json({"note": "benchmark"}),
+        data=save_json({"states": [{"position": 0}]}),
+      ),
+    )
     mngr.wait_until_finished()
     if sha256:
       _sha256_all(step_dir)
   targets = {"model": nnx.to_pure_dict(abstract(model)), "opt": nnx.to_pure_dict(abstract(opt))}
   if integrity:
-    args = {item: ArraysRestore(
-        item=t, restore_args=ocp.checkpoint_utils.construct_restore_args(t))
-            for item, t in targets.items()}
+    args = {
+      item: ArraysRestore(item=t, restore_args=ocp.checkpoint_utils.construct_restore_args(t))
+      for item, t in targets.items()
+    }
     args.update(meta=JsonRestore(), data=JsonRestore())
   else:
     args = {item: ocp.args.StandardRestore(t) for item, t in targets.items()}
@@ -130,9 +144,9 @@ def save_and_restore(workdir, model, opt, save: Timer, restore: Timer, *,
 
 
 VARIANTS = {
-    "orbax default": functools.partial(save_and_restore, integrity=False),
-    "with integrity": functools.partial(save_and_restore, integrity=True),
-    "+ sha256 (old)": functools.partial(save_and_restore, integrity=False, sha256=True),
+  "orbax default": functools.partial(save_and_restore, integrity=False),
+  "with integrity": functools.partial(save_and_restore, integrity=True),
+  "+ sha256 (old)": functools.partial(save_and_restore, integrity=False, sha256=True),
 }
 
 
@@ -140,14 +154,17 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB")
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--dir", default="", help="where to write (default: a temporary "
-                      "directory on the local disk)")
+  parser.add_argument(
+    "--dir", default="", help="where to write (default: a temporary directory on the local disk)"
+  )
   args = parser.parse_args(argv)
   quiet_library_logs()
   model, opt = make_states(args.gib)
   nbytes = sum(x.nbytes for x in jax.tree.leaves((model, opt)))
-  print(f"state {nbytes / 2**30:.2f} GiB ({len(jax.tree.leaves((model, opt)))} float32 "
-        f"arrays), {args.repeats} repeat(s), median seconds")
+  print(
+    f"state {nbytes / 2**30:.2f} GiB ({len(jax.tree.leaves((model, opt)))} float32 "
+    f"arrays), {args.repeats} repeat(s), median seconds"
+  )
   timers = {name: (Timer(), Timer()) for name in VARIANTS}
   with tempfile.TemporaryDirectory(dir=args.dir or None) as root:
     for r in range(args.repeats):
@@ -156,18 +173,26 @@ def main(argv=None):
         VARIANTS[name](workdir, model, opt, *timers[name])
         fileio.rmtree(workdir)
   base = "orbax default"
-  print(f"{'':16s}" + "".join(f"{name:>16s}" for name in VARIANTS)
-        + f"{'integrity/orbax':>17s}{'sha256/orbax':>14s}")
+  print(
+    f"{'':16s}"
+    + "".join(f"{name:>16s}" for name in VARIANTS)
+    + f"{'integrity/orbax':>17s}{'sha256/orbax':>14s}"
+  )
   ratios = {}
   for i, what in enumerate(("save", "restore")):
     for kind in ("wall", "cpu"):
       med = {name: statistics.median(getattr(timers[name][i], kind)) for name in VARIANTS}
       ratios[what, kind] = med["with integrity"] / med[base]
-      print(f"{what + ' ' + kind + ' s':16s}" + "".join(f"{med[n]:16.2f}" for n in VARIANTS)
-            + f"{ratios[what, kind]:16.2f}×{med['+ sha256 (old)'] / med[base]:13.2f}×")
-  print(f"integrity overhead: save {ratios['save', 'wall']:.2f}×, restore "
-        f"{ratios['restore', 'wall']:.2f}× wall; save {ratios['save', 'cpu']:.2f}×, restore "
-        f"{ratios['restore', 'cpu']:.2f}× CPU (target ≤ 1.10)")
+      print(
+        f"{what + ' ' + kind + ' s':16s}"
+        + "".join(f"{med[n]:16.2f}" for n in VARIANTS)
+        + f"{ratios[what, kind]:16.2f}×{med['+ sha256 (old)'] / med[base]:13.2f}×"
+      )
+  print(
+    f"integrity overhead: save {ratios['save', 'wall']:.2f}×, restore "
+    f"{ratios['restore', 'wall']:.2f}× wall; save {ratios['save', 'cpu']:.2f}×, restore "
+    f"{ratios['restore', 'cpu']:.2f}× CPU (target ≤ 1.10)"
+  )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ their float32 gradient and Adam moments), which a GPT of the same shape does not
   python -m benchmarks.collectives --tiny          # seconds-sized, for the tests
   python -m benchmarks.collectives --meshes=1,8,1 --families=llama
 """
+
 import argparse
 import collections
 import math
@@ -30,7 +31,7 @@ from benchmarks.host_devices import force_host_devices
 
 NUM_DEVICES = 8
 if __name__ == "__main__":
-  force_host_devices(NUM_DEVICES)   # before jax is imported: 8 fake CPU devices
+  force_host_devices(NUM_DEVICES)  # before jax is imported: 8 fake CPU devices
 
 # The rest after force_host_devices (E402): jax must see the 8 fake devices.
 from flax import nnx  # noqa: E402
@@ -47,18 +48,47 @@ from odetransformer.train import steps  # noqa: E402
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 MESHES = ((1, 8, 1), (2, 4, 1), (1, 2, 4))
-MiB = 2 ** 20
+MiB = 2**20
 
 # `--tiny`: compiles in seconds (compile time follows the program, not its shapes), its
 # heads and batch split over every mesh above, and its buffers are large enough that
 # `odetransformer.tools.memory`'s estimate is not dominated by XLA's small fixed ones.
-TINY = dict(model=dict(vocab_size=4096, d_model=128, num_heads=4, mlp_dim=512, solver_steps=2,
-                       num_layers=2, max_len=128, time_embed_dim=16, time_sinusoids=16),
-            seq_len=128, batch=8)
+TINY = dict(
+  model=dict(
+    vocab_size=4096,
+    d_model=128,
+    num_heads=4,
+    mlp_dim=512,
+    solver_steps=2,
+    num_layers=2,
+    max_len=128,
+    time_embed_dim=16,
+    time_sinusoids=16,
+  ),
+  seq_len=128,
+  batch=8,
+)
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-                "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "token": 0}
+_DTYPE_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
+  "f8e4m3fn": 1,
+  "f8e5m2": 1,
+  "token": 0,
+}
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 # `%name = <shape> <op>(<operands>), attrs` (the shape may be a tuple).
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
@@ -91,7 +121,7 @@ def parse_collectives(hlo_text: str) -> dict:
   while loops around it (XLA's `known_trip_count`; a loop without one counts once and
   is reported in `unknown_trip_counts`).
   """
-  comps = {}            # name -> {'bytes': Counter, 'calls': [(callee, multiplier)]}
+  comps = {}  # name -> {'bytes': Counter, 'calls': [(callee, multiplier)]}
   entry, current, shapes = None, None, {}
   unknown = 0
   for line in hlo_text.splitlines():
@@ -115,14 +145,16 @@ def parse_collectives(hlo_text: str) -> dict:
     shapes[name] = shape
     kind = _collective_kind(op)
     if kind is not None:
-      if kind == "reduce-scatter":   # the full buffer is the operand
+      if kind == "reduce-scatter":  # the full buffer is the operand
         operand = rest.split(")", 1)[0].split(",")[0].strip().lstrip("%")
         nbytes = shape_bytes(shapes.get(operand, "")) or shape_bytes(shape)
-      elif op.endswith("-start"):   # (operands..., results...): the result half
+      elif op.endswith("-start"):  # (operands..., results...): the result half
         parts = _ARRAY.findall(shape)
-        half = parts[len(parts) // 2:]
-        nbytes = sum(_DTYPE_BYTES.get(t, 0) * math.prod(int(d) for d in dims.split(",") if d)
-                     for t, dims in half)
+        half = parts[len(parts) // 2 :]
+        nbytes = sum(
+          _DTYPE_BYTES.get(t, 0) * math.prod(int(d) for d in dims.split(",") if d)
+          for t, dims in half
+        )
       else:
         nbytes = shape_bytes(shape)
       comps[current]["bytes"][kind] += nbytes
@@ -154,9 +186,11 @@ def parse_collectives(hlo_text: str) -> dict:
   if entry is None:
     raise ValueError("no ENTRY computation in the HLO text")
   static, weighted = total(entry, False), total(entry, True)
-  return {"static": {k: static.get(k, 0) for k in KINDS},
-          "weighted": {k: weighted.get(k, 0) for k in KINDS},
-          "unknown_trip_counts": unknown}
+  return {
+    "static": {k: static.get(k, 0) for k in KINDS},
+    "weighted": {k: weighted.get(k, 0) for k in KINDS},
+    "unknown_trip_counts": unknown,
+  }
 
 
 def make_config(preset: dict, kind: str, family: str, mesh_shape, remat: str):
@@ -186,7 +220,7 @@ def hypernet_bytes(ts) -> int:
       n = math.prod(x.sharding.shard_shape(x.shape))
       total += n * np.dtype(x.dtype).itemsize
       if part == 0:
-        total += n * 4          # its gradient, in float32
+        total += n * 4  # its gradient, in float32
   return total
 
 
@@ -200,26 +234,34 @@ def measure(config, devices) -> dict:
     ts = steps.state_layout(cfg, tx, config.seed, mesh)
     compiled = memory.compile_train_step(config, cfg, ts, mesh, rules)
   stats = compiled.memory_analysis()
-  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
-          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+  peak = (
+    stats.argument_size_in_bytes
+    + stats.output_size_in_bytes
+    - stats.alias_size_in_bytes
+    + stats.temp_size_in_bytes
+  )
   out = parse_collectives(compiled.as_text())
   estimate = memory.memory_report(config, compile_step=False, devices=devices).total_bytes
-  out.update(peak=peak, temp=stats.temp_size_in_bytes, hyper=hypernet_bytes(ts),
-             estimate=estimate)
+  out.update(peak=peak, temp=stats.temp_size_in_bytes, hyper=hypernet_bytes(ts), estimate=estimate)
   return out
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tiny", action="store_true", help="seconds-sized shapes (tests)")
-  parser.add_argument("--meshes", default=";".join(",".join(map(str, m)) for m in MESHES),
-                      help="';'-separated data,fsdp,tensor shapes of 8 devices")
+  parser.add_argument(
+    "--meshes",
+    default=";".join(",".join(map(str, m)) for m in MESHES),
+    help="';'-separated data,fsdp,tensor shapes of 8 devices",
+  )
   parser.add_argument("--families", default="gpt2,llama")
   parser.add_argument("--remat", default="dots_saveable", help="remat policy (both models)")
   args = parser.parse_args(argv)
   if jax.device_count() != NUM_DEVICES:
-    sys.exit(f"error: jax has {jax.device_count()} devices, not {NUM_DEVICES}: run as a "
-             "program (`python -m benchmarks.collectives`) so XLA_FLAGS is set before jax")
+    sys.exit(
+      f"error: jax has {jax.device_count()} devices, not {NUM_DEVICES}: run as a "
+      "program (`python -m benchmarks.collectives`) so XLA_FLAGS is set before jax"
+    )
   try:
     meshes = [tuple(int(v) for v in m.split(",")) for m in args.meshes.split(";") if m]
     for m in meshes:
@@ -232,49 +274,71 @@ def main(argv=None):
     sys.exit(f"error: --families={args.families!r}: choose from {','.join(config_lib.FAMILIES)}")
   preset = TINY if args.tiny else common.PRESETS["bench-small"]
   m = preset["model"]
-  print(f"{'tiny' if args.tiny else 'bench-small'}: vocab {m['vocab_size']}, d {m['d_model']}, "
-        f"{m['num_heads']} heads, {m['solver_steps']} steps, seq {preset['seq_len']}, "
-        f"batch {preset['batch']}, d_t {m['time_embed_dim']}, f32, remat {args.remat}; "
-        f"{NUM_DEVICES} host devices")
-  short = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR",
-           "all-to-all": "A2A", "collective-permute": "CP"}
-  print("collective MiB per step (static in the program / weighted by loop trip counts); "
-        "memory MiB per device")
-  print(f"{'mesh':9s} {'family':7s} {'model':12s} "
-        + " ".join(f"{short[k]:>13s}" for k in KINDS)
-        + f" {'total':>15s} {'peak mem':>9s} {'temp':>8s} {'hyper':>7s} {'estimate':>9s}")
+  print(
+    f"{'tiny' if args.tiny else 'bench-small'}: vocab {m['vocab_size']}, d {m['d_model']}, "
+    f"{m['num_heads']} heads, {m['solver_steps']} steps, seq {preset['seq_len']}, "
+    f"batch {preset['batch']}, d_t {m['time_embed_dim']}, f32, remat {args.remat}; "
+    f"{NUM_DEVICES} host devices"
+  )
+  short = {
+    "all-gather": "AG",
+    "reduce-scatter": "RS",
+    "all-reduce": "AR",
+    "all-to-all": "A2A",
+    "collective-permute": "CP",
+  }
+  print(
+    "collective MiB per step (static in the program / weighted by loop trip counts); "
+    "memory MiB per device"
+  )
+  print(
+    f"{'mesh':9s} {'family':7s} {'model':12s} "
+    + " ".join(f"{short[k]:>13s}" for k in KINDS)
+    + f" {'total':>15s} {'peak mem':>9s} {'temp':>8s} {'hyper':>7s} {'estimate':>9s}"
+  )
   devices = jax.devices()
   ratios, estimates, mem_ok = [], [], True
   for mesh_shape in meshes:
     for family in families:
       res = {}
       for kind in ("transformer", "diffeqformer"):
-        res[kind] = r = measure(make_config(preset, kind, family, mesh_shape, args.remat),
-                                devices)
-        cells = " ".join(f"{r['static'][k] / MiB:6.2f}/{r['weighted'][k] / MiB:6.2f}"
-                         for k in KINDS)
+        res[kind] = r = measure(make_config(preset, kind, family, mesh_shape, args.remat), devices)
+        cells = " ".join(
+          f"{r['static'][k] / MiB:6.2f}/{r['weighted'][k] / MiB:6.2f}" for k in KINDS
+        )
         s, w = sum(r["static"].values()), sum(r["weighted"].values())
-        print(f"{str(mesh_shape):9s} {family:7s} {kind:12s} {cells} "
-              f"{s / MiB:7.2f}/{w / MiB:7.2f} {r['peak'] / MiB:9.1f} {r['temp'] / MiB:8.1f} "
-              f"{r['hyper'] / MiB:7.1f} {r['estimate'] / MiB:9.1f}", flush=True)
+        print(
+          f"{str(mesh_shape):9s} {family:7s} {kind:12s} {cells} "
+          f"{s / MiB:7.2f}/{w / MiB:7.2f} {r['peak'] / MiB:9.1f} {r['temp'] / MiB:8.1f} "
+          f"{r['hyper'] / MiB:7.1f} {r['estimate'] / MiB:9.1f}",
+          flush=True,
+        )
         estimates.append(r["estimate"] / r["peak"])
         if r["unknown_trip_counts"]:
-          print(f"  note: {r['unknown_trip_counts']} while loop(s) without a known trip "
-                "count, counted once")
+          print(
+            f"  note: {r['unknown_trip_counts']} while loop(s) without a known trip "
+            "count, counted once"
+          )
       gpt, ode = res["transformer"], res["diffeqformer"]
       w_gpt, w_ode = sum(gpt["weighted"].values()), sum(ode["weighted"].values())
       ratio = w_ode / w_gpt if w_gpt else (1.0 if not w_ode else math.inf)
       ratios.append(ratio)
       budget = 1.10 * gpt["peak"] + ode["hyper"]
       mem_ok &= ode["peak"] <= budget
-      print(f"{'':9s} {family:7s} ratio ode/gpt: collective bytes {ratio:.2f} (static "
-            f"{sum(ode['static'].values()) / max(1, sum(gpt['static'].values())):.2f}); "
-            f"peak memory {ode['peak'] / gpt['peak']:.2f} × gpt, "
-            f"{ode['peak'] / budget:.2f} of 1.10 × gpt + hypernetwork shard")
-  print(f"odetransformer.tools.memory estimate / compiled peak: from {min(estimates):.3f} to "
-        f"{max(estimates):.3f} over {len(estimates)} steps")
-  print(f"memory target (ode ≤ 1.10 × gpt + its hypernetwork shard) "
-        f"{'met' if mem_ok else 'NOT met'} on every mesh")
+      print(
+        f"{'':9s} {family:7s} ratio ode/gpt: collective bytes {ratio:.2f} (static "
+        f"{sum(ode['static'].values()) / max(1, sum(gpt['static'].values())):.2f}); "
+        f"peak memory {ode['peak'] / gpt['peak']:.2f} × gpt, "
+        f"{ode['peak'] / budget:.2f} of 1.10 × gpt + hypernetwork shard"
+      )
+  print(
+    f"odetransformer.tools.memory estimate / compiled peak: from {min(estimates):.3f} to "
+    f"{max(estimates):.3f} over {len(estimates)} steps"
+  )
+  print(
+    f"memory target (ode ≤ 1.10 × gpt + its hypernetwork shard) "
+    f"{'met' if mem_ok else 'NOT met'} on every mesh"
+  )
   print(f"diffeqformer/gpt collective bytes: max ratio {max(ratios):.2f} over meshes")
 
 

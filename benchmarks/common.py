@@ -12,6 +12,7 @@ sources) and the whole config — and is reused only under the same key; a run m
 other code or another config is moved aside and trained afresh, and every reused
 result says so in the benchmark's output.
 """
+
 import dataclasses
 import functools
 import hashlib
@@ -45,26 +46,70 @@ CODE_TREES = ("odetransformer", "input_pipeline", "configs", "benchmarks")
 RUN_KEY_FILE = "benchmark_run_key.json"
 
 PRESETS = {
-    # vocab, d_model, heads, mlp, K = L, seq, batch, d_t, S
-    "bench-small": dict(model=dict(vocab_size=8192, d_model=256, num_heads=4, mlp_dim=1024,
-                                   solver_steps=6, num_layers=6, max_len=1024,
-                                   time_embed_dim=64, time_sinusoids=64),
-                        seq_len=256, batch=8),
-    "gpt2-small": dict(model=dict(vocab_size=50304, d_model=768, num_heads=12, mlp_dim=3072,
-                                  solver_steps=12, num_layers=12, max_len=1024,
-                                  time_embed_dim=96, time_sinusoids=128),
-                       seq_len=256, batch=4),
-    # The authors' GPT-2 small (configs/owt_small.py): d_t 20, S 128. Dropout off, as in
-    # nanoGPT's speed runs. `throughput --nanogpt` compares at this shape, batch 16 × 1024.
-    "owt-small": dict(model=dict(vocab_size=50304, d_model=768, num_heads=12, mlp_dim=3072,
-                                 solver_steps=12, num_layers=12, max_len=1024,
-                                 time_embed_dim=20, time_sinusoids=128),
-                      seq_len=1024, batch=16),
-    # Seconds, not a measurement: the tests run every benchmark end to end at this size.
-    "tiny": dict(model=dict(vocab_size=512, d_model=32, num_heads=2, mlp_dim=64,
-                            solver_steps=2, num_layers=2, max_len=64, time_embed_dim=8,
-                            time_sinusoids=8),
-                 seq_len=32, batch=2),
+  # vocab, d_model, heads, mlp, K = L, seq, batch, d_t, S
+  "bench-small": dict(
+    model=dict(
+      vocab_size=8192,
+      d_model=256,
+      num_heads=4,
+      mlp_dim=1024,
+      solver_steps=6,
+      num_layers=6,
+      max_len=1024,
+      time_embed_dim=64,
+      time_sinusoids=64,
+    ),
+    seq_len=256,
+    batch=8,
+  ),
+  "gpt2-small": dict(
+    model=dict(
+      vocab_size=50304,
+      d_model=768,
+      num_heads=12,
+      mlp_dim=3072,
+      solver_steps=12,
+      num_layers=12,
+      max_len=1024,
+      time_embed_dim=96,
+      time_sinusoids=128,
+    ),
+    seq_len=256,
+    batch=4,
+  ),
+  # The authors' GPT-2 small (configs/owt_small.py): d_t 20, S 128. Dropout off, as in
+  # nanoGPT's speed runs. `throughput --nanogpt` compares at this shape, batch 16 × 1024.
+  "owt-small": dict(
+    model=dict(
+      vocab_size=50304,
+      d_model=768,
+      num_heads=12,
+      mlp_dim=3072,
+      solver_steps=12,
+      num_layers=12,
+      max_len=1024,
+      time_embed_dim=20,
+      time_sinusoids=128,
+    ),
+    seq_len=1024,
+    batch=16,
+  ),
+  # Seconds, not a measurement: the tests run every benchmark end to end at this size.
+  "tiny": dict(
+    model=dict(
+      vocab_size=512,
+      d_model=32,
+      num_heads=2,
+      mlp_dim=64,
+      solver_steps=2,
+      num_layers=2,
+      max_len=64,
+      time_embed_dim=8,
+      time_sinusoids=8,
+    ),
+    seq_len=32,
+    batch=2,
+  ),
 }
 
 
@@ -73,8 +118,9 @@ def add_common_flags(parser):
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--seq_len", type=int, default=0, help="0 = the preset's")
   parser.add_argument("--batch", type=int, default=0, help="0 = the preset's")
-  parser.add_argument("--remat", default="dots_saveable",
-                      help="remat policy for both models (same for both)")
+  parser.add_argument(
+    "--remat", default="dots_saveable", help="remat policy for both models (same for both)"
+  )
 
 
 def model_config(args, kind: str, **overrides) -> ModelConfig:
@@ -108,10 +154,13 @@ class Trainer:
   def batch(self, b: int, length: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, self.cfg.vocab_size, (b, length + 1)).astype(np.int32)
-    host = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-            "segment_ids": np.ones((b, length), np.int32),
-            "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)),
-            "weights": np.ones((b, length), np.float32)}
+    host = {
+      "inputs": tokens[:, :-1],
+      "targets": tokens[:, 1:],
+      "segment_ids": np.ones((b, length), np.int32),
+      "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)),
+      "weights": np.ones((b, length), np.float32),
+    }
     return jax.device_put(host, self.batch_sharding)
 
   def step(self, batch):
@@ -122,8 +171,7 @@ class Trainer:
   def lower(self, batch):
     """The lowered (not yet compiled) train step, for memory/size analysis."""
     jitted = self.step_fn.__wrapped__
-    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(
-        sharding.activation_rules(self.rules)):
+    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(sharding.activation_rules(self.rules)):
       return jitted.lower(self.state, batch, self.rng)
 
 
@@ -157,15 +205,17 @@ def paired_spread(num: list, den: list) -> str:
   if len(ratios) < 2:
     return f"{ratios[0]:.2f} (1 round)"
   q1, q2, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-  return (f"median {q2:.2f}, quartiles {q1:.2f}–{q3:.2f}, range {ratios[0]:.2f}–"
-          f"{ratios[-1]:.2f} over {len(ratios)} rounds")
+  return (
+    f"median {q2:.2f}, quartiles {q1:.2f}–{q3:.2f}, range {ratios[0]:.2f}–"
+    f"{ratios[-1]:.2f} over {len(ratios)} rounds"
+  )
 
 
 def replace(cfg: ModelConfig, **kw) -> ModelConfig:
   return dataclasses.replace(cfg, **kw)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def code_version(root: str = str(REPO_ROOT)) -> str:
   """12 hex digits of a sha256 over every .py file of `CODE_TREES` under `root` (its path
   and bytes): the same sources give the same version, with or without git, and any edit
@@ -201,8 +251,7 @@ def _read_key(workdir: str):
 def run_key(config) -> dict:
   """What a run's results depend on: the code version, the whole config and, for a
   fine-tuning run, the key of the run it starts from (`init_from`)."""
-  key = {"code": code_version(),
-         "config": json.loads(config.to_json_best_effort(sort_keys=True))}
+  key = {"code": code_version(), "config": json.loads(config.to_json_best_effort(sort_keys=True))}
   if config.get("init_from"):
     key["init_from"] = _read_key(config.init_from)
   return key
@@ -237,10 +286,18 @@ def keyed_run(config, workdir: str, stop_at_step: int = 0) -> tuple:
   if os.path.isdir(workdir) and os.listdir(workdir):
     old = _read_key(workdir)
     if old != key:
-      why = ("no run key" if old is None else f"code {old.get('code')}"
-             if old.get("code") != key["code"] else "another config")
-      print(f"{workdir} was made under {why}: moved to {_move_aside(workdir, old)}, "
-            f"training afresh (code {key['code']})", flush=True)
+      why = (
+        "no run key"
+        if old is None
+        else f"code {old.get('code')}"
+        if old.get("code") != key["code"]
+        else "another config"
+      )
+      print(
+        f"{workdir} was made under {why}: moved to {_move_aside(workdir, old)}, "
+        f"training afresh (code {key['code']})",
+        flush=True,
+      )
   os.makedirs(workdir, exist_ok=True)
   write_json(os.path.join(workdir, RUN_KEY_FILE), key)
   result = loop.train_and_evaluate(config, workdir, stop_at_step=stop_at_step)

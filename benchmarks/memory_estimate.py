@@ -18,6 +18,7 @@ within 0.85 to 1.15).
 The tests hold the estimate to ±15% at a seconds-sized shape through
 `python -m benchmarks.collectives --tiny`, which prints it beside each compiled step.
 """
+
 import argparse
 import sys
 
@@ -25,7 +26,7 @@ from benchmarks.host_devices import force_host_devices
 
 NUM_DEVICES = 8
 if __name__ == "__main__":
-  force_host_devices(NUM_DEVICES)   # before jax is imported: 8 fake CPU devices
+  force_host_devices(NUM_DEVICES)  # before jax is imported: 8 fake CPU devices
 
 # The rest after force_host_devices (E402): jax must see the 8 fake devices.
 import jax  # noqa: E402
@@ -35,7 +36,7 @@ from benchmarks.collectives import MESHES, make_config  # noqa: E402
 from configs import owt_small  # noqa: E402
 from odetransformer.tools import memory  # noqa: E402
 
-MiB = 2 ** 20
+MiB = 2**20
 SHAPES = ("bench-small", "owt_small")
 REMATS = ("dots_saveable", "full")
 
@@ -54,10 +55,12 @@ def configs(shape: str, kind: str, mesh, remats):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--shapes", default="bench-small,owt_small",
-                      help=f"comma-separated, from {', '.join(SHAPES)}")
-  parser.add_argument("--remat", default=",".join(REMATS),
-                      help="remat policies of bench-small (owt_small: its own)")
+  parser.add_argument(
+    "--shapes", default="bench-small,owt_small", help=f"comma-separated, from {', '.join(SHAPES)}"
+  )
+  parser.add_argument(
+    "--remat", default=",".join(REMATS), help="remat policies of bench-small (owt_small: its own)"
+  )
   args = parser.parse_args(argv)
   remats = [r for r in args.remat.split(",") if r]
   if not remats or any(r not in REMATS for r in remats):
@@ -66,12 +69,18 @@ def main(argv=None):
   if not shapes or any(s not in SHAPES for s in shapes):
     sys.exit(f"error: --shapes={args.shapes!r}: choose from {', '.join(SHAPES)}")
   if jax.device_count() != NUM_DEVICES:
-    sys.exit(f"error: jax has {jax.device_count()} devices, not {NUM_DEVICES}: run as a "
-             "program (`python -m benchmarks.memory_estimate`) so XLA_FLAGS is set first")
-  print(f"per-device MiB on {NUM_DEVICES} host devices: the analytic estimate "
-        "(odetransformer.tools.memory) and the compiled train step's memory analysis")
-  print(f"{'shape, remat':27s} {'model':12s} {'mesh':9s} {'estimate':>10s} "
-        f"{'compiled':>10s} {'ratio':>6s}  estimate's peak temporaries")
+    sys.exit(
+      f"error: jax has {jax.device_count()} devices, not {NUM_DEVICES}: run as a "
+      "program (`python -m benchmarks.memory_estimate`) so XLA_FLAGS is set first"
+    )
+  print(
+    f"per-device MiB on {NUM_DEVICES} host devices: the analytic estimate "
+    "(odetransformer.tools.memory) and the compiled train step's memory analysis"
+  )
+  print(
+    f"{'shape, remat':27s} {'model':12s} {'mesh':9s} {'estimate':>10s} "
+    f"{'compiled':>10s} {'ratio':>6s}  estimate's peak temporaries"
+  )
   ratios = []
   for shape in shapes:
     for kind in ("diffeqformer", "transformer"):
@@ -82,12 +91,16 @@ def main(argv=None):
           ratio = est.total_bytes / xla.total_bytes
           ratios.append(ratio)
           t = est.temporaries
-          which = ("backward pass" if t["backward pass"] >= t["after the scan"]
-                   else "after the scan")
-          print(f"{label:27s} {kind:12s} {str(mesh):9s} {est.total_bytes / MiB:10.1f} "
-                f"{xla.total_bytes / MiB:10.1f} {ratio:6.3f}  {which}", flush=True)
-  print(f"memory estimate / compiled: from {min(ratios):.3f} to {max(ratios):.3f} over "
-        f"{len(ratios)} configurations")
+          which = "backward pass" if t["backward pass"] >= t["after the scan"] else "after the scan"
+          print(
+            f"{label:27s} {kind:12s} {str(mesh):9s} {est.total_bytes / MiB:10.1f} "
+            f"{xla.total_bytes / MiB:10.1f} {ratio:6.3f}  {which}",
+            flush=True,
+          )
+  print(
+    f"memory estimate / compiled: from {min(ratios):.3f} to {max(ratios):.3f} over "
+    f"{len(ratios)} configurations"
+  )
 
 
 if __name__ == "__main__":

@@ -14,12 +14,13 @@ between the two largest K.
 
   python -m benchmarks.memory_vs_steps [--remat=full] [--steps=6,12,24]
 """
+
 import argparse
 
 from benchmarks import common
 from odetransformer.model.param_count import layer_params
 
-MiB = 2 ** 20
+MiB = 2**20
 
 
 def main():
@@ -32,8 +33,10 @@ def main():
   ks = [int(k) for k in args.steps.split(",")]
   bytes_per = 2 if args.dtype == "bfloat16" else 4
   print(f"preset {args.preset}, batch {b} × seq {length}, {args.dtype}, remat {args.remat}")
-  print(f"{'model':13s} {'K':>4s} {'arguments MiB':>14s} {'temporaries MiB':>16s} "
-        f"{'generated W MiB':>16s}")
+  print(
+    f"{'model':13s} {'K':>4s} {'arguments MiB':>14s} {'temporaries MiB':>16s} "
+    f"{'generated W MiB':>16s}"
+  )
   # The ODE's generated weights per step: one layer's params (the same at every K).
   weights_per_step = layer_params(common.model_config(args, "diffeqformer")) * bytes_per
   temps = {}
@@ -43,21 +46,31 @@ def main():
       stats = trainer.lower(trainer.batch(b, length)).compile().memory_analysis()
       temps[kind, k] = stats.temp_size_in_bytes
       weights = k * weights_per_step if kind == "diffeqformer" else 0
-      print(f"{kind:13s} {k:4d} {stats.argument_size_in_bytes / MiB:14.1f} "
-            f"{stats.temp_size_in_bytes / MiB:16.1f} {weights / MiB:16.1f}")
+      print(
+        f"{kind:13s} {k:4d} {stats.argument_size_in_bytes / MiB:14.1f} "
+        f"{stats.temp_size_in_bytes / MiB:16.1f} {weights / MiB:16.1f}"
+      )
       del trainer
   carry = b * length * common.PRESETS[args.preset]["model"]["d_model"] * bytes_per
-  per_step = {kind: (temps[kind, ks[-1]] - temps[kind, ks[-2]]) / (ks[-1] - ks[-2])
-              for kind in ("diffeqformer", "transformer")}
+  per_step = {
+    kind: (temps[kind, ks[-1]] - temps[kind, ks[-2]]) / (ks[-1] - ks[-2])
+    for kind in ("diffeqformer", "transformer")
+  }
   for kind, growth in per_step.items():
-    print(f"{kind:13s} temporaries grow {growth / MiB:.2f} MiB per added step "
-          f"(K {ks[-2]} → {ks[-1]}) "
-          f"= {growth / carry:.2f} × the scan carry ({carry / MiB:.2f} MiB)")
+    print(
+      f"{kind:13s} temporaries grow {growth / MiB:.2f} MiB per added step "
+      f"(K {ks[-2]} → {ks[-1]}) "
+      f"= {growth / carry:.2f} × the scan carry ({carry / MiB:.2f} MiB)"
+    )
   net = per_step["diffeqformer"] - 2 * weights_per_step
-  print(f"diffeqformer  net of the generated weights and their gradient "
-        f"(2 × {weights_per_step / MiB:.2f} MiB per step): {net / MiB:.2f} MiB per step")
-  print(f"ode temp growth per step / scan carry: {max(net, 0.0) / carry:.2f} "
-        f"(gpt: {per_step['transformer'] / carry:.2f})")
+  print(
+    f"diffeqformer  net of the generated weights and their gradient "
+    f"(2 × {weights_per_step / MiB:.2f} MiB per step): {net / MiB:.2f} MiB per step"
+  )
+  print(
+    f"ode temp growth per step / scan carry: {max(net, 0.0) / carry:.2f} "
+    f"(gpt: {per_step['transformer'] / carry:.2f})"
+  )
 
 
 if __name__ == "__main__":

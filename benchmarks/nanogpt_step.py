@@ -14,6 +14,7 @@ The shape comes from the flags; nanoGPT's MLP is always 4 × d_model.
 Prints progress lines, then one JSON line: ms_per_step, tokens_per_s, params, device,
 torch version, compiled.
 """
+
 import argparse
 import importlib.util
 import json
@@ -32,8 +33,12 @@ def parse_args(argv=None):
   p.add_argument("--layers", type=int, default=12)
   p.add_argument("--heads", type=int, default=12)
   p.add_argument("--d_model", type=int, default=768)
-  p.add_argument("--compile", default="auto", choices=["auto", "yes", "no"],
-                 help="torch.compile the model (auto: on CUDA only)")
+  p.add_argument(
+    "--compile",
+    default="auto",
+    choices=["auto", "yes", "no"],
+    help="torch.compile the model (auto: on CUDA only)",
+  )
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--steps_per_round", type=int, default=10)
@@ -44,8 +49,9 @@ def load_nanogpt(directory: str):
   """nanoGPT's model module from `directory`/model.py."""
   path = os.path.join(directory, "model.py")
   if not os.path.isfile(path):
-    raise SystemExit(f"error: --nanogpt={directory} holds no model.py; pass a checkout of "
-                     "karpathy/nanoGPT")
+    raise SystemExit(
+      f"error: --nanogpt={directory} holds no model.py; pass a checkout of karpathy/nanoGPT"
+    )
   spec = importlib.util.spec_from_file_location("nanogpt_model", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -57,15 +63,23 @@ def main(argv=None):
   try:
     import torch  # pylint: disable=g-import-not-at-top  (optional: only this anchor needs it)
   except ImportError:
-    raise SystemExit("error: --nanogpt needs torch; pip install torch (the CUDA build on "
-                     "a GPU host)") from None
+    raise SystemExit(
+      "error: --nanogpt needs torch; pip install torch (the CUDA build on a GPU host)"
+    ) from None
   nano = load_nanogpt(args.nanogpt)
   device = "cuda" if torch.cuda.is_available() else "cpu"
   torch.backends.cuda.matmul.allow_tf32 = True
   torch.backends.cudnn.allow_tf32 = True
   torch.manual_seed(0)
-  cfg = nano.GPTConfig(block_size=args.seq_len, vocab_size=args.vocab, n_layer=args.layers,
-                       n_head=args.heads, n_embd=args.d_model, dropout=0.0, bias=True)
+  cfg = nano.GPTConfig(
+    block_size=args.seq_len,
+    vocab_size=args.vocab,
+    n_layer=args.layers,
+    n_head=args.heads,
+    n_embd=args.d_model,
+    dropout=0.0,
+    bias=True,
+  )
   model = nano.GPT(cfg).to(device)
   opt = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device)
   compiled = args.compile == "yes" or (args.compile == "auto" and device == "cuda")
@@ -103,11 +117,19 @@ def main(argv=None):
   if not torch.isfinite(loss):
     raise SystemExit(f"error: nanoGPT's loss is {loss.item()}; the anchor did not train")
   sec = statistics.median(secs)
-  print(json.dumps({
-      "ms_per_step": sec * 1e3, "tokens_per_s": args.batch * args.seq_len / sec,
-      "params": sum(p.numel() for p in model.parameters()),
-      "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-      "torch": torch.__version__, "compiled": compiled}), flush=True)
+  print(
+    json.dumps(
+      {
+        "ms_per_step": sec * 1e3,
+        "tokens_per_s": args.batch * args.seq_len / sec,
+        "params": sum(p.numel() for p in model.parameters()),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "compiled": compiled,
+      }
+    ),
+    flush=True,
+  )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ processes spends tokenizing and packing its share of `--batches` global batches 
 `--scaling_batch` rows (P input shards, the default), for P = 1, 2, 4, and each P's
 time as a fraction of P = 1's (1/P when each process does only its share).
 """
+
 import argparse
 import os
 import shutil
@@ -30,13 +31,28 @@ from input_pipeline import config as config_lib
 from input_pipeline import create_datasets
 
 
-def pipeline_tokens_per_s(data_dir: str, cache_dir: str, worker_count: int, num_batches: int,
-                          vocab: int, seq: int, batch: int):
+def pipeline_tokens_per_s(
+  data_dir: str,
+  cache_dir: str,
+  worker_count: int,
+  num_batches: int,
+  vocab: int,
+  seq: int,
+  batch: int,
+):
   """(tokens/s over `num_batches` after the first, batches for the train step)."""
   cfg = _local_text_config(data_dir, cache_dir, vocab, worker_count)
   t0 = time.perf_counter()
-  ds = create_datasets(cfg, seq_len=seq, global_batch_size=batch, eval_batch_size=batch,
-                       seed=0, workdir=None, process_index=0, process_count=1)
+  ds = create_datasets(
+    cfg,
+    seq_len=seq,
+    global_batch_size=batch,
+    eval_batch_size=batch,
+    seed=0,
+    workdir=None,
+    process_index=0,
+    process_count=1,
+  )
   it = iter(ds.train)
   first = next(it)  # includes worker start-up
   t1 = time.perf_counter()
@@ -46,8 +62,10 @@ def pipeline_tokens_per_s(data_dir: str, cache_dir: str, worker_count: int, num_
   t2 = time.perf_counter()
   it.close()
   tps = num_batches * batch * seq / (t2 - t1)
-  print(f"pipeline workers={worker_count}: {tps:,.0f} tokens/s "
-        f"({num_batches} batches of {batch}x{seq}; setup + first batch {t1 - t0:.2f} s)")
+  print(
+    f"pipeline workers={worker_count}: {tps:,.0f} tokens/s "
+    f"({num_batches} batches of {batch}x{seq}; setup + first batch {t1 - t0:.2f} s)"
+  )
   return tps, batches[:4]
 
 
@@ -62,8 +80,16 @@ def _local_text_config(data_dir: str, cache_dir: str, vocab: int, worker_count: 
   return cfg
 
 
-def per_process_work(data_dir: str, cache_dir: str, num_batches: int, vocab: int, seq: int,
-                     batch: int, processes=(1, 2, 4), rounds: int = 3) -> dict:
+def per_process_work(
+  data_dir: str,
+  cache_dir: str,
+  num_batches: int,
+  vocab: int,
+  seq: int,
+  batch: int,
+  processes=(1, 2, 4),
+  rounds: int = 3,
+) -> dict:
   """{P: CPU seconds process 0 of P spends on its share of `num_batches` global batches}
   (median of `rounds` rounds; the Ps alternate within a round, so that other work on the
   machine weighs on all alike)."""
@@ -71,11 +97,19 @@ def per_process_work(data_dir: str, cache_dir: str, num_batches: int, vocab: int
   times = {p: [] for p in processes}
   for _ in range(rounds):
     for p in processes:
-      ds = create_datasets(cfg, seq_len=seq, global_batch_size=batch, eval_batch_size=batch,
-                           seed=0, workdir=None, process_index=0, process_count=p)
+      ds = create_datasets(
+        cfg,
+        seq_len=seq,
+        global_batch_size=batch,
+        eval_batch_size=batch,
+        seed=0,
+        workdir=None,
+        process_index=0,
+        process_count=p,
+      )
       it = iter(ds.train)
       for _ in range(max(1, num_batches // 4)):
-        next(it)            # start-up and filling the read-ahead buffers: not counted
+        next(it)  # start-up and filling the read-ahead buffers: not counted
       t0 = time.process_time()
       for _ in range(num_batches):
         next(it)
@@ -83,11 +117,15 @@ def per_process_work(data_dir: str, cache_dir: str, num_batches: int, vocab: int
       it.close()
   seconds = {p: statistics.median(t) for p, t in times.items()}
   base = seconds[processes[0]]
-  print(f"per-process tokenize+pack CPU time for {num_batches} global batches of {batch}x{seq} "
-        f"(process 0 of P, P input shards; median of {rounds}): " +
-        ", ".join(f"P={p} {seconds[p]:.2f} s" for p in processes))
-  print("per-process work relative to P=1 (ideal 1/P): " +
-        "  ".join(f"P={p} {seconds[p] / base:.3f} (1/P={1 / p:.3f})" for p in processes))
+  print(
+    f"per-process tokenize+pack CPU time for {num_batches} global batches of {batch}x{seq} "
+    f"(process 0 of P, P input shards; median of {rounds}): "
+    + ", ".join(f"P={p} {seconds[p]:.2f} s" for p in processes)
+  )
+  print(
+    "per-process work relative to P=1 (ideal 1/P): "
+    + "  ".join(f"P={p} {seconds[p] / base:.3f} (1/P={1 / p:.3f})" for p in processes)
+  )
   return seconds
 
 
@@ -104,8 +142,10 @@ def train_tokens_per_s(args, batches, num_timed: int = 3) -> float:
   common.block(metrics)
   t2 = time.perf_counter()
   tps = num_timed * b * length / (t2 - t1)
-  print(f"train step ({args.preset} DiffEqFormer, {jax.devices()[0].platform}): {tps:,.0f} "
-        f"tokens/s ({(t2 - t1) / num_timed * 1e3:.0f} ms/step, first call {t1 - t0:.1f} s)")
+  print(
+    f"train step ({args.preset} DiffEqFormer, {jax.devices()[0].platform}): {tps:,.0f} "
+    f"tokens/s ({(t2 - t1) / num_timed * 1e3:.0f} ms/step, first call {t1 - t0:.1f} s)"
+  )
   return tps
 
 
@@ -113,25 +153,32 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   common.add_common_flags(parser)
   parser.add_argument("--batches", type=int, default=400, help="timed pipeline batches")
-  parser.add_argument("--scaling_batch", type=int, default=16,
-                      help="global batch of the per-host section (a multiple of 4)")
-  parser.add_argument("--data_dir", default="",
-                      help="directory with WikiText-2's valid.txt (delivered) and test.txt")
+  parser.add_argument(
+    "--scaling_batch",
+    type=int,
+    default=16,
+    help="global batch of the per-host section (a multiple of 4)",
+  )
+  parser.add_argument(
+    "--data_dir", default="", help="directory with WikiText-2's valid.txt (delivered) and test.txt"
+  )
   args = parser.parse_args()
   for name in ("valid.txt", "test.txt"):
     if not os.path.isfile(os.path.join(args.data_dir, name)):
-      parser.error(f"--data_dir={args.data_dir!r} holds no {name}; pass the directory "
-                   "with WikiText-2's valid.txt and test.txt")
+      parser.error(
+        f"--data_dir={args.data_dir!r} holds no {name}; pass the directory "
+        "with WikiText-2's valid.txt and test.txt"
+      )
   batch, seq = common.shape(args)
   vocab = common.PRESETS[args.preset]["model"]["vocab_size"]
   flags.FLAGS.mark_as_parsed()  # grain reads absl flags when it starts workers
   cache_dir = tempfile.mkdtemp(prefix="odet_bench_pipeline_")
   try:
     per_process_work(args.data_dir, cache_dir, args.batches, vocab, seq, args.scaling_batch)
-    tps0, batches = pipeline_tokens_per_s(args.data_dir, cache_dir, 0, args.batches, vocab,
-                                          seq, batch)
-    tps2, _ = pipeline_tokens_per_s(args.data_dir, cache_dir, 2, args.batches, vocab, seq,
-                                    batch)
+    tps0, batches = pipeline_tokens_per_s(
+      args.data_dir, cache_dir, 0, args.batches, vocab, seq, batch
+    )
+    tps2, _ = pipeline_tokens_per_s(args.data_dir, cache_dir, 2, args.batches, vocab, seq, batch)
   finally:
     shutil.rmtree(cache_dir, ignore_errors=True)
   train = train_tokens_per_s(args, batches)

@@ -20,6 +20,7 @@ under `jax.profiler` and returns the trace's events and the wall time per step.
 Times are per step, in seconds. The sum of the four kinds can exceed the busy time when
 ops overlap (several GPU streams, XLA:CPU's thread pool); `busy` is the union.
 """
+
 import collections
 import glob
 import gzip
@@ -40,7 +41,7 @@ BIG_COPY_BYTES = 1 << 20
 
 def trace(fn, steps: int, logdir: str) -> tuple:
   """(events, wall seconds per step) of `steps` calls of `fn` under jax.profiler."""
-  jax.block_until_ready(fn())          # compiled and warm before the trace starts
+  jax.block_until_ready(fn())  # compiled and warm before the trace starts
   jax.profiler.start_trace(logdir, create_perfetto_trace=True)
   start = time.perf_counter()
   for _ in range(steps):
@@ -48,8 +49,9 @@ def trace(fn, steps: int, logdir: str) -> tuple:
   jax.block_until_ready(out)
   wall = (time.perf_counter() - start) / steps
   jax.profiler.stop_trace()
-  files = sorted(glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True),
-                 key=os.path.getmtime)
+  files = sorted(
+    glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime
+  )
   if not files:
     raise RuntimeError(f"jax.profiler wrote no *.trace.json.gz under {logdir}")
   with gzip.open(files[-1]) as f:
@@ -61,8 +63,11 @@ def device_ops(events: list) -> list:
   """The complete ('X') events of ops the device ran (see the module docstring), leaves
   only: an event that encloses others on its thread (XLA:CPU's `while` and `call` thunks
   around their bodies) is left out, so no time is counted twice."""
-  names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  names = {
+    e["pid"]: e.get("args", {}).get("name", "")
+    for e in events
+    if e.get("ph") == "M" and e.get("name") == "process_name"
+  }
   devices = {pid for pid, name in names.items() if "/device:" in name}
   ops = [e for e in events if e.get("ph") == "X" and "dur" in e]
   if devices:
@@ -79,7 +84,7 @@ def _leaves(ops: list) -> list:
   leaves = []
   for thread in by_thread.values():
     thread.sort(key=lambda e: (e["ts"], -e["dur"]))
-    open_ = []                     # enclosing events still open, outermost first
+    open_ = []  # enclosing events still open, outermost first
     parents = set()
     for e in thread:
       while open_ and open_[-1]["ts"] + open_[-1]["dur"] <= e["ts"]:
@@ -110,8 +115,7 @@ def _copy_bytes(event: dict) -> int:
     if str(args.get(key, "")).isdigit():
       return int(args[key])
   # xprof writes e.g. "kind_src:device kind_dst:device size:1048576 dest:0 async:1".
-  found = re.search(r"(?:num_bytes|size|bytes)[\"':= ]+(\d+)",
-                    str(args.get("memcpy_details", "")))
+  found = re.search(r"(?:num_bytes|size|bytes)[\"':= ]+(\d+)", str(args.get("memcpy_details", "")))
   return int(found.group(1)) if found else 0
 
 
@@ -141,9 +145,14 @@ def split(events: list, steps: int, wall_s: float) -> dict:
       big += _copy_bytes(e) >= BIG_COPY_BYTES
   busy = _union([(e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6) for e in ops]) / steps
   out = {kind: by_kind[kind] / steps for kind in KINDS}
-  out.update(busy=busy, wall=wall_s, idle=max(0.0, wall_s - busy),
-             copies_count=copies / steps, big_copies_count=big / steps,
-             top=[(name, s / steps) for name, s in by_op.most_common(8)])
+  out.update(
+    busy=busy,
+    wall=wall_s,
+    idle=max(0.0, wall_s - busy),
+    copies_count=copies / steps,
+    big_copies_count=big / steps,
+    top=[(name, s / steps) for name, s in by_op.most_common(8)],
+  )
   return out
 
 
@@ -154,10 +163,12 @@ def format_split(label: str, s: dict) -> list:
   def part(kind):
     return f"{kind} {s[kind] * 1e3:.2f} ms ({s[kind] / wall:.0%})"
 
-  lines = [f"profile {label}: step {wall * 1e3:.2f} ms = "
-           + " | ".join(part(k) for k in KINDS)
-           + f" | idle {s['idle'] * 1e3:.2f} ms ({s['idle'] / wall:.0%})",
-           f"profile {label}: {s['copies_count']:.0f} copies per step, "
-           f"{s['big_copies_count']:.0f} of them ≥ 1 MiB; device busy {s['busy'] * 1e3:.2f} ms"]
+  lines = [
+    f"profile {label}: step {wall * 1e3:.2f} ms = "
+    + " | ".join(part(k) for k in KINDS)
+    + f" | idle {s['idle'] * 1e3:.2f} ms ({s['idle'] / wall:.0%})",
+    f"profile {label}: {s['copies_count']:.0f} copies per step, "
+    f"{s['big_copies_count']:.0f} of them ≥ 1 MiB; device busy {s['busy'] * 1e3:.2f} ms",
+  ]
   lines += [f"profile {label}:   {sec * 1e3:8.3f} ms  {name}" for name, sec in s["top"]]
   return lines

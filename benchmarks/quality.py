@@ -19,6 +19,7 @@ so, naming the code version; an unfinished one resumes from its last checkpoint 
 `--checkpoint_every` steps), so an interrupted benchmark continues where it stopped;
 runs of other code or another config are moved aside and trained afresh.
 """
+
 import argparse
 import os
 import tempfile
@@ -38,7 +39,7 @@ def make_config(args, kind: str, seed: int, cache_dir: str):
   c.model.kind = kind
   c.model.family = args.family
   c.model.step_time = args.step_time
-  if kind == "diffeqformer":                  # the baseline is the standard block
+  if kind == "diffeqformer":  # the baseline is the standard block
     c.model.llama_block = args.llama_block
   c.model.d_model = args.d_model
   c.model.num_heads = args.num_heads
@@ -51,8 +52,8 @@ def make_config(args, kind: str, seed: int, cache_dir: str):
   c.eval_batch_size = args.batch
   c.num_train_steps = args.steps
   c.log_every_steps = max(1, args.steps // 10)
-  c.eval_every_steps = 0                      # only at the end
-  c.checkpoint_every_steps = args.checkpoint_every   # a rerun resumes from the last
+  c.eval_every_steps = 0  # only at the end
+  c.checkpoint_every_steps = args.checkpoint_every  # a rerun resumes from the last
   c.optim.learning_rate = args.lr
   c.optim.b2 = args.b2
   c.data.source = "local"
@@ -60,7 +61,7 @@ def make_config(args, kind: str, seed: int, cache_dir: str):
   c.data.eval_files = args.eval_text
   c.data.vocab_size = args.vocab
   c.data.eval_max_batches = args.eval_batches
-  c.data.cache_dir = cache_dir                # one tokenizer for every run
+  c.data.cache_dir = cache_dir  # one tokenizer for every run
   return c
 
 
@@ -69,13 +70,22 @@ def parse_args(argv=None):
   p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1, both models each")
   p.add_argument("--steps", type=int, default=600)
   p.add_argument("--family", choices=FAMILIES, default="gpt2")
-  p.add_argument("--step_time", choices=STEP_TIMES, default="start",
-                 help="model.step_time of the DiffEqFormer")
-  p.add_argument("--llama_block", choices=LLAMA_BLOCKS, default="paper",
-                 help="model.llama_block of the Llama DiffEqFormer")
-  p.add_argument("--checkpoint_every", type=int, default=100,
-                 help="steps between checkpoints: a killed run rerun with the same command "
-                      "resumes from the last (0 = only at the end)")
+  p.add_argument(
+    "--step_time", choices=STEP_TIMES, default="start", help="model.step_time of the DiffEqFormer"
+  )
+  p.add_argument(
+    "--llama_block",
+    choices=LLAMA_BLOCKS,
+    default="paper",
+    help="model.llama_block of the Llama DiffEqFormer",
+  )
+  p.add_argument(
+    "--checkpoint_every",
+    type=int,
+    default=100,
+    help="steps between checkpoints: a killed run rerun with the same command "
+    "resumes from the last (0 = only at the end)",
+  )
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--seq_len", type=int, default=128)
   p.add_argument("--d_model", type=int, default=256)
@@ -86,13 +96,18 @@ def parse_args(argv=None):
   p.add_argument("--lr", type=float, default=1e-3)
   p.add_argument("--b2", type=float, default=0.95)
   p.add_argument("--eval_batches", type=int, default=0, help="0 = all of the eval text")
-  p.add_argument("--data_dir", default="",
-                 help="directory with WikiText-2's valid.txt and test.txt (the defaults of "
-                      "--train_text and --eval_text)")
-  p.add_argument("--train_text", default="", help="UTF-8 text to train on (default: "
-                 "DATA_DIR/valid.txt)")
-  p.add_argument("--eval_text", default="", help="UTF-8 text to evaluate on (default: "
-                 "DATA_DIR/test.txt)")
+  p.add_argument(
+    "--data_dir",
+    default="",
+    help="directory with WikiText-2's valid.txt and test.txt (the defaults of "
+    "--train_text and --eval_text)",
+  )
+  p.add_argument(
+    "--train_text", default="", help="UTF-8 text to train on (default: DATA_DIR/valid.txt)"
+  )
+  p.add_argument(
+    "--eval_text", default="", help="UTF-8 text to evaluate on (default: DATA_DIR/test.txt)"
+  )
   p.add_argument("--workdir", default="", help="default: a fresh temporary directory")
   args = p.parse_args(argv)
   if args.data_dir:
@@ -100,8 +115,10 @@ def parse_args(argv=None):
     args.eval_text = args.eval_text or os.path.join(args.data_dir, "test.txt")
   for flag in ("train_text", "eval_text"):
     if not os.path.isfile(getattr(args, flag)):
-      p.error(f"--{flag}={getattr(args, flag)} is not a file; pass a UTF-8 text file "
-              "(or --data_dir with WikiText-2's valid.txt and test.txt)")
+      p.error(
+        f"--{flag}={getattr(args, flag)} is not a file; pass a UTF-8 text file "
+        "(or --data_dir with WikiText-2's valid.txt and test.txt)"
+      )
   if args.seeds < 1:
     p.error(f"--seeds={args.seeds} must be at least 1")
   if args.llama_block != "paper" and args.family != "llama":
@@ -123,20 +140,27 @@ def main(argv=None):
         workdir += f"_{args.step_time}_{args.llama_block}"
       t = time.perf_counter()
       r, note = common.keyed_run(
-          make_config(args, kind, seed, os.path.join(root, "cache")), workdir)
+        make_config(args, kind, seed, os.path.join(root, "cache")), workdir
+      )
       ppl[kind] = r["eval"]["perplexity"]
       hist = r["loss_history"]
-      trained = (f"{note}, evaluated now" if note
-                 else f"train loss {hist[0][1]:.3f} -> {hist[-1][1]:.3f}")
-      print(f"seed {seed} {kind:13s} {args.family:5s} params {r['num_params']:>12,} | "
-            f"{trained} | test loss {r['eval']['loss']:.4f} | test ppl {ppl[kind]:.2f} | "
-            f"test tokens {int(r['eval']['num_tokens']):,} | "
-            f"{time.perf_counter() - t:.0f}s", flush=True)
+      trained = (
+        f"{note}, evaluated now" if note else f"train loss {hist[0][1]:.3f} -> {hist[-1][1]:.3f}"
+      )
+      print(
+        f"seed {seed} {kind:13s} {args.family:5s} params {r['num_params']:>12,} | "
+        f"{trained} | test loss {r['eval']['loss']:.4f} | test ppl {ppl[kind]:.2f} | "
+        f"test tokens {int(r['eval']['num_tokens']):,} | "
+        f"{time.perf_counter() - t:.0f}s",
+        flush=True,
+      )
     ratios.append(ppl["diffeqformer"] / ppl["transformer"])
     print(f"seed {seed} diffeqformer/gpt test perplexity ratio: {ratios[-1]:.3f}", flush=True)
   mean = sum(ratios) / len(ratios)
-  print(f"diffeqformer/gpt test perplexity ratio: {mean:.3f} "
-        f"(mean of {len(ratios)} seeds, steps {args.steps})")
+  print(
+    f"diffeqformer/gpt test perplexity ratio: {mean:.3f} "
+    f"(mean of {len(ratios)} seeds, steps {args.steps})"
+  )
 
 
 if __name__ == "__main__":

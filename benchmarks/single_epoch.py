@@ -70,6 +70,7 @@ and scores are in `single_epoch_runs`, the epoch's count and check in
 `single_epoch_corpus`, the tables, PNG and ratio lines in `single_epoch_report`, and the
 analysis stage in `single_epoch_analysis`.
 """
+
 import argparse
 import glob
 import importlib.util
@@ -107,65 +108,139 @@ from odetransformer.runtime.logs import quiet_library_logs
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--data_dir", required=True,
-                 help="train-*.txt, valid.txt and test.txt (the wikipedia-2015 layout)")
-  p.add_argument("--workdir", default="", help="the runs (resumable); default: a fresh "
-                 "temporary directory")
-  p.add_argument("--config", default="", help="FILE[:VARIANT]: build both runs from this "
-                 "experiment config (e.g. configs/wikipedia_small.py) instead of --preset: "
-                 "its model, optimizer, batch and dtype; one whole epoch by default")
-  p.add_argument("--steps", type=int, default=None, help="steps of the first seed "
-                 "(--first_seed, default 0); default 3000, with --config one whole epoch")
-  p.add_argument("--seeds", type=int, default=1, help="N seeds from --first_seed; all but "
-                 "the first train --seed_steps steps")
-  p.add_argument("--seed_steps", type=int, default=None, help="default 1000, with --config "
-                 "--steps")
-  p.add_argument("--first_seed", type=int, default=0, help="the seeds are first_seed.."
-                 "first_seed+N-1; the first trains --steps, the others --seed_steps")
-  p.add_argument("--eval_every", type=int, default=None, help="score valid (and, without "
-                 "--config, test) every this many steps and at the end; default 500, with "
-                 "--config 10%% of the run")
-  p.add_argument("--eval_batches", type=int, default=0, help="batches per split of the "
-                 "final score (0 = the whole split)")
-  p.add_argument("--curve_batches", type=int, default=None, help="batches per split of "
-                 "the scores before the end (0 = the whole split); default 100, with "
-                 "--config 0")
-  p.add_argument("--eval_text", default="", help="FILE,...: held-out text files each "
-                 "model also scores at the end of each seed, one line per file")
-  p.add_argument("--checkpoint_every", type=int, default=None, help="default 100, with "
-                 "--config the config's")
-  p.add_argument("--log_every", type=int, default=None, help="default 25, with --config "
-                 "the config's")
-  p.add_argument("--stop_after", type=int, default=0, help="train and score up to this "
-                 "step, then exit (a rerun continues)")
-  p.add_argument("--preset", default=None, choices=sorted(common.PRESETS),
-                 help="the model and batch without --config (default bench-small)")
+  p.add_argument(
+    "--data_dir",
+    required=True,
+    help="train-*.txt, valid.txt and test.txt (the wikipedia-2015 layout)",
+  )
+  p.add_argument(
+    "--workdir", default="", help="the runs (resumable); default: a fresh temporary directory"
+  )
+  p.add_argument(
+    "--config",
+    default="",
+    help="FILE[:VARIANT]: build both runs from this "
+    "experiment config (e.g. configs/wikipedia_small.py) instead of --preset: "
+    "its model, optimizer, batch and dtype; one whole epoch by default",
+  )
+  p.add_argument(
+    "--steps",
+    type=int,
+    default=None,
+    help="steps of the first seed "
+    "(--first_seed, default 0); default 3000, with --config one whole epoch",
+  )
+  p.add_argument(
+    "--seeds",
+    type=int,
+    default=1,
+    help="N seeds from --first_seed; all but the first train --seed_steps steps",
+  )
+  p.add_argument("--seed_steps", type=int, default=None, help="default 1000, with --config --steps")
+  p.add_argument(
+    "--first_seed",
+    type=int,
+    default=0,
+    help="the seeds are first_seed.."
+    "first_seed+N-1; the first trains --steps, the others --seed_steps",
+  )
+  p.add_argument(
+    "--eval_every",
+    type=int,
+    default=None,
+    help="score valid (and, without "
+    "--config, test) every this many steps and at the end; default 500, with "
+    "--config 10%% of the run",
+  )
+  p.add_argument(
+    "--eval_batches",
+    type=int,
+    default=0,
+    help="batches per split of the final score (0 = the whole split)",
+  )
+  p.add_argument(
+    "--curve_batches",
+    type=int,
+    default=None,
+    help="batches per split of "
+    "the scores before the end (0 = the whole split); default 100, with "
+    "--config 0",
+  )
+  p.add_argument(
+    "--eval_text",
+    default="",
+    help="FILE,...: held-out text files each "
+    "model also scores at the end of each seed, one line per file",
+  )
+  p.add_argument(
+    "--checkpoint_every", type=int, default=None, help="default 100, with --config the config's"
+  )
+  p.add_argument(
+    "--log_every", type=int, default=None, help="default 25, with --config the config's"
+  )
+  p.add_argument(
+    "--stop_after",
+    type=int,
+    default=0,
+    help="train and score up to this step, then exit (a rerun continues)",
+  )
+  p.add_argument(
+    "--preset",
+    default=None,
+    choices=sorted(common.PRESETS),
+    help="the model and batch without --config (default bench-small)",
+  )
   p.add_argument("--vocab", type=int, default=0, help="0 = the preset's (the config's)")
-  p.add_argument("--ode_grid", default="fixed", choices=TRAIN_TIME_GRIDS,
-                 help="the DiffEqFormer's model.train_time_grid (runs of another grid than "
-                      "'fixed' are named after it, beside the fixed-grid runs)")
-  p.add_argument("--kinds", default=",".join(KINDS), help="the models to train: both "
-                 "(the comparison), or one (e.g. a DiffEqFormer of another --ode_grid)")
-  p.add_argument("--lr", type=float, default=None, help="peak lr without --config "
-                 "(default 1e-3)")
-  p.add_argument("--b2", type=float, default=None, help="AdamW beta2 without --config "
-                 "(default 0.95)")
-  p.add_argument("--prepare_only", action="store_true", help="train the tokenizer and count "
-                 "the epoch (kept in the workdir for later runs), print them, and stop")
-  p.add_argument("--analysis", default="auto", choices=("auto", "on", "off"),
-                 help="after the first seed, the spectra, Lyapunov and clustering plots of "
-                 "its DiffEqFormer into WORKDIR/analysis (auto: with --config)")
+  p.add_argument(
+    "--ode_grid",
+    default="fixed",
+    choices=TRAIN_TIME_GRIDS,
+    help="the DiffEqFormer's model.train_time_grid (runs of another grid than "
+    "'fixed' are named after it, beside the fixed-grid runs)",
+  )
+  p.add_argument(
+    "--kinds",
+    default=",".join(KINDS),
+    help="the models to train: both "
+    "(the comparison), or one (e.g. a DiffEqFormer of another --ode_grid)",
+  )
+  p.add_argument("--lr", type=float, default=None, help="peak lr without --config (default 1e-3)")
+  p.add_argument(
+    "--b2", type=float, default=None, help="AdamW beta2 without --config (default 0.95)"
+  )
+  p.add_argument(
+    "--prepare_only",
+    action="store_true",
+    help="train the tokenizer and count "
+    "the epoch (kept in the workdir for later runs), print them, and stop",
+  )
+  p.add_argument(
+    "--analysis",
+    default="auto",
+    choices=("auto", "on", "off"),
+    help="after the first seed, the spectra, Lyapunov and clustering plots of "
+    "its DiffEqFormer into WORKDIR/analysis (auto: with --config)",
+  )
   p.add_argument("--spectra_grid", type=int, default=64, help="points t of the spectra")
-  p.add_argument("--lyapunov_tokens", type=int, default=48, help="tokens of test.txt's "
-                 "first article whose Lyapunov map is drawn (the last one is the output)")
+  p.add_argument(
+    "--lyapunov_tokens",
+    type=int,
+    default=48,
+    help="tokens of test.txt's "
+    "first article whose Lyapunov map is drawn (the last one is the output)",
+  )
   args = p.parse_args(argv)
   for name in ("valid.txt", "test.txt"):
     if not os.path.isfile(os.path.join(args.data_dir, name)):
-      p.error(f"--data_dir={args.data_dir} has no {name}; pass the directory holding "
-              "train-*.txt, valid.txt and test.txt")
+      p.error(
+        f"--data_dir={args.data_dir} has no {name}; pass the directory holding "
+        "train-*.txt, valid.txt and test.txt"
+      )
   if not glob.glob(os.path.join(args.data_dir, "train-*.txt")):
-    p.error(f"--data_dir={args.data_dir} has no train-*.txt; pass the directory holding "
-            "train-*.txt, valid.txt and test.txt")
+    p.error(
+      f"--data_dir={args.data_dir} has no train-*.txt; pass the directory holding "
+      "train-*.txt, valid.txt and test.txt"
+    )
   named = [k for k in args.kinds.split(",") if k]
   if not named or set(named) - set(KINDS):
     p.error(f"--kinds={args.kinds}: choose {' and/or '.join(KINDS)}, comma-separated")
@@ -179,35 +254,59 @@ def parse_args(argv=None):
   if args.config:
     for flag in ("preset", "lr", "b2"):
       if getattr(args, flag) is not None:
-        p.error(f"--{flag} applies without --config; with --config={args.config} the "
-                "config sets the model and optimizer (edit it, or leave --config out)")
+        p.error(
+          f"--{flag} applies without --config; with --config={args.config} the "
+          "config sets the model and optimizer (edit it, or leave --config out)"
+        )
     try:
       args.base_config = load_config_file(args.config)
     except (OSError, ValueError, AttributeError, SyntaxError, ImportError) as e:
-      p.error(f"--config={args.config}: {e}; pass FILE.py[:VARIANT] whose get_config() "
-              "returns a ConfigDict, e.g. configs/wikipedia_small.py")
+      p.error(
+        f"--config={args.config}: {e}; pass FILE.py[:VARIANT] whose get_config() "
+        "returns a ConfigDict, e.g. configs/wikipedia_small.py"
+      )
     c = args.base_config
     args.curve_batches = 0 if args.curve_batches is None else args.curve_batches
     args.log_every = args.log_every or c.log_every_steps
     args.checkpoint_every = args.checkpoint_every or c.checkpoint_every_steps
   else:
     args.base_config = None
-    defaults = dict(preset="bench-small", lr=1e-3, b2=0.95, steps=3000, seed_steps=1000,
-                    eval_every=500, curve_batches=100, checkpoint_every=100, log_every=25)
+    defaults = dict(
+      preset="bench-small",
+      lr=1e-3,
+      b2=0.95,
+      steps=3000,
+      seed_steps=1000,
+      eval_every=500,
+      curve_batches=100,
+      checkpoint_every=100,
+      log_every=25,
+    )
     for flag, value in defaults.items():
       if getattr(args, flag) is None:
         setattr(args, flag, value)
-  for flag in ("steps", "seeds", "seed_steps", "eval_every", "checkpoint_every", "log_every",
-               "spectra_grid", "lyapunov_tokens"):
+  for flag in (
+    "steps",
+    "seeds",
+    "seed_steps",
+    "eval_every",
+    "checkpoint_every",
+    "log_every",
+    "spectra_grid",
+    "lyapunov_tokens",
+  ):
     if getattr(args, flag) is not None and getattr(args, flag) < 1:
       p.error(f"--{flag}={getattr(args, flag)} must be at least 1")
   if args.lyapunov_tokens < 2:
-    p.error(f"--lyapunov_tokens={args.lyapunov_tokens} must be at least 2 (an output and "
-            "a token before it)")
+    p.error(
+      f"--lyapunov_tokens={args.lyapunov_tokens} must be at least 2 (an output and "
+      "a token before it)"
+    )
   if args.first_seed < 0:
     p.error(f"--first_seed={args.first_seed} must be at least 0")
-  args.analysis = (args.analysis == "on" or (args.analysis == "auto" and bool(args.config))
-                   ) and "diffeqformer" in args.kinds
+  args.analysis = (
+    args.analysis == "on" or (args.analysis == "auto" and bool(args.config))
+  ) and "diffeqformer" in args.kinds
   return args
 
 
@@ -229,7 +328,7 @@ def load_config_file(spec: str):
 def main(argv=None):
   args = parse_args(argv)
   began = time.perf_counter()
-  logging.set_verbosity(logging.INFO)        # the training loop's progress lines
+  logging.set_verbosity(logging.INFO)  # the training loop's progress lines
   quiet_library_logs()
   root = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="odet_single_epoch_"))
   os.makedirs(root, exist_ok=True)
@@ -238,48 +337,66 @@ def main(argv=None):
   text = TrainingText(config, root)
   epoch = text.epoch
   most = max_single_epoch_steps(config, epoch)
-  if args.config:                         # one whole epoch unless told otherwise
+  if args.config:  # one whole epoch unless told otherwise
     args.steps = args.steps or most
     args.seed_steps = args.seed_steps or args.steps
-  flag, longest = max([("steps", args.steps)] + (
-      [("seed_steps", args.seed_steps)] if args.seeds > 1 else []), key=lambda x: x[1])
+  flag, longest = max(
+    [("steps", args.steps)] + ([("seed_steps", args.seed_steps)] if args.seeds > 1 else []),
+    key=lambda x: x[1],
+  )
   if longest > most:
-    raise UserError(f"--{flag}={longest} needs a second epoch: one pass over "
-                    f"{args.data_dir}/train-*.txt holds {epoch['tokens']:,} tokens, enough "
-                    f"for {most} steps of {config.global_batch_size} x {config.seq_len + 1}; "
-                    f"fix: at most {most} steps, or more text")
+    raise UserError(
+      f"--{flag}={longest} needs a second epoch: one pass over "
+      f"{args.data_dir}/train-*.txt holds {epoch['tokens']:,} tokens, enough "
+      f"for {most} steps of {config.global_batch_size} x {config.seq_len + 1}; "
+      f"fix: at most {most} steps, or more text"
+    )
   tokens_per_step = config.global_batch_size * config.seq_len
-  print(f"training text: {epoch['documents']:,} documents, {epoch['tokens']:,} tokens "
-        f"(vocab {epoch['vocab_size']:,}): one epoch holds {most:,} steps of "
-        f"{tokens_per_step:,} tokens", flush=True)
+  print(
+    f"training text: {epoch['documents']:,} documents, {epoch['tokens']:,} tokens "
+    f"(vocab {epoch['vocab_size']:,}): one epoch holds {most:,} steps of "
+    f"{tokens_per_step:,} tokens",
+    flush=True,
+  )
   if args.prepare_only:
-    print(f"prepared in {root} in {time.perf_counter() - began:.1f} s (tokenizer sha256 "
-          f"{text.key['tokenizer'][:12]}); --prepare_only: stopping before training",
-          flush=True)
+    print(
+      f"prepared in {root} in {time.perf_counter() - began:.1f} s (tokenizer sha256 "
+      f"{text.key['tokenizer'][:12]}); --prepare_only: stopping before training",
+      flush=True,
+    )
     return
   if args.config:
     return main_config(args, root, config, text, began)
   stop = args.stop_after or args.steps
   finals = {}
-  compare = args.kinds == KINDS           # else one model: its curve lines are all
+  compare = args.kinds == KINDS  # else one model: its curve lines are all
   first = args.first_seed
   for seed in range(first, first + args.seeds):
     steps = args.steps if seed == first else args.seed_steps
-    curves = {kind: run_points(args, kind, seed, steps, root, stop, text)
-              for kind in args.kinds}
+    curves = {kind: run_points(args, kind, seed, steps, root, stop, text) for kind in args.kinds}
     if any(steps not in curve for curve in curves.values()):
-      print(f"stopped after step {stop} (--stop_after); the same command without it "
-            "continues", flush=True)
+      print(
+        f"stopped after step {stop} (--stop_after); the same command without it continues",
+        flush=True,
+      )
       return
     finals[seed] = {kind: curves[kind][steps] for kind in args.kinds}
     if compare:
-      ratio = finals[seed]["diffeqformer"]["test"]["perplexity"] / \
-          finals[seed]["transformer"]["test"]["perplexity"]
-      print(f"seed {seed} ({steps} steps) diffeqformer/gpt test perplexity ratio: "
-            f"{ratio:.3f}", flush=True)
+      ratio = (
+        finals[seed]["diffeqformer"]["test"]["perplexity"]
+        / finals[seed]["transformer"]["test"]["perplexity"]
+      )
+      print(
+        f"seed {seed} ({steps} steps) diffeqformer/gpt test perplexity ratio: {ratio:.3f}",
+        flush=True,
+      )
     print_eval_texts(args, seed, finals[seed])
-    print(single_epoch_check(config, epoch, steps, max(
-        curves[kind][steps]["documents_read"] for kind in args.kinds)), flush=True)
+    print(
+      single_epoch_check(
+        config, epoch, steps, max(curves[kind][steps]["documents_read"] for kind in args.kinds)
+      ),
+      flush=True,
+    )
     if seed == first and compare:
       table = write_table(root, curves, tokens_per_step)
     if seed == first and args.analysis:
@@ -289,18 +406,30 @@ def main(argv=None):
   print("\n".join(table))
   print(f"table: {root}/single_epoch.md, .json; learning curves: {root}/single_epoch.png")
   n_ode, n_gpt = (finals[first][kind]["num_params"] for kind in KINDS)
-  print(f"parameters: diffeqformer {n_ode:,} | gpt {n_gpt:,}: the DiffEqFormer holds "
-        f"{n_ode / n_gpt:.1f}x GPT's parameters (its hypernetworks)")
-  extra = [finals[s]["diffeqformer"]["test"]["perplexity"] /
-           finals[s]["transformer"]["test"]["perplexity"] for s in finals if s > first]
+  print(
+    f"parameters: diffeqformer {n_ode:,} | gpt {n_gpt:,}: the DiffEqFormer holds "
+    f"{n_ode / n_gpt:.1f}x GPT's parameters (its hypernetworks)"
+  )
+  extra = [
+    finals[s]["diffeqformer"]["test"]["perplexity"] / finals[s]["transformer"]["test"]["perplexity"]
+    for s in finals
+    if s > first
+  ]
   if extra:
-    print(f"spread: test perplexity ratio at {args.seed_steps} steps over seeds "
-          f"{first + 1}..{first + args.seeds - 1}: " + ", ".join(f"{x:.3f}" for x in extra) +
-          f" (min {min(extra):.3f}, max {max(extra):.3f})")
-  ratio = finals[first]["diffeqformer"]["test"]["perplexity"] / \
-      finals[first]["transformer"]["test"]["perplexity"]
-  print(f"single-epoch diffeqformer/gpt test perplexity ratio: {ratio:.3f} "
-        f"(steps {args.steps}, tokens {args.steps * tokens_per_step:,})")
+    print(
+      f"spread: test perplexity ratio at {args.seed_steps} steps over seeds "
+      f"{first + 1}..{first + args.seeds - 1}: "
+      + ", ".join(f"{x:.3f}" for x in extra)
+      + f" (min {min(extra):.3f}, max {max(extra):.3f})"
+    )
+  ratio = (
+    finals[first]["diffeqformer"]["test"]["perplexity"]
+    / finals[first]["transformer"]["test"]["perplexity"]
+  )
+  print(
+    f"single-epoch diffeqformer/gpt test perplexity ratio: {ratio:.3f} "
+    f"(steps {args.steps}, tokens {args.steps * tokens_per_step:,})"
+  )
 
 
 def main_config(args, root: str, config, text: TrainingText, began: float) -> None:
@@ -309,19 +438,24 @@ def main_config(args, root: str, config, text: TrainingText, began: float) -> No
   epoch = text.epoch
   label = model_label(config)
   tokens_per_step = config.global_batch_size * config.seq_len
-  print(f"tokenizer: SentencePiece, {epoch['vocab_size']:,} pieces, trained once on "
-        f"{args.data_dir}/train-*.txt, shared by every run (sha256 "
-        f"{text.key['tokenizer'][:12]}); the same data order for both models of a seed",
-        flush=True)
-  print(f"device: {describe_device()}; {label}: {config.model.d_model} wide, "
-        f"{config.model.num_heads} heads, K = L = {config.model.solver_steps}, d_t "
-        f"{config.model.time_embed_dim}, S {config.model.time_sinusoids}, dropout "
-        f"{config.model.dropout_rate}, {config.model.dtype} compute; AdamW peak lr "
-        f"{config.optim.learning_rate:g}, betas {config.optim.b1:g}/{config.optim.b2:g}, "
-        f"weight decay {config.optim.weight_decay:g}, warm-up "
-        f"{config.optim.warmup_frac:.0%} then {config.optim.schedule} to "
-        f"{config.optim.min_lr_ratio:g}x; batch {config.global_batch_size} x "
-        f"{config.seq_len}", flush=True)
+  print(
+    f"tokenizer: SentencePiece, {epoch['vocab_size']:,} pieces, trained once on "
+    f"{args.data_dir}/train-*.txt, shared by every run (sha256 "
+    f"{text.key['tokenizer'][:12]}); the same data order for both models of a seed",
+    flush=True,
+  )
+  print(
+    f"device: {describe_device()}; {label}: {config.model.d_model} wide, "
+    f"{config.model.num_heads} heads, K = L = {config.model.solver_steps}, d_t "
+    f"{config.model.time_embed_dim}, S {config.model.time_sinusoids}, dropout "
+    f"{config.model.dropout_rate}, {config.model.dtype} compute; AdamW peak lr "
+    f"{config.optim.learning_rate:g}, betas {config.optim.b1:g}/{config.optim.b2:g}, "
+    f"weight decay {config.optim.weight_decay:g}, warm-up "
+    f"{config.optim.warmup_frac:.0%} then {config.optim.schedule} to "
+    f"{config.optim.min_lr_ratio:g}x; batch {config.global_batch_size} x "
+    f"{config.seq_len}",
+    flush=True,
+  )
   stop = args.stop_after or max(args.steps, args.seed_steps)
   finals, first = {}, args.first_seed
   compare = args.kinds == KINDS
@@ -329,52 +463,79 @@ def main_config(args, root: str, config, text: TrainingText, began: float) -> No
     steps = args.steps if seed == first else args.seed_steps
     runs = {kind: run_whole(args, kind, seed, steps, root, stop, text) for kind in args.kinds}
     if any(r is None for r in runs.values()):
-      print(f"stopped after step {stop} (--stop_after); the same command without it "
-            "continues", flush=True)
+      print(
+        f"stopped after step {stop} (--stop_after); the same command without it continues",
+        flush=True,
+      )
       return
     finals[seed] = runs
     if compare:
       ratio = runs["diffeqformer"]["test"]["perplexity"] / runs["transformer"]["test"]["perplexity"]
-      print(f"seed {seed} ({steps} steps) diffeqformer/gpt test perplexity ratio: "
-            f"{ratio:.3f}", flush=True)
+      print(
+        f"seed {seed} ({steps} steps) diffeqformer/gpt test perplexity ratio: {ratio:.3f}",
+        flush=True,
+      )
     print_eval_texts(args, seed, runs)
-    print(single_epoch_check(config, epoch, steps,
-                             max(r["documents_read"] for r in runs.values())), flush=True)
+    print(
+      single_epoch_check(config, epoch, steps, max(r["documents_read"] for r in runs.values())),
+      flush=True,
+    )
     if seed == first and compare:
       table = write_curves(root, runs, tokens_per_step)
     if seed == first and args.analysis:
       analyse_or_say_why_not(args, root, seed, steps)
   for kind in args.kinds:
     seconds = [finals[s][kind]["train_seconds"] for s in finals]
-    print(f"wall time {kind}: training " + ", ".join(f"{x:.1f}" for x in seconds) +
-          " s per seed (compilation and the curve's evaluations included), scoring " +
-          ", ".join(f"{finals[s][kind]['score_seconds']:.1f}" for s in finals) + " s",
-          flush=True)
-  print(f"wall time of this command: {time.perf_counter() - began:.1f} s on "
-        f"{describe_device()}", flush=True)
+    print(
+      f"wall time {kind}: training "
+      + ", ".join(f"{x:.1f}" for x in seconds)
+      + " s per seed (compilation and the curve's evaluations included), scoring "
+      + ", ".join(f"{finals[s][kind]['score_seconds']:.1f}" for s in finals)
+      + " s",
+      flush=True,
+    )
+  print(
+    f"wall time of this command: {time.perf_counter() - began:.1f} s on {describe_device()}",
+    flush=True,
+  )
   if not compare:
     return
   print("\n".join(table))
   print(f"table: {root}/single_epoch.md, .json; learning curves: {root}/single_epoch.png")
   n_ode, n_gpt = (finals[first][kind]["num_params"] for kind in KINDS)
-  print(f"parameters: diffeqformer {n_ode:,} | gpt {n_gpt:,}: the DiffEqFormer holds "
-        f"{n_ode / n_gpt:.1f}x GPT's parameters (its hypernetworks)")
+  print(
+    f"parameters: diffeqformer {n_ode:,} | gpt {n_gpt:,}: the DiffEqFormer holds "
+    f"{n_ode / n_gpt:.1f}x GPT's parameters (its hypernetworks)"
+  )
   seeds = sorted(finals)
   for path in args.eval_texts:
-    ratios = [finals[s]["diffeqformer"]["texts"][path]["perplexity"] /
-              finals[s]["transformer"]["texts"][path]["perplexity"] for s in seeds]
-    print(f"eval_text {path}: diffeqformer/gpt perplexity ratio {mean_spread(ratios)} "
-          f"({len(seeds)} seed{'s' if len(seeds) > 1 else ''})")
-  ratios = [finals[s]["diffeqformer"]["test"]["perplexity"] /
-            finals[s]["transformer"]["test"]["perplexity"] for s in seeds]
+    ratios = [
+      finals[s]["diffeqformer"]["texts"][path]["perplexity"]
+      / finals[s]["transformer"]["texts"][path]["perplexity"]
+      for s in seeds
+    ]
+    print(
+      f"eval_text {path}: diffeqformer/gpt perplexity ratio {mean_spread(ratios)} "
+      f"({len(seeds)} seed{'s' if len(seeds) > 1 else ''})"
+    )
+  ratios = [
+    finals[s]["diffeqformer"]["test"]["perplexity"] / finals[s]["transformer"]["test"]["perplexity"]
+    for s in seeds
+  ]
   tokens = args.steps * tokens_per_step
-  others = (f"; seeds after the first {args.seed_steps * tokens_per_step:,} tokens"
-            if args.seeds > 1 and args.seed_steps != args.steps else "")
-  print(f"{label} single-epoch diffeqformer/gpt test perplexity ratio: "
-        f"{mean_spread(ratios)} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''}, "
-        f"{tokens:,} tokens{others})")
+  others = (
+    f"; seeds after the first {args.seed_steps * tokens_per_step:,} tokens"
+    if args.seeds > 1 and args.seed_steps != args.steps
+    else ""
+  )
+  print(
+    f"{label} single-epoch diffeqformer/gpt test perplexity ratio: "
+    f"{mean_spread(ratios)} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''}, "
+    f"{tokens:,} tokens{others})"
+  )
 
 
 if __name__ == "__main__":
   from odetransformer import errors  # pylint: disable=g-import-not-at-top
+
   errors.run_cli(main)

@@ -3,6 +3,7 @@ directory name, its training through `common.keyed_run`, and the scores of its
 checkpoints on valid, test and each --eval_text: at every evaluation step of the preset
 mode (`run_points`), or once at the end of the --config mode's single training call, whose
 learning curve is read back from the loop's TensorBoard scalars (`run_whole`)."""
+
 import glob
 import os
 import struct
@@ -50,10 +51,10 @@ def make_config(args, kind: str, seed: int, steps: int, root: str):
     c.seq_len = preset["seq_len"]
     c.model.max_len = max(c.model.max_len, c.seq_len)
     c.global_batch_size = c.eval_batch_size = preset["batch"]
-    c.eval_every_steps = 0               # the benchmark scores the checkpoints itself
+    c.eval_every_steps = 0  # the benchmark scores the checkpoints itself
     c.optim.learning_rate = args.lr
     c.optim.b2 = args.b2
-    c.data.eval_max_batches = 1          # the loop's own end-of-run eval: one batch
+    c.data.eval_max_batches = 1  # the loop's own end-of-run eval: one batch
     c.data.vocab_size = args.vocab or preset["model"]["vocab_size"]
   c.seed = seed
   c.model.kind = kind
@@ -65,12 +66,11 @@ def make_config(args, kind: str, seed: int, steps: int, root: str):
   c.data.source = "local"
   c.data.train_files = os.path.join(os.path.abspath(args.data_dir), "train-*.txt")
   c.data.eval_files = os.path.join(os.path.abspath(args.data_dir), "valid.txt")
-  c.data.cache_dir = os.path.join(root, "cache")   # one tokenizer for every run
+  c.data.cache_dir = os.path.join(root, "cache")  # one tokenizer for every run
   return c
 
 
-def score(workdir: str, step: int, data_dir: str, max_batches: int,
-          eval_texts: tuple = ()) -> dict:
+def score(workdir: str, step: int, data_dir: str, max_batches: int, eval_texts: tuple = ()) -> dict:
   """Loss, perplexity and tokens of `workdir`'s checkpoint `step` on valid and test, and
   under 'texts' on each file of `eval_texts` (by its path)."""
   loaded = loading.load_model(workdir, step=step)
@@ -78,8 +78,9 @@ def score(workdir: str, step: int, data_dir: str, max_batches: int,
   files.update({("text", path): path for path in eval_texts})
   out = {"texts": {}} if eval_texts else {}
   for name, path in files.items():
-    data = evaluation.eval_data(workdir, loaded.config, max_batches=max_batches,
-                              data="local:" + os.path.abspath(path))
+    data = evaluation.eval_data(
+      workdir, loaded.config, max_batches=max_batches, data="local:" + os.path.abspath(path)
+    )
     r = evaluation.evaluate_model(loaded.model, data.batches(), None, loaded.rules)
     result = {"loss": r.loss, "perplexity": r.perplexity, "tokens": r.num_tokens}
     if isinstance(name, tuple):
@@ -89,8 +90,9 @@ def score(workdir: str, step: int, data_dir: str, max_batches: int,
   return out
 
 
-def run_points(args, kind: str, seed: int, steps: int, root: str, stop: int,
-               text: TrainingText) -> dict:
+def run_points(
+  args, kind: str, seed: int, steps: int, root: str, stop: int, text: TrainingText
+) -> dict:
   """Trains one model up to each evaluation step (up to `stop`) and scores it there;
   returns {step: scores} with each score's 'note' (trained now / read back)."""
   config = make_config(args, kind, seed, steps, root)
@@ -103,29 +105,41 @@ def run_points(args, kind: str, seed: int, steps: int, root: str, stop: int,
     batches = args.eval_batches if point == steps else args.curve_batches
     texts = tuple(args.eval_texts) if point == steps else ()
     entry = stored.get(str(point))
-    if (entry and entry["eval_batches"] == batches
-        and sorted(entry.get("texts", {})) == sorted(texts)):
+    if (
+      entry and entry["eval_batches"] == batches and sorted(entry.get("texts", {})) == sorted(texts)
+    ):
       entry = dict(entry, note=f"read back from {evals_path} (code {common.code_version()})")
     else:
       r, note = common.keyed_run(config, workdir, stop_at_step=point if point < steps else 0)
-      if r["step"] < point:                # SIGTERM or Ctrl-C: saved, stopped
-        raise UserError(f"{workdir} stopped at step {r['step']} (interrupted); fix: run the "
-                        "same command again to continue from its checkpoint")
-      if r["step"] > point:                # already past it, with its score lost
-        print(f"seed {seed} step {point:>6} {kind:13s} | not scored: {workdir} is at step "
-              f"{r['step']} and scores only the step it stops at", flush=True)
+      if r["step"] < point:  # SIGTERM or Ctrl-C: saved, stopped
+        raise UserError(
+          f"{workdir} stopped at step {r['step']} (interrupted); fix: run the "
+          "same command again to continue from its checkpoint"
+        )
+      if r["step"] > point:  # already past it, with its score lost
+        print(
+          f"seed {seed} step {point:>6} {kind:13s} | not scored: {workdir} is at step "
+          f"{r['step']} and scores only the step it stops at",
+          flush=True,
+        )
         continue
-      stored = common.read_json(evals_path) or {}   # empty when keyed_run moved a stale run aside
-      entry = dict(score(workdir, point, args.data_dir, batches, texts), eval_batches=batches,
-                   num_params=int(r["num_params"]),
-                   documents_read=text.documents_read(r["data_state"], seed))
+      stored = common.read_json(evals_path) or {}  # empty when keyed_run moved a stale run aside
+      entry = dict(
+        score(workdir, point, args.data_dir, batches, texts),
+        eval_batches=batches,
+        num_params=int(r["num_params"]),
+        documents_read=text.documents_read(r["data_state"], seed),
+      )
       stored[str(point)] = entry
       common.write_json(evals_path, stored)
       entry = dict(entry, note=note or "trained now")
     done[point] = entry
-    print(f"seed {seed} step {point:>6} {kind:13s} | valid ppl "
-          f"{entry['valid']['perplexity']:9.2f} | test ppl {entry['test']['perplexity']:9.2f} "
-          f"| {entry['test']['tokens']:,} test tokens | {entry['note']}", flush=True)
+    print(
+      f"seed {seed} step {point:>6} {kind:13s} | valid ppl "
+      f"{entry['valid']['perplexity']:9.2f} | test ppl {entry['test']['perplexity']:9.2f} "
+      f"| {entry['test']['tokens']:,} test tokens | {entry['note']}",
+      flush=True,
+    )
   return done
 
 
@@ -135,16 +149,17 @@ def read_curve(workdir: str, tag: str = "eval/perplexity") -> dict:
   earlier one (a resumed run writes a new file); a record cut short by a kill ends its
   file."""
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+
   out = {}
   for path in sorted(glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))):
     with open(path, "rb") as f:
       data = f.read()
     i = 0
-    while i + 12 <= len(data):            # TFRecord: u64 length, u32 crc, data, u32 crc
-      (n,) = struct.unpack("<Q", data[i:i + 8])
+    while i + 12 <= len(data):  # TFRecord: u64 length, u32 crc, data, u32 crc
+      (n,) = struct.unpack("<Q", data[i : i + 8])
       if i + 16 + n > len(data):
         break
-      event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+      event = event_pb2.Event.FromString(data[i + 12 : i + 12 + n])
       i += 16 + n
       for value in event.summary.value:
         if value.tag == tag:
@@ -157,8 +172,7 @@ def describe_device() -> str:
   return f"{len(devices)} x {devices[0].device_kind} ({devices[0].platform})"
 
 
-def run_whole(args, kind: str, seed: int, steps: int, root: str, stop: int,
-              text: TrainingText):
+def run_whole(args, kind: str, seed: int, steps: int, root: str, stop: int, text: TrainingText):
   """--config mode: one training call per run, the loop evaluating valid.txt every
   `eval_every_steps` (the learning curve, read back from its TensorBoard scalars); then
   the final checkpoint scored on the whole valid and test splits and each --eval_text.
@@ -170,8 +184,11 @@ def run_whole(args, kind: str, seed: int, steps: int, root: str, stop: int,
   evals_path = os.path.join(workdir, EVALS_FILE)
   stored = (common.read_json(evals_path) or {}) if common.is_current(config, workdir) else {}
   entry = stored.get(str(steps))
-  if (entry and entry["eval_batches"] == args.eval_batches
-      and sorted(entry.get("texts", {})) == sorted(args.eval_texts)):
+  if (
+    entry
+    and entry["eval_batches"] == args.eval_batches
+    and sorted(entry.get("texts", {})) == sorted(args.eval_texts)
+  ):
     entry = dict(entry, note=f"read back from {evals_path} (code {common.code_version()})")
   else:
     start = time.perf_counter()
@@ -180,28 +197,40 @@ def run_whole(args, kind: str, seed: int, steps: int, root: str, stop: int,
     if r["step"] < steps:
       if r["step"] == stop:
         return None
-      raise UserError(f"{workdir} stopped at step {r['step']} (interrupted); fix: run the "
-                      "same command again to continue from its checkpoint")
+      raise UserError(
+        f"{workdir} stopped at step {r['step']} (interrupted); fix: run the "
+        "same command again to continue from its checkpoint"
+      )
     start = time.perf_counter()
     entry = score(workdir, steps, args.data_dir, args.eval_batches, tuple(args.eval_texts))
     entry.update(
-        eval_batches=args.eval_batches, num_params=int(r["num_params"]),
-        documents_read=text.documents_read(r["data_state"], seed),
-        curve={str(k): v for k, v in sorted(read_curve(workdir).items())},
-        train_seconds=train_seconds, score_seconds=time.perf_counter() - start,
-        device=describe_device(), resumed_at=int(r["start_step"]))
+      eval_batches=args.eval_batches,
+      num_params=int(r["num_params"]),
+      documents_read=text.documents_read(r["data_state"], seed),
+      curve={str(k): v for k, v in sorted(read_curve(workdir).items())},
+      train_seconds=train_seconds,
+      score_seconds=time.perf_counter() - start,
+      device=describe_device(),
+      resumed_at=int(r["start_step"]),
+    )
     stored = common.read_json(evals_path) or {}
     stored[str(steps)] = entry
     common.write_json(evals_path, stored)
     entry = dict(entry, note=note or "trained now")
   batches = f"{args.curve_batches} batches" if args.curve_batches else "whole split"
   for step, value in entry["curve"].items():
-    print(f"seed {seed} step {int(step):>6} {kind:13s} | valid ppl {value:9.2f} "
-          f"({batches}, the loop's evaluation)", flush=True)
+    print(
+      f"seed {seed} step {int(step):>6} {kind:13s} | valid ppl {value:9.2f} "
+      f"({batches}, the loop's evaluation)",
+      flush=True,
+    )
   part = f", from step {entry['resumed_at']}" if entry.get("resumed_at") else ""
-  print(f"seed {seed} {kind:13s} | {steps} steps | valid ppl "
-        f"{entry['valid']['perplexity']:9.2f} | test ppl {entry['test']['perplexity']:9.2f} "
-        f"| {entry['test']['tokens']:,} test tokens | train {entry['train_seconds']:.1f} s"
-        f"{part}, score {entry['score_seconds']:.1f} s on {entry['device']} | "
-        f"{entry['note']}", flush=True)
+  print(
+    f"seed {seed} {kind:13s} | {steps} steps | valid ppl "
+    f"{entry['valid']['perplexity']:9.2f} | test ppl {entry['test']['perplexity']:9.2f} "
+    f"| {entry['test']['tokens']:,} test tokens | train {entry['train_seconds']:.1f} s"
+    f"{part}, score {entry['score_seconds']:.1f} s on {entry['device']} | "
+    f"{entry['note']}",
+    flush=True,
+  )
   return entry

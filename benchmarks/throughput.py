@@ -18,6 +18,7 @@ models' tokens/s over nanoGPT's. `--profile` traces `--profile_steps` steps of e
 at each batch and prints where the step's time goes (`benchmarks.profile_split`: matmul,
 attention, other fusions, copies, idle, and the costliest ops).
 """
+
 import argparse
 import json
 import os
@@ -29,8 +30,7 @@ import tempfile
 from flax import nnx
 import jax
 
-from benchmarks import common
-from benchmarks import profile_split
+from benchmarks import common, profile_split
 from odetransformer.model.config import KINDS
 from odetransformer.model.materialize import materialize
 from odetransformer.model.param_count import count_params, flops_per_token
@@ -41,18 +41,28 @@ def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   common.add_common_flags(parser)
   parser.add_argument("--rounds", type=int, default=10)
-  parser.add_argument("--also", default="",
-                      help="more model kinds timed in the same rotation, e.g. parallel,shared "
-                           "(the discrete parallel-block model and the weight-sharing ODE: "
-                           "the DiffEqFormer's layers without its hypernetwork)")
-  parser.add_argument("--batches", default="",
-                      help="batch sizes timed in one run, e.g. 16,32 (default: --batch)")
-  parser.add_argument("--nanogpt", default="",
-                      help="a karpathy/nanoGPT checkout: time its train step at each batch "
-                           "in the same run and print our/nanoGPT tokens/s ratios")
-  parser.add_argument("--profile", action="store_true",
-                      help="trace each model at each batch and print where the step's time "
-                           "goes (matmul, attention, other fusions, copies, idle)")
+  parser.add_argument(
+    "--also",
+    default="",
+    help="more model kinds timed in the same rotation, e.g. parallel,shared "
+    "(the discrete parallel-block model and the weight-sharing ODE: "
+    "the DiffEqFormer's layers without its hypernetwork)",
+  )
+  parser.add_argument(
+    "--batches", default="", help="batch sizes timed in one run, e.g. 16,32 (default: --batch)"
+  )
+  parser.add_argument(
+    "--nanogpt",
+    default="",
+    help="a karpathy/nanoGPT checkout: time its train step at each batch "
+    "in the same run and print our/nanoGPT tokens/s ratios",
+  )
+  parser.add_argument(
+    "--profile",
+    action="store_true",
+    help="trace each model at each batch and print where the step's time "
+    "goes (matmul, attention, other fusions, copies, idle)",
+  )
   parser.add_argument("--profile_steps", type=int, default=5)
   args = parser.parse_args(argv)
   args.also = [k for k in args.also.split(",") if k]
@@ -68,8 +78,7 @@ def parse_args(argv=None):
   if min(args.batches) <= 0:
     parser.error(f"--batches={args.batches}: batch sizes must be positive")
   if args.nanogpt and not os.path.isfile(os.path.join(args.nanogpt, "model.py")):
-    parser.error(f"--nanogpt={args.nanogpt} holds no model.py; pass a checkout of "
-                 "karpathy/nanoGPT")
+    parser.error(f"--nanogpt={args.nanogpt} holds no model.py; pass a checkout of karpathy/nanoGPT")
   if args.profile_steps <= 0:
     parser.error(f"--profile_steps={args.profile_steps} must be positive")
   return args
@@ -79,17 +88,26 @@ def nanogpt_step(args, batch: int, length: int) -> dict:
   """nanoGPT's train step at the preset's shape, timed in a child process
   (`benchmarks.nanogpt_step`): its JSON line as a dict."""
   model = common.PRESETS[args.preset]["model"]
-  cmd = [sys.executable, "-m", "benchmarks.nanogpt_step", f"--nanogpt={args.nanogpt}",
-         f"--batch={batch}", f"--seq_len={length}", f"--vocab={model['vocab_size']}",
-         f"--layers={model['num_layers']}", f"--heads={model['num_heads']}",
-         f"--d_model={model['d_model']}"]
-  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=common.REPO_ROOT,
-                        check=False)
+  cmd = [
+    sys.executable,
+    "-m",
+    "benchmarks.nanogpt_step",
+    f"--nanogpt={args.nanogpt}",
+    f"--batch={batch}",
+    f"--seq_len={length}",
+    f"--vocab={model['vocab_size']}",
+    f"--layers={model['num_layers']}",
+    f"--heads={model['num_heads']}",
+    f"--d_model={model['d_model']}",
+  ]
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=common.REPO_ROOT, check=False)
   lines = proc.stdout.strip().splitlines()
   if proc.returncode or not lines:
     why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    raise SystemExit(f"error: nanoGPT's step failed at batch {batch} ({why}); run "
-                     f"{' '.join(cmd[1:])} to see it whole")
+    raise SystemExit(
+      f"error: nanoGPT's step failed at batch {batch} ({why}); run "
+      f"{' '.join(cmd[1:])} to see it whole"
+    )
   return json.loads(lines[-1])
 
 
@@ -99,29 +117,39 @@ def main(argv=None):
   fields = common.PRESETS[args.preset]["model"]
   # nanoGPT first, each batch in its own process: jax then has the device to itself.
   nano = {b: nanogpt_step(args, b, length) for b in args.batches} if args.nanogpt else {}
-  print(f"devices: {jax.device_count()} × {jax.devices()[0].device_kind}; preset "
-        f"{args.preset}, {args.dtype}, remat {args.remat}")
+  print(
+    f"devices: {jax.device_count()} × {jax.devices()[0].device_kind}; preset "
+    f"{args.preset}, {args.dtype}, remat {args.remat}"
+  )
   if nano and fields["mlp_dim"] != 4 * fields["d_model"]:
-    print(f"note: nanoGPT's MLP is 4 × d_model; this preset's is {fields['mlp_dim']}: the "
-          "nanoGPT ratios compare unequal shapes")
-  trainers = {kind: common.Trainer(common.model_config(args, kind))
-              for kind in ("diffeqformer", "transformer", *args.also)}
+    print(
+      f"note: nanoGPT's MLP is 4 × d_model; this preset's is {fields['mlp_dim']}: the "
+      "nanoGPT ratios compare unequal shapes"
+    )
+  trainers = {
+    kind: common.Trainer(common.model_config(args, kind))
+    for kind in ("diffeqformer", "transformer", *args.also)
+  }
   peak, source = metrics.device_peak_flops(dtype=args.dtype)
   if jax.devices()[0].platform != "cpu":
-    peak *= jax.device_count()      # as the training log: XLA:CPU's devices share the host
+    peak *= jax.device_count()  # as the training log: XLA:CPU's devices share the host
   headline = {}
   for i, b in enumerate(args.batches):
     batches = {kind: t.batch(b, length) for kind, t in trainers.items()}
     headline[b] = time_batch(args, trainers, batches, nano.get(b), peak)
     if i == 0:
       time_forward(args, trainers, batches["transformer"]["inputs"], b * length)
-  print(f"(MFU against {peak / 1e12:.3f} TFLOP/s: {source}; the training log's definition, "
-        "odetransformer.train.metrics.device_peak_flops; nanoGPT's with our GPT's FLOPs)")
+  print(
+    f"(MFU against {peak / 1e12:.3f} TFLOP/s: {source}; the training log's definition, "
+    "odetransformer.train.metrics.device_peak_flops; nanoGPT's with our GPT's FLOPs)"
+  )
   if len(headline) == 1:
     print(f"ode/gpt train tokens/s ratio: {headline[args.batches[0]]:.2f}")
   else:
-    print("ode/gpt train tokens/s ratio: " + ", ".join(
-        f"{r:.2f} (batch {b})" for b, r in headline.items()))
+    print(
+      "ode/gpt train tokens/s ratio: "
+      + ", ".join(f"{r:.2f} (batch {b})" for b, r in headline.items())
+    )
 
 
 def time_batch(args, trainers: dict, batches: dict, nano, peak: float) -> float:
@@ -130,38 +158,48 @@ def time_batch(args, trainers: dict, batches: dict, nano, peak: float) -> float:
   b, length = batches["transformer"]["inputs"].shape
   print(f"-- batch {b} × seq {length}, {args.dtype}, remat {args.remat}", flush=True)
   rounds = common.time_rounds(
-      {kind: (lambda k=kind: trainers[k].step(batches[k])) for kind in trainers},
-      rounds=args.rounds)
+    {kind: (lambda k=kind: trainers[k].step(batches[k])) for kind in trainers}, rounds=args.rounds
+  )
   tokens = b * length
   tps = {}
   for kind, t in trainers.items():
     sec = statistics.median(rounds[kind])
     tps[kind] = tokens / sec
     fpt = flops_per_token(t.cfg, length, tokens_per_batch=tokens)
-    print(f"{kind:13s} train: {sec * 1e3:8.1f} ms/step {tps[kind]:10,.0f} tokens/s "
-          f"MFU {tps[kind] * fpt / peak:6.1%}  params {count_params(t.cfg) / 1e6:,.1f} M")
+    print(
+      f"{kind:13s} train: {sec * 1e3:8.1f} ms/step {tps[kind]:10,.0f} tokens/s "
+      f"MFU {tps[kind] * fpt / peak:6.1%}  params {count_params(t.cfg) / 1e6:,.1f} M"
+    )
   if nano:
     fpt = flops_per_token(trainers["transformer"].cfg, length, tokens_per_batch=tokens)
-    print(f"{'nanogpt':13s} train: {nano['ms_per_step']:8.1f} ms/step "
-          f"{nano['tokens_per_s']:10,.0f} tokens/s MFU {nano['tokens_per_s'] * fpt / peak:6.1%}"
-          f"  params {nano['params'] / 1e6:,.1f} M (torch {nano['torch']}, "
-          f"{'compiled' if nano['compiled'] else 'eager'}, {nano['device']})")
+    print(
+      f"{'nanogpt':13s} train: {nano['ms_per_step']:8.1f} ms/step "
+      f"{nano['tokens_per_s']:10,.0f} tokens/s MFU {nano['tokens_per_s'] * fpt / peak:6.1%}"
+      f"  params {nano['params'] / 1e6:,.1f} M (torch {nano['torch']}, "
+      f"{'compiled' if nano['compiled'] else 'eager'}, {nano['device']})"
+    )
     for kind in trainers:
       print(f"{kind}/nanogpt train tokens/s ratio: {tps[kind] / nano['tokens_per_s']:.2f}")
   for kind in args.also:
-    print(f"{kind}/gpt train tokens/s ratio: {tps[kind] / tps['transformer']:.2f} "
-          f"(per round: {common.paired_spread(rounds['transformer'], rounds[kind])})")
+    print(
+      f"{kind}/gpt train tokens/s ratio: {tps[kind] / tps['transformer']:.2f} "
+      f"(per round: {common.paired_spread(rounds['transformer'], rounds[kind])})"
+    )
   # The ratio of the medians is the figure; the same ratio per round (each pair timed back
   # to back) shows how much of it is this machine's noise.
-  print("ode/gpt train ratio per round: "
-        + common.paired_spread(rounds["transformer"], rounds["diffeqformer"]))
+  print(
+    "ode/gpt train ratio per round: "
+    + common.paired_spread(rounds["transformer"], rounds["diffeqformer"])
+  )
   if args.profile:
     for kind, t in trainers.items():
       with tempfile.TemporaryDirectory(prefix="odet_profile_") as logdir:
-        events, wall = profile_split.trace(lambda t=t, k=kind: t.step(batches[k]),
-                                           args.profile_steps, logdir)
+        events, wall = profile_split.trace(
+          lambda t=t, k=kind: t.step(batches[k]), args.profile_steps, logdir
+        )
       for line in profile_split.format_split(
-          f"{kind} {b}×{length}", profile_split.split(events, args.profile_steps, wall)):
+        f"{kind} {b}×{length}", profile_split.split(events, args.profile_steps, wall)
+      ):
         print(line)
   return tps["diffeqformer"] / tps["transformer"]
 
@@ -173,9 +211,13 @@ def time_forward(args, trainers: dict, tokens_in, tokens: int) -> None:
   mat = materialize(ode_model, ode_model.config.depth)
   forward = nnx.jit(lambda m, x: m(x))
   # A forward is ~1/4 of a train step: 3× the rounds for a steadier median in less time.
-  fwd = common.time_alternating({"materialised": lambda: forward(mat, tokens_in),
-                                 "transformer": lambda: forward(gpt_model, tokens_in)},
-                                rounds=3 * args.rounds)
+  fwd = common.time_alternating(
+    {
+      "materialised": lambda: forward(mat, tokens_in),
+      "transformer": lambda: forward(gpt_model, tokens_in),
+    },
+    rounds=3 * args.rounds,
+  )
   for name, s in fwd.items():
     print(f"{name:13s} forward: {s * 1e3:8.1f} ms {tokens / s:10,.0f} tokens/s")
   print(f"materialised/gpt forward tokens/s ratio: {fwd['transformer'] / fwd['materialised']:.2f}")

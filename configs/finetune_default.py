@@ -18,6 +18,7 @@ Expect: the first evaluation (step 0 of LoRA) equals the pre-trained model's los
 this text, and the loss falls from there; the time it takes is in benchmarks/README.md
 (Quality).
 """
+
 import ml_collections
 
 from configs import default
@@ -34,17 +35,17 @@ def _globs(packages):
 
 def get_config():
   config = default.get_config()
-  config.init_from = "/tmp/odet_default"   # a pre-training workdir (config.json + checkpoints)
+  config.init_from = "/tmp/odet_default"  # a pre-training workdir (config.json + checkpoints)
   config.finetune = ml_collections.ConfigDict()
-  config.finetune.method = "lora"          # 'continuous' | 'full' | 'lora'
+  config.finetune.method = "lora"  # 'continuous' | 'full' | 'lora'
   # N solver steps (ODE) / layers; None = the pre-trained model's K (or its L)
   config.finetune.solver_steps = ml_collections.config_dict.placeholder(int)
   # Deprecated name of solver_steps (0 = the pre-trained K), kept so old flags parse:
   config.finetune.num_steps = ml_collections.config_dict.placeholder(int)
-  config.finetune.lora_rank = 8            # adapter rank r
-  config.finetune.lora_alpha = 16.0        # adapter scale alpha / r
+  config.finetune.lora_rank = 8  # adapter rank r
+  config.finetune.lora_alpha = 16.0  # adapter scale alpha / r
   config.finetune.targets = "wq,wk,wv,wo"  # adapted layer weights (wq wk wv wo w1 w2 [w3])
-  config.finetune.train_embeddings = False # LoRA: also train embeddings and final norm
+  config.finetune.train_embeddings = False  # LoRA: also train embeddings and final norm
 
   config.num_train_steps = 200
   config.eval_every_steps = 100

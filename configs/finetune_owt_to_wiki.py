@@ -23,23 +23,24 @@ at its own 24 layers: --config.init_from=$PRE_GPT, no --config.finetune.solver_s
 Expect: with LoRA every N beats the GPT baseline; full fine-tuning is comparable to
 GPT, and fewer steps overfit less (paper Section 6.2). Not run by us (accelerator pod).
 """
+
 import ml_collections
 
 from configs import wikitext103_medium
 
 
 def get_config():
-  config = wikitext103_medium.get_config()   # batch 256, 10,001 steps, lr 3e-4, β2 0.999
-  config.init_from = ""                    # required: the OpenWebText pre-training workdir
+  config = wikitext103_medium.get_config()  # batch 256, 10,001 steps, lr 3e-4, β2 0.999
+  config.init_from = ""  # required: the OpenWebText pre-training workdir
   config.finetune = ml_collections.ConfigDict()
-  config.finetune.method = "lora"          # 'continuous' | 'full' | 'lora'
-  config.finetune.solver_steps = 24        # N ∈ {9, 12, 18, 24}; the yaml's finetune_layer
+  config.finetune.method = "lora"  # 'continuous' | 'full' | 'lora'
+  config.finetune.solver_steps = 24  # N ∈ {9, 12, 18, 24}; the yaml's finetune_layer
   # Deprecated name of solver_steps (0 = the pre-trained K), kept so old flags parse:
   config.finetune.num_steps = ml_collections.config_dict.placeholder(int)
   config.finetune.lora_rank = 200
-  config.finetune.lora_alpha = 8.0         # scale alpha / rank = 0.04
+  config.finetune.lora_alpha = 8.0  # scale alpha / rank = 0.04
   config.finetune.targets = "wq,wk,wv,wo,w1,w2"
-  config.finetune.lora_init = "small"      # A, B ~ 1e-6·N(0, 1), as the authors' lora.py
+  config.finetune.lora_init = "small"  # A, B ~ 1e-6·N(0, 1), as the authors' lora.py
   config.finetune.train_embeddings = True
   # Must equal the pre-trained model's (the fine-tuning run checks): the commands above.
   config.model.time_embed_dim = 100

@@ -15,6 +15,7 @@ as finetune_owt_to_wiki.py with the two corpora swapped.
 
 Expect: as finetune_owt_to_wiki.py, in the other direction. Not run by us.
 """
+
 from configs import finetune_owt_to_wiki, owt_medium
 
 
@@ -24,7 +25,7 @@ def get_config():
   config.init_from = source.init_from
   config.finetune = source.finetune
   config.num_train_steps = source.num_train_steps
-  config.eval_every_steps = source.eval_every_steps   # the yaml's steps_per_eval: 200
+  config.eval_every_steps = source.eval_every_steps  # the yaml's steps_per_eval: 200
   config.optim.learning_rate = source.optim.learning_rate
   for key in ("time_embed_dim", "time_sinusoids"):
     config.model[key] = source.model[key]

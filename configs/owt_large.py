@@ -13,6 +13,7 @@ GPT-large did better with 0.999, hence the baseline's override.)
 Expect: DiffEqFormer below GPT-large in validation perplexity (paper Table 2, Fig. 7).
 Not run by us (accelerator pod; ~774 M GPT, ~1.97 B DiffEqFormer params).
 """
+
 from configs import owt_medium
 
 
@@ -21,8 +22,8 @@ def get_config():
   config.model.d_model = 1280
   config.model.num_heads = 20
   config.model.mlp_dim = 5120
-  config.model.solver_steps = 36        # K
-  config.model.num_layers = 36          # L (the baseline)
+  config.model.solver_steps = 36  # K
+  config.model.num_layers = 36  # L (the baseline)
   config.optim.eps = 1e-6
   # large.yaml leaves β2 at levanter's 0.999; the paper (App. C.4, C.5) reports its
   # DiffEqFormer-large with 0.95, which is the run this config reproduces.

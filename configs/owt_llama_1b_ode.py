@@ -16,13 +16,14 @@ biases). Weight decay on the embeddings only, as for the authors' ODE runs.
 Expect: DiffEqFormer below the Llama-1B baseline in validation perplexity (the paper's
 Table 2 and Fig. 8 report such a comparison). Not run by us (8 × H100 in the paper).
 """
+
 from configs import owt_llama_1b
 
 
 def get_config():
   config = owt_llama_1b.get_config()
   config.model.kind = "diffeqformer"
-  config.model.time_embed_dim = 96      # d_t
-  config.model.time_sinusoids = 256     # S
+  config.model.time_embed_dim = 96  # d_t
+  config.model.time_sinusoids = 256  # S
   config.model.time_hidden = 0
   return config

@@ -11,6 +11,7 @@ authors' count), peak lr 3e-4, evaluation every 500 steps.
 Expect: validation perplexity below owt_small's, DiffEqFormer at or below GPT-medium
 (paper Table 2). Not run by us (accelerator pod; ~355 M GPT, ~1.27 B DiffEqFormer params).
 """
+
 from configs import owt_small
 
 
@@ -22,8 +23,8 @@ def get_config():
   config.model.d_model = 1024
   config.model.num_heads = 16
   config.model.mlp_dim = 4096
-  config.model.solver_steps = 24        # K
-  config.model.num_layers = 24          # L (the baseline)
+  config.model.solver_steps = 24  # K
+  config.model.num_layers = 24  # L (the baseline)
   config.model.time_embed_dim = 96
   config.optim.learning_rate = 3e-4
   return config

@@ -42,24 +42,30 @@ Expect: both models train one epoch (350 steps) without a token seen twice; the
 benchmark prints both perplexities, their ratio and its spread over seeds. No figures
 here: they are measured on a GPU and recorded in benchmarks/README.md.
 """
+
 import os
 
 from configs import owt_small
 
 # ../shared/data/wikipedia-2015 beside the repository (benchmarks.single_epoch and
 # main.py overrides point elsewhere, e.g. where the GPU script unpacks it).
-DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        os.pardir, "shared", "data", "wikipedia-2015")
+DATA_DIR = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  os.pardir,
+  "shared",
+  "data",
+  "wikipedia-2015",
+)
 
 
 def get_config(variant: str = ""):
   """The GPT-2 small recipe; variant 'tiny' shrinks the model and batch (same recipe)."""
   config = owt_small.get_config()
-  config.num_train_steps = 350          # one epoch (single_epoch counts it and sets it)
+  config.num_train_steps = 350  # one epoch (single_epoch counts it and sets it)
   config.log_every_steps = 10
-  config.eval_every_steps = 35          # 10% of the epoch
+  config.eval_every_steps = 35  # 10% of the epoch
   config.checkpoint_every_steps = 100
-  config.checkpoint_max_to_keep = 1     # a GPT-2 small DiffEqFormer's state is ~2 GB
+  config.checkpoint_max_to_keep = 1  # a GPT-2 small DiffEqFormer's state is ~2 GB
   config.seq_len = 1024
   config.global_batch_size = 64
   config.eval_batch_size = 64
@@ -69,7 +75,7 @@ def get_config(variant: str = ""):
   config.data.train_files = os.path.join(DATA_DIR, "train-*.txt")
   config.data.eval_files = os.path.join(DATA_DIR, "valid.txt")
   config.data.vocab_size = 32768
-  config.data.eval_max_batches = 0      # the whole validation split (~1 M tokens)
+  config.data.eval_max_batches = 0  # the whole validation split (~1 M tokens)
 
   if variant == "tiny":
     config.seq_len = 32
@@ -81,11 +87,11 @@ def get_config(variant: str = ""):
     config.model.max_len = 64
     config.model.time_embed_dim = 8
     config.model.time_sinusoids = 8
-    config.model.dtype = "float32"      # CPU: bf16 is emulated and slower
+    config.model.dtype = "float32"  # CPU: bf16 is emulated and slower
     config.model.remat_policy = "none"
     config.data.vocab_size = 512
     config.data.tokenizer_sample_bytes = 300_000
-    config.data.worker_count = 0        # a CPU's few cores: tokenize in-process
+    config.data.worker_count = 0  # a CPU's few cores: tokenize in-process
   elif variant:
     raise ValueError(f"variant {variant!r}: the variants are '' and 'tiny'")
   return config

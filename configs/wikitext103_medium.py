@@ -13,6 +13,7 @@ peak lr 3e-4.
 Expect: GPT-medium overfits (validation perplexity turns up late in training) while
 DiffEqFormer-medium does not, and ends lower (paper Table 1, Fig. 4). Not run by us.
 """
+
 from configs import wikitext103_small
 
 
@@ -21,8 +22,8 @@ def get_config():
   config.model.d_model = 1024
   config.model.num_heads = 16
   config.model.mlp_dim = 4096
-  config.model.solver_steps = 24        # K
-  config.model.num_layers = 24          # L (the baseline)
+  config.model.solver_steps = 24  # K
+  config.model.num_layers = 24  # L (the baseline)
   config.model.time_embed_dim = 48
   config.optim.learning_rate = 3e-4
   return config

@@ -17,6 +17,7 @@ split. Same peak lr 6e-4, d_t 20, S 128.
 Expect: DiffEqFormer below GPT-small and the weight-sharing ODE in validation
 perplexity (paper Table 1). Not run by us (accelerator pod).
 """
+
 from configs import owt_small
 
 
@@ -27,5 +28,5 @@ def get_config():
   config.eval_every_steps = 200
   config.checkpoint_every_steps = 1_000
   config.data.source = "wikitext103"
-  config.data.eval_max_batches = 0      # the whole validation split (~250 k tokens)
+  config.data.eval_max_batches = 0  # the whole validation split (~250 k tokens)
   return config

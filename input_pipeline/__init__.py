@@ -7,6 +7,7 @@
 
 Configuration: `input_pipeline.config.get_config()`; bad input raises `DataError`.
 """
+
 from input_pipeline.errors import DataError
 from input_pipeline.pipeline import Datasets, create_datasets, restore_iterator_state
 

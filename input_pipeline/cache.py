@@ -11,6 +11,7 @@
   when it is read, becomes a `DataError` (exit 2) naming the fix: the space needed, or
   the directory to delete.
 """
+
 import contextlib
 import errno
 import fcntl
@@ -45,7 +46,7 @@ def exclusive(cache_dir: str, what: str):
     except BlockingIOError:
       logging.info("another job is preparing %s in %s: waiting for it", what, cache_dir)
       fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-    yield        # closing the file releases the lock, also when the process dies
+    yield  # closing the file releases the lock, also when the process dies
 
 
 def remove_incomplete(parent: str) -> None:
@@ -57,18 +58,15 @@ def remove_incomplete(parent: str) -> None:
 
 
 def is_no_space(e: BaseException) -> bool:
-  return ((isinstance(e, OSError) and e.errno == errno.ENOSPC)
-          or "No space left on device" in str(e))
+  return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e)
 
 
 def is_damaged(e: BaseException) -> bool:
-  return isinstance(e, (RuntimeError, OSError, ValueError)) and any(
-      s in str(e) for s in _DAMAGED)
+  return isinstance(e, (RuntimeError, OSError, ValueError)) and any(s in str(e) for s in _DAMAGED)
 
 
 @contextlib.contextmanager
-def one_line_errors(where: str, *, need_bytes: int = 0, delete: str = "",
-                    reprepare: str = ""):
+def one_line_errors(where: str, *, need_bytes: int = 0, delete: str = "", reprepare: str = ""):
   """Turns a full disk and a damaged prepared file into one-line DataErrors.
 
   Args:
@@ -85,28 +83,39 @@ def one_line_errors(where: str, *, need_bytes: int = 0, delete: str = "",
     detail = " ".join(str(e).split())[:160]
     if is_no_space(e):
       need = f" about {need_bytes / 2**20:,.0f} MiB" if need_bytes else ""
-      raise DataError(f"no space left on device while preparing data in {where}; fix: free"
-                      f"{need or ' space'} there or set data.cache_dir to a disk with room "
-                      "(partial files are removed on the next run)") from e
+      raise DataError(
+        f"no space left on device while preparing data in {where}; fix: free"
+        f"{need or ' space'} there or set data.cache_dir to a disk with room "
+        "(partial files are removed on the next run)"
+      ) from e
     if is_damaged(e) and delete:
       then = f", then run {reprepare}" if reprepare else " (it is prepared again on the next run)"
-      raise DataError(f"the prepared data in {delete} is damaged ({detail}); fix: delete "
-                      f"{delete}{then}") from e
+      raise DataError(
+        f"the prepared data in {delete} is damaged ({detail}); fix: delete {delete}{then}"
+      ) from e
     raise
 
 
 def _files(directory: str) -> list[str]:
-  return [name for name in fileio.listdir(directory)
-          if name != MANIFEST and fileio.isfile(fileio.join(directory, name))]
+  return [
+    name
+    for name in fileio.listdir(directory)
+    if name != MANIFEST and fileio.isfile(fileio.join(directory, name))
+  ]
 
 
 def write_manifest(directory: str) -> None:
   """Records the size and sha256 of each prepared file in `directory` (after preparing)."""
-  record = {name: {"bytes": fileio.path(fileio.join(directory, name)).stat().length,
-                   "sha256": fileio.sha256(fileio.join(directory, name))}
-            for name in _files(directory)}
-  fileio.write_text_atomic(fileio.join(directory, MANIFEST),
-                           json.dumps(record, indent=1, sort_keys=True))
+  record = {
+    name: {
+      "bytes": fileio.path(fileio.join(directory, name)).stat().length,
+      "sha256": fileio.sha256(fileio.join(directory, name)),
+    }
+    for name in _files(directory)
+  }
+  fileio.write_text_atomic(
+    fileio.join(directory, MANIFEST), json.dumps(record, indent=1, sort_keys=True)
+  )
 
 
 def _manifest(directory: str) -> dict | None:
@@ -121,8 +130,9 @@ def content_hash(directory: str) -> str | None:
     return None
   # The records alone: TFDS's metadata files may change when identical data is prepared
   # again, which must not make it other data.
-  blob = json.dumps({name: r["sha256"] for name, r in record.items()
-                     if ".array_record" in name}, sort_keys=True)
+  blob = json.dumps(
+    {name: r["sha256"] for name, r in record.items() if ".array_record" in name}, sort_keys=True
+  )
   return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -133,14 +143,14 @@ def check_manifest(directory: str, *, delete: str, reprepare: str = "") -> None:
   expected = _manifest(directory)
   if expected is None:
     return
-  found = {name: fileio.path(fileio.join(directory, name)).stat().length
-           for name in _files(directory)}
+  found = {
+    name: fileio.path(fileio.join(directory, name)).stat().length for name in _files(directory)
+  }
   for name, r in sorted(expected.items()):
     if found.get(name) != r["bytes"]:
       now = "missing" if name not in found else f"{found[name]:,} bytes"
       with one_line_errors(directory, delete=delete, reprepare=reprepare):
-        raise RuntimeError(f"damaged record file {name}: {now}, {r['bytes']:,} bytes when "
-                           "prepared")
+        raise RuntimeError(f"damaged record file {name}: {now}, {r['bytes']:,} bytes when prepared")
 
 
 class Checked:

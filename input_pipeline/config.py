@@ -1,4 +1,5 @@
 """Defaults for `config.data`, the input-pipeline section of every experiment config."""
+
 import ml_collections
 
 
@@ -17,13 +18,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval_split = ""
   # TFDS data_dir holding prepared datasets; '' = TFDS default (~/tensorflow_datasets).
   c.data_dir = ""
-  c.train_files = ""           # 'local': comma-separated globs of training text files
-  c.eval_files = ""            # 'local': comma-separated globs of validation text files
-  c.vocab_size = 2048          # SentencePiece vocabulary size (tokenizer_path's must match)
+  c.train_files = ""  # 'local': comma-separated globs of training text files
+  c.eval_files = ""  # 'local': comma-separated globs of validation text files
+  c.vocab_size = 2048  # SentencePiece vocabulary size (tokenizer_path's must match)
   # SentencePiece .model to use; '' = train on the training split and cache it.
   c.tokenizer_path = ""
   c.tokenizer_sample_bytes = 10_000_000  # bytes of training text the tokenizer is trained on
-  c.text_key = "text"          # feature holding the text in each example
+  c.text_key = "text"  # feature holding the text in each example
   # Tokenizer worker processes per input shard; 0 tokenizes in the training process. 0 by
   # default (one-machine runs and tests: workers cost seconds to start and a tokenizer's
   # memory each, which small batches do not repay); the pod configs set 4. The batches
@@ -35,8 +36,8 @@ def get_config() -> ml_collections.ConfigDict:
   # with the same count continues exactly (on any process count dividing it); another
   # count starts at the next epoch.
   c.input_shards = 0
-  c.shuffle_buffer = 256       # packed rows shuffled together (0 or 1 = no row shuffle)
-  c.eval_max_batches = 0       # evaluate on at most this many batches (0 = the whole split)
+  c.shuffle_buffer = 256  # packed rows shuffled together (0 or 1 = no row shuffle)
+  c.eval_max_batches = 0  # evaluate on at most this many batches (0 = the whole split)
   # Tokenizers and prepared local text; '' = data_dir, else <workdir>/data_cache.
   c.cache_dir = ""
   return c

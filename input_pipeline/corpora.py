@@ -14,6 +14,7 @@ The raw data come from the network (Hugging Face's parquet export of
 fetched by hand: `*.parquet` (with a `text` column), `*.jsonl` or `*.txt` (one document
 per file) for OpenWebText; `wiki.{train,valid,test}.raw` for WikiText-103.
 """
+
 from collections.abc import Callable, Iterable, Iterator
 import hashlib
 import json
@@ -30,10 +31,11 @@ from input_pipeline.errors import DataError
 
 OPENWEBTEXT_TEST_FRACTION = 0.0005
 OPENWEBTEXT_PARQUET_INDEX = (
-    "https://datasets-server.huggingface.co/parquet?dataset=Skylion007/openwebtext")
+  "https://datasets-server.huggingface.co/parquet?dataset=Skylion007/openwebtext"
+)
 WIKITEXT103_URLS = (
-    "https://wikitext.smerity.com/wikitext-103-raw-v1.zip",
-    "https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-raw-v1.zip",
+  "https://wikitext.smerity.com/wikitext-103-raw-v1.zip",
+  "https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-raw-v1.zip",
 )
 
 _TEXT_FEATURES = lambda: tfds.features.FeaturesDict({"text": tfds.features.Text()})
@@ -66,15 +68,20 @@ def download_openwebtext(download_dir: pathlib.Path) -> pathlib.Path:
       index = json.load(r)
   except OSError as e:
     raise DataError(
-        f"cannot list OpenWebText parquet files at {OPENWEBTEXT_PARQUET_INDEX} ({e}); "
-        "fix: download them by hand and pass --raw_dir=DIR") from e
+      f"cannot list OpenWebText parquet files at {OPENWEBTEXT_PARQUET_INDEX} ({e}); "
+      "fix: download them by hand and pass --raw_dir=DIR"
+    ) from e
   if index.get("partial"):
-    raise DataError("the Hugging Face parquet export of OpenWebText is partial; fix: download "
-                    "the full corpus by hand (parquet, jsonl or txt) and pass --raw_dir=DIR")
+    raise DataError(
+      "the Hugging Face parquet export of OpenWebText is partial; fix: download "
+      "the full corpus by hand (parquet, jsonl or txt) and pass --raw_dir=DIR"
+    )
   files = [f for f in index.get("parquet_files", []) if f.get("split") == "train"]
   if not files:
-    raise DataError(f"no OpenWebText parquet files listed at {OPENWEBTEXT_PARQUET_INDEX}; "
-                    "fix: download them by hand and pass --raw_dir=DIR")
+    raise DataError(
+      f"no OpenWebText parquet files listed at {OPENWEBTEXT_PARQUET_INDEX}; "
+      "fix: download them by hand and pass --raw_dir=DIR"
+    )
   for f in files:
     _download(f["url"], download_dir / f"{f['config']}-{f['split']}-{f['filename']}")
   return download_dir
@@ -87,10 +94,13 @@ def iter_raw_documents(raw_dir: pathlib.Path) -> Iterator[str]:
   jsonl = sorted(raw_dir.rglob("*.jsonl"))
   txt = sorted(raw_dir.rglob("*.txt"))
   if not (parquet or jsonl or txt):
-    raise DataError(f"no *.parquet, *.jsonl or *.txt files under {raw_dir}; "
-                    "fix: point --raw_dir at the downloaded OpenWebText files")
+    raise DataError(
+      f"no *.parquet, *.jsonl or *.txt files under {raw_dir}; "
+      "fix: point --raw_dir at the downloaded OpenWebText files"
+    )
   if parquet:
     import pyarrow.parquet as pq  # lazy: pyarrow only for parquet files
+
     for path in parquet:
       for batch in pq.ParquetFile(path).iter_batches(columns=["text"], batch_size=1024):
         yield from batch.column(0).to_pylist()
@@ -115,9 +125,14 @@ class Openwebtext(tfds.core.GeneratorBasedBuilder):
 
   VERSION = tfds.core.Version("1.0.0")
 
-  def __init__(self, *, raw_dir: str | None = None,
-               raw_documents: Callable[[], Iterable[str]] | None = None,
-               test_fraction: float = OPENWEBTEXT_TEST_FRACTION, **kwargs):
+  def __init__(
+    self,
+    *,
+    raw_dir: str | None = None,
+    raw_documents: Callable[[], Iterable[str]] | None = None,
+    test_fraction: float = OPENWEBTEXT_TEST_FRACTION,
+    **kwargs,
+  ):
     self._raw_dir = raw_dir
     self._raw_documents = raw_documents
     self._test_fraction = test_fraction
@@ -125,20 +140,27 @@ class Openwebtext(tfds.core.GeneratorBasedBuilder):
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
-        builder=self, features=_TEXT_FEATURES(),
-        description="OpenWebText; test = documents whose index hashes below 0.05%.",
-        homepage="https://skylion007.github.io/OpenWebTextCorpus/")
+      builder=self,
+      features=_TEXT_FEATURES(),
+      description="OpenWebText; test = documents whose index hashes below 0.05%.",
+      homepage="https://skylion007.github.io/OpenWebTextCorpus/",
+    )
 
   def _split_generators(self, dl_manager):
     if self._raw_documents is not None:
       docs = self._raw_documents
     else:
-      raw_dir = pathlib.Path(self._raw_dir) if self._raw_dir else download_openwebtext(
-          pathlib.Path(dl_manager.download_dir) / "openwebtext")
+      raw_dir = (
+        pathlib.Path(self._raw_dir)
+        if self._raw_dir
+        else download_openwebtext(pathlib.Path(dl_manager.download_dir) / "openwebtext")
+      )
       docs = lambda: iter_raw_documents(raw_dir)
     # Two passes over the raw files (one per split): simple, and this runs once.
-    return {"train": self._generate_examples(docs, heldout=False),
-            "test": self._generate_examples(docs, heldout=True)}
+    return {
+      "train": self._generate_examples(docs, heldout=False),
+      "test": self._generate_examples(docs, heldout=True),
+    }
 
   def _generate_examples(self, docs, heldout: bool):
     for index, text in enumerate(docs()):
@@ -176,19 +198,28 @@ class Wikitext103(tfds.core.GeneratorBasedBuilder):
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
-        builder=self, features=_TEXT_FEATURES(),
-        description="WikiText-103 raw, one document per article.",
-        homepage="https://blog.salesforceairesearch.com/the-wikitext-long-term-dependency-language-modeling-dataset/")
+      builder=self,
+      features=_TEXT_FEATURES(),
+      description="WikiText-103 raw, one document per article.",
+      homepage="https://blog.salesforceairesearch.com/the-wikitext-long-term-dependency-language-modeling-dataset/",
+    )
 
   def _split_generators(self, dl_manager):
-    raw_dir = pathlib.Path(self._raw_dir) if self._raw_dir else self._download(
-        pathlib.Path(dl_manager.download_dir))
-    paths = {s: raw_dir / f"wiki.{f}.raw"
-             for s, f in (("train", "train"), ("validation", "valid"), ("test", "test"))}
+    raw_dir = (
+      pathlib.Path(self._raw_dir)
+      if self._raw_dir
+      else self._download(pathlib.Path(dl_manager.download_dir))
+    )
+    paths = {
+      s: raw_dir / f"wiki.{f}.raw"
+      for s, f in (("train", "train"), ("validation", "valid"), ("test", "test"))
+    }
     missing = [str(p) for p in paths.values() if not p.exists()]
     if missing:
-      raise DataError(f"WikiText-103 files missing: {', '.join(missing)}; fix: pass "
-                      "--raw_dir=DIR holding wiki.train.raw, wiki.valid.raw, wiki.test.raw")
+      raise DataError(
+        f"WikiText-103 files missing: {', '.join(missing)}; fix: pass "
+        "--raw_dir=DIR holding wiki.train.raw, wiki.valid.raw, wiki.test.raw"
+      )
     return {s: self._generate_examples(p) for s, p in paths.items()}
 
   def _download(self, download_dir: pathlib.Path) -> pathlib.Path:
@@ -203,8 +234,10 @@ class Wikitext103(tfds.core.GeneratorBasedBuilder):
       except OSError as e:
         errors.append(f"{url}: {e}")
     else:
-      raise DataError(f"cannot download WikiText-103 ({'; '.join(errors)}); fix: fetch "
-                      "wikitext-103-raw-v1.zip by hand, unzip it and pass --raw_dir=DIR")
+      raise DataError(
+        f"cannot download WikiText-103 ({'; '.join(errors)}); fix: fetch "
+        "wikitext-103-raw-v1.zip by hand, unzip it and pass --raw_dir=DIR"
+      )
     with zipfile.ZipFile(archive) as z:
       z.extractall(download_dir)
     return out

@@ -8,6 +8,7 @@ by a hash of their name (~10%), so the split does not shift when a Python versio
 adds or drops a module. The text differs between Python versions; the prepared data
 is keyed by the files' fingerprint, so each interpreter gets its own.
 """
+
 import pathlib
 import sysconfig
 import zlib

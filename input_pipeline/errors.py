@@ -1,4 +1,5 @@
 """The one exception the input pipeline raises for bad user input."""
+
 from odetransformer.errors import UserError
 
 

@@ -10,6 +10,7 @@ Evaluation is bounded (`eval_max_batches`) and read whole by every process, whic
 its rows `[p * local, (p + 1) * local)` of each eval batch, so every process yields the
 same number of batches.
 """
+
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -34,9 +35,14 @@ def _eval_row(tokens: np.ndarray, docs: np.ndarray, seq_len: int) -> Batch:
   positions = np.zeros(seq_len, np.int32)
   positions[:n_in] = np.arange(n_in) - np.maximum.accumulate(np.where(starts, np.arange(n_in), 0))
   weights = np.zeros(seq_len, np.float32)
-  weights[:m - 1] = 1.0
-  return {"inputs": window[:-1], "targets": window[1:], "segment_ids": segment_ids,
-          "positions": positions, "weights": weights}
+  weights[: m - 1] = 1.0
+  return {
+    "inputs": window[:-1],
+    "targets": window[1:],
+    "segment_ids": segment_ids,
+    "positions": positions,
+    "weights": weights,
+  }
 
 
 def eval_rows(documents: Iterable[np.ndarray], seq_len: int, eos_id: int) -> Iterator[Batch]:
@@ -53,7 +59,7 @@ def eval_rows(documents: Iterable[np.ndarray], seq_len: int, eos_id: int) -> Ite
     toks, docs = np.concatenate(tok_buf), np.concatenate(doc_buf)
     start = 0
     while len(toks) - start >= seq_len + 1:
-      yield _eval_row(toks[start:start + seq_len + 1], docs[start:start + seq_len + 1], seq_len)
+      yield _eval_row(toks[start : start + seq_len + 1], docs[start : start + seq_len + 1], seq_len)
       start += seq_len  # the last token is the next window's first input
     tok_buf, doc_buf, buffered = [toks[start:]], [docs[start:]], len(toks) - start
   toks, docs = np.concatenate(tok_buf), np.concatenate(doc_buf)
@@ -61,20 +67,30 @@ def eval_rows(documents: Iterable[np.ndarray], seq_len: int, eos_id: int) -> Ite
     yield _eval_row(toks, docs, seq_len)
 
 
-def eval_batches(source: Sequence, model_proto: bytes, eos_id: int, *, seq_len: int,
-                 global_batch_size: int, process_index: int, process_count: int,
-                 text_key: str, max_batches: int = 0) -> Iterator[Batch]:
+def eval_batches(
+  source: Sequence,
+  model_proto: bytes,
+  eos_id: int,
+  *,
+  seq_len: int,
+  global_batch_size: int,
+  process_index: int,
+  process_count: int,
+  text_key: str,
+  max_batches: int = 0,
+) -> Iterator[Batch]:
   """One deterministic pass over `source`: process-local batches, the last one padded."""
   local = global_batch_size // process_count
-  docs = tokenized_documents(source, model_proto, text_key=text_key, seed=None,
-                             num_epochs=1, worker_count=0)
+  docs = tokenized_documents(
+    source, model_proto, text_key=text_key, seed=None, num_epochs=1, worker_count=0
+  )
   rows: list[Batch] = []
   emitted = 0
 
   def make_batch() -> Batch:
     pad = {k: np.zeros_like(v) for k, v in rows[0].items()}
     full = rows + [pad] * (global_batch_size - len(rows))
-    mine = full[process_index * local:(process_index + 1) * local]
+    mine = full[process_index * local : (process_index + 1) * local]
     return {k: np.stack([r[k] for r in mine]) for k in rows[0]}
 
   for row in eval_rows((d[TOKENS] for d in docs), seq_len, eos_id):

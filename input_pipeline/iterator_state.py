@@ -8,6 +8,7 @@ not depend on `data.worker_count`, rewrites the document position for the curren
 worker count. Both rely on grain 0.2.18's state layout;
 tests/test_input_pipeline.py pins the behaviour.
 """
+
 from typing import Any
 
 from absl import logging
@@ -44,10 +45,13 @@ def _documents_read(doc_state: dict[str, Any]) -> int | None:
   if set(doc_state) == {"next_index"}:
     return doc_state["next_index"]
   inner = doc_state.get("iterators_in_use_states")
-  if (isinstance(inner, list) and not doc_state.get("future_states")
-      and not any(doc_state.get("exhausted", []))
-      and doc_state.get("iterators_in_use_indices") == list(range(len(inner)))
-      and all(isinstance(x, dict) and set(x) == {"next_index"} for x in inner)):
+  if (
+    isinstance(inner, list)
+    and not doc_state.get("future_states")
+    and not any(doc_state.get("exhausted", []))
+    and doc_state.get("iterators_in_use_indices") == list(range(len(inner)))
+    and all(isinstance(x, dict) and set(x) == {"next_index"} for x in inner)
+  ):
     return sum(x["next_index"] for x in inner)  # round-robin over strided worker slices
   return None
 
@@ -57,10 +61,14 @@ def _documents_state(read: int, num_workers: int) -> dict[str, Any]:
   if num_workers == 0:
     return {"next_index": read}
   n = num_workers
-  return {"next_index_in_cycle": read % n, "next_index_in_datasets": n,
-          "iterators_in_use_indices": list(range(n)),
-          "iterators_in_use_states": [{"next_index": (read - i + n - 1) // n} for i in range(n)],
-          "exhausted": [0] * n, "future_states": {}}
+  return {
+    "next_index_in_cycle": read % n,
+    "next_index_in_datasets": n,
+    "iterators_in_use_indices": list(range(n)),
+    "iterators_in_use_states": [{"next_index": (read - i + n - 1) // n} for i in range(n)],
+    "exhausted": [0] * n,
+    "future_states": {},
+  }
 
 
 def _num_workers(state: Any) -> int | None:
@@ -98,15 +106,21 @@ def _next_epoch_state(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, A
   for shard, state in saved["shards"].items():
     read = _documents_read(_find_documents_state(state))
     reached.append(0 if read == 0 else (int(shard) + (read - 1) * old_n) // docs)
-  start = (max(reached) + 1) * docs            # global position of the next epoch's start
+  start = (max(reached) + 1) * docs  # global position of the next epoch's start
   logging.warning(
-      "the checkpoint's data stream has %d input shards, this run %d: the stream continues "
-      "at the start of epoch %d (document position %d), the rest of epoch %d is skipped; no "
-      "token is repeated. Set data.input_shards=%d to continue exactly.",
-      old_n, new_n, max(reached) + 1, start, max(reached), old_n)
+    "the checkpoint's data stream has %d input shards, this run %d: the stream continues "
+    "at the start of epoch %d (document position %d), the rest of epoch %d is skipped; no "
+    "token is repeated. Set data.input_shards=%d to continue exactly.",
+    old_n,
+    new_n,
+    max(reached) + 1,
+    start,
+    max(reached),
+    old_n,
+  )
   shards = {}
   for shard, state in now["shards"].items():
-    read = -(-(start - int(shard)) // new_n)   # this shard's positions below `start`
+    read = -(-(start - int(shard)) // new_n)  # this shard's positions below `start`
     shards[shard] = _with_workers(state, _num_workers(state) or 0, read)
   return {**now, "shards": shards}
 
@@ -133,10 +147,14 @@ def _merged(states: Any) -> dict[str, Any]:
   states = [x if "num_shards" in x else {"num_shards": 1, "shards": {"0": x}} for x in states]
   counts = {x["num_shards"] for x in states}
   if len(counts) != 1:
-    raise DataError(f"the checkpoint's data-iterator states disagree on the input shard "
-                    f"count ({sorted(counts)}); fix: start a new --workdir")
-  return {"num_shards": counts.pop(),
-          "shards": {k: v for x in states for k, v in x["shards"].items()}}
+    raise DataError(
+      f"the checkpoint's data-iterator states disagree on the input shard "
+      f"count ({sorted(counts)}); fix: start a new --workdir"
+    )
+  return {
+    "num_shards": counts.pop(),
+    "shards": {k: v for x in states for k, v in x["shards"].items()},
+  }
 
 
 def restore_iterator_state(iterator: grain.DatasetIterator, state: Any) -> None:

@@ -7,6 +7,7 @@ fingerprint, and reused by every later run. Preparing takes seconds and says so 
 log line: TFDS's download banner and progress bars (terminal escape codes in a log file)
 are left out.
 """
+
 from collections.abc import Iterator, Mapping, Sequence
 import contextlib
 import hashlib
@@ -69,7 +70,7 @@ def split_documents(text: str, max_chars: int = DOC_CHARS) -> list[str]:
       return
     for line in para.splitlines(keepends=True):  # paragraph too long: cut at line ends
       for start in range(0, len(line), max_chars):
-        piece = line[start:start + max_chars]
+        piece = line[start : start + max_chars]
         if size + len(piece) > max_chars:
           flush()
         current.append(piece)
@@ -94,23 +95,27 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
 
   VERSION = tfds.core.Version("1.0.0")
 
-  def __init__(self, *, split_files: Mapping[str, Sequence[str]] | None = None,
-               doc_chars: int = DOC_CHARS, **kwargs):
+  def __init__(
+    self,
+    *,
+    split_files: Mapping[str, Sequence[str]] | None = None,
+    doc_chars: int = DOC_CHARS,
+    **kwargs,
+  ):
     self._split_files = {k: list(v) for k, v in (split_files or {}).items()}
     self._doc_chars = doc_chars
     super().__init__(**kwargs)
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
-        builder=self,
-        description="Local text files, split into documents of whole paragraphs.",
-        features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
+      builder=self,
+      description="Local text files, split into documents of whole paragraphs.",
+      features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
     )
 
   def _split_generators(self, dl_manager):
     del dl_manager  # nothing to download
-    return {split: self._generate_examples(files)
-            for split, files in self._split_files.items()}
+    return {split: self._generate_examples(files) for split, files in self._split_files.items()}
 
   # TFDS prints a "Downloading and preparing dataset ..." banner and a "... downloaded
   # and prepared" line to stdout; nothing is downloaded here, and prepare() logs instead.
@@ -133,7 +138,7 @@ def fingerprint(split_files: Mapping[str, Sequence[str]], doc_chars: int = DOC_C
   for split, files in sorted(split_files.items()):
     entries = []
     for f in files:
-      st = os.stat(f)     # local files (expand_globs); nanosecond modification times
+      st = os.stat(f)  # local files (expand_globs); nanosecond modification times
       entries.append([os.path.abspath(f), st.st_size, st.st_mtime_ns])
     desc["splits"][split] = entries
   blob = json.dumps(desc, sort_keys=True).encode()
@@ -156,8 +161,9 @@ def _read_text(path: str) -> str:
 
 
 def _builder(split_files, doc_chars, data_dir) -> LocalText:
-  return LocalText(split_files=split_files, doc_chars=doc_chars, data_dir=data_dir,
-                   file_format="array_record")
+  return LocalText(
+    split_files=split_files, doc_chars=doc_chars, data_dir=data_dir, file_format="array_record"
+  )
 
 
 def _is_prepared(builder: LocalText) -> bool:
@@ -165,8 +171,9 @@ def _is_prepared(builder: LocalText) -> bool:
   return builder.data_path.exists() and builder.is_prepared()
 
 
-def prepare(split_files: Mapping[str, Sequence[str]], root: str | os.PathLike,
-            doc_chars: int = DOC_CHARS) -> tuple[dict[str, Sequence], str]:
+def prepare(
+  split_files: Mapping[str, Sequence[str]], root: str | os.PathLike, doc_chars: int = DOC_CHARS
+) -> tuple[dict[str, Sequence], str]:
   """Prepares (once) and opens the files as array_record data sources.
 
   One job prepares at a time (`cache.exclusive` on `root`); a job that waited finds the
@@ -183,9 +190,11 @@ def prepare(split_files: Mapping[str, Sequence[str]], root: str | os.PathLike,
   """
   root = os.fspath(root)
   if not fileio.is_local(root):
-    raise DataError(f"data.cache_dir={root}: local text is prepared with array_record's "
-                    "local-file writer, not on an object store; fix: set data.cache_dir to "
-                    "a local directory (data.tokenizer_path and data.data_dir may be gs://)")
+    raise DataError(
+      f"data.cache_dir={root}: local text is prepared with array_record's "
+      "local-file writer, not on an object store; fix: set data.cache_dir to "
+      "a local directory (data.tokenizer_path and data.data_dir may be gs://)"
+    )
   fp = fingerprint(split_files, doc_chars)
   data_dir = fileio.join(root, f"local-{fp}")
   builder = _builder(split_files, doc_chars, data_dir)
@@ -193,15 +202,21 @@ def prepare(split_files: Mapping[str, Sequence[str]], root: str | os.PathLike,
     for split, files in split_files.items():  # TFDS cannot write an empty split
       if not any(_read_text(f).strip() for f in files):
         shown = ", ".join(files[:3]) + (", ..." if len(files) > 3 else "")
-        raise DataError(f"the {split} files contain no text ({shown}); "
-                        "fix: point the source at non-empty text files")
+        raise DataError(
+          f"the {split} files contain no text ({shown}); "
+          "fix: point the source at non-empty text files"
+        )
     with cache.exclusive(root, "text"):
-      builder = _builder(split_files, doc_chars, data_dir)   # as another job may have left it
+      builder = _builder(split_files, doc_chars, data_dir)  # as another job may have left it
       if not _is_prepared(builder):
         cache.remove_incomplete(os.fspath(builder.data_path.parent))
         files = {f for fs in split_files.values() for f in fs}
-        logging.info("preparing %d text file%s as array_record in %s (once; later runs "
-                     "reuse it)", len(files), "" if len(files) == 1 else "s", builder.data_dir)
+        logging.info(
+          "preparing %d text file%s as array_record in %s (once; later runs reuse it)",
+          len(files),
+          "" if len(files) == 1 else "s",
+          builder.data_dir,
+        )
         need = 2 * sum(os.path.getsize(f) for f in files) + (1 << 20)
         with _no_progress_bars(), cache.one_line_errors(data_dir, need_bytes=need):
           builder.download_and_prepare()
@@ -210,5 +225,8 @@ def prepare(split_files: Mapping[str, Sequence[str]], root: str | os.PathLike,
   cache.check_manifest(os.fspath(builder.data_path), delete=data_dir)
   digest = cache.content_hash(os.fspath(builder.data_path)) or fp
   with cache.one_line_errors(data_dir, delete=data_dir):
-    return ({k: cache.Checked(v, data_dir) for k, v in builder.as_data_source().items()},
-            fp, digest)
+    return (
+      {k: cache.Checked(v, data_dir) for k, v in builder.as_data_source().items()},
+      fp,
+      digest,
+    )

@@ -42,6 +42,7 @@ Batch convention (train and eval, `input_pipeline.evaluation`), all arrays
   is the first token of the next document (predicted from the previous document's
   eos); weights are 0 only where the target is padding.
 """
+
 from collections.abc import Sequence
 import os
 from typing import Any
@@ -55,7 +56,7 @@ from input_pipeline import tokenizer as tokenizer_lib
 from input_pipeline import workers
 
 Batch = dict[str, np.ndarray]
-TOKENS = "tokens"      # a tokenized document's feature (packing adds _segment_ids, _positions)
+TOKENS = "tokens"  # a tokenized document's feature (packing adds _segment_ids, _positions)
 # Tokenized documents each worker process may have ready ahead of use: a batch takes
 # many documents, so a deep buffer keeps the packer from waiting on one round trip.
 _WORKER_BUFFER = 64
@@ -97,17 +98,25 @@ def to_model_batch(packed: dict[str, np.ndarray]) -> Batch:
   segs = packed[f"{TOKENS}_segment_ids"]
   positions = packed[f"{TOKENS}_positions"]
   return {
-      "inputs": tokens[:, :-1].astype(np.int32),
-      "targets": tokens[:, 1:].astype(np.int32),
-      "segment_ids": segs[:, :-1].astype(np.int32),
-      "positions": positions[:, :-1].astype(np.int32),
-      "weights": (segs[:, 1:] > 0).astype(np.float32),
+    "inputs": tokens[:, :-1].astype(np.int32),
+    "targets": tokens[:, 1:].astype(np.int32),
+    "segment_ids": segs[:, :-1].astype(np.int32),
+    "positions": positions[:, :-1].astype(np.int32),
+    "weights": (segs[:, 1:] > 0).astype(np.float32),
   }
 
 
-def tokenized_documents(source: Sequence, model_proto: bytes, *, text_key: str,
-                        seed: int | None, num_epochs: int | None, worker_count: int,
-                        shard: int = 0, num_shards: int = 1) -> grain.IterDataset:
+def tokenized_documents(
+  source: Sequence,
+  model_proto: bytes,
+  *,
+  text_key: str,
+  seed: int | None,
+  num_epochs: int | None,
+  worker_count: int,
+  shard: int = 0,
+  num_shards: int = 1,
+) -> grain.IterDataset:
   """Documents as {'tokens': int32[n+1]}: the documents in `source` order, or shuffled
   anew every epoch when `seed` is set; of that sequence, positions `shard::num_shards`
   (only these documents are ever read)."""
@@ -125,25 +134,43 @@ def tokenized_documents(source: Sequence, model_proto: bytes, *, text_key: str,
       # grain reads its absl flags when it starts workers. A program that never
       # parsed flags (a notebook, a test) would fail there; take the defaults.
       flags.FLAGS.mark_as_parsed()
-    ds = ds.mp_prefetch(grain.MultiprocessingOptions(
-        num_workers=worker_count, per_worker_buffer_size=_WORKER_BUFFER),
-        worker_init_fn=workers.exit_with_parent(os.getpid()))
+    ds = ds.mp_prefetch(
+      grain.MultiprocessingOptions(num_workers=worker_count, per_worker_buffer_size=_WORKER_BUFFER),
+      worker_init_fn=workers.exit_with_parent(os.getpid()),
+    )
   return ds
 
 
-def packed_rows(source: Sequence, model_proto: bytes, *, seq_len: int, text_key: str,
-                seed: int, shuffle_buffer: int, worker_count: int,
-                num_epochs: int | None = None, shard: int = 0,
-                num_shards: int = 1) -> grain.IterDataset:
+def packed_rows(
+  source: Sequence,
+  model_proto: bytes,
+  *,
+  seq_len: int,
+  text_key: str,
+  seed: int,
+  shuffle_buffer: int,
+  worker_count: int,
+  num_epochs: int | None = None,
+  shard: int = 0,
+  num_shards: int = 1,
+) -> grain.IterDataset:
   """Training rows {'tokens', 'tokens_segment_ids', 'tokens_positions'}: int32[seq_len+1]
   of input shard `shard` (documents `shard::num_shards`)."""
-  ds = tokenized_documents(source, model_proto, text_key=text_key, seed=seed,
-                           num_epochs=num_epochs, worker_count=worker_count, shard=shard,
-                           num_shards=num_shards)
+  ds = tokenized_documents(
+    source,
+    model_proto,
+    text_key=text_key,
+    seed=seed,
+    num_epochs=num_epochs,
+    worker_count=worker_count,
+    shard=shard,
+    num_shards=num_shards,
+  )
   ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct={TOKENS: seq_len + 1})
   if shuffle_buffer > 1:
     ds = grain.experimental.WindowShuffleIterDataset(
-        ds, window_size=shuffle_buffer, seed=derive_seed(seed, 1, shard))
+      ds, window_size=shuffle_buffer, seed=derive_seed(seed, 1, shard)
+    )
   return ds
 
 
@@ -157,8 +184,7 @@ class ShardedBatches(grain.IterDataset):
   count (`iterator_state.state_for_process`).
   """
 
-  def __init__(self, shards: dict[int, grain.IterDataset], num_shards: int,
-               num_documents: int):
+  def __init__(self, shards: dict[int, grain.IterDataset], num_shards: int, num_documents: int):
     super().__init__(list(shards.values()))
     self.shard_ids = list(shards)
     self.num_shards = num_shards
@@ -169,7 +195,6 @@ class ShardedBatches(grain.IterDataset):
 
 
 class _ShardedBatchesIterator(grain.DatasetIterator):
-
   def __init__(self, ds: ShardedBatches):
     super().__init__([p.__iter__() for p in ds._parents])  # pylint: disable=protected-access
     self._ids = ds.shard_ids
@@ -183,8 +208,11 @@ class _ShardedBatchesIterator(grain.DatasetIterator):
     return to_model_batch({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
 
   def get_state(self) -> dict[str, Any]:
-    return {"num_shards": self._num_shards, "num_documents": self._num_documents,
-            "shards": {str(i): it.get_state() for i, it in zip(self._ids, self._parents)}}
+    return {
+      "num_shards": self._num_shards,
+      "num_documents": self._num_documents,
+      "shards": {str(i): it.get_state() for i, it in zip(self._ids, self._parents)},
+    }
 
   def set_state(self, state: dict[str, Any]) -> None:
     for i, it in zip(self._ids, self._parents):
@@ -197,11 +225,21 @@ def process_shards(num_shards: int, process_index: int, process_count: int) -> r
   return range(process_index * per, (process_index + 1) * per)
 
 
-def train_dataset(source: Sequence, model_proto: bytes, *, seq_len: int,
-                  global_batch_size: int, process_index: int, process_count: int,
-                  text_key: str, seed: int, shuffle_buffer: int, worker_count: int,
-                  num_shards: int | None = None,
-                  num_epochs: int | None = None) -> ShardedBatches:
+def train_dataset(
+  source: Sequence,
+  model_proto: bytes,
+  *,
+  seq_len: int,
+  global_batch_size: int,
+  process_index: int,
+  process_count: int,
+  text_key: str,
+  seed: int,
+  shuffle_buffer: int,
+  worker_count: int,
+  num_shards: int | None = None,
+  num_epochs: int | None = None,
+) -> ShardedBatches:
   """Process-local training batches (infinite unless `num_epochs` is set, for tests).
 
   `num_shards` (default: `process_count`) input shards of `global_batch_size /
@@ -212,7 +250,15 @@ def train_dataset(source: Sequence, model_proto: bytes, *, seq_len: int,
   shards = {}
   for s in process_shards(num_shards, process_index, process_count):
     shards[s] = packed_rows(
-        source, model_proto, seq_len=seq_len, text_key=text_key, seed=seed,
-        shuffle_buffer=shuffle_buffer, worker_count=worker_count, num_epochs=num_epochs,
-        shard=s, num_shards=num_shards).batch(rows, drop_remainder=True)
+      source,
+      model_proto,
+      seq_len=seq_len,
+      text_key=text_key,
+      seed=seed,
+      shuffle_buffer=shuffle_buffer,
+      worker_count=worker_count,
+      num_epochs=num_epochs,
+      shard=s,
+      num_shards=num_shards,
+    ).batch(rows, drop_remainder=True)
   return ShardedBatches(shards, num_shards, len(source))

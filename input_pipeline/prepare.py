@@ -12,6 +12,7 @@ that every host of a multi-host run later loads the same file instead of trainin
 OpenWebText: ~16 GB of parquet downloads, ~40 GB of array_record, two passes over the
 raw files (train, then the 0.05% test hold-out); expect hours on one machine.
 """
+
 import os
 import sys
 
@@ -24,30 +25,41 @@ from input_pipeline import tokenizer as tokenizer_lib
 from input_pipeline.errors import DataError
 
 _DATASET = flags.DEFINE_string(
-    "dataset", None, "'openwebtext', 'wikitext103' or 'tfds:<name>'.", required=True)
+  "dataset", None, "'openwebtext', 'wikitext103' or 'tfds:<name>'.", required=True
+)
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "TFDS data_dir to write to.", required=True)
 _RAW_DIR = flags.DEFINE_string("raw_dir", None, "Raw files downloaded by hand (optional).")
 _VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 0, "Also train the tokenizer (0 = do not).")
 _SAMPLE_BYTES = flags.DEFINE_integer(
-    "tokenizer_sample_bytes", config_lib.get_config().tokenizer_sample_bytes,
-    "Bytes of training text for the tokenizer.")
+  "tokenizer_sample_bytes",
+  config_lib.get_config().tokenizer_sample_bytes,
+  "Bytes of training text for the tokenizer.",
+)
 
 
-def prepare(dataset: str, data_dir: str, raw_dir: str | None = None, vocab_size: int = 0,
-            sample_bytes: int = 10_000_000) -> str:
+def prepare(
+  dataset: str,
+  data_dir: str,
+  raw_dir: str | None = None,
+  vocab_size: int = 0,
+  sample_bytes: int = 10_000_000,
+) -> str:
   """Prepares `dataset` in `data_dir` (a no-op if already there); returns a summary line."""
   if dataset in corpora.BUILDERS:
     kwargs = {"raw_dir": raw_dir} if raw_dir else {}
     builder = corpora.BUILDERS[dataset](data_dir=data_dir, file_format="array_record", **kwargs)
   elif dataset.startswith("tfds:"):
     try:
-      builder = tfds.builder(dataset[len("tfds:"):], data_dir=data_dir, file_format="array_record")
+      builder = tfds.builder(dataset[len("tfds:") :], data_dir=data_dir, file_format="array_record")
     except tfds.core.registered.DatasetNotFoundError as e:
-      raise DataError(f"unknown TFDS dataset {dataset!r}; fix: use a name from the TFDS "
-                      "catalog") from e
+      raise DataError(
+        f"unknown TFDS dataset {dataset!r}; fix: use a name from the TFDS catalog"
+      ) from e
   else:
-    raise DataError(f"cannot prepare {dataset!r}; fix: use 'openwebtext', 'wikitext103' or "
-                    "'tfds:<name>' ('embedded' and 'local' are prepared automatically)")
+    raise DataError(
+      f"cannot prepare {dataset!r}; fix: use 'openwebtext', 'wikitext103' or "
+      "'tfds:<name>' ('embedded' and 'local' are prepared automatically)"
+    )
   with cache.exclusive(data_dir, dataset):
     cache.remove_incomplete(os.fspath(builder.data_path.parent))
     with cache.one_line_errors(data_dir):
@@ -61,9 +73,14 @@ def prepare(dataset: str, data_dir: str, raw_dir: str | None = None, vocab_size:
     cfg.tokenizer_sample_bytes = sample_bytes
     corpus = sources.open_corpus(cfg, cache_dir=data_dir)
     _, path = tokenizer_lib.get_tokenizer(
-        tokenizer_path="", vocab_size=vocab_size, cache_dir=data_dir,
-        fingerprint=corpus.fingerprint, source=corpus.train, text_key=cfg.text_key,
-        sample_bytes=sample_bytes)
+      tokenizer_path="",
+      vocab_size=vocab_size,
+      cache_dir=data_dir,
+      fingerprint=corpus.fingerprint,
+      source=corpus.train,
+      text_key=cfg.text_key,
+      sample_bytes=sample_bytes,
+    )
     summary += f"; tokenizer {path}"
   return summary
 
@@ -71,8 +88,11 @@ def prepare(dataset: str, data_dir: str, raw_dir: str | None = None, vocab_size:
 def main(argv):
   del argv
   try:
-    print(prepare(_DATASET.value, _DATA_DIR.value, _RAW_DIR.value, _VOCAB_SIZE.value,
-                  _SAMPLE_BYTES.value))
+    print(
+      prepare(
+        _DATASET.value, _DATA_DIR.value, _RAW_DIR.value, _VOCAB_SIZE.value, _SAMPLE_BYTES.value
+      )
+    )
   except DataError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -4,6 +4,7 @@ Every source ends up as a TFDS array_record data source: `len()` plus `[i]` retu
 a dict whose `data.text_key` entry holds the document text (bytes or str). Nothing here
 uses tf.data.
 """
+
 from collections.abc import Sequence
 import dataclasses
 import glob
@@ -32,6 +33,7 @@ class Corpus:
     content_hash: sha256 of the prepared files (recorded when they were prepared here);
       for data prepared without that record, `fingerprint`.
   """
+
   name: str
   fingerprint: str
   train: Sequence
@@ -49,47 +51,71 @@ def expand_globs(patterns: str, what: str) -> list[str]:
   for g in globs:
     matches = [m for m in glob.glob(os.path.expanduser(g), recursive=True) if os.path.isfile(m)]
     if not matches:
-      raise DataError(f"data.{what}: no file matches {g!r}; fix: check the path "
-                      "(globs are relative to the working directory)")
+      raise DataError(
+        f"data.{what}: no file matches {g!r}; fix: check the path "
+        "(globs are relative to the working directory)"
+      )
     files.update(os.path.abspath(m) for m in matches)
   return sorted(files)
 
 
 def _local(split_files: dict[str, list[str]], name: str, cache_dir: str) -> Corpus:
   srcs, fp, digest = local_text.prepare(split_files, fileio.join(cache_dir, "prepared"))
-  return Corpus(name=name, fingerprint=f"{name}-{fp}", train=srcs["train"],
-                eval=srcs["validation"], eval_split="validation", content_hash=digest)
+  return Corpus(
+    name=name,
+    fingerprint=f"{name}-{fp}",
+    train=srcs["train"],
+    eval=srcs["validation"],
+    eval_split="validation",
+    content_hash=digest,
+  )
 
 
-def _open_builder(builder, name: str, prepare_hint: str, train_split: str,
-                  eval_split: str) -> Corpus:
+def _open_builder(
+  builder, name: str, prepare_hint: str, train_split: str, eval_split: str
+) -> Corpus:
   """Opens a prepared TFDS builder's two splits as data sources (DataError if unprepared)."""
   if not builder.is_prepared():
-    raise DataError(f"dataset {name!r} is not prepared in {builder.data_dir}; fix: run "
-                    f"{prepare_hint} (or set data.data_dir to where it was prepared)")
-  cache.check_manifest(os.fspath(builder.data_path), delete=os.fspath(builder.data_path),
-                       reprepare=prepare_hint)
+    raise DataError(
+      f"dataset {name!r} is not prepared in {builder.data_dir}; fix: run "
+      f"{prepare_hint} (or set data.data_dir to where it was prepared)"
+    )
+  cache.check_manifest(
+    os.fspath(builder.data_path), delete=os.fspath(builder.data_path), reprepare=prepare_hint
+  )
   splits = list(builder.info.splits.keys())
   if not eval_split:
     eval_split = next((s for s in ("validation", "test") if s in splits), "")
     if not eval_split:
-      raise DataError(f"dataset {name!r} has no validation or test split (splits: {splits}); "
-                      "fix: set data.eval_split, e.g. 'train[:1%]' with train_split='train[1%:]'")
+      raise DataError(
+        f"dataset {name!r} has no validation or test split (splits: {splits}); "
+        "fix: set data.eval_split, e.g. 'train[:1%]' with train_split='train[1%:]'"
+      )
   sources = []
   for split in (train_split, eval_split):
     try:
       sources.append(builder.as_data_source(split=split))
     except NotImplementedError as e:  # prepared as tfrecord
-      raise DataError(f"dataset {name!r} in {builder.data_dir} is not in array_record format; "
-                      f"fix: re-prepare it with {prepare_hint} into another data_dir") from e
+      raise DataError(
+        f"dataset {name!r} in {builder.data_dir} is not in array_record format; "
+        f"fix: re-prepare it with {prepare_hint} into another data_dir"
+      ) from e
     except (KeyError, ValueError, AssertionError) as e:
-      raise DataError(f"dataset {name!r}: bad split {split!r} ({str(e).splitlines()[0]}); "
-                      f"fix: use one of {splits} (TFDS slicing like 'train[:10%]' works)") from e
+      raise DataError(
+        f"dataset {name!r}: bad split {split!r} ({str(e).splitlines()[0]}); "
+        f"fix: use one of {splits} (TFDS slicing like 'train[:10%]' works)"
+      ) from e
   train, eval_ = (cache.Checked(s, os.fspath(builder.data_dir), prepare_hint) for s in sources)
   fingerprint = f"{builder.info.full_name}:{train_split}:{len(train)}"
   digest = cache.content_hash(os.fspath(builder.data_path)) or fingerprint
-  return Corpus(name=name, fingerprint=fingerprint, train=train, eval=eval_,
-                eval_split=eval_split, content_hash=digest)
+  return Corpus(
+    name=name,
+    fingerprint=fingerprint,
+    train=train,
+    eval=eval_,
+    eval_split=eval_split,
+    content_hash=digest,
+  )
 
 
 def _tfds(name: str, data_cfg: ml_collections.ConfigDict) -> Corpus:
@@ -98,9 +124,11 @@ def _tfds(name: str, data_cfg: ml_collections.ConfigDict) -> Corpus:
   try:
     builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
   except tfds.core.registered.DatasetNotFoundError as e:
-    raise DataError(f"unknown TFDS dataset {name!r}; fix: use a name from the TFDS catalog "
-                    "(https://www.tensorflow.org/datasets/catalog), e.g. "
-                    "data.source='tfds:lm1b'") from e
+    raise DataError(
+      f"unknown TFDS dataset {name!r}; fix: use a name from the TFDS catalog "
+      "(https://www.tensorflow.org/datasets/catalog), e.g. "
+      "data.source='tfds:lm1b'"
+    ) from e
   return _open_builder(builder, f"tfds:{name}", hint, data_cfg.train_split, data_cfg.eval_split)
 
 
@@ -110,11 +138,16 @@ def open_corpus(data_cfg: ml_collections.ConfigDict, cache_dir: str) -> Corpus:
   if source == "embedded":
     return _local(embedded.corpus_files(), "embedded", cache_dir)
   if source == "local":
-    return _local({"train": expand_globs(data_cfg.train_files, "train_files"),
-                   "validation": expand_globs(data_cfg.eval_files, "eval_files")},
-                  "local", cache_dir)
-  if source.startswith("tfds:") and source[len("tfds:"):]:
-    return _tfds(source[len("tfds:"):], data_cfg)
+    return _local(
+      {
+        "train": expand_globs(data_cfg.train_files, "train_files"),
+        "validation": expand_globs(data_cfg.eval_files, "eval_files"),
+      },
+      "local",
+      cache_dir,
+    )
+  if source.startswith("tfds:") and source[len("tfds:") :]:
+    return _tfds(source[len("tfds:") :], data_cfg)
   if source in corpora.BUILDERS:
     data_dir = data_cfg.data_dir or None
     builder = corpora.BUILDERS[source](data_dir=data_dir, file_format="array_record")

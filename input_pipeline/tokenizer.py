@@ -6,6 +6,7 @@ Training sentences are chunks of whole lines that keep their newlines, so newlin
 and indentation get pieces of their own instead of falling back to bytes.
 Ids are fixed: pad=0, unk=1, bos=2, eos=3 (recorded in a json beside the model).
 """
+
 from collections.abc import Iterator, Sequence
 import hashlib
 import io
@@ -42,7 +43,7 @@ def _chunks(text: str) -> Iterator[str]:
   current, size = [], 0
   for line in text.splitlines(keepends=True):
     for start in range(0, len(line), _SENTENCE_CHARS):
-      piece = line[start:start + _SENTENCE_CHARS]
+      piece = line[start : start + _SENTENCE_CHARS]
       if size + len(piece) > _SENTENCE_CHARS and current:
         yield "".join(current)
         current, size = [], 0
@@ -68,19 +69,32 @@ def sample_text(source: Sequence, text_key: str, max_bytes: int) -> list[str]:
 def train(docs: Sequence[str], vocab_size: int) -> bytes:
   """Trains a BPE model on `docs`; returns the serialized model proto."""
   if vocab_size < _MIN_VOCAB:
-    raise DataError(f"data.vocab_size={vocab_size} is too small for a byte-fallback tokenizer; "
-                    f"fix: use data.vocab_size >= {_MIN_VOCAB}")
+    raise DataError(
+      f"data.vocab_size={vocab_size} is too small for a byte-fallback tokenizer; "
+      f"fix: use data.vocab_size >= {_MIN_VOCAB}"
+    )
   model = io.BytesIO()
   sentences = (c for d in docs for c in _chunks(d))
   try:
     spm.SentencePieceTrainer.train(
-        sentence_iterator=sentences, model_writer=model, vocab_size=vocab_size,
-        model_type="bpe", character_coverage=1.0, byte_fallback=True,
-        pad_id=SPECIAL_IDS["pad"], unk_id=SPECIAL_IDS["unk"], bos_id=SPECIAL_IDS["bos"],
-        eos_id=SPECIAL_IDS["eos"], max_sentence_length=4 * _SENTENCE_CHARS,
-        normalization_rule_name="identity", remove_extra_whitespaces=False,
-        split_digits=True, allow_whitespace_only_pieces=True, num_threads=1,
-        minloglevel=2)
+      sentence_iterator=sentences,
+      model_writer=model,
+      vocab_size=vocab_size,
+      model_type="bpe",
+      character_coverage=1.0,
+      byte_fallback=True,
+      pad_id=SPECIAL_IDS["pad"],
+      unk_id=SPECIAL_IDS["unk"],
+      bos_id=SPECIAL_IDS["bos"],
+      eos_id=SPECIAL_IDS["eos"],
+      max_sentence_length=4 * _SENTENCE_CHARS,
+      normalization_rule_name="identity",
+      remove_extra_whitespaces=False,
+      split_digits=True,
+      allow_whitespace_only_pieces=True,
+      num_threads=1,
+      minloglevel=2,
+    )
   except RuntimeError as e:
     raise DataError(_training_failure(str(e), vocab_size)) from e
   return model.getvalue()
@@ -89,25 +103,28 @@ def train(docs: Sequence[str], vocab_size: int) -> bytes:
 def _training_failure(message: str, vocab_size: int) -> str:
   """SentencePiece's error as one line with the fix that applies to it."""
   detail = message.strip().splitlines()[-1] if message.strip() else "no message"
-  detail = re.sub(r"^\w+: src/\S+ \[[^]]*\] ", "", detail)   # drop the C++ location
+  detail = re.sub(r"^\w+: src/\S+ \[[^]]*\] ", "", detail)  # drop the C++ location
   if "smaller than required_chars" in detail:
     # More distinct characters than pieces (character_coverage=1.0 keeps them all).
-    fix = ("raise data.vocab_size above that count, or check that the training files are "
-           "text (binary data has many distinct characters)")
+    fix = (
+      "raise data.vocab_size above that count, or check that the training files are "
+      "text (binary data has many distinct characters)"
+    )
   elif "too high" in detail:
     fix = "lower data.vocab_size, raise data.tokenizer_sample_bytes or use a larger corpus"
   else:
-    fix = ("check data.vocab_size against the corpus, raise data.tokenizer_sample_bytes or "
-           "use a larger corpus")
-  return (f"SentencePiece training of a {vocab_size}-piece tokenizer failed ({detail}); "
-          f"fix: {fix}")
+    fix = (
+      "check data.vocab_size against the corpus, raise data.tokenizer_sample_bytes or "
+      "use a larger corpus"
+    )
+  return f"SentencePiece training of a {vocab_size}-piece tokenizer failed ({detail}); fix: {fix}"
 
 
 # Characters that do not occur in text: U+FFFD stands for bytes that are not UTF-8
 # (sources decode with errors='replace'); C0 controls other than whitespace, and NUL,
 # are what binary files are made of.
 _NON_TEXT = re.compile("[\ufffd\x00-\x08\x0e-\x1f\x7f]")
-MAX_NON_TEXT_FRACTION = 0.001   # web text has a few U+FFFD; Latin-1 or binary has many
+MAX_NON_TEXT_FRACTION = 0.001  # web text has a few U+FFFD; Latin-1 or binary has many
 
 
 def check_text(docs: Sequence[str], where: str) -> None:
@@ -121,55 +138,81 @@ def check_text(docs: Sequence[str], where: str) -> None:
   if total and bad > MAX_NON_TEXT_FRACTION * total:
     example = next(d for d in docs if _NON_TEXT.search(d))
     at = _NON_TEXT.search(example).start()
-    snippet = example[max(0, at - 20):at + 20].encode("unicode_escape").decode("ascii")
+    snippet = example[max(0, at - 20) : at + 20].encode("unicode_escape").decode("ascii")
     raise DataError(
-        f"the training text ({where}) is not UTF-8 text: {bad:,} of {total:,} sampled "
-        f"characters are undecodable bytes or control characters (e.g. '{snippet}'); fix: "
-        "convert the files to UTF-8 (e.g. iconv -f latin1 -t utf-8) or leave binary files "
-        "out of data.train_files")
+      f"the training text ({where}) is not UTF-8 text: {bad:,} of {total:,} sampled "
+      f"characters are undecodable bytes or control characters (e.g. '{snippet}'); fix: "
+      "convert the files to UTF-8 (e.g. iconv -f latin1 -t utf-8) or leave binary files "
+      "out of data.train_files"
+    )
 
 
 def load(path: str, vocab_size: int) -> spm.SentencePieceProcessor:
   """Loads a .model file (a local path or a URL such as gs://...); its vocab size and
   special ids must match the config."""
   if not fileio.isfile(path):
-    raise DataError(f"tokenizer file {path} does not exist; fix: set data.tokenizer_path to an "
-                    "existing SentencePiece .model, or to '' to train one")
+    raise DataError(
+      f"tokenizer file {path} does not exist; fix: set data.tokenizer_path to an "
+      "existing SentencePiece .model, or to '' to train one"
+    )
   try:
     sp = spm.SentencePieceProcessor(model_proto=fileio.read_bytes(path))
   except (OSError, RuntimeError) as e:
-    raise DataError(f"tokenizer file {path} is not a SentencePiece model ({e}); "
-                    "fix: point data.tokenizer_path at a .model file, or set it to '' to "
-                    "train one") from e
+    raise DataError(
+      f"tokenizer file {path} is not a SentencePiece model ({e}); "
+      "fix: point data.tokenizer_path at a .model file, or set it to '' to "
+      "train one"
+    ) from e
   _check(sp, path, vocab_size)
   return sp
 
 
 def _check(sp: spm.SentencePieceProcessor, path: str, vocab_size: int) -> None:
   if sp.get_piece_size() != vocab_size:
-    raise DataError(f"tokenizer {path} has {sp.get_piece_size()} pieces but data.vocab_size="
-                    f"{vocab_size}; fix: set --config.data.vocab_size={sp.get_piece_size()} "
-                    "or use a tokenizer trained with that size")
+    raise DataError(
+      f"tokenizer {path} has {sp.get_piece_size()} pieces but data.vocab_size="
+      f"{vocab_size}; fix: set --config.data.vocab_size={sp.get_piece_size()} "
+      "or use a tokenizer trained with that size"
+    )
   ids = {"pad": sp.pad_id(), "unk": sp.unk_id(), "bos": sp.bos_id(), "eos": sp.eos_id()}
   if ids != SPECIAL_IDS:
-    raise DataError(f"tokenizer {path} has special ids {ids}, expected {SPECIAL_IDS}; "
-                    "fix: train it with those ids, or set data.tokenizer_path='' to train one")
+    raise DataError(
+      f"tokenizer {path} has special ids {ids}, expected {SPECIAL_IDS}; "
+      "fix: train it with those ids, or set data.tokenizer_path='' to train one"
+    )
 
 
-def cache_path(cache_dir: str, fingerprint: str, text_key: str, vocab_size: int,
-               sample_bytes: int) -> str:
+def cache_path(
+  cache_dir: str, fingerprint: str, text_key: str, vocab_size: int, sample_bytes: int
+) -> str:
   """Where the tokenizer for this (source, vocab size, sample size) is cached."""
-  key = json.dumps({"source": fingerprint, "text_key": text_key, "vocab_size": vocab_size,
-                    "sample_bytes": sample_bytes, "trainer": TRAINER_VERSION}, sort_keys=True)
+  key = json.dumps(
+    {
+      "source": fingerprint,
+      "text_key": text_key,
+      "vocab_size": vocab_size,
+      "sample_bytes": sample_bytes,
+      "trainer": TRAINER_VERSION,
+    },
+    sort_keys=True,
+  )
   digest = hashlib.sha256(key.encode()).hexdigest()[:12]
   slug = "".join(ch if ch.isalnum() else "_" for ch in fingerprint.split(":")[0])[:40]
-  return fileio.join(cache_dir, "tokenizers",
-                     f"spm_{slug}_v{vocab_size}_s{sample_bytes}_{digest}.model")
+  return fileio.join(
+    cache_dir, "tokenizers", f"spm_{slug}_v{vocab_size}_s{sample_bytes}_{digest}.model"
+  )
 
 
-def get_tokenizer(*, tokenizer_path: str, vocab_size: int, cache_dir: str, fingerprint: str,
-                  source: Sequence, text_key: str, sample_bytes: int,
-                  ) -> tuple[spm.SentencePieceProcessor, str]:
+def get_tokenizer(
+  *,
+  tokenizer_path: str,
+  vocab_size: int,
+  cache_dir: str,
+  fingerprint: str,
+  source: Sequence,
+  text_key: str,
+  sample_bytes: int,
+) -> tuple[spm.SentencePieceProcessor, str]:
   """Loads `tokenizer_path`, or the cached tokenizer for this corpus, training it if absent
   (one job at a time per cache: `cache.exclusive`).
 
@@ -182,28 +225,49 @@ def get_tokenizer(*, tokenizer_path: str, vocab_size: int, cache_dir: str, finge
   if fileio.exists(path):
     return load(path, vocab_size), path
   with cache.exclusive(cache_dir, "the tokenizer"):
-    if fileio.exists(path):        # trained by the job we waited for
+    if fileio.exists(path):  # trained by the job we waited for
       return load(path, vocab_size), path
-    return _train_and_cache(path, vocab_size=vocab_size, fingerprint=fingerprint,
-                            source=source, text_key=text_key, sample_bytes=sample_bytes), path
+    return _train_and_cache(
+      path,
+      vocab_size=vocab_size,
+      fingerprint=fingerprint,
+      source=source,
+      text_key=text_key,
+      sample_bytes=sample_bytes,
+    ), path
 
 
-def _train_and_cache(path: str, *, vocab_size: int, fingerprint: str, source: Sequence,
-                     text_key: str, sample_bytes: int) -> spm.SentencePieceProcessor:
+def _train_and_cache(
+  path: str,
+  *,
+  vocab_size: int,
+  fingerprint: str,
+  source: Sequence,
+  text_key: str,
+  sample_bytes: int,
+) -> spm.SentencePieceProcessor:
   docs = sample_text(source, text_key, sample_bytes)
   check_text(docs, fingerprint)
   n_bytes = sum(len(d.encode("utf-8")) for d in docs)
-  logging.info("training a %d-piece SentencePiece BPE on %d bytes of %s", vocab_size, n_bytes,
-               fingerprint)
+  logging.info(
+    "training a %d-piece SentencePiece BPE on %d bytes of %s", vocab_size, n_bytes, fingerprint
+  )
   proto = train(docs, vocab_size)
   sp = spm.SentencePieceProcessor(model_proto=proto)
   _check(sp, path, vocab_size)
-  meta = {"special_ids": SPECIAL_IDS, "vocab_size": vocab_size, "source": fingerprint,
-          "text_key": text_key, "sample_bytes": sample_bytes, "sampled_bytes": n_bytes,
-          "model_type": "bpe", "trainer_version": TRAINER_VERSION}
+  meta = {
+    "special_ids": SPECIAL_IDS,
+    "vocab_size": vocab_size,
+    "source": fingerprint,
+    "text_key": text_key,
+    "sample_bytes": sample_bytes,
+    "sampled_bytes": n_bytes,
+    "model_type": "bpe",
+    "trainer_version": TRAINER_VERSION,
+  }
   directory = os.fspath(fileio.path(path).parent)
   with cache.one_line_errors(directory, need_bytes=2 * len(proto)):
     fileio.makedirs(directory)
-    fileio.write_text_atomic(path[:-len(".model")] + ".json", json.dumps(meta, indent=1))
+    fileio.write_text_atomic(path[: -len(".model")] + ".json", json.dumps(meta, indent=1))
     fileio.write_bytes_atomic(path, proto)  # last: its existence means the entry is complete
   return sp

@@ -11,6 +11,7 @@ the child exits, and grain starts workers from its short-lived prefetch threads,
 would kill healthy workers. The watcher checks instead whether the worker has been
 re-parented (its parent process gone), a few times a second, and then kills the worker.
 """
+
 import functools
 import os
 import signal
@@ -28,8 +29,7 @@ def _watch(parent_pid: int) -> None:
 
 def _start_watcher(parent_pid: int, worker_index: int, worker_count: int) -> None:
   del worker_index, worker_count
-  threading.Thread(target=_watch, args=(parent_pid,), name="exit-with-parent",
-                   daemon=True).start()
+  threading.Thread(target=_watch, args=(parent_pid,), name="exit-with-parent", daemon=True).start()
 
 
 def exit_with_parent(parent_pid: int):

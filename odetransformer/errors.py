@@ -15,17 +15,18 @@ instead. Anything else is a bug and keeps its traceback.
     if __name__ == "__main__":
       errors.run_absl_tool(main, define_flags)    # absl flags; argparse: run_cli(main)
 """
+
 import argparse
 import ast
+from collections.abc import Callable, Sequence
 import logging
 import os
 import re
 import sys
 import traceback
-from typing import Callable, Optional, Sequence
 
 EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 130    # 128 + SIGINT, as a shell reports a Ctrl-C
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 # Command-line flags renamed in a release: old name -> new. The old name still parses for
 # one release, with one warning line (`renamed_flags`).
 RENAMED_FLAGS = {"num_steps": "solver_steps"}
@@ -63,7 +64,7 @@ def describe(e: BaseException) -> str:
   return message
 
 
-def verbose_requested(argv: Optional[Sequence[str]] = None) -> bool:
+def verbose_requested(argv: Sequence[str] | None = None) -> bool:
   """Whether the command line asks for tracebacks (`--verbose`, absl or argparse style).
 
   Read from argv itself so that it also works when parsing the flags is what failed.
@@ -74,13 +75,12 @@ def verbose_requested(argv: Optional[Sequence[str]] = None) -> bool:
       break
     if arg in ("--verbose", "-verbose") or arg.lower() in ("--verbose=true", "--verbose=1"):
       verbose = True
-    elif arg in ("--noverbose", "-noverbose") or arg.lower() in ("--verbose=false",
-                                                                  "--verbose=0"):
+    elif arg in ("--noverbose", "-noverbose") or arg.lower() in ("--verbose=false", "--verbose=0"):
       verbose = False
   return verbose
 
 
-def run_cli(main: Callable[[], object], argv: Optional[Sequence[str]] = None):
+def run_cli(main: Callable[[], object], argv: Sequence[str] | None = None):
   """Runs an entry point: a UserError becomes one stderr line and exit status 2.
 
   `main` takes no arguments (wrap `app.run(...)` or an argparse main in a lambda).
@@ -113,6 +113,7 @@ def run_absl_tool(main: Callable, define_flags: Callable[[], object]) -> None:
   """A command's `if __name__ == "__main__":` body: defines its absl flags, parses them
   (`parse_absl_flags`) and runs `main` through `run_cli`."""
   from absl import app  # pylint: disable=g-import-not-at-top
+
   define_flags()
   run_cli(lambda: app.run(main, flags_parser=parse_absl_flags))
 
@@ -123,8 +124,9 @@ class ArgumentParser(argparse.ArgumentParser):
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
-    self.add_argument("--verbose", action="store_true",
-                      help="show the traceback of a user error as well")
+    self.add_argument(
+      "--verbose", action="store_true", help="show the traceback of a user error as well"
+    )
 
   def error(self, message):
     raise UserError(f"{message}; see --help")
@@ -144,9 +146,10 @@ def renamed_flags(argv: Sequence[str], known) -> list:
   for i, arg in enumerate(out):
     for old, new in RENAMED_FLAGS.items():
       if new in known and old not in known and arg.split("=")[0] == f"--{old}":
-        logging.warning("--%s is deprecated and will be removed in the next release: use "
-                        "--%s", old, new)
-        out[i] = f"--{new}" + arg[len(old) + 2:]
+        logging.warning(
+          "--%s is deprecated and will be removed in the next release: use --%s", old, new
+        )
+        out[i] = f"--{new}" + arg[len(old) + 2 :]
   return out
 
 
@@ -158,29 +161,35 @@ def parse_absl_flags(argv: list) -> list:
   or an override of a key the config lacks surface here.
   """
   from absl import flags  # pylint: disable=g-import-not-at-top
+
   try:
     return flags.FLAGS(renamed_flags(argv, flags.FLAGS))
   except flags.Error as e:
     raise UserError(f"{one_line(e)}; see --helpshort for the flags") from e
   except SyntaxError as e:
-    raise UserError(f"config file {e.filename} line {e.lineno} has a syntax error "
-                    f"({e.msg}); fix the file") from e
+    raise UserError(
+      f"config file {e.filename} line {e.lineno} has a syntax error ({e.msg}); fix the file"
+    ) from e
   except (AttributeError, KeyError) as e:
     raise UserError(_unknown_key_message(e, argv)) from e
   except OSError as e:
-    raise UserError(f"the config file does not load ({_first_line(e)}); pass an "
-                    "existing --config=configs/<name>.py") from e
+    raise UserError(
+      f"the config file does not load ({_first_line(e)}); pass an "
+      "existing --config=configs/<name>.py"
+    ) from e
   except (TypeError, ValueError) as e:
-    raise UserError(f"the config does not load ({_first_line(e, last=True)}); fix the "
-                    "config file or the --config.* override") from e
+    raise UserError(
+      f"the config does not load ({_first_line(e, last=True)}); fix the "
+      "config file or the --config.* override"
+    ) from e
 
 
 def _unknown_key_message(e: BaseException, argv: Sequence[str]) -> str:
   """An override of a key the config lacks, from ml_collections' KeyError (whose text is
   `'key'` plus, on a second line, `Did you mean "keys" instead of "key"?`)."""
   text = str(e.args[0]) if e.args else str(e)
-  while text[:1] in ("'", '"'):   # a KeyError's text is the repr of its message (twice
-    try:                          # when an AttributeError wraps it)
+  while text[:1] in ("'", '"'):  # a KeyError's text is the repr of its message (twice
+    try:  # when an AttributeError wraps it)
       text = str(ast.literal_eval(text))
     except (ValueError, SyntaxError):
       break
@@ -190,7 +199,7 @@ def _unknown_key_message(e: BaseException, argv: Sequence[str]) -> str:
   suggestion = re.search(r'Did you mean "([^"]+)"', rest)
   if suggestion and where.startswith("--") and "," not in where:
     flag = where.split("=")[0]
-    fix = f"did you mean {flag[:flag.rindex(key)]}{suggestion.group(1)}?"
+    fix = f"did you mean {flag[: flag.rindex(key)]}{suggestion.group(1)}?"
   elif suggestion:
     fix = f"did you mean {suggestion.group(1)!r}?"
   else:
@@ -215,8 +224,10 @@ def load_config_flag(config_flag) -> object:
   """
   try:
     config = config_flag.value
-    config.get("seed")             # an unloadable file raises on first access
+    config.get("seed")  # an unloadable file raises on first access
     return config
   except OSError as e:
-    raise UserError(f"the config file does not load ({_first_line(e)}); pass an "
-                    "existing --config=configs/<name>.py") from e
+    raise UserError(
+      f"the config file does not load ({_first_line(e)}); pass an "
+      "existing --config=configs/<name>.py"
+    ) from e

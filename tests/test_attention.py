@@ -6,6 +6,7 @@ interpreter (the same kernel program, interpreted); compiled only on a TPU. cuDN
 needs an NVIDIA GPU. The tests of a platform's own kernel skip elsewhere, saying why;
 the suite runs on CPU (conftest), so run them with JAX_PLATFORMS=cuda or tpu there.
 """
+
 import dataclasses
 
 import jax
@@ -41,8 +42,8 @@ def _inputs(b=2, t=128, n=2, h=16, dtype=np.float32):
   rng = np.random.default_rng(0)
   q, k, v = (rng.standard_normal((b, t, n, h)).astype(dtype) for _ in range(3))
   seg = np.ones((b, t), np.int32)
-  seg[0, t // 3:] = 2
-  seg[0, t // 2 + 5:] = 3
+  seg[0, t // 3 :] = 2
+  seg[0, t // 2 + 5 :] = 3
   return q, k, v, seg
 
 
@@ -54,7 +55,7 @@ def test_xla_kernel_equals_the_reference(packed):
   out = jax.jit(lambda q, k, v: blocks.dot_product_attention(q, k, v, mask, "xla"))(q, k, v)
   want = reference_attention(q, k, v, seg if packed else None)
   np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
-  if packed:   # the documents really are apart: unpacked attention differs
+  if packed:  # the documents really are apart: unpacked attention differs
     assert np.max(np.abs(want - reference_attention(q, k, v, None))) > 0.1
 
 
@@ -65,14 +66,18 @@ def test_model_attention_runs_the_configured_kernel_on_packed_rows():
   cfg = config_lib.ModelConfig(d_model=32, num_heads=2, attention_impl="xla")
   rng = np.random.default_rng(1)
   specs = blocks.layer_param_specs(cfg)
-  p = {name: jnp.asarray(rng.standard_normal(s.shape).astype(np.float32) * 0.3)
-       for name, s in specs.items() if name in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")}
+  p = {
+    name: jnp.asarray(rng.standard_normal(s.shape).astype(np.float32) * 0.3)
+    for name, s in specs.items()
+    if name in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")
+  }
   x = jnp.asarray(rng.standard_normal((2, 40, 32)).astype(np.float32))
   seg = np.repeat([[1] * 25 + [2] * 15], 2, 0).astype(np.int32)
   positions = jnp.asarray(np.repeat([list(range(25)) + list(range(15))], 2, 0))
   q, k, v = blocks.qkv_projections(x, p, cfg, positions)
-  want = np.einsum("btnh,nhd->btd", reference_attention(q, k, v, seg),
-                   np.asarray(p["wo"], np.float64)) + np.asarray(p["bo"])
+  want = np.einsum(
+    "btnh,nhd->btd", reference_attention(q, k, v, seg), np.asarray(p["wo"], np.float64)
+  ) + np.asarray(p["bo"])
   for impl in ("xla", "auto"):
     c = dataclasses.replace(cfg, attention_impl=impl)
     got = blocks.attention(x, p, c, blocks.attention_mask(jnp.asarray(seg)), positions)
@@ -86,10 +91,12 @@ def test_splash_kernel_interpreted_equals_the_reference(packed):
   q, k, v, seg = _inputs()
   seg = seg if packed else None
   mask = blocks.attention_mask(None if seg is None else jnp.asarray(seg))
-  out = jax.jit(lambda q, k, v: blocks.dot_product_attention(
-      q, k, v, mask, "splash", interpret=True))(q, k, v)
-  np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, seg),
-                             rtol=1e-5, atol=1e-5)
+  out = jax.jit(
+    lambda q, k, v: blocks.dot_product_attention(q, k, v, mask, "splash", interpret=True)
+  )(q, k, v)
+  np.testing.assert_allclose(
+    np.asarray(out), reference_attention(q, k, v, seg), rtol=1e-5, atol=1e-5
+  )
 
 
 @pytest.mark.matmul_precision("highest")
@@ -106,9 +113,11 @@ def test_splash_gradients_under_a_mesh_equal_xla_gradients():
       mask = blocks.attention_mask(jnp.asarray(seg))
       out = blocks.dot_product_attention(q, k, v, mask, kernel, interpret=True)
       return jnp.sum(out * w)
+
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     got = grads("splash")
   for g, want in zip(got, grads("xla")):
@@ -119,14 +128,30 @@ def test_splash_gradients_under_a_mesh_equal_xla_gradients():
 # The platform's own kernels (skip elsewhere)
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("packed", [True, False])
-@pytest.mark.parametrize("kernel,dtype,tolerance", [
-    pytest.param("cudnn", jnp.bfloat16, 2e-2, marks=pytest.mark.skipif(
-        PLATFORM != "cuda", reason="cuDNN attention needs an NVIDIA GPU (run with "
-        "JAX_PLATFORMS=cuda on one)")),
-    pytest.param("splash", jnp.float32, 2e-3, marks=pytest.mark.skipif(
-        PLATFORM != "tpu", reason="the compiled splash kernel needs a TPU (run with "
-        "JAX_PLATFORMS=tpu on one; elsewhere it is interpreted above)")),
-])
+@pytest.mark.parametrize(
+  "kernel,dtype,tolerance",
+  [
+    pytest.param(
+      "cudnn",
+      jnp.bfloat16,
+      2e-2,
+      marks=pytest.mark.skipif(
+        PLATFORM != "cuda",
+        reason="cuDNN attention needs an NVIDIA GPU (run with JAX_PLATFORMS=cuda on one)",
+      ),
+    ),
+    pytest.param(
+      "splash",
+      jnp.float32,
+      2e-3,
+      marks=pytest.mark.skipif(
+        PLATFORM != "tpu",
+        reason="the compiled splash kernel needs a TPU (run with "
+        "JAX_PLATFORMS=tpu on one; elsewhere it is interpreted above)",
+      ),
+    ),
+  ],
+)
 def test_platform_kernel_compiled_equals_the_reference(kernel, dtype, tolerance, packed):
   q, k, v, seg = _inputs(h=128)
   seg = seg if packed else None
@@ -134,8 +159,7 @@ def test_platform_kernel_compiled_equals_the_reference(kernel, dtype, tolerance,
   q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
   out = jax.jit(lambda q, k, v: blocks.dot_product_attention(q, k, v, mask, kernel))(q, k, v)
   want = reference_attention(*(np.asarray(x, np.float32) for x in (q, k, v)), seg)
-  np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=tolerance,
-                             atol=tolerance)
+  np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=tolerance, atol=tolerance)
 
 
 # --------------------------------------------------------------------------------------
@@ -145,26 +169,33 @@ def _cfg(**kw):
   return config_lib.ModelConfig(d_model=128, num_heads=2, **kw)
 
 
-@pytest.mark.parametrize("platform,dtype,seq_len,kernel", [
+@pytest.mark.parametrize(
+  "platform,dtype,seq_len,kernel",
+  [
     ("cpu", "bfloat16", 256, "xla"),
     ("cuda", "bfloat16", 256, "cudnn"),
-    ("cuda", "float32", 256, "xla"),      # cuDNN's flash attention takes 16-bit floats
+    ("cuda", "float32", 256, "xla"),  # cuDNN's flash attention takes 16-bit floats
     ("rocm", "bfloat16", 256, "xla"),
     ("tpu", "float32", 256, "splash"),
-    ("tpu", "float32", 200, "xla"),       # not whole 128-token tiles
-])
+    ("tpu", "float32", 200, "xla"),  # not whole 128-token tiles
+  ],
+)
 def test_auto_picks_the_platform_kernel(platform, dtype, seq_len, kernel):
   assert blocks.attention_kernel(_cfg(dtype=dtype), seq_len, platform) == kernel
 
 
-@pytest.mark.parametrize("impl,platform,dtype,seq_len,words", [
+@pytest.mark.parametrize(
+  "impl,platform,dtype,seq_len,words",
+  [
     ("splash", "cpu", "float32", 256, "runs on TPUs only, this run is on cpu"),
     ("splash", "tpu", "float32", 200, "multiple of 128, got 200"),
     ("cudnn", "tpu", "bfloat16", 256, "runs on NVIDIA GPUs only, this run is on tpu"),
     ("cudnn", "cuda", "float32", 256, "bfloat16"),
-])
+  ],
+)
 def test_a_kernel_the_platform_cannot_run_is_a_one_line_config_error(
-    impl, platform, dtype, seq_len, words):
+  impl, platform, dtype, seq_len, words
+):
   with pytest.raises(ConfigError, match=words) as e:
     blocks.attention_kernel(_cfg(attention_impl=impl, dtype=dtype), seq_len, platform)
   assert "\n" not in str(e.value) and "'auto' or 'xla'" in str(e.value)
@@ -173,8 +204,9 @@ def test_a_kernel_the_platform_cannot_run_is_a_one_line_config_error(
 def test_explicit_kernels_that_run_are_kept():
   assert blocks.attention_kernel(_cfg(attention_impl="xla"), 100, "tpu") == "xla"
   assert blocks.attention_kernel(_cfg(attention_impl="splash"), 256, "tpu") == "splash"
-  assert blocks.attention_kernel(_cfg(attention_impl="cudnn", dtype="bfloat16"), 100,
-                                 "cuda") == "cudnn"
+  assert (
+    blocks.attention_kernel(_cfg(attention_impl="cudnn", dtype="bfloat16"), 100, "cuda") == "cudnn"
+  )
 
 
 def test_unknown_attention_impl_is_a_config_error():
@@ -225,6 +257,7 @@ def test_splash_sharded_over_batch_and_heads_equals_xla(tmp_path):
   """Splash per shard on a (2, 2, 2) mesh of 8 host devices (batch over data × fsdp,
   heads over tensor), interpreted: output and q, k, v gradients equal XLA's there."""
   from tiny import run_on_8_cpu_devices  # pylint: disable=g-import-not-at-top
+
   out, _ = run_on_8_cpu_devices(_SPLASH_ON_A_MESH, tmp_path, timeout=300)
   assert "tensor" in out["spec"] and "fsdp" in out["spec"], out["spec"]
   for got, want in zip(out["splash"], out["xla"]):

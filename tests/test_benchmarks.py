@@ -4,6 +4,7 @@ The measurements themselves are the benchmarks' job; these runs keep the scripts
 rotting between the occasions they are run for real (the GPU command of the README
 included) and check that each reported figure is the one its own lines imply.
 """
+
 import json
 import math
 import pathlib
@@ -12,9 +13,9 @@ import subprocess
 import sys
 import types
 
+from conftest import shared_data_path, shared_reference_path
 import pytest
 
-from conftest import shared_data_path, shared_reference_path
 from tiny import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -25,9 +26,14 @@ def _launch(module, *args, timeout=600) -> subprocess.CompletedProcess:
   """`python -m benchmarks.<module> args...` from the repository root, as the README says
   (with the 'rbg' PRNG, as the in-process tests: what these runs check does not depend
   on the random numbers)."""
-  return subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args],
-                        cwd=str(ROOT), env=cpu_env(JAX_DEFAULT_PRNG_IMPL="rbg"),
-                        capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+    [sys.executable, "-m", f"benchmarks.{module}", *args],
+    cwd=str(ROOT),
+    env=cpu_env(JAX_DEFAULT_PRNG_IMPL="rbg"),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 def _run(module, *args, timeout=600) -> str:
@@ -45,6 +51,7 @@ def _run_here(module, argv, monkeypatch, capsys) -> str:
 
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
+
   main = importlib.import_module(f"benchmarks.{module}").main
   monkeypatch.setattr(sys, "argv", [module, *argv])
   prng, verbosity = jax.config.jax_default_prng_impl, absl_logging.get_verbosity()
@@ -71,9 +78,19 @@ def _find(pattern, out):
 def test_throughput(monkeypatch, capsys):
   """The README's GPU command's flags (bf16, its batch and length), plus a baseline kind."""
   also, batch, seq, dtype = ["shared"], 1, 64, "bfloat16"
-  out = _run_here("throughput", ["--preset=tiny", "--rounds=2", "--also=shared",
-                                 "--dtype=bfloat16", "--seq_len=64", "--batch=1"],
-                  monkeypatch, capsys)
+  out = _run_here(
+    "throughput",
+    [
+      "--preset=tiny",
+      "--rounds=2",
+      "--also=shared",
+      "--dtype=bfloat16",
+      "--seq_len=64",
+      "--batch=1",
+    ],
+    monkeypatch,
+    capsys,
+  )
   assert f"batch {batch} × seq {seq}, {dtype}" in out
   tps = {}
   for kind in ("diffeqformer", "transformer", *also):
@@ -86,8 +103,10 @@ def test_throughput(monkeypatch, capsys):
   for kind in also:
     m = _find(rf"^{kind}/gpt train tokens/s ratio: {NUM} \(per round: median", out)
     assert _num(m.group(1)) == pytest.approx(tps[kind] / tps["transformer"], abs=0.006)
-  fwd = {name: _num(_find(rf"^{name}\s+forward:\s+{NUM} ms\s+{NUM} tokens/s", out).group(2))
-         for name in ("materialised", "transformer")}
+  fwd = {
+    name: _num(_find(rf"^{name}\s+forward:\s+{NUM} ms\s+{NUM} tokens/s", out).group(2))
+    for name in ("materialised", "transformer")
+  }
   ratio = _num(_find(rf"^materialised/gpt forward tokens/s ratio: {NUM}$", out).group(1))
   assert ratio == pytest.approx(fwd["materialised"] / fwd["transformer"], abs=0.006)
   last = out.strip().splitlines()[-1]
@@ -96,8 +115,11 @@ def test_throughput(monkeypatch, capsys):
   headline = _num(m.group(1))
   assert headline == pytest.approx(tps["diffeqformer"] / tps["transformer"], abs=0.006)
   # Elementwise gpt_i >= r_min * ode_i keeps the medians' ratio inside the per-round range.
-  spread = _find(rf"^ode/gpt train ratio per round: median {NUM}, quartiles {NUM}–{NUM}, "
-                 rf"range {NUM}–{NUM} over 2 rounds$", out)
+  spread = _find(
+    rf"^ode/gpt train ratio per round: median {NUM}, quartiles {NUM}–{NUM}, "
+    rf"range {NUM}–{NUM} over 2 rounds$",
+    out,
+  )
   lo, q1, q2, q3, hi = (_num(spread.group(i)) for i in (4, 2, 1, 3, 5))
   assert lo <= q1 <= q2 <= q3 <= hi
   assert lo - 0.006 <= headline <= hi + 0.006
@@ -112,8 +134,9 @@ def test_benchmarks_are_a_package_of_modules_named_apart_from_the_code():
   for path in files:
     assert "sys.path" not in path.read_text(encoding="utf-8"), path.name
   measured = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
-  measured |= {p.stem for pkg in ("odetransformer", "input_pipeline")
-               for p in (ROOT / pkg).rglob("*.py")}
+  measured |= {
+    p.stem for pkg in ("odetransformer", "input_pipeline") for p in (ROOT / pkg).rglob("*.py")
+  }
   assert "memory" in measured and "input_pipeline" in measured
   assert not {p.stem for p in files} & measured
 
@@ -121,9 +144,12 @@ def test_benchmarks_are_a_package_of_modules_named_apart_from_the_code():
 @pytest.mark.slow
 def test_memory_vs_steps(monkeypatch, capsys):
   out = _run_here("memory_vs_steps", ["--preset=tiny", "--steps=2,4"], monkeypatch, capsys)
-  rows = {(m.group(1), int(m.group(2))): (_num(m.group(3)), _num(m.group(4)))
-          for m in re.finditer(rf"^(diffeqformer|transformer)\s+(\d+)\s+{NUM}\s+{NUM}\s+{NUM}$", out,
-                               re.MULTILINE)}
+  rows = {
+    (m.group(1), int(m.group(2))): (_num(m.group(3)), _num(m.group(4)))
+    for m in re.finditer(
+      rf"^(diffeqformer|transformer)\s+(\d+)\s+{NUM}\s+{NUM}\s+{NUM}$", out, re.MULTILINE
+    )
+  }
   assert set(rows) == {(k, n) for k in ("diffeqformer", "transformer") for n in (2, 4)}, out
   # The ODE's parameters (and so its arguments) do not depend on K; GPT's grow with L.
   assert rows["diffeqformer", 2][0] == rows["diffeqformer", 4][0]
@@ -135,9 +161,12 @@ def test_memory_vs_steps(monkeypatch, capsys):
 def test_pipeline_speed():
   data = shared_data_path("wikitext-2", "valid.txt").parent
   out = _run("pipeline_speed", "--preset=tiny", "--batches=20", f"--data_dir={data}")
-  pipe = [_num(m.group(2)) for m in
-          re.finditer(rf"^pipeline workers=(0|2): {NUM} tokens/s \(20 batches of 2x32", out,
-                      re.MULTILINE)]
+  pipe = [
+    _num(m.group(2))
+    for m in re.finditer(
+      rf"^pipeline workers=(0|2): {NUM} tokens/s \(20 batches of 2x32", out, re.MULTILINE
+    )
+  ]
   assert len(pipe) == 2, out
   train = _num(_find(rf"^train step \(tiny DiffEqFormer, cpu\): {NUM} tokens/s", out).group(1))
   ratio = _num(_find(rf"^pipeline/train tokens/s ratio: {NUM}$", out).group(1))
@@ -149,27 +178,49 @@ def test_quality(tmp_path, monkeypatch, capsys):
   """One seed of both models on a user's own text files: the seed's ratio is its two
   perplexities' ratio, and the last line is the seeds' mean."""
   text = pathlib.Path(shared_data_path("wikitext-2", "test.txt")).read_text(encoding="utf-8")
-  (tmp_path / "train.txt").write_text(text[:150_000], encoding="utf-8")   # 2 steps of 2 × 32
+  (tmp_path / "train.txt").write_text(text[:150_000], encoding="utf-8")  # 2 steps of 2 × 32
   (tmp_path / "eval.txt").write_text(text[150_000:190_000], encoding="utf-8")
-  out = _run_here("quality", [
-      "--seeds=1", "--steps=2", "--eval_batches=1", "--batch=2", "--seq_len=32",
-      "--d_model=32", "--num_heads=2", "--depth=2", "--time_embed_dim=8", "--vocab=512",
-      f"--train_text={tmp_path / 'train.txt'}", f"--eval_text={tmp_path / 'eval.txt'}",
-      f"--workdir={tmp_path / 'runs'}"], monkeypatch, capsys)
+  out = _run_here(
+    "quality",
+    [
+      "--seeds=1",
+      "--steps=2",
+      "--eval_batches=1",
+      "--batch=2",
+      "--seq_len=32",
+      "--d_model=32",
+      "--num_heads=2",
+      "--depth=2",
+      "--time_embed_dim=8",
+      "--vocab=512",
+      f"--train_text={tmp_path / 'train.txt'}",
+      f"--eval_text={tmp_path / 'eval.txt'}",
+      f"--workdir={tmp_path / 'runs'}",
+    ],
+    monkeypatch,
+    capsys,
+  )
   ratios = []
   for seed in (0,):
     ppl = {}
     for kind in ("diffeqformer", "transformer"):
-      m = _find(rf"^seed {seed} {kind}\s+gpt2\s+params\s+{NUM} \| train loss {NUM} -> {NUM} \| "
-                rf"test loss {NUM} \| test ppl {NUM} \|", out)
+      m = _find(
+        rf"^seed {seed} {kind}\s+gpt2\s+params\s+{NUM} \| train loss {NUM} -> {NUM} \| "
+        rf"test loss {NUM} \| test ppl {NUM} \|",
+        out,
+      )
       loss, ppl[kind] = _num(m.group(4)), _num(m.group(5))
       assert ppl[kind] == pytest.approx(math.exp(loss), rel=1e-3)
-    ratio = _num(_find(rf"^seed {seed} diffeqformer/gpt test perplexity ratio: {NUM}$",
-                       out).group(1))
+    ratio = _num(
+      _find(rf"^seed {seed} diffeqformer/gpt test perplexity ratio: {NUM}$", out).group(1)
+    )
     assert ratio == pytest.approx(ppl["diffeqformer"] / ppl["transformer"], abs=0.002)
     ratios.append(ratio)
-  last = re.fullmatch(rf"diffeqformer/gpt test perplexity ratio: {NUM} \(mean of 1 seeds, "
-                      r"steps 2\)", out.strip().splitlines()[-1])
+  last = re.fullmatch(
+    rf"diffeqformer/gpt test perplexity ratio: {NUM} \(mean of 1 seeds, "
+    r"steps 2\)",
+    out.strip().splitlines()[-1],
+  )
   assert last and _num(last.group(1)) == pytest.approx(sum(ratios) / len(ratios), abs=0.002)
 
 
@@ -179,25 +230,44 @@ def test_adaptive_finetune(tmp_path):
   loop's continuous fine-tuning: test_finetune)."""
   data = shared_data_path("tinyshakespeare", "input.txt").parents[1]
   shared_data_path("wikitext-2", "test.txt")
-  out = _run("adaptive_finetune", f"--data_dir={data}", f"--out={tmp_path}", "--seeds=1",
-             "--k=2", "--steps=2", "--d_model=32", "--seq_len=32", "--batch=2",
-             "--vocab=512", "--pretrain_steps=2", "--finetune_steps=2", "--eval_batches=1",
-             "--pretrain_grids=fixed",   # a second grid repeats the same code: minutes of CPU
-             "--methods=full,lora")
+  out = _run(
+    "adaptive_finetune",
+    f"--data_dir={data}",
+    f"--out={tmp_path}",
+    "--seeds=1",
+    "--k=2",
+    "--steps=2",
+    "--d_model=32",
+    "--seq_len=32",
+    "--batch=2",
+    "--vocab=512",
+    "--pretrain_steps=2",
+    "--finetune_steps=2",
+    "--eval_batches=1",
+    "--pretrain_grids=fixed",  # a second grid repeats the same code: minutes of CPU
+    "--methods=full,lora",
+  )
   table = (tmp_path / "adaptive_finetune.md").read_text()
   assert (tmp_path / "adaptive_finetune.png").stat().st_size > 0
-  assert "GPT 3 layers" in table and "LoRA r 6 alpha 8" in table   # round(4K/3), 200·d/1024
-  ode = {(m.group(1), m.group(2)): [_num(v) for v in m.group(3).split(" | ")]
-         for m in re.finditer(r"^\| DiffEqFormer (\S+) (\S+) \| (.*) \|$", table, re.MULTILINE)}
-  gpt = {m.group(1): _num(m.group(2)) for m in re.finditer(
-      rf"^\| GPT \(3 layers\) (\S+) \| {NUM} \|$", table, re.MULTILINE)}
+  assert "GPT 3 layers" in table and "LoRA r 6 alpha 8" in table  # round(4K/3), 200·d/1024
+  ode = {
+    (m.group(1), m.group(2)): [_num(v) for v in m.group(3).split(" | ")]
+    for m in re.finditer(r"^\| DiffEqFormer (\S+) (\S+) \| (.*) \|$", table, re.MULTILINE)
+  }
+  gpt = {
+    m.group(1): _num(m.group(2))
+    for m in re.finditer(rf"^\| GPT \(3 layers\) (\S+) \| {NUM} \|$", table, re.MULTILINE)
+  }
   grids, methods = ("fixed",), ("before", "full", "lora")
   assert sorted(ode) == sorted((g, m) for g in grids for m in methods), table
   assert sorted(gpt) == ["before", "full", "lora"], table
-  assert all(len(v) == 1 for v in ode.values()), table    # N = K only (--steps=2)
+  assert all(len(v) == 1 for v in ode.values()), table  # N = K only (--steps=2)
   assert all(math.isfinite(v) and v > 1 for v in sum(ode.values(), []) + list(gpt.values()))
-  m = _find(rf"^diffeqformer/gpt fine-tuned perplexity ratio at N=2: fixed: full {NUM}, "
-            rf"lora {NUM} \(mean of 1 seeds\)$", out)
+  m = _find(
+    rf"^diffeqformer/gpt fine-tuned perplexity ratio at N=2: fixed: full {NUM}, "
+    rf"lora {NUM} \(mean of 1 seeds\)$",
+    out,
+  )
   for i, (grid, method) in enumerate([(g, m) for g in grids for m in ("full", "lora")], 1):
     assert _num(m.group(i)) == pytest.approx(ode[grid, method][0] / gpt[method], abs=0.002)
 
@@ -212,10 +282,10 @@ def _usage_error(module, argv, monkeypatch, capsys) -> str:
 
 
 def test_adaptive_finetune_needs_its_texts(tmp_path, monkeypatch, capsys):
-  assert _usage_error("adaptive_finetune", [f"--out={tmp_path}"], monkeypatch,
-                      capsys).endswith(
-      "error: --pretrain_train='' is not a file; pass it, or --data_dir=DIR with "
-      "wikitext-2/valid.txt in DIR")
+  assert _usage_error("adaptive_finetune", [f"--out={tmp_path}"], monkeypatch, capsys).endswith(
+    "error: --pretrain_train='' is not a file; pass it, or --data_dir=DIR with "
+    "wikitext-2/valid.txt in DIR"
+  )
 
 
 @pytest.mark.slow
@@ -227,15 +297,27 @@ def test_throughput_against_nanogpt_with_profile(monkeypatch, capsys):
   nanogpt = shared_reference_path("nanogpt")
   pytest.importorskip("torch")
   batches, seq = (1, 2), 32
-  out = _run_here("throughput", ["--preset=tiny", "--rounds=1", "--batches=1,2",
-                                 f"--nanogpt={nanogpt}", "--profile", "--profile_steps=2"],
-                  monkeypatch, capsys)
+  out = _run_here(
+    "throughput",
+    [
+      "--preset=tiny",
+      "--rounds=1",
+      "--batches=1,2",
+      f"--nanogpt={nanogpt}",
+      "--profile",
+      "--profile_steps=2",
+    ],
+    monkeypatch,
+    capsys,
+  )
   blocks = re.split(r"^-- ", out, flags=re.MULTILINE)[1:]
   assert [b.split(",")[0] for b in blocks] == [f"batch {b} × seq {seq}" for b in batches]
   headline = {}
   for b, block in zip(batches, blocks):
-    tps = {kind: _num(_find(rf"^{kind}\s+train:\s+{NUM} ms/step\s+{NUM} tokens/s", block)
-                      .group(2)) for kind in ("diffeqformer", "transformer", "nanogpt")}
+    tps = {
+      kind: _num(_find(rf"^{kind}\s+train:\s+{NUM} ms/step\s+{NUM} tokens/s", block).group(2))
+      for kind in ("diffeqformer", "transformer", "nanogpt")
+    }
     assert "(torch " in _find(r"^nanogpt\s+train:.*$", block).group(0)
     for kind in ("diffeqformer", "transformer"):
       ratio = _num(_find(rf"^{kind}/nanogpt train tokens/s ratio: {NUM}$", block).group(1))
@@ -244,64 +326,97 @@ def test_throughput_against_nanogpt_with_profile(monkeypatch, capsys):
       lo = (tps[kind] - 0.5) / (tps["nanogpt"] + 0.5)
       hi = (tps[kind] + 0.5) / (tps["nanogpt"] - 0.5)
       assert lo - 0.005 <= ratio <= hi + 0.005
-      m = _find(rf"^profile {kind} {b}×{seq}: step {NUM} ms = matmul {NUM} ms \({NUM}%\) \| "
-                rf"attention {NUM} ms \({NUM}%\) \| other fusions {NUM} ms \({NUM}%\) \| "
-                rf"copies {NUM} ms \({NUM}%\) \| idle {NUM} ms \({NUM}%\)$", block)
+      m = _find(
+        rf"^profile {kind} {b}×{seq}: step {NUM} ms = matmul {NUM} ms \({NUM}%\) \| "
+        rf"attention {NUM} ms \({NUM}%\) \| other fusions {NUM} ms \({NUM}%\) \| "
+        rf"copies {NUM} ms \({NUM}%\) \| idle {NUM} ms \({NUM}%\)$",
+        block,
+      )
       step, idle = _num(m.group(1)), _num(m.group(10))
-      busy = _num(_find(rf"^profile {kind} {b}×{seq}: {NUM} copies per step, {NUM} of them "
-                        rf"≥ 1 MiB; device busy {NUM} ms$", block).group(3))
-      assert _num(m.group(2)) > 0                     # the model's dots were found
+      busy = _num(
+        _find(
+          rf"^profile {kind} {b}×{seq}: {NUM} copies per step, {NUM} of them "
+          rf"≥ 1 MiB; device busy {NUM} ms$",
+          block,
+        ).group(3)
+      )
+      assert _num(m.group(2)) > 0  # the model's dots were found
       assert idle == pytest.approx(max(0.0, step - busy), abs=0.02)
     headline[b] = tps["diffeqformer"] / tps["transformer"]
   last = out.strip().splitlines()[-1]
-  m = re.fullmatch(rf"ode/gpt train tokens/s ratio: {NUM} \(batch 1\), {NUM} \(batch 2\)",
-                   last)
+  m = re.fullmatch(rf"ode/gpt train tokens/s ratio: {NUM} \(batch 1\), {NUM} \(batch 2\)", last)
   assert m, last
   assert [_num(m.group(1)), _num(m.group(2))] == pytest.approx(
-      [headline[1], headline[2]], abs=0.006)
+    [headline[1], headline[2]], abs=0.006
+  )
 
 
 def test_throughput_rejects_a_missing_nanogpt(tmp_path, monkeypatch, capsys):
-  assert _usage_error("throughput", ["--preset=tiny", f"--nanogpt={tmp_path}"], monkeypatch,
-                      capsys).endswith(
-      f"error: --nanogpt={tmp_path} holds no model.py; pass a checkout of karpathy/nanoGPT")
+  assert _usage_error(
+    "throughput", ["--preset=tiny", f"--nanogpt={tmp_path}"], monkeypatch, capsys
+  ).endswith(f"error: --nanogpt={tmp_path} holds no model.py; pass a checkout of karpathy/nanoGPT")
 
 
 def test_throughput_rejects_an_unknown_kind(monkeypatch, capsys):
-  assert _usage_error("throughput", ["--preset=tiny", "--also=parallel,gtp"], monkeypatch,
-                      capsys).endswith("error: --also=gtp: choose from parallel, shared")
+  assert _usage_error(
+    "throughput", ["--preset=tiny", "--also=parallel,gtp"], monkeypatch, capsys
+  ).endswith("error: --also=gtp: choose from parallel, shared")
 
 
 @pytest.mark.slow
 def test_any_n(tmp_path):
   """One tiny seed of both training modes: the mean table is the seed's rows, each mode's
   ratio and the last line's R are what the table implies, and both modes were timed."""
-  out = _run("any_n", "--seeds=1", "--steps=2", "--solver_steps=2", "--d_model=32",
-             "--num_heads=2", "--time_embed_dim=8", "--time_sinusoids=8", "--seq_len=32",
-             "--batch=2", "--vocab=512", "--tokenizer_sample_bytes=300000",
-             "--eval_batches=1", "--rounds=1", f"--workdir={tmp_path}",
-             timeout=1200)   # two trainings and ten compiled scorers: minutes on a busy CPU
-  counts = (1, 2, 3, 4, 8)   # K/2, K, 3K/2, 2K, 4K for K = 2
+  out = _run(
+    "any_n",
+    "--seeds=1",
+    "--steps=2",
+    "--solver_steps=2",
+    "--d_model=32",
+    "--num_heads=2",
+    "--time_embed_dim=8",
+    "--time_sinusoids=8",
+    "--seq_len=32",
+    "--batch=2",
+    "--vocab=512",
+    "--tokenizer_sample_bytes=300000",
+    "--eval_batches=1",
+    "--rounds=1",
+    f"--workdir={tmp_path}",
+    timeout=1200,
+  )  # two trainings and ten compiled scorers: minutes on a busy CPU
+  counts = (1, 2, 3, 4, 8)  # K/2, K, 3K/2, 2K, 4K for K = 2
   ratio = {}
   for mode in ("fixed", "random_offset"):
-    m = _find(rf"^seed 0 {mode}\s+train loss {NUM} -> {NUM} \| ppl "
-              + r" \| ".join(rf"N={n} {NUM}" for n in counts) + rf" \| max ratio {NUM} \|", out)
+    m = _find(
+      rf"^seed 0 {mode}\s+train loss {NUM} -> {NUM} \| ppl "
+      + r" \| ".join(rf"N={n} {NUM}" for n in counts)
+      + rf" \| max ratio {NUM} \|",
+      out,
+    )
     seed_row = [_num(m.group(i)) for i in range(3, 8)]
     m = _find(rf"^{mode}\s+" + r"\s+".join([NUM] * 5) + rf"\s+{NUM}$", out)
     row = [_num(m.group(i)) for i in range(1, 6)]
-    assert row == pytest.approx(seed_row, abs=0.006)          # one seed: its own mean
+    assert row == pytest.approx(seed_row, abs=0.006)  # one seed: its own mean
     ratio[mode] = _num(m.group(6))
     assert ratio[mode] == pytest.approx(max(row[i] / row[1] for i in (2, 3, 4)), abs=2e-3)
     assert all(math.isfinite(v) and v > 1 for v in row)
   at_k = _num(_find(rf"^random_offset/fixed perplexity at K: {NUM}$", out).group(1))
-  table_k = {mode: _num(_find(rf"^{mode}\s+{NUM}\s+{NUM}", out).group(2))
-             for mode in ("fixed", "random_offset")}
+  table_k = {
+    mode: _num(_find(rf"^{mode}\s+{NUM}\s+{NUM}", out).group(2))
+    for mode in ("fixed", "random_offset")
+  }
   assert at_k == pytest.approx(table_k["random_offset"] / table_k["fixed"], abs=2e-4)
-  m = _find(rf"^train tokens/s: fixed {NUM}, random_offset {NUM} \(random_offset/fixed time "
-            rf"per step {NUM}; median of 1 interleaved rounds\)$", out)
+  m = _find(
+    rf"^train tokens/s: fixed {NUM}, random_offset {NUM} \(random_offset/fixed time "
+    rf"per step {NUM}; median of 1 interleaved rounds\)$",
+    out,
+  )
   assert _num(m.group(3)) == pytest.approx(_num(m.group(1)) / _num(m.group(2)), abs=0.01)
-  last = re.fullmatch(rf"any-N: max ppl\(N\)/ppl\(K\) over N in \{{3K/2, 2K, 4K\}}: {NUM}",
-                      out.strip().splitlines()[-1])
+  last = re.fullmatch(
+    rf"any-N: max ppl\(N\)/ppl\(K\) over N in \{{3K/2, 2K, 4K\}}: {NUM}",
+    out.strip().splitlines()[-1],
+  )
   assert last and _num(last.group(1)) == pytest.approx(ratio["random_offset"], abs=6e-4)
 
 
@@ -314,14 +429,20 @@ def test_checkpoint_integrity():
       m = _find(rf"^{what} {kind} s\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}×\s+{NUM}×$", out)
       base, integrity, _, ratio, _ = map(_num, m.groups())
       # The seconds are printed to 0.01: the ratio lies within what that rounding allows.
-      low, high = (integrity - 0.005) / (base + 0.005), (integrity + 0.005) / max(base - 0.005, 1e-9)
+      low, high = (
+        (integrity - 0.005) / (base + 0.005),
+        (integrity + 0.005) / max(base - 0.005, 1e-9),
+      )
       assert low - 0.005 <= ratio <= high + 0.005, (what, kind, out)
       rows[what, kind] = ratio
-  m = _find(rf"^integrity overhead: save {NUM}×, restore {NUM}× wall; save {NUM}×, "
-            rf"restore {NUM}× CPU", out)
+  m = _find(
+    rf"^integrity overhead: save {NUM}×, restore {NUM}× wall; save {NUM}×, "
+    rf"restore {NUM}× CPU",
+    out,
+  )
   assert tuple(map(_num, m.groups())) == tuple(
-      rows[k] for k in (("save", "wall"), ("restore", "wall"), ("save", "cpu"),
-                        ("restore", "cpu")))
+    rows[k] for k in (("save", "wall"), ("restore", "wall"), ("save", "cpu"), ("restore", "cpu"))
+  )
 
 
 def test_step_time_and_llama_block_flags_reach_the_runs(tmp_path):
@@ -329,20 +450,24 @@ def test_step_time_and_llama_block_flags_reach_the_runs(tmp_path):
   baseline keeps the standard block); any_n's --step_time sets both modes'."""
   from benchmarks import any_n, quality  # pylint: disable=g-import-not-at-top
   from odetransformer.model import config as config_lib  # pylint: disable=g-import-not-at-top
+
   text = tmp_path / "t.txt"
   text.write_text("x", encoding="utf-8")
   files = [f"--train_text={text}", f"--eval_text={text}"]
-  args = quality.parse_args(["--family=llama", "--llama_block=reference", "--step_time=end"]
-                            + files)
+  args = quality.parse_args(
+    ["--family=llama", "--llama_block=reference", "--step_time=end"] + files
+  )
   ode = config_lib.model_config(quality.make_config(args, "diffeqformer", 0, "c"))
   assert (ode.llama_block, ode.step_time) == ("reference", "end")
-  assert config_lib.model_config(quality.make_config(args, "transformer", 0, "c")).llama_block == "paper"
+  assert (
+    config_lib.model_config(quality.make_config(args, "transformer", 0, "c")).llama_block == "paper"
+  )
   # Runs of hours resume: checkpoints every --checkpoint_every steps (default 100).
   assert quality.make_config(args, "diffeqformer", 0, "c").checkpoint_every_steps == 100
   args = quality.parse_args(["--checkpoint_every=7"] + files)
   assert quality.make_config(args, "transformer", 0, "c").checkpoint_every_steps == 7
   with pytest.raises(SystemExit):
-    quality.parse_args(["--llama_block=reference"] + files)     # family gpt
+    quality.parse_args(["--llama_block=reference"] + files)  # family gpt
   args = any_n.parse_args(["--option=random_shift", "--step_time=end"])
   for mode in ("fixed", "random_shift"):
     cfg = config_lib.model_config(any_n.make_config(args, mode, 0, "c"))
@@ -353,6 +478,7 @@ def test_code_version_is_a_hash_of_the_sources(tmp_path):
   """The same .py files (anywhere) give the same version; a one-byte edit of any of them,
   or a new one, another; other files do not count."""
   from benchmarks import common  # pylint: disable=g-import-not-at-top
+
   trees = [tmp_path / "a", tmp_path / "b"]
   for root in trees:
     for tree in common.CODE_TREES:
@@ -366,7 +492,7 @@ def test_code_version_is_a_hash_of_the_sources(tmp_path):
   edited = common.code_version.__wrapped__(str(trees[1]))
   (trees[0] / "input_pipeline" / "new.py").write_text("")
   assert len({a, edited, common.code_version.__wrapped__(str(trees[0]))}) == 3
-  assert re.fullmatch(r"[0-9a-f]{12}", common.code_version())   # this repository's
+  assert re.fullmatch(r"[0-9a-f]{12}", common.code_version())  # this repository's
 
 
 def _fake_training(monkeypatch, calls):
@@ -381,34 +507,41 @@ def _fake_training(monkeypatch, calls):
     ckpt.write_text(str(config.num_train_steps))
     calls.append((workdir, start))
     hist = [(s, 5.0 - s) for s in range(start + 1, config.num_train_steps + 1)]
-    return {"start_step": start, "step": config.num_train_steps, "loss_history": hist,
-            "eval": {"perplexity": 100.0 + start}}
+    return {
+      "start_step": start,
+      "step": config.num_train_steps,
+      "loss_history": hist,
+      "eval": {"perplexity": 100.0 + start},
+    }
+
   monkeypatch.setattr(common.loop, "train_and_evaluate", fake)
 
 
 def test_keyed_run_reuses_a_workdir_only_under_the_same_code_and_config(
-    tmp_path, monkeypatch, capsys):
+  tmp_path, monkeypatch, capsys
+):
   from benchmarks import common  # pylint: disable=g-import-not-at-top
 
   from tiny import tiny_config  # pylint: disable=g-import-not-at-top
+
   calls = []
   _fake_training(monkeypatch, calls)
   wd, code = str(tmp_path / "run"), common.code_version()
   config = tiny_config(tmp_path / "cache", 4)
-  assert common.keyed_run(config, wd)[1] == ""                        # trained now
-  assert json.loads((tmp_path / "run" / common.RUN_KEY_FILE).read_text()) == \
-      common.run_key(config)
-  _, note = common.keyed_run(config, wd)                               # finished: reused
+  assert common.keyed_run(config, wd)[1] == ""  # trained now
+  assert json.loads((tmp_path / "run" / common.RUN_KEY_FILE).read_text()) == common.run_key(config)
+  _, note = common.keyed_run(config, wd)  # finished: reused
   assert note == f"read back from {wd} (code {code}, trained earlier: 4 steps)"
-  (tmp_path / "run" / "ckpt").write_text("2")                          # interrupted at 2
+  (tmp_path / "run" / "ckpt").write_text("2")  # interrupted at 2
   assert common.keyed_run(config, wd)[1] == f"resumed at step 2 of 4 from {wd} (code {code})"
   assert [start for _, start in calls] == [0, 4, 2]
   # Another config (here the schedule's length): moved aside, trained afresh.
   longer = tiny_config(tmp_path / "cache", 6)
   assert common.keyed_run(longer, wd)[1] == "" and calls[-1] == (wd, 0)
   assert (tmp_path / f"run.stale-{code}" / "ckpt").read_text() == "4"  # kept, not deleted
-  assert (f"{wd} was made under another config: moved to {wd}.stale-{code}, training "
-          f"afresh (code {code})") in capsys.readouterr().out
+  assert (
+    f"{wd} was made under another config: moved to {wd}.stale-{code}, training afresh (code {code})"
+  ) in capsys.readouterr().out
   # Other code (the same config): moved aside too.
   monkeypatch.setattr(common, "code_version", lambda: "0123456789ab")
   assert common.keyed_run(longer, wd)[1] == "" and calls[-1] == (wd, 0)
@@ -426,28 +559,33 @@ def test_keyed_run_reuses_a_workdir_only_under_the_same_code_and_config(
 
 def test_any_n_scores_are_read_back_only_for_the_same_code(tmp_path, monkeypatch):
   from benchmarks import any_n, common  # pylint: disable=g-import-not-at-top
+
   calls, scored = [], []
   _fake_training(monkeypatch, calls)
 
   def fake_evaluate(workdir, counts, max_batches):
     scored.append(workdir)
     return [types.SimpleNamespace(perplexity=50.0 + n, num_tokens=1000) for n in counts]
+
   monkeypatch.setattr(any_n.evaluation, "evaluate", fake_evaluate)
   args = any_n.parse_args(["--steps=4", "--solver_steps=2", "--rounds=0"])
   config = any_n.make_config(args, "fixed", 0, str(tmp_path / "cache"))
   wd, code = str(tmp_path / "fixed_seed0"), common.code_version()
   row, line = any_n.train_and_score(config, wd, 16)
-  assert line.startswith("train loss 4.000 -> 1.000 | ppl N=1 51.00 | N=2 52.00") and \
-      len(scored) == 1
+  assert (
+    line.startswith("train loss 4.000 -> 1.000 | ppl N=1 51.00 | N=2 52.00") and len(scored) == 1
+  )
   again, line = any_n.train_and_score(config, wd, 16)
   assert again == row and len(scored) == 1
-  assert line.startswith(f"read back from {wd}/any_n_scores.json (code {code}, trained "
-                         "earlier: 4 steps) | ppl N=1 51.00")
-  _, line = any_n.train_and_score(config, wd, 8)                      # other eval batches
+  assert line.startswith(
+    f"read back from {wd}/any_n_scores.json (code {code}, trained earlier: 4 steps) | ppl N=1 51.00"
+  )
+  _, line = any_n.train_and_score(config, wd, 8)  # other eval batches
   assert len(scored) == 2 and line.startswith(
-      f"read back from {wd} (code {code}, trained earlier: 4 steps), scored now | ppl")
+    f"read back from {wd} (code {code}, trained earlier: 4 steps), scored now | ppl"
+  )
   monkeypatch.setattr(common, "code_version", lambda: "0123456789ab")
-  _, line = any_n.train_and_score(config, wd, 8)                      # other code: afresh
+  _, line = any_n.train_and_score(config, wd, 8)  # other code: afresh
   assert len(scored) == 3 and calls[-1] == (wd, 0) and line.startswith("train loss")
 
 
@@ -456,8 +594,12 @@ def _single_epoch_text(tmp_path):
   wiki = shared_data_path("wikipedia-2015")
   data = tmp_path / "data"
   data.mkdir()
-  for name, chars in (("train-00.txt", 30_000), ("train-01.txt", 30_000),
-                      ("valid.txt", 6_000), ("test.txt", 6_000)):
+  for name, chars in (
+    ("train-00.txt", 30_000),
+    ("train-01.txt", 30_000),
+    ("valid.txt", 6_000),
+    ("test.txt", 6_000),
+  ):
     text = (wiki / name).read_text(encoding="utf-8")[:chars]
     (data / name).write_text(text, encoding="utf-8")
   return data
@@ -472,10 +614,19 @@ def test_single_epoch_resumes_and_serves_no_token_twice(tmp_path, capsys):
   from benchmarks import single_epoch  # pylint: disable=g-import-not-at-top
   from input_pipeline import local_text  # pylint: disable=g-import-not-at-top
   from odetransformer.errors import UserError  # pylint: disable=g-import-not-at-top
+
   data = _single_epoch_text(tmp_path)
-  flags = [f"--data_dir={data}", f"--workdir={tmp_path / 'runs'}", "--preset=tiny",
-           "--steps=4", "--eval_every=2", "--checkpoint_every=2", "--eval_batches=1",
-           "--curve_batches=1", "--log_every=2"]
+  flags = [
+    f"--data_dir={data}",
+    f"--workdir={tmp_path / 'runs'}",
+    "--preset=tiny",
+    "--steps=4",
+    "--eval_every=2",
+    "--checkpoint_every=2",
+    "--eval_batches=1",
+    "--curve_batches=1",
+    "--log_every=2",
+  ]
   single_epoch.main(flags + ["--stop_after=2"])
   first = capsys.readouterr().out
   assert "stopped after step 2 (--stop_after)" in first and "step      4" not in first
@@ -484,31 +635,50 @@ def test_single_epoch_resumes_and_serves_no_token_twice(tmp_path, capsys):
   ppl = {}
   for kind in ("diffeqformer", "transformer"):
     for step in (2, 4):
-      pattern = (rf"^seed 0 step\s+{step} {kind}\s+\| valid ppl\s+{NUM} \| test ppl\s+{NUM} "
-                 r"\| 64 test tokens \| (.*)$")
+      pattern = (
+        rf"^seed 0 step\s+{step} {kind}\s+\| valid ppl\s+{NUM} \| test ppl\s+{NUM} "
+        r"\| 64 test tokens \| (.*)$"
+      )
       m = _find(pattern, out)
       ppl[kind, step] = (_num(m.group(1)), _num(m.group(2)))
-      if step == 2:                     # trained before the stop, read back now
-        assert m.group(3).startswith("read back from") and m.group(0).split("|")[1:3] == \
-            _find(pattern, first).group(0).split("|")[1:3]
-      else:                             # continued from the step-2 checkpoint
+      if step == 2:  # trained before the stop, read back now
+        assert (
+          m.group(3).startswith("read back from")
+          and m.group(0).split("|")[1:3] == _find(pattern, first).group(0).split("|")[1:3]
+        )
+      else:  # continued from the step-2 checkpoint
         assert m.group(3).startswith(f"resumed at step 2 of 4 from {tmp_path / 'runs'}")
   for step in (2, 4):
     (ov, ot), (gv, gt) = ppl["diffeqformer", step], ppl["transformer", step]
-    _find(rf"^\| {step} \| {step * 64} \| {ov:.2f} \| {ot:.2f} \| {gv:.2f} \| {gt:.2f} \| "
-          rf"{ot / gt:.3f} \| 64 \|$", out)
-  docs = sum(len(local_text.split_documents(p.read_text(encoding="utf-8")))
-             for p in sorted(data.glob("train-*.txt")))
-  m = _find(rf"^tokens seen per model: 256 \(4 steps x 2 rows x 32 targets\); documents "
-            rf"read {NUM} of {docs} \({NUM} tokens\): single epoch, no token position of the "
-            r"training text served twice$", out)
+    _find(
+      rf"^\| {step} \| {step * 64} \| {ov:.2f} \| {ot:.2f} \| {gv:.2f} \| {gt:.2f} \| "
+      rf"{ot / gt:.3f} \| 64 \|$",
+      out,
+    )
+  docs = sum(
+    len(local_text.split_documents(p.read_text(encoding="utf-8")))
+    for p in sorted(data.glob("train-*.txt"))
+  )
+  m = _find(
+    rf"^tokens seen per model: 256 \(4 steps x 2 rows x 32 targets\); documents "
+    rf"read {NUM} of {docs} \({NUM} tokens\): single epoch, no token position of the "
+    r"training text served twice$",
+    out,
+  )
   assert 1 <= _num(m.group(1)) <= docs
-  n_ode, n_gpt = map(_num, _find(rf"^parameters: diffeqformer {NUM} \| gpt {NUM}: the "
-                                 rf"DiffEqFormer holds {NUM}x", out).group(1, 2))
+  n_ode, n_gpt = map(
+    _num,
+    _find(
+      rf"^parameters: diffeqformer {NUM} \| gpt {NUM}: the "
+      rf"DiffEqFormer holds {NUM}x",
+      out,
+    ).group(1, 2),
+  )
   assert f"holds {n_ode / n_gpt:.1f}x GPT's parameters" in out
   assert out.strip().splitlines()[-1] == (
-      f"single-epoch diffeqformer/gpt test perplexity ratio: "
-      f"{ppl['diffeqformer', 4][1] / ppl['transformer', 4][1]:.3f} (steps 4, tokens 256)")
+    f"single-epoch diffeqformer/gpt test perplexity ratio: "
+    f"{ppl['diffeqformer', 4][1] / ppl['transformer', 4][1]:.3f} (steps 4, tokens 256)"
+  )
   assert (tmp_path / "runs" / "single_epoch.png").stat().st_size > 0
   most = int(_num(_find(rf"one epoch holds {NUM} steps of 64 tokens$", out).group(1)))
   with pytest.raises(UserError, match=rf"^--steps={most + 1} needs a second epoch"):
@@ -526,51 +696,79 @@ def test_any_n_and_finetuning_from_single_epoch_runs(tmp_path, capsys):
   model's perplexity on the fine-tuning text."""
   from benchmarks import single_epoch  # pylint: disable=g-import-not-at-top
   from odetransformer.tools import evaluate  # pylint: disable=g-import-not-at-top
+
   data = _single_epoch_text(tmp_path)
   runs = tmp_path / "runs"
-  flags = [f"--data_dir={data}", f"--workdir={runs}", "--preset=tiny", "--steps=2",
-           "--eval_every=2", "--eval_batches=1", "--curve_batches=1"]
+  flags = [
+    f"--data_dir={data}",
+    f"--workdir={runs}",
+    "--preset=tiny",
+    "--steps=2",
+    "--eval_every=2",
+    "--eval_batches=1",
+    "--curve_batches=1",
+  ]
   single_epoch.main(flags)
-  test_ppl = _num(_find(rf"^seed 0 step\s+2 diffeqformer\s+\| valid ppl\s+{NUM} \| test ppl"
-                        rf"\s+{NUM}", capsys.readouterr().out).group(2))
+  test_ppl = _num(
+    _find(
+      rf"^seed 0 step\s+2 diffeqformer\s+\| valid ppl\s+{NUM} \| test ppl"
+      rf"\s+{NUM}",
+      capsys.readouterr().out,
+    ).group(2)
+  )
   ode, gpt = runs / "diffeqformer_seed0_steps2", runs / "transformer_seed0_steps2"
   keys = {d: (d / "benchmark_run_key.json").read_text() for d in (ode, gpt)}
 
   out = _run("any_n", f"--runs={ode}", f"--data=local:{data / 'test.txt'}", "--eval_batches=1")
-  m = _find(rf"^fixed grid, step_time start\s+" + r"\s+".join([NUM] * 6) + "$", out)
+  m = _find(r"^fixed grid, step_time start\s+" + r"\s+".join([NUM] * 6) + "$", out)
   row = [_num(m.group(i)) for i in range(1, 7)]
-  assert row[1] == pytest.approx(test_ppl, abs=0.006)          # N = K = 2
+  assert row[1] == pytest.approx(test_ppl, abs=0.006)  # N = K = 2
   assert row[5] == pytest.approx(max(row[i] / row[1] for i in (2, 3, 4)), abs=2e-3)
   assert out.strip().splitlines()[-1] == (
-      f"any-N (fixed grid, step_time start): max ppl(N)/ppl(K) over N in {{3K/2, 2K, 4K}}: "
-      f"{row[5]:.3f}")
+    f"any-N (fixed grid, step_time start): max ppl(N)/ppl(K) over N in {{3K/2, 2K, 4K}}: "
+    f"{row[5]:.3f}"
+  )
 
   shakespeare = shared_data_path("tinyshakespeare", "input.txt")
-  out = _run("adaptive_finetune", f"--finetune_text={shakespeare}", f"--out={tmp_path / 'ft'}",
-             f"--pretrained_diffeqformer={ode}", f"--pretrained_gpt={gpt}", "--seeds=1",
-             "--steps=2", "--finetune_steps=2", "--eval_batches=1", "--methods=full,lora")
+  out = _run(
+    "adaptive_finetune",
+    f"--finetune_text={shakespeare}",
+    f"--out={tmp_path / 'ft'}",
+    f"--pretrained_diffeqformer={ode}",
+    f"--pretrained_gpt={gpt}",
+    "--seeds=1",
+    "--steps=2",
+    "--finetune_steps=2",
+    "--eval_batches=1",
+    "--methods=full,lora",
+  )
   table = (tmp_path / "ft" / "adaptive_finetune.md").read_text()
-  assert ("after 2 pre-training steps; DiffEqFormer K = 2, GPT 2 layers; d 32, LoRA r 6 "
-          "alpha 8") in table
+  assert (
+    "after 2 pre-training steps; DiffEqFormer K = 2, GPT 2 layers; d 32, LoRA r 6 alpha 8"
+  ) in table
   before = _num(_find(rf"^\| DiffEqFormer fixed before \| {NUM} \|$", table).group(1))
-  [expected] = evaluate.evaluate(str(ode), [2], max_batches=1,
-                                 data=f"local:{tmp_path / 'ft' / 'finetune_valid.txt'}")
+  [expected] = evaluate.evaluate(
+    str(ode), [2], max_batches=1, data=f"local:{tmp_path / 'ft' / 'finetune_valid.txt'}"
+  )
   assert before == pytest.approx(expected.perplexity, abs=0.006)
-  m = _find(rf"^diffeqformer/gpt fine-tuned perplexity ratio at N=2: fixed: full {NUM}, "
-            rf"lora {NUM} \(mean of 1 seeds\)$", out)
+  m = _find(
+    rf"^diffeqformer/gpt fine-tuned perplexity ratio at N=2: fixed: full {NUM}, "
+    rf"lora {NUM} \(mean of 1 seeds\)$",
+    out,
+  )
   for i, method in enumerate(("full", "lora"), 1):
     ode_ppl = _num(_find(rf"^\| DiffEqFormer fixed {method} \| {NUM} \|$", table).group(1))
     gpt_ppl = _num(_find(rf"^\| GPT \(2 layers\) {method} \| {NUM} \|$", table).group(1))
     assert _num(m.group(i)) == pytest.approx(ode_ppl / gpt_ppl, abs=0.002)
   # A DiffEqFormer of another grid trains beside them, alone, here from seed 1 (the
   # spread's first seed, for a paired comparison); nothing else is touched.
-  single_epoch.main(flags + ["--ode_grid=random_shift", "--kinds=diffeqformer",
-                             "--first_seed=1"])
+  single_epoch.main(flags + ["--ode_grid=random_shift", "--kinds=diffeqformer", "--first_seed=1"])
   out = capsys.readouterr().out
   _find(r"^seed 1 step\s+2 diffeqformer\s+\| valid ppl .* \| trained now$", out)
   assert "transformer" not in out and "ratio" not in out and "seed 0" not in out
-  shifted = json.loads((runs / "diffeqformer_random_shift_seed1_steps2" / "config.json")
-                       .read_text())
+  shifted = json.loads(
+    (runs / "diffeqformer_random_shift_seed1_steps2" / "config.json").read_text()
+  )
   assert (shifted["model"]["train_time_grid"], shifted["seed"]) == ("random_shift", 1)
   # Neither pre-trained run was trained again, nor re-keyed.
   assert {d: (d / "benchmark_run_key.json").read_text() for d in (ode, gpt)} == keys
@@ -579,17 +777,22 @@ def test_any_n_and_finetuning_from_single_epoch_runs(tmp_path, capsys):
 
 def test_pretrained_and_kinds_flags_are_checked(tmp_path, monkeypatch, capsys):
   shakespeare = shared_data_path("tinyshakespeare", "input.txt")
-  assert _usage_error("adaptive_finetune", [f"--finetune_text={shakespeare}",
-                                            f"--pretrained_diffeqformer={tmp_path}"],
-                      monkeypatch, capsys).endswith(
-      f"error: --pretrained_diffeqformer={str(tmp_path)!r} is not a training workdir "
-      "(config.json missing); pass both --pretrained_diffeqformer and --pretrained_gpt")
+  assert _usage_error(
+    "adaptive_finetune",
+    [f"--finetune_text={shakespeare}", f"--pretrained_diffeqformer={tmp_path}"],
+    monkeypatch,
+    capsys,
+  ).endswith(
+    f"error: --pretrained_diffeqformer={str(tmp_path)!r} is not a training workdir "
+    "(config.json missing); pass both --pretrained_diffeqformer and --pretrained_gpt"
+  )
   data = _single_epoch_text(tmp_path)
-  assert _usage_error("single_epoch", [f"--data_dir={data}", "--kinds=gpt"], monkeypatch,
-                      capsys).endswith(
-      "error: --kinds=gpt: choose diffeqformer and/or transformer, comma-separated")
+  assert _usage_error(
+    "single_epoch", [f"--data_dir={data}", "--kinds=gpt"], monkeypatch, capsys
+  ).endswith("error: --kinds=gpt: choose diffeqformer and/or transformer, comma-separated")
   assert _usage_error("any_n", ["--data=local:x.txt"], monkeypatch, capsys).endswith(
-      "error: --data applies to --runs only; the trained runs score on their eval split")
+    "error: --data applies to --runs only; the trained runs score on their eval split"
+  )
 
 
 @pytest.mark.slow
@@ -599,18 +802,25 @@ def test_single_epoch_detects_a_second_epoch(tmp_path):
   from benchmarks import single_epoch  # pylint: disable=g-import-not-at-top
   from input_pipeline import pipeline  # pylint: disable=g-import-not-at-top
   from odetransformer.errors import UserError  # pylint: disable=g-import-not-at-top
-  args = single_epoch.parse_args([f"--data_dir={_single_epoch_text(tmp_path)}",
-                                  "--preset=tiny"])
+
+  args = single_epoch.parse_args([f"--data_dir={_single_epoch_text(tmp_path)}", "--preset=tiny"])
   config = single_epoch.make_config(args, "transformer", 0, 4, str(tmp_path))
   text = single_epoch.TrainingText(config, str(tmp_path))
   train = pipeline.train_dataset(
-      text.documents, text.tokenizer.serialized_model_proto(), seq_len=config.seq_len,
-      global_batch_size=2, process_index=0, process_count=1,
-      text_key=config.data.text_key, seed=0, shuffle_buffer=config.data.shuffle_buffer,
-      worker_count=0)
+    text.documents,
+    text.tokenizer.serialized_model_proto(),
+    seq_len=config.seq_len,
+    global_batch_size=2,
+    process_index=0,
+    process_count=1,
+    text_key=config.data.text_key,
+    seed=0,
+    shuffle_buffer=config.data.shuffle_buffer,
+    worker_count=0,
+  )
   it = iter(train)
   epoch, steps = text.epoch, 0
-  while steps * 2 * (config.seq_len + 1) <= epoch["tokens"]:   # one epoch's rows, and more
+  while steps * 2 * (config.seq_len + 1) <= epoch["tokens"]:  # one epoch's rows, and more
     next(it)
     steps += 1
     if steps == 4:

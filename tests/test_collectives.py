@@ -2,6 +2,7 @@
 
 Both run in subprocesses with 8 host devices (XLA_FLAGS must be set before jax loads).
 """
+
 import math
 import pathlib
 import re
@@ -13,13 +14,13 @@ import pytest
 
 from tiny import cpu_env
 
-pytestmark = pytest.mark.slow   # every test here starts processes
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _env():
-  return cpu_env()   # the scripts ask for their 8 devices themselves
+  return cpu_env()  # the scripts ask for their 8 devices themselves
 
 
 _PARSER_SCRIPT = textwrap.dedent("""
@@ -52,15 +53,22 @@ _PARSER_SCRIPT = textwrap.dedent("""
 
 
 def test_parser_counts_a_known_all_gather_exactly_and_weights_loops():
-  proc = subprocess.run([sys.executable, "-c", _PARSER_SCRIPT, str(ROOT)], env=_env(),
-                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(
+    [sys.executable, "-c", _PARSER_SCRIPT, str(ROOT)],
+    env=_env(),
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   import json  # pylint: disable=g-import-not-at-top
+
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   once = out["once"]
-  assert once["static"]["all-gather"] == 64 * 32 * 4          # the gathered f32[64, 32]
-  assert once["weighted"] == once["static"]                   # no loop
-  assert sum(once["static"].values()) == 64 * 32 * 4          # nothing else moves
+  assert once["static"]["all-gather"] == 64 * 32 * 4  # the gathered f32[64, 32]
+  assert once["weighted"] == once["static"]  # no loop
+  assert sum(once["static"].values()) == 64 * 32 * 4  # nothing else moves
   loop = out["loop"]
   assert out["loop_gathers"] >= 1 and loop["unknown_trip_counts"] == 0
   per_trip = 16 * 8 * 4
@@ -73,18 +81,31 @@ def test_collectives_benchmark_at_tiny_shape():
   step's per-device peak (both models and families). On the mesh that splits the
   parameters two ways at once, (1, 2, 4): fsdp and tensor; the benchmark's default also
   runs (1, 8, 1) and (2, 4, 1), whose data axis tests/test_sharding.py covers."""
-  proc = subprocess.run([sys.executable, "-m", "benchmarks.collectives", "--tiny",
-                         "--meshes=1,2,4"],
-                        env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
+  proc = subprocess.run(
+    [sys.executable, "-m", "benchmarks.collectives", "--tiny", "--meshes=1,2,4"],
+    env=_env(),
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   out = proc.stdout
-  rows = re.findall(r"^\((\d), (\d), (\d)\)\s+(gpt2|llama)\s+(transformer|diffeqformer)\s.*\s"
-                    r"([0-9.]+)\s+[0-9.]+\s+[0-9.]+\s+([0-9.]+)$", out, re.MULTILINE)
-  assert len(rows) == 1 * 2 * 2, out                          # meshes × families × models
+  rows = re.findall(
+    r"^\((\d), (\d), (\d)\)\s+(gpt2|llama)\s+(transformer|diffeqformer)\s.*\s"
+    r"([0-9.]+)\s+[0-9.]+\s+[0-9.]+\s+([0-9.]+)$",
+    out,
+    re.MULTILINE,
+  )
+  assert len(rows) == 1 * 2 * 2, out  # meshes × families × models
   estimates = [float(est) / float(peak) for *_, peak, est in rows]
   assert all(0.85 <= e <= 1.15 for e in estimates), out
-  m = re.search(r"^odetransformer.tools.memory estimate / compiled peak: from ([0-9.]+) to "
-                r"([0-9.]+) over 4 steps$", out, re.MULTILINE)
+  m = re.search(
+    r"^odetransformer.tools.memory estimate / compiled peak: from ([0-9.]+) to "
+    r"([0-9.]+) over 4 steps$",
+    out,
+    re.MULTILINE,
+  )
   assert m, out
   # The rows print MiB to 0.1: each row's true ratio lies within these bounds, so the
   # printed (unrounded) smallest and largest lie within the bounds' smallest and largest.
@@ -95,18 +116,22 @@ def test_collectives_benchmark_at_tiny_shape():
   ratios = [float(r) for r in re.findall(r"ratio ode/gpt: collective bytes ([0-9.]+)", out)]
   assert len(ratios) == 2
   last = out.strip().splitlines()[-1]
-  m = re.fullmatch(r"diffeqformer/gpt collective bytes: max ratio ([0-9.]+|inf) over meshes",
-                   last)
+  m = re.fullmatch(r"diffeqformer/gpt collective bytes: max ratio ([0-9.]+|inf) over meshes", last)
   assert m, last
   r = float(m.group(1))
   assert math.isfinite(r) and r == max(ratios)
-  assert r <= 1.10, out   # the ODE moves what GPT moves (its generated W, not its P)
+  assert r <= 1.10, out  # the ODE moves what GPT moves (its generated W, not its P)
 
 
 def test_collectives_benchmark_rejects_a_bad_mesh():
-  proc = subprocess.run([sys.executable, "-m", "benchmarks.collectives", "--tiny",
-                         "--meshes=3,3,1"], env=_env(), cwd=ROOT,
-                        capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(
+    [sys.executable, "-m", "benchmarks.collectives", "--tiny", "--meshes=3,3,1"],
+    env=_env(),
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert proc.returncode != 0
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and "--meshes" in lines[0], proc.stderr

@@ -6,6 +6,7 @@ kinds), finetune.num_steps (0 = keep K) -> finetune.solver_steps (None = keep K)
 tools' --num_steps -> --solver_steps. Runs written before the rename (tests/fixtures/old34)
 load, evaluate to the old code's number and resume.
 """
+
 import dataclasses
 import json
 import logging
@@ -32,7 +33,7 @@ def test_default_config_is_generated_from_model_config():
     want = ",".join(f.default) if isinstance(f.default, tuple) else f.default
     assert c[f.name] == want, f.name
     assert f.metadata["meaning"], f.name
-  assert all(c[old] is None for old in config_lib.DEPRECATED_KEYS)   # unset: no migration
+  assert all(c[old] is None for old in config_lib.DEPRECATED_KEYS)  # unset: no migration
 
 
 def test_configs_default_lists_every_model_field_with_a_comment():
@@ -52,19 +53,29 @@ def test_old_names_migrate_with_one_warning_line_each(caplog):
   with caplog.at_level(logging.WARNING):
     cfg = config_lib.model_config(_model(kind="gpt", flavour="llama", num_steps=3))
   assert (cfg.kind, cfg.family, cfg.num_layers, cfg.solver_steps, cfg.depth) == (
-      "transformer", "llama", 3, None, 3)
+    "transformer",
+    "llama",
+    3,
+    None,
+    3,
+  )
   assert [r.getMessage() for r in caplog.records] == [
-      "model.kind='gpt' is deprecated and will be removed in the next release: use "
-      "model.kind='transformer'",
-      "model.flavour='llama' is deprecated and will be removed in the next release: use "
-      "model.family='llama'",
-      "model.num_steps=3 is deprecated and will be removed in the next release: use "
-      "model.num_layers=3 (kind='transformer')"]
+    "model.kind='gpt' is deprecated and will be removed in the next release: use "
+    "model.kind='transformer'",
+    "model.flavour='llama' is deprecated and will be removed in the next release: use "
+    "model.family='llama'",
+    "model.num_steps=3 is deprecated and will be removed in the next release: use "
+    "model.num_layers=3 (kind='transformer')",
+  ]
   caplog.clear()
   with caplog.at_level(logging.WARNING):
-    cfg = config_lib.model_config(_model(flavour="gpt", num_steps=5))   # an ODE kind
+    cfg = config_lib.model_config(_model(flavour="gpt", num_steps=5))  # an ODE kind
   assert (cfg.kind, cfg.family, cfg.solver_steps, cfg.num_layers) == (
-      "diffeqformer", "gpt2", 5, None)
+    "diffeqformer",
+    "gpt2",
+    5,
+    None,
+  )
   assert len(caplog.records) == 2
 
 
@@ -75,53 +86,64 @@ def test_new_names_give_no_warning(caplog):
 
 
 def test_the_depth_a_kind_does_not_use_is_an_error_alone():
-  with pytest.raises(errors.ConfigError, match=r"^model.solver_steps=4 does not apply to "
-                     r"kind='transformer'; its depth is model.num_layers: set that instead$"):
+  with pytest.raises(
+    errors.ConfigError,
+    match=r"^model.solver_steps=4 does not apply to "
+    r"kind='transformer'; its depth is model.num_layers: set that instead$",
+  ):
     config_lib.model_config(_model(kind="transformer", solver_steps=4))
   with pytest.raises(ValueError, match="model.num_layers=3 does not apply"):
     config_lib.ModelConfig(num_layers=3)
   # Beside the one it uses (a config's K under --config.model.kind=transformer with
   # --config.model.num_layers=L) it is not used; the warning only when they differ.
-  assert config_lib.model_config(_model(kind="transformer", solver_steps=4,
-                                        num_layers=6)).depth == 6
+  assert (
+    config_lib.model_config(_model(kind="transformer", solver_steps=4, num_layers=6)).depth == 6
+  )
   assert config_lib.ModelConfig(kind="transformer").depth == config_lib.DEFAULT_DEPTH
 
 
 def test_migrate_config_finetune_and_idempotent(caplog):
-  old = ml_collections.ConfigDict({"model": {"kind": "gpt", "num_steps": 4},
-                                   "finetune": {"method": "lora", "num_steps": 0}})
+  old = ml_collections.ConfigDict(
+    {"model": {"kind": "gpt", "num_steps": 4}, "finetune": {"method": "lora", "num_steps": 0}}
+  )
   with caplog.at_level(logging.WARNING):
     new = config_lib.migrate_config(old)
   assert new.finetune.solver_steps is None and "num_steps" not in new.finetune
   assert (new.model.kind, new.model.num_layers) == ("transformer", 4)
   assert "num_steps" not in new.model and "flavour" not in new.model
-  assert any("finetune.num_steps=0" in r.getMessage() and "finetune.solver_steps=None"
-             in r.getMessage() for r in caplog.records)
+  assert any(
+    "finetune.num_steps=0" in r.getMessage() and "finetune.solver_steps=None" in r.getMessage()
+    for r in caplog.records
+  )
   caplog.clear()
   with caplog.at_level(logging.WARNING):
     again = config_lib.migrate_config(new)
   assert again.to_dict() == new.to_dict() and caplog.records == []
-  six = config_lib.migrate_config(ml_collections.ConfigDict(
-      {"finetune": {"method": "full", "num_steps": 6}}), warn=False)
+  six = config_lib.migrate_config(
+    ml_collections.ConfigDict({"finetune": {"method": "full", "num_steps": 6}}), warn=False
+  )
   assert six.finetune.solver_steps == 6
 
 
 def test_an_old_fingerprint_matches_the_same_run_under_new_names():
   stored_config = ml_collections.ConfigDict(
-      json.loads((FIXTURES / "llama" / "config.json").read_text()))
-  stored = fingerprint_lib.fingerprint(stored_config)          # as the old code recorded it
+    json.loads((FIXTURES / "llama" / "config.json").read_text())
+  )
+  stored = fingerprint_lib.fingerprint(stored_config)  # as the old code recorded it
   assert stored["model"]["kind"] == "gpt" and stored["model"]["num_steps"] == 2
   new = config_lib.migrate_config(stored_config, warn=False)
   assert fingerprint_lib.fingerprint_diffs(stored, fingerprint_lib.fingerprint(new)) == []
   new.model.num_layers = 3
   assert fingerprint_lib.fingerprint_diffs(stored, fingerprint_lib.fingerprint(new)) == [
-      "model.num_layers 2 -> 3"]
+    "model.num_layers 2 -> 3"
+  ]
 
 
 def test_old_tool_flag_is_rewritten_with_a_warning(caplog):
   with caplog.at_level(logging.WARNING):
-    argv = errors.renamed_flags(["prog", "--num_steps=2,3", "--num_steps", "4", "--step=1"],
-                                {"solver_steps", "step"})
+    argv = errors.renamed_flags(
+      ["prog", "--num_steps=2,3", "--num_steps", "4", "--step=1"], {"solver_steps", "step"}
+    )
   assert argv == ["prog", "--solver_steps=2,3", "--solver_steps", "4", "--step=1"]
   assert "--num_steps is deprecated" in caplog.records[0].getMessage()
   # A command whose own flag is still called num_steps (e.g. analysis.clustering) keeps it.
@@ -152,6 +174,7 @@ def old_run(request, tmp_path):
 def test_an_old_run_loads_and_evaluates_as_before(old_run):
   from odetransformer.tools import evaluate  # pylint: disable=g-import-not-at-top
   from odetransformer.train import loading  # pylint: disable=g-import-not-at-top
+
   name, workdir = old_run
   config = loading.load_run_config(workdir)
   m = config.model
@@ -169,10 +192,12 @@ def test_an_old_run_resumes(tmp_path, tmp_path_factory):
   above, and its fingerprint matches under the new names
   (test_an_old_fingerprint_matches_the_same_run_under_new_names)."""
   from odetransformer.train import loop  # pylint: disable=g-import-not-at-top
+
   workdir = str(tmp_path / "llama")
   shutil.copytree(FIXTURES / "llama", workdir)
   config = ml_collections.ConfigDict(
-      json.loads((pathlib.Path(workdir) / "config.json").read_text()))   # the old names
+    json.loads((pathlib.Path(workdir) / "config.json").read_text())
+  )  # the old names
   config.num_train_steps = 3
   config.eval_every_steps = 100
   config.data.tokenizer_path = str(pathlib.Path(workdir) / "tokenizer.model")

@@ -1,21 +1,40 @@
 """Every experiment config loads, validates, and matches the authors' settings."""
+
 import importlib
 import pathlib
 import re
 
+from conftest import shared_reference_path
 import pytest
 import yaml
 
 from odetransformer.model import config as config_lib
 
-from conftest import shared_reference_path
-
 CONFIG_DIR = pathlib.Path(__file__).parents[1] / "configs"
-TOP_LEVEL = ("num_train_steps", "eval_every_steps", "checkpoint_every_steps", "log_every_steps",
-             "global_batch_size", "eval_batch_size", "seed", "seq_len", "model", "data",
-             "optim", "mesh")
-CONFIGS = ["default", "owt_small", "owt_medium", "owt_large", "owt_llama_1b",
-           "owt_llama_1b_ode", "wikitext103_small", "wikitext103_medium"]   # pre-training
+TOP_LEVEL = (
+  "num_train_steps",
+  "eval_every_steps",
+  "checkpoint_every_steps",
+  "log_every_steps",
+  "global_batch_size",
+  "eval_batch_size",
+  "seed",
+  "seq_len",
+  "model",
+  "data",
+  "optim",
+  "mesh",
+)
+CONFIGS = [
+  "default",
+  "owt_small",
+  "owt_medium",
+  "owt_large",
+  "owt_llama_1b",
+  "owt_llama_1b_ode",
+  "wikitext103_small",
+  "wikitext103_medium",
+]  # pre-training
 CLAIM = re.compile(r"config/((?:owt|wikitext_103|finetune)/\w+\.yaml)")
 
 
@@ -50,7 +69,7 @@ def test_config_loads_and_model_validates(name, kind):
   for key in TOP_LEVEL:
     assert key in c, key
   depth = config_lib.model_config(c).depth
-  c.model.kind = kind                                # the one baseline switch (L = K)
+  c.model.kind = kind  # the one baseline switch (L = K)
   cfg = config_lib.model_config(c, c.data.vocab_size)
   assert (cfg.kind, cfg.depth) == (kind, depth)
   assert c.seq_len <= cfg.max_len
@@ -62,26 +81,34 @@ def test_config_loads_and_model_validates(name, kind):
 # What levanter (the authors' trainer) uses where a yaml is silent: OptimizerConfig's
 # beta1 0.9, beta2 0.999, epsilon 1e-8, max_grad_norm 1.0, warmup_ratio 0.01 and the
 # cosine schedule; Gpt2Config's mlp_scale 4 (MLP = 4·hidden_dim); Llama has no dropout.
-LEVANTER_OPTIMIZER = {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8, "max_grad_norm": 1.0,
-                      "warmup_ratio": 0.01, "lr_schedule": "cosine"}
+LEVANTER_OPTIMIZER = {
+  "beta1": 0.9,
+  "beta2": 0.999,
+  "epsilon": 1e-8,
+  "max_grad_norm": 1.0,
+  "warmup_ratio": 0.01,
+  "lr_schedule": "cosine",
+}
 GPT2_MLP_SCALE = 4
 # qkvflow train_lm.py: model_choice -> the model it builds (ours: model.kind).
 MODEL_CHOICE_KIND = {"neuralode": "diffeqformer", "gpt2": "transformer", "llama": "transformer"}
-DATA_SOURCE = {"Skylion007/openwebtext": "openwebtext",
-               "dlwh/wikitext_103_detokenized": "wikitext103"}
+DATA_SOURCE = {
+  "Skylion007/openwebtext": "openwebtext",
+  "dlwh/wikitext_103_detokenized": "wikitext103",
+}
 # Deliberate differences from the claimed file, each with its reason (any other differing
 # value fails).
 DEVIATIONS = {
-    # large.yaml leaves beta2 at 0.999; the paper (App. C.4, C.5) reports DiffEqFormer-large
-    # with 0.95, the run owt_large.py reproduces.
-    ("owt_large", "optim.b2"): 0.95,
-    # Ours: the Llama-shape DiffEqFormer (the file's model_choice: llama is the baseline).
-    ("owt_llama_1b_ode", "model.kind"): "diffeqformer",
-    # The files as committed set model_choice: gpt2 (the GPT-2 baseline run); the configs
-    # train the DiffEqFormer by default with the files' time_embed_dim / sinusodial_dim
-    # (docstrings say so) and the baseline with --config.model.kind=transformer.
-    ("wikitext103_small", "model.kind"): "diffeqformer",
-    ("wikitext103_medium", "model.kind"): "diffeqformer",
+  # large.yaml leaves beta2 at 0.999; the paper (App. C.4, C.5) reports DiffEqFormer-large
+  # with 0.95, the run owt_large.py reproduces.
+  ("owt_large", "optim.b2"): 0.95,
+  # Ours: the Llama-shape DiffEqFormer (the file's model_choice: llama is the baseline).
+  ("owt_llama_1b_ode", "model.kind"): "diffeqformer",
+  # The files as committed set model_choice: gpt2 (the GPT-2 baseline run); the configs
+  # train the DiffEqFormer by default with the files' time_embed_dim / sinusodial_dim
+  # (docstrings say so) and the baseline with --config.model.kind=transformer.
+  ("wikitext103_small", "model.kind"): "diffeqformer",
+  ("wikitext103_medium", "model.kind"): "diffeqformer",
 }
 
 
@@ -89,12 +116,15 @@ def expected_optimizer(yaml_optimizer):
   """{our optim key: value} of an authors' optimizer section, levanter's defaults filled."""
   opt = {**LEVANTER_OPTIMIZER, **yaml_optimizer}
   return {
-      "optim.learning_rate": float(opt["learning_rate"]),
-      "optim.weight_decay": float(opt["weight_decay"]),
-      "optim.min_lr_ratio": float(opt["min_lr_ratio"]),
-      "optim.b1": float(opt["beta1"]), "optim.b2": float(opt["beta2"]),
-      "optim.eps": float(opt["epsilon"]), "optim.grad_clip_norm": float(opt["max_grad_norm"]),
-      "optim.warmup_frac": float(opt["warmup_ratio"]), "optim.schedule": opt["lr_schedule"],
+    "optim.learning_rate": float(opt["learning_rate"]),
+    "optim.weight_decay": float(opt["weight_decay"]),
+    "optim.min_lr_ratio": float(opt["min_lr_ratio"]),
+    "optim.b1": float(opt["beta1"]),
+    "optim.b2": float(opt["beta2"]),
+    "optim.eps": float(opt["epsilon"]),
+    "optim.grad_clip_norm": float(opt["max_grad_norm"]),
+    "optim.warmup_frac": float(opt["warmup_ratio"]),
+    "optim.schedule": opt["lr_schedule"],
   }
 
 
@@ -107,25 +137,29 @@ def expected_from_yaml(y):
   # attn_pdrop (dropout on attention probabilities) has no counterpart here.
   assert llama or m["resid_pdrop"] == dropout
   return {
-      "model.kind": MODEL_CHOICE_KIND[y["model_choice"]],
-      "model.family": "llama" if llama else "gpt2",
-      "model.depth": m["num_layers"],         # K of an ODE, L of a discrete model
-      "model.d_model": m["hidden_dim"],
-      "model.num_heads": m["num_heads"],
-      "model.mlp_dim": m["intermediate_dim"] if llama else GPT2_MLP_SCALE * m["hidden_dim"],
-      "model.tie_embeddings": not llama,     # levanter's Llama has an lm_head, GPT-2 ties
-      "model.dropout_rate": dropout,
-      "model.time_embed_dim": y["time_embed_dim"], "model.time_sinusoids": y["sinusodial_dim"],
-      "model.time_hidden": 0,                # TemporalLinear's hidden width: d_t
-      "model.dtype": "bfloat16", "model.param_dtype": "float32",
-      "seq_len": m["seq_len"], "global_batch_size": t["train_batch_size"],
-      "num_train_steps": t["num_train_steps"], "eval_every_steps": t["steps_per_eval"],
-      **expected_optimizer(y["optimizer"]),
-      # train_lm.py's decay masks: ODE on embeddings, gpt2/llama on matrices + embeddings,
-      # which is what 'auto' chooses for each kind.
-      "optim.weight_decay_on": "auto",
-      "data.source": DATA_SOURCE[y["data"]["id"]],
-      "data.vocab_size": 32000 if llama else 50304,   # our SentencePiece (README)
+    "model.kind": MODEL_CHOICE_KIND[y["model_choice"]],
+    "model.family": "llama" if llama else "gpt2",
+    "model.depth": m["num_layers"],  # K of an ODE, L of a discrete model
+    "model.d_model": m["hidden_dim"],
+    "model.num_heads": m["num_heads"],
+    "model.mlp_dim": m["intermediate_dim"] if llama else GPT2_MLP_SCALE * m["hidden_dim"],
+    "model.tie_embeddings": not llama,  # levanter's Llama has an lm_head, GPT-2 ties
+    "model.dropout_rate": dropout,
+    "model.time_embed_dim": y["time_embed_dim"],
+    "model.time_sinusoids": y["sinusodial_dim"],
+    "model.time_hidden": 0,  # TemporalLinear's hidden width: d_t
+    "model.dtype": "bfloat16",
+    "model.param_dtype": "float32",
+    "seq_len": m["seq_len"],
+    "global_batch_size": t["train_batch_size"],
+    "num_train_steps": t["num_train_steps"],
+    "eval_every_steps": t["steps_per_eval"],
+    **expected_optimizer(y["optimizer"]),
+    # train_lm.py's decay masks: ODE on embeddings, gpt2/llama on matrices + embeddings,
+    # which is what 'auto' chooses for each kind.
+    "optim.weight_decay_on": "auto",
+    "data.source": DATA_SOURCE[y["data"]["id"]],
+    "data.vocab_size": 32000 if llama else 50304,  # our SentencePiece (README)
   }
 
 
@@ -174,17 +208,21 @@ def test_finetune_configs_match_the_authors_yaml(name):
   y = authors_yaml(claimed_yaml()[name])
   pre, trainer = y["pretrain_config"], y["finetuner"]
   expected = {
-      "finetune.method": y["finetune_choice"], "finetune.solver_steps": y["finetune_layer"],
-      "finetune.lora_rank": y["lora"]["r"], "finetune.lora_alpha": LEVANTER_LORA_ALPHA,
-      # must equal the pre-trained model's
-      "model.d_model": pre["model"]["hidden_dim"], "model.num_heads": pre["model"]["num_heads"],
-      "model.time_embed_dim": pre["time_embed_dim"],
-      "model.time_sinusoids": pre["sinusodial_dim"],
-      "seq_len": pre["model"]["seq_len"], "global_batch_size": trainer["train_batch_size"],
-      "num_train_steps": trainer["num_train_steps"],
-      "eval_every_steps": trainer["steps_per_eval"],
-      **expected_optimizer(y["lora_optimizer"]),
-      "data.source": DATA_SOURCE[y["finetune_data"]["id"]],
+    "finetune.method": y["finetune_choice"],
+    "finetune.solver_steps": y["finetune_layer"],
+    "finetune.lora_rank": y["lora"]["r"],
+    "finetune.lora_alpha": LEVANTER_LORA_ALPHA,
+    # must equal the pre-trained model's
+    "model.d_model": pre["model"]["hidden_dim"],
+    "model.num_heads": pre["model"]["num_heads"],
+    "model.time_embed_dim": pre["time_embed_dim"],
+    "model.time_sinusoids": pre["sinusodial_dim"],
+    "seq_len": pre["model"]["seq_len"],
+    "global_batch_size": trainer["train_batch_size"],
+    "num_train_steps": trainer["num_train_steps"],
+    "eval_every_steps": trainer["steps_per_eval"],
+    **expected_optimizer(y["lora_optimizer"]),
+    "data.source": DATA_SOURCE[y["finetune_data"]["id"]],
   }
   c = load(name)
   assert_matches(name, c, expected)

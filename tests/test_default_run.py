@@ -7,6 +7,7 @@ lr, grad_norm, perplexity, accuracy) must agree to the precision the log prints 
 (within one unit of its last digit: another CPU type may round the last digit the
 other way).
 """
+
 import os
 import pathlib
 import re
@@ -51,7 +52,7 @@ def fields(line: str) -> dict:
 def agrees(quoted: str, printed: str) -> bool:
   """Equal to within one unit of the quoted value's last printed digit."""
   q, p = quoted.replace(",", ""), printed.replace(",", "")
-  if "e" in q:   # 5.673e-04: one unit of the mantissa's last digit
+  if "e" in q:  # 5.673e-04: one unit of the mantissa's last digit
     mantissa, exponent = q.split("e")
     unit = 10.0 ** (int(exponent) - len(mantissa.partition(".")[2]))
   else:
@@ -66,9 +67,10 @@ def matches(quoted: str, printed: str, workdir: str) -> bool:
     if printed.split(" | ")[0] != head:
       return False
     want, got = fields(quoted), fields(printed)
-    return all(name in got and agrees(want[name], got[name])
-               for name in MODEL_FIGURES if name in want)
-  pieces = quoted.split("…")     # the README trims long lines with …
+    return all(
+      name in got and agrees(want[name], got[name]) for name in MODEL_FIGURES if name in want
+    )
+  pieces = quoted.split("…")  # the README trims long lines with …
   at = 0
   for i, piece in enumerate(pieces):
     found = printed.find(piece, at)
@@ -85,19 +87,27 @@ def test_readme_quotes_what_the_default_run_prints(tmp_path):
   assert f"--workdir={README_WORKDIR}" in readme
   workdir = str(tmp_path / "odet_default")
   # The user's environment: no test XLA flags, JAX_PLATFORMS or huge pages of ours.
-  env = {k: v for k, v in os.environ.items()
-         if k not in ("XLA_FLAGS", "GLIBC_TUNABLES", "JAX_PLATFORMS", "ODET_HUGEPAGES")}
-  proc = subprocess.run([sys.executable, "main.py", "--config=configs/default.py",
-                         f"--workdir={workdir}"], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=3600)
+  env = {
+    k: v
+    for k, v in os.environ.items()
+    if k not in ("XLA_FLAGS", "GLIBC_TUNABLES", "JAX_PLATFORMS", "ODET_HUGEPAGES")
+  }
+  proc = subprocess.run(
+    [sys.executable, "main.py", "--config=configs/default.py", f"--workdir={workdir}"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=3600,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   if "no GPU or TPU device found" not in proc.stderr:
     pytest.skip("main.py ran on an accelerator; the README quotes a CPU host's run")
   printed = [ABSL_PREFIX.sub("", line) for line in proc.stderr.splitlines()]
   at = 0
-  for line in quoted:             # in the README's order
-    found = next((i for i in range(at, len(printed))
-                  if matches(line, printed[i], workdir)), None)
+  for line in quoted:  # in the README's order
+    found = next((i for i in range(at, len(printed)) if matches(line, printed[i], workdir)), None)
     assert found is not None, f"not printed (after line {at}): {line}\n" + "\n".join(
-        l for l in printed if l.startswith(line[:12]))
+      l for l in printed if l.startswith(line[:12])
+    )
     at = found + 1

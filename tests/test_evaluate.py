@@ -1,6 +1,7 @@
 """Perplexity evaluation (and the generate command line) on a tiny trained checkpoint:
 every token of a split is scored once, and the loss equals a direct sum of the
 model's token log-probabilities."""
+
 import os
 import pathlib
 import subprocess
@@ -75,14 +76,19 @@ def eval_file(tmp_path_factory):
 def direct_nll(model, batches, num_steps):
   """Reference: the model's full forward pass, log-softmax in float64 on the host."""
   graphdef, state = nnx.split(model)
-  fwd = jax.jit(lambda st, b: nnx.merge(graphdef, st)(
-      b["inputs"], segment_ids_bl=b["segment_ids"], positions_bl=b["positions"],
-      num_steps=num_steps))
+  fwd = jax.jit(
+    lambda st, b: nnx.merge(graphdef, st)(
+      b["inputs"], segment_ids_bl=b["segment_ids"], positions_bl=b["positions"], num_steps=num_steps
+    )
+  )
   nll, count = 0.0, 0.0
   for batch in batches:
     logits = np.asarray(fwd(state, batch), np.float64)
-    logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1,
-                                  keepdims=True)) - logits.max(-1, keepdims=True)
+    logp = (
+      logits
+      - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True))
+      - logits.max(-1, keepdims=True)
+    )
     picked = np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
     nll -= float(np.sum(picked * batch["weights"]))
     count += float(np.sum(batch["weights"]))
@@ -100,8 +106,9 @@ def local_results(loaded, local_data):
   return {n: evaluate.evaluate_model(loaded.model, local_data.batches(), n) for n in (2, 3)}
 
 
-def test_perplexity_matches_direct_log_probs_and_scores_every_token(run, loaded, local_data,
-                                                                    local_results):
+def test_perplexity_matches_direct_log_probs_and_scores_every_token(
+  run, loaded, local_data, local_results
+):
   sp = loading.load_tokenizer(run[0], loaded.config)
   # Every token of every document, plus its eos, is a target exactly once.
   docs = local_text.split_documents(EVAL_TEXT)
@@ -128,13 +135,17 @@ def test_a_tool_restore_prints_no_orbax_notice(run, caplog):
   """A tool restores read-only on purpose: orbax's notices of it (WARNINGs) are not shown."""
   with caplog.at_level("INFO"):
     load_model(run[0])
-  assert not [r.getMessage() for r in caplog.records if "read only" in r.getMessage()
-              or "read_only" in r.getMessage()]
+  assert not [
+    r.getMessage()
+    for r in caplog.records
+    if "read only" in r.getMessage() or "read_only" in r.getMessage()
+  ]
 
 
 def test_discrete_models_only_at_their_own_depth():
-  cfg = ModelConfig(kind="transformer", vocab_size=64, d_model=16, num_heads=2, mlp_dim=32,
-                    num_layers=2, max_len=16)
+  cfg = ModelConfig(
+    kind="transformer", vocab_size=64, d_model=16, num_heads=2, mlp_dim=32, num_layers=2, max_len=16
+  )
   model = nnx.eval_shape(lambda: create_model(cfg))  # the check needs no weights
   with pytest.raises(ValueError, match="layers"):
     evaluate.evaluate_model(model, [], num_steps=4)
@@ -144,8 +155,15 @@ def test_discrete_models_only_at_their_own_depth():
 
 def test_evaluate_command_line(run, eval_file, local_results, capsys):
   fv = evaluate.define_flags(flags.FlagValues())
-  fv(["evaluate", f"--workdir={run[0]}", "--solver_steps=2,3", f"--data=local:{eval_file}",
-      "--batch_size=4"])
+  fv(
+    [
+      "evaluate",
+      f"--workdir={run[0]}",
+      "--solver_steps=2,3",
+      f"--data=local:{eval_file}",
+      "--batch_size=4",
+    ]
+  )
   evaluate.main([], fv)
   out = capsys.readouterr().out
   rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
@@ -157,8 +175,16 @@ def test_evaluate_command_line(run, eval_file, local_results, capsys):
 
 def test_generate_command_line(run, capsys):
   fv = generate.define_flags(flags.FlagValues())
-  fv(["generate", f"--workdir={run[0]}", "--prompt=def main(", "--solver_steps=5",
-      "--max_new_tokens=8", "--temperature=0"])
+  fv(
+    [
+      "generate",
+      f"--workdir={run[0]}",
+      "--prompt=def main(",
+      "--solver_steps=5",
+      "--max_new_tokens=8",
+      "--temperature=0",
+    ]
+  )
   generate.main([], fv)
   out = capsys.readouterr().out
   assert "decoding materialised at N=5 layers" in out
@@ -169,24 +195,39 @@ def test_generate_command_line(run, capsys):
 
 @pytest.mark.parametrize("module", ["evaluate", "generate"])
 def test_command_lines_report_a_missing_run(module, tmp_path):
-  r = subprocess.run([sys.executable, "-m", f"odetransformer.{module}",
-                      f"--workdir={tmp_path / 'nothing'}"], cwd=ROOT, capture_output=True,
-                     text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  r = subprocess.run(
+    [sys.executable, "-m", f"odetransformer.{module}", f"--workdir={tmp_path / 'nothing'}"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   assert r.returncode == 2, r.stderr[-2000:]
   assert "holds no training run" in r.stderr.splitlines()[-1]
 
 
-def test_evaluate_command_line_plots_the_printed_table(run, eval_file, tmp_path, capsys,
-                                                        monkeypatch):
+def test_evaluate_command_line_plots_the_printed_table(
+  run, eval_file, tmp_path, capsys, monkeypatch
+):
   """--plot writes a PNG whose one curve is the printed perplexities against N."""
   figures = []
   plot_table = evaluate.plot_table
-  monkeypatch.setattr(evaluate, "plot_table",
-                      lambda *a, **k: figures.append(plot_table(*a, **k)) or figures[-1])
+  monkeypatch.setattr(
+    evaluate, "plot_table", lambda *a, **k: figures.append(plot_table(*a, **k)) or figures[-1]
+  )
   path = tmp_path / "ppl.png"
   fv = evaluate.define_flags(flags.FlagValues())
-  fv(["evaluate", f"--workdir={run[0]}", "--solver_steps=1,3,6", f"--data=local:{eval_file}",
-      "--batch_size=4", f"--plot={path}"])
+  fv(
+    [
+      "evaluate",
+      f"--workdir={run[0]}",
+      "--solver_steps=1,3,6",
+      f"--data=local:{eval_file}",
+      "--batch_size=4",
+      f"--plot={path}",
+    ]
+  )
   evaluate.main([], fv)
   out = capsys.readouterr().out
   rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
@@ -203,10 +244,11 @@ def test_token_scores_equal_a_numpy_reference():
   """The one scorer (train-loop eval, evaluate, lm-eval) against float64 numpy, with a
   masked token, a bf16 input and a tie-free argmax."""
   from odetransformer.train.losses import token_cross_entropy, token_scores
+
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(3, 5, 7)).astype(np.float32)
   targets = rng.integers(0, 7, (3, 5)).astype(np.int32)
-  targets[1] = logits[1].argmax(-1)          # row 1: every target is the argmax
+  targets[1] = logits[1].argmax(-1)  # row 1: every target is the argmax
   weights = np.ones((3, 5), np.float32)
   weights[0, 2] = 0.0
   targets[2, :4] = logits[2, :4].argmax(-1)  # row 2: greedy except the masked-in last token
@@ -215,13 +257,13 @@ def test_token_scores_equal_a_numpy_reference():
   lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
   nll = -np.take_along_axis(lp, targets[..., None], -1)[..., 0]
   hit = logits.argmax(-1) == targets
-  got = jax.device_get(token_scores(jnp.asarray(logits), jnp.asarray(targets),
-                                    jnp.asarray(weights)))
+  got = jax.device_get(
+    token_scores(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights))
+  )
   np.testing.assert_allclose(got["nll"], (nll * weights).sum(-1), rtol=1e-6)
   np.testing.assert_array_equal(got["weight"], weights.sum(-1))
   np.testing.assert_array_equal(got["correct"], (hit * weights).sum(-1))
-  np.testing.assert_array_equal(got["greedy"], [bool(hit[0][weights[0] > 0].all()), True,
-                                                False])
+  np.testing.assert_array_equal(got["greedy"], [bool(hit[0][weights[0] > 0].all()), True, False])
   s, w = token_cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights))
   np.testing.assert_allclose(float(s), (nll * weights).sum(), rtol=1e-6)
   assert float(w) == weights.sum()

@@ -1,6 +1,7 @@
 """Export to a Hugging Face directory: transformers (torch, CPU) loads each model kind and
 gives our logits and greedy generations; the tokenizer gives SentencePiece's ids on real
 text; higher-order ODEs are refused; the command line's --verify passes on a trained run."""
+
 import atexit
 import json
 import os
@@ -20,11 +21,16 @@ import pytest
 _MODULES = tempfile.mkdtemp(prefix="odet_hf_modules_")
 atexit.register(shutil.rmtree, _MODULES, ignore_errors=True)
 os.environ.setdefault("HF_MODULES_CACHE", _MODULES)
-torch = pytest.importorskip("torch", reason="export's --verify and these tests need torch "
-                            "and transformers (pip install -r requirements-export.txt)")
+torch = pytest.importorskip(
+  "torch",
+  reason="export's --verify and these tests need torch "
+  "and transformers (pip install -r requirements-export.txt)",
+)
 transformers = pytest.importorskip("transformers")
 # Tiny models: one thread per op is faster than two on a shared 2-core machine.
 torch.set_num_threads(1)
+
+from conftest import shared_data_path  # pylint: disable=g-import-not-at-top
 
 from odetransformer.errors import UserError  # pylint: disable=g-import-not-at-top
 from odetransformer.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
@@ -32,12 +38,11 @@ from odetransformer.model.transformer import LanguageModel  # pylint: disable=g-
 from odetransformer.tools import export, hf_verify  # pylint: disable=g-import-not-at-top
 from odetransformer.train import loading, loop
 
-from conftest import shared_data_path  # pylint: disable=g-import-not-at-top
 from tiny import cpu_env, tiny_config  # pylint: disable=g-import-not-at-top
 
 pytestmark = [pytest.mark.xdist_group("test_export"), pytest.mark.slow]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MAX_LEN = 48      # room for a prompt and 32 generated tokens (learned positions)
+MAX_LEN = 48  # room for a prompt and 32 generated tokens (learned positions)
 
 
 def train_one_step(cache, workdir, init_from=None, finetune=None, **model_fields):
@@ -79,9 +84,21 @@ def model_of(kind, family, **options):
   """A tiny model of `kind` in memory, for the checks that need no trained run: random
   weights, none at its initial value (biases, norm shifts non-zero, norm scales 1 ±
   noise). Filled from numpy: no op-by-op compilation."""
-  cfg = ModelConfig(kind=kind, family=family, vocab_size=512, d_model=32, num_heads=2,
-                    mlp_dim=64, solver_steps=2, num_layers=2, max_len=MAX_LEN, time_embed_dim=8,
-                    time_sinusoids=8, remat_policy="none", **options)
+  cfg = ModelConfig(
+    kind=kind,
+    family=family,
+    vocab_size=512,
+    d_model=32,
+    num_heads=2,
+    mlp_dim=64,
+    solver_steps=2,
+    num_layers=2,
+    max_len=MAX_LEN,
+    time_embed_dim=8,
+    time_sinusoids=8,
+    remat_policy="none",
+    **options,
+  )
   with nnx.use_eager_sharding(False):
     abstract = nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
@@ -97,8 +114,9 @@ def model_of(kind, family, **options):
 
 def assert_agrees(e):
   a = hf_verify.verify(e)
-  print(f"{e.architecture} ({e.source.config.kind}/{e.source.config.family}, {e.dtype}): "
-        f"{a.describe()}")
+  print(
+    f"{e.architecture} ({e.source.config.kind}/{e.source.config.family}, {e.dtype}): {a.describe()}"
+  )
   assert a.max_error <= hf_verify.TOLERANCE * a.scale, a.describe()
   assert a.ours == a.theirs and len(a.ours[1]) > 0
   assert a.tokens_equal
@@ -109,23 +127,43 @@ def assert_agrees(e):
 _ODD = {"norm_eps": 1e-4, "rope_base": 500.0}
 
 
-@pytest.mark.parametrize("kind,family,options,dtype,architecture", [
+@pytest.mark.parametrize(
+  "kind,family,options,dtype,architecture",
+  [
     ("transformer", "gpt2", _ODD, "float32", "GPT2LMHeadModel"),
     ("transformer", "llama", {"tie_embeddings": False, **_ODD}, "bfloat16", "LlamaForCausalLM"),
-    ("diffeqformer", "llama", {"llama_block": "reference", "step_time": "end",
-                               "tie_embeddings": False, **_ODD}, "float32",
-     "OdeTransformerForCausalLM"),
+    (
+      "diffeqformer",
+      "llama",
+      {"llama_block": "reference", "step_time": "end", "tie_embeddings": False, **_ODD},
+      "float32",
+      "OdeTransformerForCausalLM",
+    ),
     ("shared", "llama", _ODD, "float32", "OdeTransformerForCausalLM"),
     # LoRA fine-tuning of the DiffEqFormer run materialised at N = K: dt as the
     # out_proj_scale of parallel layers, adapters merged.
-    ("parallel", "gpt2", {"finetune": dict(method="lora", solver_steps=2, lora_rank=2,
-                                           lora_alpha=4.0, targets="wq,w2", lora_init="small",
-                                           train_embeddings=False)},
-     "float32", "OdeTransformerForCausalLM"),
-])
-def test_each_kind_loads_in_transformers_with_our_logits(kind, family, options, dtype,
-                                                         architecture, cache, run, sp_model,
-                                                         tmp_path):
+    (
+      "parallel",
+      "gpt2",
+      {
+        "finetune": dict(
+          method="lora",
+          solver_steps=2,
+          lora_rank=2,
+          lora_alpha=4.0,
+          targets="wq,w2",
+          lora_init="small",
+          train_embeddings=False,
+        )
+      },
+      "float32",
+      "OdeTransformerForCausalLM",
+    ),
+  ],
+)
+def test_each_kind_loads_in_transformers_with_our_logits(
+  kind, family, options, dtype, architecture, cache, run, sp_model, tmp_path
+):
   """Each kind from a short trained run (the GPT-family DiffEqFormer:
   test_command_line_verify_on_a_trained_run)."""
   if "finetune" in options:
@@ -135,18 +173,26 @@ def test_each_kind_loads_in_transformers_with_our_logits(kind, family, options, 
   loaded = loading.load_model(workdir)
   model = loaded.model
   assert (model.config.kind, model.config.family) == (kind, family)
-  num_steps = 3 if model.config.is_ode else None     # N != K: a materialisation
+  num_steps = 3 if model.config.is_ode else None  # N != K: a materialisation
   out = tmp_path / "hf"
-  e = export.export_model(model, sp_model, str(out), context=int(loaded.config.seq_len),
-                          num_steps=num_steps, dtype=dtype, shard_bytes=40_000)
+  e = export.export_model(
+    model,
+    sp_model,
+    str(out),
+    context=int(loaded.config.seq_len),
+    num_steps=num_steps,
+    dtype=dtype,
+    shard_bytes=40_000,
+  )
   assert e.architecture == architecture and e.num_steps == (num_steps or 2)
   config = json.loads((out / "config.json").read_text())
   assert config["architectures"] == [architecture] and config["dtype"] == dtype
   assert ("auto_map" in config) == (architecture == "OdeTransformerForCausalLM")
   assert (out / export.MODELING_FILE).exists() == ("auto_map" in config)
-  index = json.loads((out / "model.safetensors.index.json").read_text())   # sharded
+  index = json.loads((out / "model.safetensors.index.json").read_text())  # sharded
   assert len(set(index["weight_map"].values())) > 1
   from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+
   with safe_open(str(out / sorted(set(index["weight_map"].values()))[0]), "pt") as f:
     assert f.get_tensor(next(iter(f.keys()))).dtype == getattr(torch, dtype)
   assert_agrees(e)
@@ -164,6 +210,7 @@ def test_verify_fails_on_a_wrong_export(sp_model, tmp_path):
 def test_gcs_run_exports_to_gcs_as_it_does_locally(run, gcs_bucket, tmp_path):
   """A gs:// workdir exported to a gs:// directory: the same files as from local paths."""
   from odetransformer.runtime import fileio  # pylint: disable=g-import-not-at-top
+
   gs_run, gs_out = f"{gcs_bucket}/export-run", f"{gcs_bucket}/export-hf"
   fileio.copy_tree(run, gs_run)
   export.export(gs_run, gs_out, dtype="bfloat16")
@@ -173,7 +220,7 @@ def test_gcs_run_exports_to_gcs_as_it_does_locally(run, gcs_bucket, tmp_path):
   for name in names:
     local = (tmp_path / "hf" / name).read_bytes()
     remote = fileio.read_bytes(fileio.join(gs_out, name))
-    if name == "README.md":    # names the source run
+    if name == "README.md":  # names the source run
       local = local.replace(run.encode(), gs_run.encode())
     assert remote == local, name
 
@@ -192,6 +239,7 @@ def test_command_line_refuses_rk4_before_loading(tmp_path):
   from absl import flags  # pylint: disable=g-import-not-at-top
 
   from odetransformer.train.checkpoint.fingerprint import save_config  # pylint: disable=g-import-not-at-top
+
   c = tiny_config(tmp_path / "cache")
   c.model.solver = "rk4"
   save_config(c, str(tmp_path))
@@ -204,8 +252,9 @@ def test_command_line_refuses_rk4_before_loading(tmp_path):
 
 def test_discrete_model_keeps_its_depth(sp_model, tmp_path):
   with pytest.raises(UserError, match="has 2 layers; leave --solver_steps out"):
-    export.export_model(model_of("transformer", "gpt2"), sp_model, str(tmp_path), context=32,
-                        num_steps=4)
+    export.export_model(
+      model_of("transformer", "gpt2"), sp_model, str(tmp_path), context=32, num_steps=4
+    )
 
 
 def test_out_is_never_merged_into_nor_left_half_written(sp_model, tmp_path, monkeypatch):
@@ -217,8 +266,10 @@ def test_out_is_never_merged_into_nor_left_half_written(sp_model, tmp_path, monk
   (out / "notes.txt").write_text("mine")
   with pytest.raises(UserError) as info:
     export.export_model(model, sp_model, str(out), context=32)
-  assert str(info.value) == (f"--out={out} is not empty; pass a new or empty directory, "
-                             "or --overwrite to replace what it holds")
+  assert str(info.value) == (
+    f"--out={out} is not empty; pass a new or empty directory, "
+    "or --overwrite to replace what it holds"
+  )
   assert sorted(os.listdir(out)) == ["notes.txt"]
   written = []
   write_bytes = export.fileio.write_bytes_atomic
@@ -228,26 +279,30 @@ def test_out_is_never_merged_into_nor_left_half_written(sp_model, tmp_path, monk
       raise OSError(28, "No space left on device")
     written.append(path)
     write_bytes(path, data)
+
   monkeypatch.setattr(export.fileio, "write_bytes_atomic", fail_on_the_weights)
   for target, overwrite in ((out, True), (tmp_path / "new", False)):
     with pytest.raises(OSError, match="No space left"):
       export.export_model(model, sp_model, str(target), context=32, overwrite=overwrite)
   assert written and sorted(os.listdir(out)) == ["notes.txt"]
-  assert sorted(os.listdir(tmp_path)) == ["hf"]          # no staging, no "new"
+  assert sorted(os.listdir(tmp_path)) == ["hf"]  # no staging, no "new"
   monkeypatch.undo()
   export.export_model(model, sp_model, str(out), context=32, overwrite=True)
   assert "notes.txt" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
   assert sorted(os.listdir(tmp_path)) == ["hf"]
-  (tmp_path / "empty").mkdir()                            # an empty --out is fine
+  (tmp_path / "empty").mkdir()  # an empty --out is fine
   export.export_model(model, sp_model, str(tmp_path / "empty"), context=32)
   assert sorted(os.listdir(tmp_path / "empty")) == sorted(os.listdir(out))
 
 
 def test_tokenizer_gives_sentencepiece_ids_on_real_text(sp_model, tmp_path):
   import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+
   page = shared_data_path("wikitext-2", "test.txt").read_text(encoding="utf-8")[:6000]
-  text = (page + "\n\n   three  spaces,\ttab, 2026-11-25 3.14159 \u00e9t\u00e9 na\u00efve "
-          "\u6771\u4eac \U0001f680 <unk> </s> <s>\n")
+  text = (
+    page + "\n\n   three  spaces,\ttab, 2026-11-25 3.14159 \u00e9t\u00e9 na\u00efve "
+    "\u6771\u4eac \U0001f680 <unk> </s> <s>\n"
+  )
   files = export.hf_tokenizer.tokenizer_files(sp_model, 32)
   for name, data in files.items():
     (tmp_path / name).write_text(data, encoding="utf-8")
@@ -255,10 +310,13 @@ def test_tokenizer_gives_sentencepiece_ids_on_real_text(sp_model, tmp_path):
   sp = spm.SentencePieceProcessor(model_proto=sp_model)
   ids = tok.encode(text, add_special_tokens=False)
   assert ids == sp.encode(text)
-  assert len(ids) > 1000 and any(i in range(4, 260) for i in ids)   # byte fallback ran
+  assert len(ids) > 1000 and any(i in range(4, 260) for i in ids)  # byte fallback ran
   # bos = eos: a document follows an eos in training, never SentencePiece's <s>
-  assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == (sp.eos_id(), sp.pad_id(),
-                                                                   sp.eos_id())
+  assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == (
+    sp.eos_id(),
+    sp.pad_id(),
+    sp.eos_id(),
+  )
   assert tok.decode(ids) == sp.decode(ids) == text
   assert tok.decode(ids + [sp.eos_id()], skip_special_tokens=True) == text
   assert tok.convert_ids_to_tokens(sp.eos_id()) == sp.id_to_piece(sp.eos_id())
@@ -266,19 +324,35 @@ def test_tokenizer_gives_sentencepiece_ids_on_real_text(sp_model, tmp_path):
 
 def test_command_line_verify_on_a_trained_run(run, tmp_path):
   out = tmp_path / "hf"
-  cmd = [sys.executable, "-m", "odetransformer.tools.export", f"--workdir={run}", f"--out={out}",
-         "--solver_steps=3", "--verify"]
-  r = subprocess.run(cmd, cwd=ROOT, env=cpu_env(OMP_NUM_THREADS=1), capture_output=True,
-                     text=True, timeout=300)
+  cmd = [
+    sys.executable,
+    "-m",
+    "odetransformer.tools.export",
+    f"--workdir={run}",
+    f"--out={out}",
+    "--solver_steps=3",
+    "--verify",
+  ]
+  r = subprocess.run(
+    cmd, cwd=ROOT, env=cpu_env(OMP_NUM_THREADS=1), capture_output=True, text=True, timeout=300
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   line = next(l for l in r.stdout.splitlines() if l.startswith("verify:"))
   print(line)
   assert "identical" in line and "yes" in line
   card = (out / "README.md").read_text()
   assert run in card and "step 1" in card and "N = 3" in card
-  assert line[len("verify: "):] in card
+  assert line[len("verify: ") :] in card
   model = transformers.AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True)
   assert model.config.num_hidden_layers == 3
-  assert sorted(os.listdir(out)) == sorted([
-      "README.md", "config.json", "generation_config.json", "model.safetensors",
-      export.MODELING_FILE, "tokenizer.json", "tokenizer_config.json"])
+  assert sorted(os.listdir(out)) == sorted(
+    [
+      "README.md",
+      "config.json",
+      "generation_config.json",
+      "model.safetensors",
+      export.MODELING_FILE,
+      "tokenizer.json",
+      "tokenizer_config.json",
+    ]
+  )

@@ -1,6 +1,7 @@
 """The one I/O layer (odetransformer/runtime/fileio.py): the same results on a local directory
 and on gs:// (a GCS emulator), and no module routed through it touches a workdir path
 with local-file calls of its own (a static scan)."""
+
 import ast
 import os
 
@@ -11,26 +12,45 @@ from odetransformer.runtime import fileio
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Modules whose workdir, checkpoint, config and tokenizer paths go through fileio.
-ROUTED = ("odetransformer/train/checkpoint/paths.py",
-          "odetransformer/train/checkpoint/fingerprint.py",
-          "odetransformer/train/checkpoint/integrity.py",
-          "odetransformer/train/checkpoint/restore.py",
-          "odetransformer/train/checkpoint/manager.py", "odetransformer/train/loop.py",
-          "odetransformer/runtime/workdir_lock.py", "odetransformer/train/metrics.py",
-          "odetransformer/train/health.py", "odetransformer/train/loading.py",
-          "odetransformer/train/finetune.py", "odetransformer/tools/evaluate.py",
-          "odetransformer/analysis/spectra.py", "odetransformer/analysis/lyapunov.py",
-          "odetransformer/analysis/clustering.py")
+ROUTED = (
+  "odetransformer/train/checkpoint/paths.py",
+  "odetransformer/train/checkpoint/fingerprint.py",
+  "odetransformer/train/checkpoint/integrity.py",
+  "odetransformer/train/checkpoint/restore.py",
+  "odetransformer/train/checkpoint/manager.py",
+  "odetransformer/train/loop.py",
+  "odetransformer/runtime/workdir_lock.py",
+  "odetransformer/train/metrics.py",
+  "odetransformer/train/health.py",
+  "odetransformer/train/loading.py",
+  "odetransformer/train/finetune.py",
+  "odetransformer/tools/evaluate.py",
+  "odetransformer/analysis/spectra.py",
+  "odetransformer/analysis/lyapunov.py",
+  "odetransformer/analysis/clustering.py",
+)
 # (module, function): why a local-file call there is right.
 ALLOWED = {
-    # flock needs a local file descriptor: this branch runs only for local workdirs.
-    ("odetransformer/runtime/workdir_lock.py", "_acquire_flock"): "flock (local paths only)",
-    ("odetransformer/runtime/workdir_lock.py", "_write_fd"): "flock (local paths only)",
-    ("odetransformer/runtime/workdir_lock.py", "_check_flock"): "flock (local paths only)",
-    ("odetransformer/runtime/workdir_lock.py", "release"): "flock (local paths only)",
+  # flock needs a local file descriptor: this branch runs only for local workdirs.
+  ("odetransformer/runtime/workdir_lock.py", "_acquire_flock"): "flock (local paths only)",
+  ("odetransformer/runtime/workdir_lock.py", "_write_fd"): "flock (local paths only)",
+  ("odetransformer/runtime/workdir_lock.py", "_check_flock"): "flock (local paths only)",
+  ("odetransformer/runtime/workdir_lock.py", "release"): "flock (local paths only)",
 }
-_OS_FILE_CALLS = {"makedirs", "mkdir", "listdir", "remove", "rmdir", "replace", "rename",
-                  "walk", "open", "scandir", "stat", "unlink"}
+_OS_FILE_CALLS = {
+  "makedirs",
+  "mkdir",
+  "listdir",
+  "remove",
+  "rmdir",
+  "replace",
+  "rename",
+  "walk",
+  "open",
+  "scandir",
+  "stat",
+  "unlink",
+}
 _MODULES = {"shutil", "pathlib", "glob"}
 
 
@@ -64,12 +84,18 @@ def local_file_calls(source: str) -> list:
 
 
 def test_scan_sees_planted_local_file_calls():
-  source = ("import shutil\n"
-            "def f(p):\n  with open(p) as fh:\n    return os.path.join(p, 'x')\n"
-            "def g(p):\n  os.makedirs(p)\n  pathlib.Path(p)\n  return os.fspath(p)\n")
+  source = (
+    "import shutil\n"
+    "def f(p):\n  with open(p) as fh:\n    return os.path.join(p, 'x')\n"
+    "def g(p):\n  os.makedirs(p)\n  pathlib.Path(p)\n  return os.fspath(p)\n"
+  )
   assert local_file_calls(source) == [
-      ("<module>", 1, "import shutil"), ("f", 3, "open("), ("f", 4, "os.path"),
-      ("g", 6, "os.makedirs"), ("g", 7, "pathlib.Path")]
+    ("<module>", 1, "import shutil"),
+    ("f", 3, "open("),
+    ("f", 4, "os.path"),
+    ("g", 6, "os.makedirs"),
+    ("g", 7, "pathlib.Path"),
+  ]
 
 
 def test_routed_modules_use_only_fileio_for_paths():
@@ -101,6 +127,7 @@ def test_same_results_on_local_and_gs(root):
   fileio.move(fileio.join(root, "a"), fileio.join(root, "e", "a"))
   assert fileio.walk_files(root) == ["c.bin", "d/a/b.txt", "e/a/b.txt"]
   import hashlib  # pylint: disable=g-import-not-at-top
+
   assert fileio.sha256(fileio.join(root, "c.bin")) == hashlib.sha256(b"\0\1").hexdigest()
   local = fileio.local_copy(fileio.join(root, "c.bin"))
   with open(local, "rb") as f:
@@ -113,14 +140,18 @@ def test_same_results_on_local_and_gs(root):
 
 
 def test_emulator_variables_derive_from_storage_emulator_host(monkeypatch):
-  for key in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
-              "CLOUD_STORAGE_EMULATOR_ENDPOINT", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"):
+  for key in (
+    "TENSORSTORE_GCS_HTTP_URL",
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+    "CLOUD_STORAGE_EMULATOR_ENDPOINT",
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
+  ):
     monkeypatch.delenv(key, raising=False)
   monkeypatch.delenv(fileio.EMULATOR_VAR, raising=False)
   assert fileio.configure_emulator() == ""
   assert "TENSORSTORE_GCS_HTTP_URL" not in os.environ
   monkeypatch.setenv(fileio.EMULATOR_VAR, "127.0.0.1:4443")
-  monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "mine")        # the user's wins
+  monkeypatch.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "mine")  # the user's wins
   assert fileio.configure_emulator() == "http://127.0.0.1:4443"
   assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:4443"
   assert os.environ["CLOUD_STORAGE_EMULATOR_ENDPOINT"] == "http://127.0.0.1:4443"
@@ -129,8 +160,9 @@ def test_emulator_variables_derive_from_storage_emulator_host(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", [["main.py", "--config=configs/default.py"],
-                                     ["-m", "odetransformer.tools.evaluate"]])
+@pytest.mark.parametrize(
+  "command", [["main.py", "--config=configs/default.py"], ["-m", "odetransformer.tools.evaluate"]]
+)
 def test_undecodable_path_is_one_line_before_any_work(command, tmp_path):
   """A non-ASCII --workdir under LC_ALL=C with UTF-8 mode off reaches Python as lone
   surrogates, which tensorstore and SentencePiece cannot take: refused in one line
@@ -139,10 +171,16 @@ def test_undecodable_path_is_one_line_before_any_work(command, tmp_path):
   import sys  # pylint: disable=g-import-not-at-top
 
   from tiny import cpu_env  # pylint: disable=g-import-not-at-top
+
   workdir = os.path.join(os.fsencode(tmp_path), "w\u00f6rk".encode("utf-8"))
   env = cpu_env(LC_ALL="C", LANG="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0")
-  out = subprocess.run([sys.executable, *command, b"--workdir=" + workdir], cwd=ROOT,
-                       env=env, capture_output=True, timeout=120)
+  out = subprocess.run(
+    [sys.executable, *command, b"--workdir=" + workdir],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    timeout=120,
+  )
   text = out.stderr.decode("ascii", "replace")
   errors = [line for line in text.splitlines() if line.startswith("error:")]
   assert out.returncode == 2 and "Traceback" not in text, text[-3000:]

@@ -1,5 +1,6 @@
 """Fine-tuning through the real entry point (loop.train_and_evaluate with init_from),
 and what a fine-tuning update of a materialised ODE means at each N."""
+
 import dataclasses
 import json
 
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from test_train import fast_compiles, tiny_config  # noqa: F401  (fixture: compile cache)
 
 from odetransformer.model.config import ModelConfig
 from odetransformer.model.materialize import materialize
@@ -16,8 +18,6 @@ from odetransformer.model.solvers import stage_times
 from odetransformer.model.transformer import create_model
 from odetransformer.train import finetune, loading, loop
 from odetransformer.train import metrics as metrics_lib
-
-from test_train import fast_compiles, tiny_config  # noqa: F401  (fixture: compile cache)
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
 pytestmark = [pytest.mark.xdist_group("test_finetune"), pytest.mark.slow]
@@ -34,8 +34,15 @@ def ft_config(pretrained, method, num_steps, steps=2, **finetune_kw):
   base, _ = pretrained
   c = tiny_config(base / "cache", steps)
   c.init_from = str(base / "run")
-  fields = dict(method=method, solver_steps=num_steps, lora_rank=2, lora_alpha=4.0,
-                targets="wq,wo", train_embeddings=False, lora_init="zero_b")
+  fields = dict(
+    method=method,
+    solver_steps=num_steps,
+    lora_rank=2,
+    lora_alpha=4.0,
+    targets="wq,wo",
+    train_embeddings=False,
+    lora_init="zero_b",
+  )
   fields.update(finetune_kw)
   c.finetune = ml_collections.ConfigDict(fields)
   return c
@@ -63,13 +70,12 @@ def test_full_at_training_k_starts_at_the_ode_loss(pretrained, tmp_path):
   assert json.loads((tmp_path / "config.json").read_text())["model"]["kind"] == "parallel"
 
 
-def test_lora_with_embeddings_changes_only_adapters_and_embeddings(pretrained, tmp_path,
-                                                                  caplog):
+def test_lora_with_embeddings_changes_only_adapters_and_embeddings(pretrained, tmp_path, caplog):
   base, _ = pretrained
   c = ft_config(pretrained, "lora", 3, train_embeddings=True, lora_init="small")
   start = finetune.initial_model_state(c, finetune.finetune_model_config(c))
   b0 = np.asarray(nnx.to_pure_dict(start)["stack"]["lora"]["wq"]["b"])
-  assert b0.shape == (3, 2, 32) and 0 < np.abs(b0).max() < 1e-5   # 1e-6·N(0, 1)
+  assert b0.shape == (3, 2, 32) and 0 < np.abs(b0).max() < 1e-5  # 1e-6·N(0, 1)
   with caplog.at_level("WARNING"):
     loop.train_and_evaluate(c, tmp_path)
     tuned = loading.load_model(str(tmp_path)).model
@@ -78,7 +84,7 @@ def test_lora_with_embeddings_changes_only_adapters_and_embeddings(pretrained, t
   assert tuned.config.kind == "parallel" and tuned.config.depth == 3
   assert tuned.config.out_proj_scale == pytest.approx(1 / 3)
   reference = materialize(loading.load_model(str(base / "run")).model, 3, fold_dt=False)
-  for name, w in reference.stack.params.items():   # frozen layers: bit for bit
+  for name, w in reference.stack.params.items():  # frozen layers: bit for bit
     np.testing.assert_array_equal(np.asarray(tuned.stack.params[name][...]), np.asarray(w[...]))
   assert not np.array_equal(np.asarray(tuned.embed[...]), np.asarray(reference.embed[...]))
   # That the adapters train (and help): test_lora_steps_lower_the_held_out_loss.
@@ -104,8 +110,18 @@ def test_lora_steps_lower_the_held_out_loss(pretrained, tmp_path):
   np.testing.assert_array_equal(np.asarray(tuned.embed[...]), np.asarray(reference.embed[...]))
 
 
-ODE = ModelConfig(vocab_size=61, d_model=16, num_heads=2, mlp_dim=32, solver_steps=4, num_layers=4,
-                  max_len=16, time_embed_dim=4, time_sinusoids=4, remat_policy="none")
+ODE = ModelConfig(
+  vocab_size=61,
+  d_model=16,
+  num_heads=2,
+  mlp_dim=32,
+  solver_steps=4,
+  num_layers=4,
+  max_len=16,
+  time_embed_dim=4,
+  time_sinusoids=4,
+  remat_policy="none",
+)
 
 
 def _ode_and_tokens(seed=0):
@@ -125,12 +141,14 @@ def test_unfolded_materialisation_stores_w_of_t_and_keeps_dt_as_a_scale():
   for n in (2, 5):
     unfolded, folded = materialize(model, n, fold_dt=False), materialize(model, n)
     assert (unfolded.config.out_proj_scale, folded.config.out_proj_scale) == (1 / n, 1.0)
-    w_t = {k: w[:, 0] for k, w in model.stack.step_weights(stage_times(n, "euler"),
-                                                          jnp.float32).items()}
+    w_t = {
+      k: w[:, 0] for k, w in model.stack.step_weights(stage_times(n, "euler"), jnp.float32).items()
+    }
     for name, w in unfolded.stack.params.items():
       np.testing.assert_array_equal(np.asarray(w[...]), np.asarray(w_t[name]))
-    np.testing.assert_allclose(np.asarray(folded.stack.params["wo"][...]),
-                               np.asarray(w_t["wo"]) / n, rtol=1e-6)
+    np.testing.assert_allclose(
+      np.asarray(folded.stack.params["wo"][...]), np.asarray(w_t["wo"]) / n, rtol=1e-6
+    )
     ode = np.asarray(model(toks, num_steps=n))
     np.testing.assert_allclose(np.asarray(unfolded(toks)), ode, atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(np.asarray(folded(toks)), ode, atol=2e-5, rtol=2e-5)
@@ -144,8 +162,8 @@ def test_lora_update_means_the_same_at_every_n(target):
   W_O / W_2 (scale 1 instead of dt) fails this for the output projections."""
   model, toks = _ode_and_tokens()
   spec = model.stack.specs[target]
-  n_in = int(np.prod(spec.shape[:spec.n_in]))
-  n_out = int(np.prod(spec.shape[spec.n_in:]))
+  n_in = int(np.prod(spec.shape[: spec.n_in]))
+  n_out = int(np.prod(spec.shape[spec.n_in :]))
   rank, alpha = 3, 6.0
   a = 0.5 * jax.random.normal(jax.random.key(7), (n_in, rank))
   b = 0.5 * jax.random.normal(jax.random.key(8), (rank, n_out))
@@ -153,9 +171,9 @@ def test_lora_update_means_the_same_at_every_n(target):
   shifted = create_model(ODE, seed=0)
   nnx.update(shifted, nnx.state(model))
   shifted.stack.gens[target].base[...] = model.stack.gens[target].base[...] + delta
+
   def with_adapter(base, n):
-    cfg = dataclasses.replace(base.config, lora_rank=rank, lora_alpha=alpha,
-                              lora_targets=(target,))
+    cfg = dataclasses.replace(base.config, lora_rank=rank, lora_alpha=alpha, lora_targets=(target,))
     lora = create_model(cfg, seed=1)
     nnx.update(lora, nnx.state(base))
     lora.stack.lora[target]["a"][...] = jnp.broadcast_to(a, (n, n_in, rank))
@@ -164,8 +182,9 @@ def test_lora_update_means_the_same_at_every_n(target):
 
   for n in (2, 3, 6):
     expected = np.asarray(shifted(toks, num_steps=n))
-    np.testing.assert_allclose(with_adapter(materialize(model, n, fold_dt=False), n),
-                               expected, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(
+      with_adapter(materialize(model, n, fold_dt=False), n), expected, atol=2e-5, rtol=2e-5
+    )
     # The same adapter on the dt-folded model is off by a factor N on W_O / W_2 only.
     folded = with_adapter(materialize(model, n), n)
     if target == "wq":
@@ -200,7 +219,7 @@ def test_mismatched_width_is_a_clear_error(pretrained, tmp_path):
 def test_continuous_needs_an_ode_pretrained_model(pretrained, tmp_path):
   base, _ = pretrained
   pre = json.loads((base / "run" / "config.json").read_text())
-  pre["model"]["kind"] = "transformer"      # the same run's config, as if it were a GPT baseline
+  pre["model"]["kind"] = "transformer"  # the same run's config, as if it were a GPT baseline
   (tmp_path / "config.json").write_text(json.dumps(pre))
   c = ft_config(pretrained, "continuous", 3)
   c.init_from = str(tmp_path)
@@ -215,13 +234,14 @@ def test_full_and_lora_refuse_a_higher_order_ode(pretrained, tmp_path, solver):
   'continuous' (which keeps its solver) accepts it."""
   base, _ = pretrained
   pre = json.loads((base / "run" / "config.json").read_text())
-  pre["model"]["solver"] = solver     # the same run's config, as if trained with `solver`
+  pre["model"]["solver"] = solver  # the same run's config, as if trained with `solver`
   (tmp_path / "config.json").write_text(json.dumps(pre))
   for method in ("full", "lora"):
     c = ft_config(pretrained, method, 3)
     c.init_from = str(tmp_path)
-    with pytest.raises(finetune.FinetuneError, match=f"different function from this "
-                                                     f"'{solver}'-solved model"):
+    with pytest.raises(
+      finetune.FinetuneError, match=f"different function from this '{solver}'-solved model"
+    ):
       finetune.finetune_model_config(c)
   c = ft_config(pretrained, "continuous", 3)
   c.init_from = str(tmp_path)

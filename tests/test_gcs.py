@@ -4,6 +4,7 @@ A run on `gs://<bucket>/run` (stopped, its newest checkpoint corrupted, then con
 main.py) is checked against an uninterrupted local run, then read by the tools; the
 corrupt checkpoint on gs:// falls back; the lock refuses a second run. The data cache
 stays local (data.cache_dir). No local directory named `gs:` may appear anywhere."""
+
 import contextlib
 import dataclasses
 import io
@@ -19,6 +20,8 @@ from absl import logging as absl_logging
 import ml_collections
 import numpy as np
 import pytest
+from test_reliability import config, main_cmd, subprocess_env
+from test_train import ROOT  # pylint: disable=unused-import
 
 from odetransformer.analysis import lyapunov, spectra
 from odetransformer.runtime import fileio
@@ -28,11 +31,10 @@ from odetransformer.train import loop
 from odetransformer.train import metrics as metrics_lib
 from odetransformer.train.checkpoint.paths import finalized_steps
 
-from test_reliability import config, main_cmd, subprocess_env
-from test_train import ROOT, fast_compiles  # pylint: disable=unused-import
-
-pytestmark = [pytest.mark.xdist_group("test_gcs"),   # module fixtures once, on one worker
-              pytest.mark.slow]
+pytestmark = [
+  pytest.mark.xdist_group("test_gcs"),  # module fixtures once, on one worker
+  pytest.mark.slow,
+]
 STEPS = 6
 
 
@@ -55,8 +57,13 @@ def flip_a_weight_byte(step_dir: str):
   # The largest data file holds the arrays' chunks (others may hold b-tree nodes that a
   # read does not open).
   names = [f for f in fileio.walk_files(step_dir) if f.startswith("model/ocdbt.process_0/d/")]
-  target, data = max(((fileio.join(step_dir, n), bytearray(fileio.read_bytes(
-      fileio.join(step_dir, n)))) for n in names), key=lambda item: len(item[1]))
+  target, data = max(
+    (
+      (fileio.join(step_dir, n), bytearray(fileio.read_bytes(fileio.join(step_dir, n))))
+      for n in names
+    ),
+    key=lambda item: len(item[1]),
+  )
   data[len(data) // 2] ^= 0xFF
   fileio.write_bytes_atomic(target, bytes(data))
 
@@ -69,13 +76,19 @@ def gs_run(gcs_bucket, cache):
   the previous checkpoint). Returns (workdir, the stopped step, main.py's stderr)."""
   wd = f"{gcs_bucket}/run"
   stopped = 3
-  first = loop.train_and_evaluate(config(cache, STEPS, checkpoint_every_steps=1), wd,
-                                  stop_at_step=stopped)
+  first = loop.train_and_evaluate(
+    config(cache, STEPS, checkpoint_every_steps=1), wd, stop_at_step=stopped
+  )
   assert (first["step"], finalized_steps(wd)) == (stopped, [1, 2, 3])
   flip_a_weight_byte(fileio.join(wd, "checkpoints", str(stopped)))
-  second = subprocess.run(main_cmd(wd, cache, STEPS, "--config.checkpoint_every_steps=1"),
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=240)
+  second = subprocess.run(
+    main_cmd(wd, cache, STEPS, "--config.checkpoint_every_steps=1"),
+    cwd=ROOT,
+    env=subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=240,
+  )
   assert second.returncode == 0, second.stderr[-3000:]
   return wd, stopped, second.stderr
 
@@ -90,13 +103,14 @@ def test_gs_run_falls_back_resumes_exactly_and_writes_nothing_local(gs_run, refe
   """The corrupt newest checkpoint moved aside, the previous one resumed: every step's
   loss equals the uninterrupted local run's."""
   wd, stopped, err = gs_run
-  assert (f"moved the corrupt checkpoint of step {stopped} to {wd}/corrupt_checkpoints/"
-          in err), err[-3000:]
+  assert f"moved the corrupt checkpoint of step {stopped} to {wd}/corrupt_checkpoints/" in err, err[
+    -3000:
+  ]
   assert f"resumed from checkpoint at step {stopped - 1} in {wd}/checkpoints" in err
   assert finalized_steps(wd)[-1] == STEPS
   for name in ("config.json", "tokenizer.model"):
     assert fileio.isfile(fileio.join(wd, name)), name
-  assert not fileio.exists(fileio.join(wd, ".lock"))        # released at the end
+  assert not fileio.exists(fileio.join(wd, ".lock"))  # released at the end
   # TensorBoard on gs://: both runs' losses, equal to the uninterrupted run's.
   losses = dict(metrics_lib.read_scalars(fileio.join(wd, "tensorboard"))["train/loss"])
   assert sorted(losses) == list(range(1, STEPS + 1))
@@ -110,15 +124,17 @@ def _tool(command, workdir, *args) -> str:
   prints for `workdir`, its name and timings replaced."""
   fv = command.define_flags(flags.FlagValues())
   fv([command.__name__, f"--workdir={workdir}", *args])
-  verbosity = absl_logging.get_verbosity()          # (the tools lower it)
+  verbosity = absl_logging.get_verbosity()  # (the tools lower it)
   out = io.StringIO()
   try:
     with contextlib.redirect_stdout(out):
       command.main([], fv)
   finally:
     absl_logging.set_verbosity(verbosity)
-  return [re.sub(r"\d+\.\d+s\b", "TIME", l.replace(workdir, "WORKDIR"))
-          for l in out.getvalue().splitlines()]
+  return [
+    re.sub(r"\d+\.\d+s\b", "TIME", l.replace(workdir, "WORKDIR"))
+    for l in out.getvalue().splitlines()
+  ]
 
 
 def test_evaluate_and_generate_read_gs_like_local(gs_run, reference):
@@ -127,8 +143,9 @@ def test_evaluate_and_generate_read_gs_like_local(gs_run, reference):
   reads its model and tokenizer from gs:// too."""
   wd, local = gs_run[0], str(reference[0])
   outputs = {w: _tool(evaluate, w, "--max_batches=1") for w in (wd, local)}
-  outputs["generate"] = _tool(generate, wd, "--temperature=0", "--max_new_tokens=8",
-                              "--prompt=def ")
+  outputs["generate"] = _tool(
+    generate, wd, "--temperature=0", "--max_new_tokens=8", "--prompt=def "
+  )
   assert outputs[wd] == outputs[local]
   assert f"checkpoint step {STEPS} of WORKDIR:" in outputs["generate"][0]
   assert any(l.startswith("def ") for l in outputs["generate"]), outputs["generate"]
@@ -155,18 +172,24 @@ def test_finetune_from_gs_starts_at_the_pretrained_loss(gs_run, reference, cache
   the training K, step 0 evaluates the pre-trained model (the local reference's loss)."""
   c = config(cache, 1)
   c.init_from = gs_run[0]
-  c.finetune = ml_collections.ConfigDict(dict(
-      method="full", solver_steps=None, lora_rank=2, lora_alpha=4.0, targets="wq,wo",
-      train_embeddings=False, lora_init="zero_b"))
+  c.finetune = ml_collections.ConfigDict(
+    dict(
+      method="full",
+      solver_steps=None,
+      lora_rank=2,
+      lora_alpha=4.0,
+      targets="wq,wo",
+      train_embeddings=False,
+      lora_init="zero_b",
+    )
+  )
   loop.train_and_evaluate(c, str(tmp_path))
   eval_loss = dict(metrics_lib.read_scalars(str(tmp_path / "tensorboard"))["eval/loss"])[0]
   np.testing.assert_allclose(eval_loss, reference[2], rtol=1e-5)
   _no_local_gs_dir()
 
 
-
-@pytest.mark.parametrize("tool,args", [(spectra, ["--grid=3"]),
-                                       (lyapunov, ["--text=def f(x):"])])
+@pytest.mark.parametrize("tool,args", [(spectra, ["--grid=3"]), (lyapunov, ["--text=def f(x):"])])
 def test_analysis_reads_and_writes_gs(tool, args, gs_run, gcs_bucket):
   """An analysis tool reads the gs:// run and writes --out=gs://: its files, whose .npz
   holds the arrays the tool returned and whose .json parses."""
@@ -176,12 +199,13 @@ def test_analysis_reads_and_writes_gs(tool, args, gs_run, gcs_bucket):
     res = tool.main([f"--workdir={gs_run[0]}", f"--out={out}", *args])
   files = fileio.walk_files(out)
   assert {f.rsplit(".", 1)[-1] for f in files} == {"npz", "json", "png"} | (
-      {"html"} if tool is lyapunov else set()), files
+    {"html"} if tool is lyapunov else set()
+  ), files
   wrote = printed.getvalue().split("\nwrote ")[1]
   assert sorted(wrote.strip().split(", ")) == [f"{out}/{f}" for f in files], wrote
   arrays = np.load(io.BytesIO(fileio.read_bytes(fileio.join(out, f"{name}.npz"))))
   fields = dataclasses.asdict(res)
-  compared = set(arrays.files) & set(fields)     # every field but the trajectory
+  compared = set(arrays.files) & set(fields)  # every field but the trajectory
   assert len(compared) >= 6, compared
   for key in compared:
     np.testing.assert_array_equal(arrays[key], fields[key], err_msg=key)

@@ -1,6 +1,7 @@
 """KV-cache decoding and sampling: cached logits equal the full forward pass, sampling
 restricts to the top-k / top-p set, greedy decoding equals a plain argmax loop; the
 command line says what to expect of a model of its size."""
+
 import functools
 
 from absl import flags
@@ -10,14 +11,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from test_model import _perturb_hypernet
 
 from odetransformer.model.config import ModelConfig
 from odetransformer.model.decode import Decoder
 from odetransformer.model.transformer import create_model
 from odetransformer.tools import generate
 from odetransformer.train import loading
-
-from test_model import _perturb_hypernet
 
 VOCAB = 97
 TOL = 1e-5
@@ -32,26 +32,35 @@ def tiny_model(**kw):
   return _tiny_model(tuple(sorted(kw.items())))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tiny_model(kw):
-  base = dict(vocab_size=VOCAB, d_model=32, num_heads=2, mlp_dim=64, solver_steps=3,
-              num_layers=3, max_len=32,
-              time_embed_dim=8, time_sinusoids=8, remat_policy="none")
+  base = dict(
+    vocab_size=VOCAB,
+    d_model=32,
+    num_heads=2,
+    mlp_dim=64,
+    solver_steps=3,
+    num_layers=3,
+    max_len=32,
+    time_embed_dim=8,
+    time_sinusoids=8,
+    remat_policy="none",
+  )
   base.update(kw)
   perturb = base.pop("perturb", False)
   model = create_model(ModelConfig(**base), seed=0)
-  if perturb:   # time-dependent weights that differ visibly between stage times
+  if perturb:  # time-dependent weights that differ visibly between stage times
     _perturb_hypernet(model)
   model.embed[...] = model.embed[...] * 50.0
   return model
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def decoder_for(model, num_steps=None):
   return Decoder(model, num_steps)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_forward(model, num_steps):
   graphdef, state = nnx.split(model)
   fn = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t, num_steps=num_steps))
@@ -77,7 +86,7 @@ def cached_logits(decoder, toks, prefill):
     out, cache = decoder(toks[:, :prefill], cache, 0)
     outs.append(out)
   for i in range(prefill, length):
-    out, cache = decoder(toks[:, i:i + 1], cache, i)
+    out, cache = decoder(toks[:, i : i + 1], cache, i)
     outs.append(out)
   return jnp.concatenate(outs, axis=1)
 
@@ -86,22 +95,23 @@ def cached_logits(decoder, toks, prefill):
 # model's decode step compiles twice and its full forward pass once.
 B, LEN, PREFILL = 2, 12, 5
 CASES = {
-    "diffeqformer-gpt": dict(kind="diffeqformer"),           # materialised, learned positions
-    "diffeqformer-llama": dict(kind="diffeqformer", family="llama"),   # materialised, RoPE
-    "gpt-gpt": dict(kind="transformer"),                             # sequential GPT-2 blocks
-    "gpt-llama": dict(kind="transformer", family="llama"),          # sequential Llama blocks
-    # weight-sharing ODE with a 4-stage solver: not materialised, 4 cache slots per step
-    "shared-rk4": dict(kind="shared", solver="rk4", family="llama"),
-    # the reference's conventions: step-end times (materialised at (k+1)/N) and its
-    # Llama block; midpoint at its 'end' nodes (not materialised)
-    "diffeqformer-llama-reference-end": dict(kind="diffeqformer", family="llama",
-                                             llama_block="reference", step_time="end",
-                                             perturb=True),
-    "diffeqformer-midpoint-end": dict(kind="diffeqformer", solver="midpoint",
-                                      step_time="end", perturb=True),
-    # DiffEqFormer with higher-order solvers: W(t) at the stage times, 2 / 4 slots per step
-    "diffeqformer-midpoint": dict(kind="diffeqformer", solver="midpoint"),
-    "diffeqformer-rk4": dict(kind="diffeqformer", solver="rk4", family="llama"),
+  "diffeqformer-gpt": dict(kind="diffeqformer"),  # materialised, learned positions
+  "diffeqformer-llama": dict(kind="diffeqformer", family="llama"),  # materialised, RoPE
+  "gpt-gpt": dict(kind="transformer"),  # sequential GPT-2 blocks
+  "gpt-llama": dict(kind="transformer", family="llama"),  # sequential Llama blocks
+  # weight-sharing ODE with a 4-stage solver: not materialised, 4 cache slots per step
+  "shared-rk4": dict(kind="shared", solver="rk4", family="llama"),
+  # the reference's conventions: step-end times (materialised at (k+1)/N) and its
+  # Llama block; midpoint at its 'end' nodes (not materialised)
+  "diffeqformer-llama-reference-end": dict(
+    kind="diffeqformer", family="llama", llama_block="reference", step_time="end", perturb=True
+  ),
+  "diffeqformer-midpoint-end": dict(
+    kind="diffeqformer", solver="midpoint", step_time="end", perturb=True
+  ),
+  # DiffEqFormer with higher-order solvers: W(t) at the stage times, 2 / 4 slots per step
+  "diffeqformer-midpoint": dict(kind="diffeqformer", solver="midpoint"),
+  "diffeqformer-rk4": dict(kind="diffeqformer", solver="rk4", family="llama"),
 }
 
 
@@ -130,8 +140,9 @@ def test_cached_decoding_matches_full_forward_in_bfloat16():
   toks = tokens(B, LEN)
   full = forward(model, toks).astype(jnp.float32)
   cached = cached_logits(decoder_for(model), toks, PREFILL).astype(jnp.float32)
-  bf16_error = float(jnp.max(jnp.abs(full - forward(
-      tiny_model(kind="diffeqformer", solver="midpoint"), toks))))
+  bf16_error = float(
+    jnp.max(jnp.abs(full - forward(tiny_model(kind="diffeqformer", solver="midpoint"), toks)))
+  )
   assert 0 < bf16_error < 1.0
   np.testing.assert_allclose(cached, full, rtol=0, atol=bf16_error)
 
@@ -151,8 +162,9 @@ def test_materialised_decoding_at_another_step_count():
   toks = tokens(B, LEN)
   decoder = decoder_for(model, 5)
   assert decoder.model.config.kind == "parallel" and decoder.num_slots == 5
-  np.testing.assert_allclose(cached_logits(decoder, toks, PREFILL), forward(model, toks, 5),
-                             rtol=0, atol=TOL)
+  np.testing.assert_allclose(
+    cached_logits(decoder, toks, PREFILL), forward(model, toks, 5), rtol=0, atol=TOL
+  )
 
 
 def test_discrete_model_rejects_other_depths():
@@ -176,7 +188,7 @@ def test_rows_of_different_lengths_share_a_cache():
     steps.append(out[:, 0])
   full = forward(model, toks)  # causal: row r's first n logits are those of its n-prefix
   for r in range(B):
-    np.testing.assert_allclose(first[r, :lengths[r]], full[r, :lengths[r]], rtol=0, atol=TOL)
+    np.testing.assert_allclose(first[r, : lengths[r]], full[r, : lengths[r]], rtol=0, atol=TOL)
     for j in range(4):
       np.testing.assert_allclose(steps[j][r], full[r, lengths[r] + j], rtol=0, atol=TOL)
 
@@ -203,7 +215,7 @@ def test_sampling_stays_in_the_allowed_set(top_k, top_p):
   logits = jax.random.normal(jax.random.key(0), (4, VOCAB)) * 3.0
   for row in range(4):
     allowed = allowed_set(logits[row], top_k, top_p)
-    filtered = generate.filter_logits(logits[row:row + 1], top_k, top_p)[0]
+    filtered = generate.filter_logits(logits[row : row + 1], top_k, top_p)[0]
     assert set(np.flatnonzero(np.isfinite(np.asarray(filtered)))) == allowed
     rows = jnp.broadcast_to(logits[row], (512, VOCAB))
     sampled = generate.sample_logits(rows, jax.random.key(row), 1.0, top_k, top_p)
@@ -231,12 +243,12 @@ def test_greedy_generation_equals_an_argmax_loop(name):
   for _ in range(6):  # reference: full forward passes over the growing sequences
     padded = np.zeros((B, LEN), np.int32)  # padded at the end: causal attention ignores it
     for r, seq in enumerate(seqs):
-      padded[r, :len(seq)] = seq
+      padded[r, : len(seq)] = seq
     logits = forward(model, padded)
     for r, seq in enumerate(seqs):
       seq.append(int(jnp.argmax(logits[r, len(seq) - 1])))
   for p, seq, row in zip(prompts, seqs, out):
-    assert row.tolist() == seq[len(p):]
+    assert row.tolist() == seq[len(p) :]
   again = sampler(prompts, 6, rng=jax.random.key(7), temperature=0.0, prompt_len=PREFILL)
   np.testing.assert_array_equal(out, again)
 
@@ -250,7 +262,7 @@ def test_sampler_stops_rows_at_eos():
   for g, o in zip(greedy.tolist(), out.tolist()):
     if eos in g:
       first = g.index(eos)
-      assert o == g[:first + 1] + [generate.PAD_ID] * (5 - first)
+      assert o == g[: first + 1] + [generate.PAD_ID] * (5 - first)
       assert generate.strip_after_eos(o, eos) == g[:first]
     else:
       assert o == g
@@ -268,16 +280,21 @@ def test_sampler_checks_learned_positions():
 def test_what_to_expect_depends_on_size_and_training():
   default_run = generate.what_to_expect(6_847_104, 500, 500 * 16 * 128)  # configs/default.py
   assert default_run == (
-      "What to expect: a 6.8 M-parameter model trained for 500 steps (1.0 M tokens) writes "
-      "locally plausible but incoherent text; coherent text needs a paper-sized config (e.g. "
-      "configs/owt_small.py, ~10 B tokens) and hours of GPU/TPU time.")
+    "What to expect: a 6.8 M-parameter model trained for 500 steps (1.0 M tokens) writes "
+    "locally plausible but incoherent text; coherent text needs a paper-sized config (e.g. "
+    "configs/owt_small.py, ~10 B tokens) and hours of GPU/TPU time."
+  )
   paper = generate.what_to_expect(729_100_000, 20_000, 20_000 * 512 * 1024)  # owt_small
-  assert paper.startswith("What to expect: a 729.1 M-parameter model trained for 20,000 "
-                          "steps (10.5 B tokens) is at the paper's scale")
+  assert paper.startswith(
+    "What to expect: a 729.1 M-parameter model trained for 20,000 "
+    "steps (10.5 B tokens) is at the paper's scale"
+  )
   assert "incoherent" not in paper
-  for params, steps, tokens in ((729_100_000, 100, 100 * 512 * 1024),  # big, barely trained
-                                (5_000_000, 20_000, 10 ** 10),          # small, trained long
-                                (729_100_000, 20_000, None)):           # tokens unknown
+  for params, steps, tokens in (
+    (729_100_000, 100, 100 * 512 * 1024),  # big, barely trained
+    (5_000_000, 20_000, 10**10),  # small, trained long
+    (729_100_000, 20_000, None),
+  ):  # tokens unknown
     assert "incoherent" in generate.what_to_expect(params, steps, tokens)
 
 
@@ -303,4 +320,4 @@ def test_command_line_says_what_to_expect(monkeypatch, capsys):
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   expected = generate.what_to_expect(num_params, 7, 7 * 4 * 16)
   assert "incoherent" in expected and f"{num_params / 1e3:.1f} k-parameter" in expected
-  assert lines.index(expected) < lines.index("-" * 60) < len(lines) - 2   # before the samples
+  assert lines.index(expected) < lines.index("-" * 60) < len(lines) - 2  # before the samples

@@ -1,4 +1,5 @@
 """The packages' import graph has no circle (module-level and in-function imports alike)."""
+
 import ast
 import os
 
@@ -7,8 +8,8 @@ PACKAGES = ("odetransformer", "input_pipeline", "benchmarks")
 
 
 def _module_name(path: str, root: str) -> str:
-  rel = os.path.relpath(path, root)[:-len(".py")].replace(os.sep, ".")
-  return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+  rel = os.path.relpath(path, root)[: -len(".py")].replace(os.sep, ".")
+  return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
 
 
 def import_graph(root: str = ROOT, packages=PACKAGES) -> dict:
@@ -33,7 +34,7 @@ def import_graph(root: str = ROOT, packages=PACKAGES) -> dict:
       else:
         continue
       for name in names:
-        while name and name not in files:          # `from pkg import mod` or a symbol
+        while name and name not in files:  # `from pkg import mod` or a symbol
           name = name.rpartition(".")[0]
         if name and name != module and not module.startswith(name + "."):
           deps.add(name)
@@ -51,7 +52,7 @@ def find_cycle(graph: dict):
     stack.append(node)
     for dep in sorted(graph.get(node, ())):
       if state.get(dep) == 1:
-        return stack[stack.index(dep):] + [dep]
+        return stack[stack.index(dep) :] + [dep]
       if dep not in state:
         found = visit(dep)
         if found:
@@ -77,8 +78,12 @@ def test_cycle_finder_sees_a_planted_circle(tmp_path):
   (pkg / "c.py").write_text("import odetransformer.a\ng = 1\n")
   graph = import_graph(str(tmp_path), ("odetransformer",))
   assert graph["odetransformer.b"] == {"odetransformer.c"}
-  assert find_cycle(graph) == ["odetransformer.a", "odetransformer.b", "odetransformer.c",
-                               "odetransformer.a"]
+  assert find_cycle(graph) == [
+    "odetransformer.a",
+    "odetransformer.b",
+    "odetransformer.c",
+    "odetransformer.a",
+  ]
   (pkg / "c.py").write_text("g = 1\n")
   assert find_cycle(import_graph(str(tmp_path), ("odetransformer",))) is None
 
@@ -92,16 +97,30 @@ def test_no_import_circle():
 
 # Imports only go down: each room may import the rooms listed for it (and itself).
 LAYERS = {
-    "odetransformer.errors": (),
-    "odetransformer.runtime": ("odetransformer.errors",),
-    "odetransformer.model": ("odetransformer.errors",),
-    "input_pipeline": ("odetransformer.errors", "odetransformer.runtime"),
-    "odetransformer.train": ("odetransformer.errors", "odetransformer.runtime",
-                             "odetransformer.model", "input_pipeline"),
-    "odetransformer.analysis": ("odetransformer.errors", "odetransformer.runtime",
-                                "odetransformer.model", "input_pipeline", "odetransformer.train"),
-    "odetransformer.tools": ("odetransformer.errors", "odetransformer.runtime",
-                             "odetransformer.model", "input_pipeline", "odetransformer.train"),
+  "odetransformer.errors": (),
+  "odetransformer.runtime": ("odetransformer.errors",),
+  "odetransformer.model": ("odetransformer.errors",),
+  "input_pipeline": ("odetransformer.errors", "odetransformer.runtime"),
+  "odetransformer.train": (
+    "odetransformer.errors",
+    "odetransformer.runtime",
+    "odetransformer.model",
+    "input_pipeline",
+  ),
+  "odetransformer.analysis": (
+    "odetransformer.errors",
+    "odetransformer.runtime",
+    "odetransformer.model",
+    "input_pipeline",
+    "odetransformer.train",
+  ),
+  "odetransformer.tools": (
+    "odetransformer.errors",
+    "odetransformer.runtime",
+    "odetransformer.model",
+    "input_pipeline",
+    "odetransformer.train",
+  ),
 }
 
 
@@ -127,13 +146,17 @@ def layer_violations(graph: dict) -> list:
 
 
 def test_layer_check_sees_an_upward_import():
-  graph = {"odetransformer.model.blocks": {"odetransformer.errors"},
-           "odetransformer.train.loop": {"odetransformer.model.blocks"}}
+  graph = {
+    "odetransformer.model.blocks": {"odetransformer.errors"},
+    "odetransformer.train.loop": {"odetransformer.model.blocks"},
+  }
   assert layer_violations(graph) == []
   graph["odetransformer.model.blocks"].add("odetransformer.train.loop")
   graph["odetransformer.model.decode"] = {"odetransformer.runtime.fileio"}
-  assert layer_violations(graph) == ["odetransformer.model.blocks -> odetransformer.train.loop",
-                                     "odetransformer.model.decode -> odetransformer.runtime.fileio"]
+  assert layer_violations(graph) == [
+    "odetransformer.model.blocks -> odetransformer.train.loop",
+    "odetransformer.model.decode -> odetransformer.runtime.fileio",
+  ]
 
 
 def test_imports_only_go_down():
@@ -141,16 +164,20 @@ def test_imports_only_go_down():
   every_module = set(graph)
   for room in LAYERS:
     assert any(_room(m) == room for m in every_module), f"no module in {room}"
-  unplaced = sorted(m for m in every_module if m.startswith("odetransformer.")
-                    and _room(m) is None and m not in LAUNCHERS)
+  unplaced = sorted(
+    m
+    for m in every_module
+    if m.startswith("odetransformer.") and _room(m) is None and m not in LAUNCHERS
+  )
   assert unplaced == [], f"modules outside every room: {unplaced}"
   assert layer_violations(graph) == []
 
 
 # The public commands `python -m odetransformer.NAME`: launchers that import nothing and
 # run `odetransformer.tools.NAME` as __main__.
-LAUNCHERS = tuple(f"odetransformer.{name}"
-                  for name in ("evaluate", "generate", "export", "lm_eval", "memory"))
+LAUNCHERS = tuple(
+  f"odetransformer.{name}" for name in ("evaluate", "generate", "export", "lm_eval", "memory")
+)
 
 
 def test_public_commands_are_launchers_of_the_tools():

@@ -5,6 +5,7 @@ and full disks (main.py), and worker processes that die with their trainer.
 A small synthetic corpus (written to a temp dir) keeps this fast: ~40 batches per
 epoch at seq_len 32, batch 4, vocab 512.
 """
+
 import collections
 import errno
 import hashlib
@@ -18,17 +19,26 @@ import sys
 import textwrap
 import time
 
+from conftest import shared_data_path
 import numpy as np
 import pytest
 
-from input_pipeline import DataError
+from input_pipeline import (
+  DataError,
+  corpora,
+  create_datasets,
+  embedded,
+  evaluation,
+  local_text,
+  packing,
+  prepare,
+  restore_iterator_state,
+  sources,
+)
 from input_pipeline import config as config_lib
-from input_pipeline import (corpora, create_datasets, embedded, evaluation, local_text, packing,
-                            prepare, restore_iterator_state, sources)
 from input_pipeline import tokenizer as tokenizer_lib
 from odetransformer.runtime import fileio
 
-from conftest import shared_data_path
 from tiny import config_flags, cpu_env, tiny_config
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
@@ -43,8 +53,10 @@ def _text(rng, n_paragraphs: int) -> str:
   words = ["".join(rng.choice(syllables, size=rng.integers(1, 4))) for _ in range(150)]
   paragraphs = []
   for _ in range(n_paragraphs):
-    sentences = [" ".join(rng.choice(words, size=rng.integers(4, 12))).capitalize() + "."
-                 for _ in range(rng.integers(1, 5))]
+    sentences = [
+      " ".join(rng.choice(words, size=rng.integers(4, 12))).capitalize() + "."
+      for _ in range(rng.integers(1, 5))
+    ]
     paragraphs.append(" ".join(sentences) + (" ✓ 42" if rng.random() < 0.2 else ""))
   return "\n\n".join(paragraphs) + "\n"
 
@@ -75,8 +87,7 @@ def _cfg(corpus_dir, tmp_dir, **overrides):
 
 
 def _create(cfg, seed=0, **kw):
-  args = dict(seq_len=SEQ, global_batch_size=BATCH, eval_batch_size=BATCH, seed=seed,
-              workdir=None)
+  args = dict(seq_len=SEQ, global_batch_size=BATCH, eval_batch_size=BATCH, seed=seed, workdir=None)
   args.update(kw)
   return create_datasets(cfg, **args)
 
@@ -140,8 +151,12 @@ def test_train_batches_layout(ds):
     assert b["weights"].all()  # the training stream is infinite: no padding
     assert b["inputs"].max() < ds.vocab_size
   assert ds.vocab_size == VOCAB == ds.tokenizer.get_piece_size()
-  assert (ds.tokenizer.pad_id(), ds.tokenizer.unk_id(), ds.tokenizer.bos_id(),
-          ds.tokenizer.eos_id()) == (0, 1, 2, 3)
+  assert (
+    ds.tokenizer.pad_id(),
+    ds.tokenizer.unk_id(),
+    ds.tokenizer.bos_id(),
+    ds.tokenizer.eos_id(),
+  ) == (0, 1, 2, 3)
   assert any((b["segment_ids"] > 1).any() for b in batches)  # documents were packed together
   assert any((b["inputs"] == 3).any() for b in batches)  # eos after each document
 
@@ -150,13 +165,17 @@ def test_train_batches_layout(ds):
 def test_packing_loses_and_duplicates_no_token(ds, corpus_dir, cache):
   corpus = _corpus(corpus_dir, cache)
   proto = ds.tokenizer.serialized_model_proto()
-  docs = [np.asarray(ds.tokenizer.encode(tokenizer_lib.as_text(d["text"])) + [3])
-          for d in corpus.train]
+  docs = [
+    np.asarray(ds.tokenizer.encode(tokenizer_lib.as_text(d["text"])) + [3]) for d in corpus.train
+  ]
   common = dict(seq_len=SEQ, text_key="text", seed=5, worker_count=0, num_epochs=1)
   # Without row shuffling the packed rows are exactly the shuffled documents, in order.
   rows = list(packing.packed_rows(corpus.train, proto, shuffle_buffer=0, **common))
-  order = list(packing.tokenized_documents(corpus.train, proto, text_key="text", seed=5,
-                                            num_epochs=1, worker_count=0))
+  order = list(
+    packing.tokenized_documents(
+      corpus.train, proto, text_key="text", seed=5, num_epochs=1, worker_count=0
+    )
+  )
   packed = np.concatenate([r["tokens"][r["tokens_segment_ids"] > 0] for r in rows])
   np.testing.assert_array_equal(packed, np.concatenate([d["tokens"] for d in order]))
   assert sorted(map(tuple, (d["tokens"] for d in order))) == sorted(map(tuple, docs))
@@ -170,8 +189,14 @@ def test_packing_loses_and_duplicates_no_token(ds, corpus_dir, cache):
 @pytest.mark.slow
 def test_documents_reshuffled_every_epoch(ds, corpus_dir, cache):
   corpus = _corpus(corpus_dir, cache)
-  docs = packing.tokenized_documents(corpus.train, ds.tokenizer.serialized_model_proto(),
-                                      text_key="text", seed=0, num_epochs=2, worker_count=0)
+  docs = packing.tokenized_documents(
+    corpus.train,
+    ds.tokenizer.serialized_model_proto(),
+    text_key="text",
+    seed=0,
+    num_epochs=2,
+    worker_count=0,
+  )
   docs = [tuple(d["tokens"]) for d in docs]
   n = len(corpus.train)
   assert len(docs) == 2 * n
@@ -270,9 +295,19 @@ def _process_streams(ds, corpus_dir, cache, process_count, num_shards, n, num_ep
   for p in range(process_count):
     src = _Counting(corpus.train)
     train = packing.train_dataset(
-        src, ds.tokenizer.serialized_model_proto(), seq_len=SEQ, global_batch_size=BATCH,
-        process_index=p, process_count=process_count, text_key="text", seed=0,
-        shuffle_buffer=8, worker_count=0, num_shards=num_shards, num_epochs=num_epochs)
+      src,
+      ds.tokenizer.serialized_model_proto(),
+      seq_len=SEQ,
+      global_batch_size=BATCH,
+      process_index=p,
+      process_count=process_count,
+      text_key="text",
+      seed=0,
+      shuffle_buffer=8,
+      worker_count=0,
+      num_shards=num_shards,
+      num_epochs=num_epochs,
+    )
     out.append((list(train) if num_epochs else _take(iter(train), n), src.read))
   return out
 
@@ -280,7 +315,7 @@ def _process_streams(ds, corpus_dir, cache, process_count, num_shards, n, num_ep
 @pytest.mark.slow
 def test_each_process_reads_and_tokenizes_only_its_shard(ds, corpus_dir, cache):
   n = 8
-  (whole, _), = _process_streams(ds, corpus_dir, cache, 1, 2, n)
+  ((whole, _),) = _process_streams(ds, corpus_dir, cache, 1, 2, n)
   (p0, _), (p1, _) = _process_streams(ds, corpus_dir, cache, 2, 2, n)
   for i in range(n):
     _check_batch(p0[i], local_batch=BATCH // 2)
@@ -325,8 +360,7 @@ def test_resume_per_process_and_on_another_process_count(ds, corpus_dir, cache):
     it = mk(p, 2)
     restore_iterator_state(it, [state1])
     for b, whole in zip(_take(it, 2), after):
-      np.testing.assert_array_equal(b["inputs"], whole["inputs"][p * 2:(p + 1) * 2])
-
+      np.testing.assert_array_equal(b["inputs"], whole["inputs"][p * 2 : (p + 1) * 2])
 
 
 @pytest.mark.slow
@@ -334,9 +368,17 @@ def test_resume_from_a_state_written_before_input_shards(ds, corpus_dir, cache):
   """Checkpoints of the earlier pipeline (every process held the state of one global
   stream: packed rows batched to the global batch) continue exactly on one process."""
   corpus = _corpus(corpus_dir, cache)
-  old = iter(packing.packed_rows(corpus.train, ds.tokenizer.serialized_model_proto(),
-                                  seq_len=SEQ, text_key="text", seed=0, shuffle_buffer=8,
-                                  worker_count=0).batch(BATCH))
+  old = iter(
+    packing.packed_rows(
+      corpus.train,
+      ds.tokenizer.serialized_model_proto(),
+      seq_len=SEQ,
+      text_key="text",
+      seed=0,
+      shuffle_buffer=8,
+      worker_count=0,
+    ).batch(BATCH)
+  )
   _take(old, 3)
   state = json.loads(json.dumps(old.get_state()))
   expected = [packing.to_model_batch(b) for b in _take(old, 3)]
@@ -349,20 +391,26 @@ def test_resume_from_a_state_written_before_input_shards(ds, corpus_dir, cache):
 def test_resume_with_another_shard_count_starts_the_next_epoch(ds, corpus_dir, cache, caplog):
   """Another shard count is another stream: the resumed run starts at the next epoch
   (the first batch of 2 shards is within epoch 0), skipping the rest of epoch 0."""
-  cfg = _cfg(corpus_dir, cache, shuffle_buffer=0)   # rows in packing order
+  cfg = _cfg(corpus_dir, cache, shuffle_buffer=0)  # rows in packing order
   its = [iter(_create(cfg, process_index=p, process_count=2).train) for p in range(2)]
   states = []
   for it in its:
     next(it)
     states.append(json.loads(json.dumps(it.get_state())))
-  one = iter(_create(cfg).train)                     # 1 process, 1 shard
+  one = iter(_create(cfg).train)  # 1 process, 1 shard
   with caplog.at_level(logging.WARNING):
     restore_iterator_state(one, states)
   assert "continues at the start of epoch 1" in caplog.text and "input_shards=2" in caplog.text
   corpus = _corpus(corpus_dir, cache)
-  docs = packing.tokenized_documents(corpus.train, ds.tokenizer.serialized_model_proto(),
-                                      text_key="text", seed=0, num_epochs=2, worker_count=0)
-  epoch1 = np.concatenate([d["tokens"] for d in list(docs)[len(corpus.train):]])
+  docs = packing.tokenized_documents(
+    corpus.train,
+    ds.tokenizer.serialized_model_proto(),
+    text_key="text",
+    seed=0,
+    num_epochs=2,
+    worker_count=0,
+  )
+  epoch1 = np.concatenate([d["tokens"] for d in list(docs)[len(corpus.train) :]])
   b = next(one)
   np.testing.assert_array_equal(b["inputs"].ravel()[:SEQ], epoch1[:SEQ])
 
@@ -388,8 +436,10 @@ def test_eval_scores_every_token_once(ds, corpus_dir, cache):
 
 def test_eval_processes_and_max_batches(ds, corpus_dir, cache):
   whole = list(ds.eval_batches())
-  parts = [list(_create(_cfg(corpus_dir, cache), process_index=p, process_count=2).eval_batches())
-           for p in range(2)]
+  parts = [
+    list(_create(_cfg(corpus_dir, cache), process_index=p, process_count=2).eval_batches())
+    for p in range(2)
+  ]
   assert len(parts[0]) == len(parts[1]) == len(whole)
   for i, b in enumerate(whole):
     for k in KEYS:
@@ -421,8 +471,14 @@ def test_tokenizer_round_trip_on_real_text(name, tmp_path):
   text = shared_data_path(*name.split("/")).read_text(encoding="utf-8")
   docs = local_text.split_documents(text)
   sp, path = tokenizer_lib.get_tokenizer(
-      tokenizer_path="", vocab_size=1024, cache_dir=str(tmp_path), fingerprint=f"test:{name}",
-      source=[{"text": d.encode()} for d in docs], text_key="text", sample_bytes=300_000)
+    tokenizer_path="",
+    vocab_size=1024,
+    cache_dir=str(tmp_path),
+    fingerprint=f"test:{name}",
+    source=[{"text": d.encode()} for d in docs],
+    text_key="text",
+    sample_bytes=300_000,
+  )
   assert sp.decode(sp.encode(text)) == text
   odd = "import os\nprint('héllo wörld ✓')\n\n\tx  =  1  # 数学 🚀\r\n"
   assert sp.decode(sp.encode(odd)) == odd
@@ -436,11 +492,17 @@ def test_tokenizer_cache_key_and_reuse(tmp_path, monkeypatch):
   source = [{"text": _text(np.random.default_rng(i), 20).encode()} for i in range(5)]
   kw = dict(tokenizer_path="", cache_dir=str(tmp_path), source=source, text_key="text")
   sp, path = tokenizer_lib.get_tokenizer(vocab_size=400, fingerprint="a", sample_bytes=10**6, **kw)
-  monkeypatch.setattr(tokenizer_lib, "train", lambda *a: pytest.fail("retrained a cached tokenizer"))
-  sp2, path2 = tokenizer_lib.get_tokenizer(vocab_size=400, fingerprint="a", sample_bytes=10**6, **kw)
+  monkeypatch.setattr(
+    tokenizer_lib, "train", lambda *a: pytest.fail("retrained a cached tokenizer")
+  )
+  sp2, path2 = tokenizer_lib.get_tokenizer(
+    vocab_size=400, fingerprint="a", sample_bytes=10**6, **kw
+  )
   assert path2 == path and sp2.serialized_model_proto() == sp.serialized_model_proto()
-  others = {str(tokenizer_lib.cache_path(str(tmp_path), *args)) for args in
-            [("b", "text", 400, 10**6), ("a", "text", 512, 10**6), ("a", "text", 400, 10**5)]}
+  others = {
+    str(tokenizer_lib.cache_path(str(tmp_path), *args))
+    for args in [("b", "text", 400, 10**6), ("a", "text", 512, 10**6), ("a", "text", 400, 10**5)]
+  }
   assert path not in others and len(others) == 3
   # given explicitly, the same file loads; with a wrong vocab size it is a clear error
   assert tokenizer_lib.load(path, 400).get_piece_size() == 400
@@ -456,42 +518,61 @@ def _assert_data_error(fn, *fragments):
 
 
 def test_bad_inputs_raise_clear_data_errors(ds, corpus_dir, cache, tmp_path):
-  mk = lambda **o: (lambda: _create(_cfg(corpus_dir, cache, **o)))
+  mk = lambda **o: lambda: _create(_cfg(corpus_dir, cache, **o))
   _assert_data_error(mk(train_files=str(tmp_path / "nope" / "*.txt")), "no file matches", "nope")
   _assert_data_error(mk(eval_files=""), "data.eval_files is empty")
   (tmp_path / "empty.txt").write_text("\n  \n\n")
   _assert_data_error(mk(train_files=str(tmp_path / "empty.txt")), "contain no text")
   _assert_data_error(mk(source="nonsense"), "unknown data.source", "'nonsense'")
   _assert_data_error(mk(source="tfds:no_such_dataset_xyz"), "unknown TFDS dataset")
-  _assert_data_error(mk(source="tfds:tiny_shakespeare", data_dir=str(tmp_path / "tfds")),
-                     "not prepared", "input_pipeline.prepare --dataset=tfds:tiny_shakespeare")
-  _assert_data_error(mk(source="openwebtext", data_dir=str(tmp_path / "tfds")),
-                     "not prepared", "input_pipeline.prepare --dataset=openwebtext")
-  _assert_data_error(mk(tokenizer_path=ds.tokenizer_path, vocab_size=VOCAB * 2),
-                     f"has {VOCAB} pieces but data.vocab_size={VOCAB * 2}",
-                     f"vocab_size={VOCAB}")
+  _assert_data_error(
+    mk(source="tfds:tiny_shakespeare", data_dir=str(tmp_path / "tfds")),
+    "not prepared",
+    "input_pipeline.prepare --dataset=tfds:tiny_shakespeare",
+  )
+  _assert_data_error(
+    mk(source="openwebtext", data_dir=str(tmp_path / "tfds")),
+    "not prepared",
+    "input_pipeline.prepare --dataset=openwebtext",
+  )
+  _assert_data_error(
+    mk(tokenizer_path=ds.tokenizer_path, vocab_size=VOCAB * 2),
+    f"has {VOCAB} pieces but data.vocab_size={VOCAB * 2}",
+    f"vocab_size={VOCAB}",
+  )
   _assert_data_error(mk(tokenizer_path=str(tmp_path / "missing.model")), "does not exist")
   _assert_data_error(mk(text_key="content"), "no feature 'content'")
   _assert_data_error(mk(vocab_size=100), "too small")
-  _assert_data_error(lambda: _create(_cfg(corpus_dir, cache), process_count=3),
-                     "global_batch_size=4", "multiple of 3")
-  _assert_data_error(mk(cache_dir="gs://bucket/cache"), "data.cache_dir=gs://bucket/cache",
-                     "local-file writer", "set data.cache_dir to a local directory")
-  assert not os.path.exists("gs:")          # nothing written to a local directory 'gs:'
-  _assert_data_error(mk(input_shards=3),
-                     "global_batch_size=4 is not a multiple of data.input_shards=3")
-  _assert_data_error(lambda: _create(_cfg(corpus_dir, cache, input_shards=3), process_count=2),
-                     "data.input_shards=3", "multiple of 2")
+  _assert_data_error(
+    lambda: _create(_cfg(corpus_dir, cache), process_count=3),
+    "global_batch_size=4",
+    "multiple of 3",
+  )
+  _assert_data_error(
+    mk(cache_dir="gs://bucket/cache"),
+    "data.cache_dir=gs://bucket/cache",
+    "local-file writer",
+    "set data.cache_dir to a local directory",
+  )
+  assert not os.path.exists("gs:")  # nothing written to a local directory 'gs:'
+  _assert_data_error(
+    mk(input_shards=3), "global_batch_size=4 is not a multiple of data.input_shards=3"
+  )
+  _assert_data_error(
+    lambda: _create(_cfg(corpus_dir, cache, input_shards=3), process_count=2),
+    "data.input_shards=3",
+    "multiple of 2",
+  )
 
 
 def test_content_hash_is_the_prepared_files_sha256(ds, corpus_dir, cache, tmp_path):
   (data_path,) = cache.glob("prepared/local-*/local_text/1.0.0")
   files = sorted(data_path.glob("*.array_record-*"))
-  assert len(files) == 2                      # train, validation
+  assert len(files) == 2  # train, validation
   digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
   blob = json.dumps(digests, sort_keys=True).encode()
   assert ds.content_hash == hashlib.sha256(blob).hexdigest()
-  again = tmp_path / "again"                  # prepared again from the same files
+  again = tmp_path / "again"  # prepared again from the same files
   shutil.copytree(cache, again)
   shutil.rmtree(next(again.glob("prepared/local-*")))
   assert _create(_cfg(corpus_dir, again)).content_hash == ds.content_hash
@@ -526,9 +607,15 @@ def test_preparing_local_text_is_one_quiet_log_line(tmp_path, capfd, caplog):
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     ours = [r.getMessage() for r in caplog.records if r.pathname == local_text.__file__]
     prepared = tmp_path / "prepared"
-    assert ours == ([f"preparing 1 text file as array_record in {prepared}/local-"
-                     f"{local_text.fingerprint(files)}/local_text/1.0.0 (once; later runs "
-                     "reuse it)"] if run == 1 else [])
+    assert ours == (
+      [
+        f"preparing 1 text file as array_record in {prepared}/local-"
+        f"{local_text.fingerprint(files)}/local_text/1.0.0 (once; later runs "
+        "reuse it)"
+      ]
+      if run == 1
+      else []
+    )
 
 
 def test_embedded_corpus_is_offline_and_deterministic(tmp_path):
@@ -540,8 +627,9 @@ def test_embedded_corpus_is_offline_and_deterministic(tmp_path):
   assert total <= embedded.MAX_TOTAL_BYTES
   c = config_lib.get_config()  # the default: source='embedded'
   c.vocab_size, c.tokenizer_sample_bytes = VOCAB, 500_000
-  d = create_datasets(c, seq_len=SEQ, global_batch_size=BATCH, eval_batch_size=BATCH, seed=0,
-                      workdir=str(tmp_path))
+  d = create_datasets(
+    c, seq_len=SEQ, global_batch_size=BATCH, eval_batch_size=BATCH, seed=0, workdir=str(tmp_path)
+  )
   _check_batch(next(iter(d.train)))
   assert os.path.isdir(tmp_path / "data_cache" / "tokenizers")
   assert "def " in d.tokenizer.decode(next(iter(d.eval_batches()))["inputs"].ravel().tolist())
@@ -555,8 +643,12 @@ def test_openwebtext_holdout_is_deterministic():
 
 def test_openwebtext_prepare_path_on_fake_documents(tmp_path):
   docs = [f"document {i}: " + "lorem ipsum " * (i % 7 + 1) for i in range(300)]
-  builder = corpora.Openwebtext(data_dir=str(tmp_path), file_format="array_record",
-                                raw_documents=lambda: iter(docs), test_fraction=0.1)
+  builder = corpora.Openwebtext(
+    data_dir=str(tmp_path),
+    file_format="array_record",
+    raw_documents=lambda: iter(docs),
+    test_fraction=0.1,
+  )
   builder.download_and_prepare()
   srcs = builder.as_data_source()
   train = {tokenizer_lib.as_text(x["text"]) for x in srcs["train"]}
@@ -574,16 +666,24 @@ def test_prepared_corpus_reads_from_gs(tmp_path, gcs_bucket):
   array_record's own GCS reader reads it (at the emulator fileio points it to); the same
   records as the local copy it was copied from."""
   docs = [f"document {i}: " + "lorem ipsum " * (i % 7 + 1) for i in range(100)]
-  corpora.Openwebtext(data_dir=str(tmp_path / "tfds"), file_format="array_record",
-                      raw_documents=lambda: iter(docs), test_fraction=0.1).download_and_prepare()
+  corpora.Openwebtext(
+    data_dir=str(tmp_path / "tfds"),
+    file_format="array_record",
+    raw_documents=lambda: iter(docs),
+    test_fraction=0.1,
+  ).download_and_prepare()
   remote = f"{gcs_bucket}/tfds-{tmp_path.name}"
   fileio.copy_tree(tmp_path / "tfds", remote)
-  local, gs = (sources.open_corpus(_cfg_for("openwebtext", d), str(tmp_path / "cache"))
-               for d in (tmp_path / "tfds", remote))
+  local, gs = (
+    sources.open_corpus(_cfg_for("openwebtext", d), str(tmp_path / "cache"))
+    for d in (tmp_path / "tfds", remote)
+  )
   assert gs.fingerprint == local.fingerprint
   for split in ("train", "eval"):
-    texts = [[src[i]["text"] for i in range(len(src))]
-             for src in (getattr(gs, split), getattr(local, split))]
+    texts = [
+      [src[i]["text"] for i in range(len(src))]
+      for src in (getattr(gs, split), getattr(local, split))
+    ]
     assert texts[0] == texts[1] and texts[0], split
 
 
@@ -596,13 +696,16 @@ def _cfg_for(source, data_dir):
 def test_wikitext103_articles_and_prepare_command(tmp_path):
   raw = tmp_path / "raw"
   raw.mkdir()
-  article = lambda t: f" = {t} = \n \n Some text about {t} . \n \n = = Section = = \n \n More . \n \n"
+  article = lambda t: (
+    f" = {t} = \n \n Some text about {t} . \n \n = = Section = = \n \n More . \n \n"
+  )
   for name, titles in (("train", ["A", "B", "C"]), ("valid", ["D"]), ("test", ["E", "F"])):
     (raw / f"wiki.{name}.raw").write_text(" \n" + "".join(article(t) for t in titles))
   arts = list(corpora.split_wikitext_articles(open(raw / "wiki.train.raw")))
   assert len(arts) == 3 and arts[1].startswith(" = B = ") and "= = Section = =" in arts[1]
-  summary = prepare.prepare("wikitext103", str(tmp_path / "tfds"), raw_dir=str(raw),
-                            vocab_size=300, sample_bytes=10_000)
+  summary = prepare.prepare(
+    "wikitext103", str(tmp_path / "tfds"), raw_dir=str(raw), vocab_size=300, sample_bytes=10_000
+  )
   assert "'train': 3" in summary and "'validation': 1" in summary and "tokenizer" in summary
   c = _cfg_for("wikitext103", tmp_path / "tfds")
   c.vocab_size, c.tokenizer_sample_bytes = 300, 10_000
@@ -639,19 +742,39 @@ PREPARE_DRIVER = textwrap.dedent("""
 @pytest.mark.slow
 def test_two_jobs_preparing_one_new_cache_prepare_it_once(corpus_dir, tmp_path):
   cache = tmp_path / "cache"
-  files = {"train": sources.expand_globs(str(corpus_dir / "train_*.txt"), "train_files"),
-           "validation": sources.expand_globs(str(corpus_dir / "valid_*.txt"), "eval_files")}
-  leftover = (cache / "prepared" / f"local-{local_text.fingerprint(files)}" / "local_text" /
-              "incomplete.KILLED_1.0.0")
-  leftover.mkdir(parents=True)              # what a killed preparation leaves
+  files = {
+    "train": sources.expand_globs(str(corpus_dir / "train_*.txt"), "train_files"),
+    "validation": sources.expand_globs(str(corpus_dir / "valid_*.txt"), "eval_files"),
+  }
+  leftover = (
+    cache
+    / "prepared"
+    / f"local-{local_text.fingerprint(files)}"
+    / "local_text"
+    / "incomplete.KILLED_1.0.0"
+  )
+  leftover.mkdir(parents=True)  # what a killed preparation leaves
   (leftover / "local_text-train.array_record-00000-of-00001").write_bytes(b"partial")
   driver = tmp_path / "driver.py"
   driver.write_text(PREPARE_DRIVER)
   go = tmp_path / "go"
-  procs = [subprocess.Popen(
-      [sys.executable, str(driver), str(corpus_dir), str(cache), str(tmp_path / f"ready{i}"),
-       str(go)], env=dict(os.environ, ODET_ROOT=str(ROOT), JAX_PLATFORMS="cpu"),
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        str(driver),
+        str(corpus_dir),
+        str(cache),
+        str(tmp_path / f"ready{i}"),
+        str(go),
+      ],
+      env=dict(os.environ, ODET_ROOT=str(ROOT), JAX_PLATFORMS="cpu"),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   deadline = time.monotonic() + 60
   while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
     assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
@@ -662,7 +785,7 @@ def test_two_jobs_preparing_one_new_cache_prepare_it_once(corpus_dir, tmp_path):
   ran = "".join(outs)
   assert ran.count("RAN download_and_prepare") == 1 and ran.count("RAN train") == 1, outs
   batches = {line for out in outs for line in out.splitlines() if line.startswith("BATCH")}
-  assert len(batches) == 1, outs            # both read the same prepared data
+  assert len(batches) == 1, outs  # both read the same prepared data
   assert not leftover.exists()
 
 
@@ -673,9 +796,20 @@ def _main(workdir, cache, corpus_dir, *flags, timeout=60):
   c.data.train_files = str(corpus_dir / "train_*.txt")
   c.data.eval_files = str(corpus_dir / "valid_*.txt")
   proc = subprocess.run(
-      [sys.executable, "main.py", "--config=configs/default.py", f"--workdir={workdir}",
-       *config_flags(c), *flags], cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
-      timeout=timeout)
+    [
+      sys.executable,
+      "main.py",
+      "--config=configs/default.py",
+      f"--workdir={workdir}",
+      *config_flags(c),
+      *flags,
+    ],
+    cwd=ROOT,
+    env=cpu_env(),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
   return proc.returncode, proc.stderr
 
 
@@ -688,8 +822,7 @@ def _error_line(code: int, err: str) -> str:
 
 
 @pytest.mark.slow
-def test_damaged_cache_is_one_line_naming_the_directory_to_delete(ds, corpus_dir, cache,
-                                                                   tmp_path):
+def test_damaged_cache_is_one_line_naming_the_directory_to_delete(ds, corpus_dir, cache, tmp_path):
   del ds  # prepared the cache
   damaged = tmp_path / "cache"
   shutil.copytree(cache, damaged)
@@ -700,7 +833,7 @@ def test_damaged_cache_is_one_line_naming_the_directory_to_delete(ds, corpus_dir
   prepared = train_file.parents[2]
   line = _error_line(code, err)
   assert "is damaged" in line and f"fix: delete {prepared} (it is prepared again" in line, line
-  shutil.rmtree(prepared)                   # the fix works: prepared again, then read
+  shutil.rmtree(prepared)  # the fix works: prepared again, then read
   _check_batch(next(iter(_create(_cfg(corpus_dir, damaged)).train)))
 
 
@@ -708,14 +841,22 @@ def test_damaged_cache_is_one_line_naming_the_directory_to_delete(ds, corpus_dir
 def test_full_disk_while_preparing_is_one_line_with_the_space_needed(corpus_dir, tmp_path):
   small = tmp_path / "small"
   small.mkdir()
-  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)],
-                           capture_output=True).returncode == 0
-  if not mounted:          # not root: the same error, raised where the disk would fill
+  mounted = (
+    subprocess.run(
+      ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True
+    ).returncode
+    == 0
+  )
+  if not mounted:  # not root: the same error, raised where the disk would fill
     with pytest.MonkeyPatch.context() as mp:
-      mp.setattr(local_text.LocalText, "download_and_prepare",
-                 lambda self: (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
-      _assert_data_error(lambda: _create(_cfg(corpus_dir, small)), "no space left on device",
-                         "free about")
+      mp.setattr(
+        local_text.LocalText,
+        "download_and_prepare",
+        lambda self: (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))),
+      )
+      _assert_data_error(
+        lambda: _create(_cfg(corpus_dir, small)), "no space left on device", "free about"
+      )
     return
   try:
     code, err = _main(tmp_path / "run", small, corpus_dir)
@@ -751,7 +892,7 @@ def _alive(pid: int, start: str) -> bool:
     fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
   except OSError:
     return False
-  return fields[19] == start and fields[0] != "Z"   # the same process, not a zombie
+  return fields[19] == start and fields[0] != "Z"  # the same process, not a zombie
 
 
 @pytest.mark.slow
@@ -763,18 +904,30 @@ def test_worker_processes_die_with_a_killed_trainer(ds, corpus_dir, cache, tmp_p
   c.data.eval_files = str(corpus_dir / "valid_*.txt")
   c.data.worker_count = 2
   proc = subprocess.Popen(
-      [sys.executable, "main.py", "--config=configs/default.py",
-       f"--workdir={tmp_path / 'run'}", *config_flags(c)], cwd=ROOT, env=cpu_env(),
-      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    [
+      sys.executable,
+      "main.py",
+      "--config=configs/default.py",
+      f"--workdir={tmp_path / 'run'}",
+      *config_flags(c),
+    ],
+    cwd=ROOT,
+    env=cpu_env(),
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
   try:
     deadline = time.monotonic() + 60
     workers = {}
-    while len(workers) < 2:   # grain's workers: children running multiprocessing's spawn
+    while len(workers) < 2:  # grain's workers: children running multiprocessing's spawn
       assert proc.poll() is None and time.monotonic() < deadline, "no workers started"
       time.sleep(0.2)
-      workers = {p: s for p, s in _descendants(proc.pid).items()
-                 if b"spawn_main" in pathlib.Path(f"/proc/{p}/cmdline").read_bytes()}
-    time.sleep(1.0)           # the workers are running
+      workers = {
+        p: s
+        for p, s in _descendants(proc.pid).items()
+        if b"spawn_main" in pathlib.Path(f"/proc/{p}/cmdline").read_bytes()
+      }
+    time.sleep(1.0)  # the workers are running
     family = _descendants(proc.pid)
   finally:
     proc.kill()
@@ -792,8 +945,7 @@ def test_tokenizer_cached_on_and_read_from_gcs(tmp_path, monkeypatch, gcs_bucket
   monkeypatch.chdir(tmp_path)
   cache = f"{gcs_bucket}/tokenizer-cache-{os.getpid()}"
   source = [{"text": _text(np.random.default_rng(i), 20).encode()} for i in range(5)]
-  kw = dict(vocab_size=400, fingerprint="a", source=source, text_key="text",
-            sample_bytes=10**6)
+  kw = dict(vocab_size=400, fingerprint="a", source=source, text_key="text", sample_bytes=10**6)
   sp, path = tokenizer_lib.get_tokenizer(tokenizer_path="", cache_dir=cache, **kw)
   assert path.startswith(f"{cache}/tokenizers/spm_a_v400_")
   again, _ = tokenizer_lib.get_tokenizer(tokenizer_path=path, cache_dir="unused", **kw)

@@ -3,8 +3,8 @@ integrity record (written as part of the save), a hard kill never leaves a commi
 checkpoint that restores unchecked, a checkpoint without its record is refused unless
 the user says otherwise, a resume on other data, batch shape or seed is refused, and a
 reader whose step is rotated away moves to the newest one."""
+
 import json
-import os
 import shutil
 import signal
 
@@ -13,6 +13,7 @@ from absl import logging as absl_logging
 import jax
 import numpy as np
 import pytest
+from test_reliability import config, main_cmd, snapshot, start_and_wait_for_checkpoint
 
 import input_pipeline
 from odetransformer import errors
@@ -22,9 +23,6 @@ from odetransformer.train.checkpoint import restore
 from odetransformer.train.checkpoint.fingerprint import stored_fingerprint
 from odetransformer.train.checkpoint.integrity import INTEGRITY_FILE, UnverifiedCheckpointError
 from odetransformer.train.checkpoint.paths import CheckpointError, finalized_steps
-
-from test_reliability import config, main_cmd, snapshot, start_and_wait_for_checkpoint
-from test_train import _final_params, fast_compiles  # pylint: disable=unused-import
 
 pytestmark = [pytest.mark.xdist_group("test_integrity"), pytest.mark.slow]
 
@@ -74,7 +72,8 @@ def test_sigkill_between_saves_leaves_only_verified_checkpoints(cache, tmp_path)
   trainer's fallback: test_reliability's flipped-bits test)."""
   wd = tmp_path / "wd"
   proc = start_and_wait_for_checkpoint(
-      main_cmd(wd, cache, 200, "--config.checkpoint_every_steps=2"), wd, min_step=4)
+    main_cmd(wd, cache, 200, "--config.checkpoint_every_steps=2"), wd, min_step=4
+  )
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   steps = finalized_steps(str(wd))
@@ -86,7 +85,7 @@ def test_sigkill_between_saves_leaves_only_verified_checkpoints(cache, tmp_path)
   _flip_byte(_largest_file(wd / "checkpoints" / str(newest) / "model"))
   with pytest.raises(CheckpointError, match="crc32c differs"):
     loading.load_model(str(wd), step=newest)
-  assert loading.load_model(str(wd)).step == previous    # the newest that verifies
+  assert loading.load_model(str(wd)).step == previous  # the newest that verifies
 
 
 def test_a_flipped_byte_in_any_file_never_restores_different_values(run_copy):
@@ -129,9 +128,9 @@ def test_checkpoint_without_its_record_is_refused_unless_allowed(run_copy, cache
   with pytest.raises(UnverifiedCheckpointError):
     loading.load_model(str(run_copy))
   assert loading.load_model(str(run_copy), allow_unverified=True).step == 6
-  fv = generate.define_flags(flags.FlagValues())   # the tool names its own flag
+  fv = generate.define_flags(flags.FlagValues())  # the tool names its own flag
   fv(["generate", f"--workdir={run_copy}", "--prompt=def", "--max_new_tokens=2"])
-  verbosity = absl_logging.get_verbosity()          # (the tool lowers it)
+  verbosity = absl_logging.get_verbosity()  # (the tool lowers it)
   try:
     with pytest.raises(UnverifiedCheckpointError) as err:
       generate.main([], fv)
@@ -141,10 +140,10 @@ def test_checkpoint_without_its_record_is_refused_unless_allowed(run_copy, cache
   assert "no integrity record" in msg and "--checkpoint_allow_unverified" in msg
   assert "\n" not in msg
   r = loop.train_and_evaluate(
-      config(cache, 8, checkpoint_every_steps=2, checkpoint_allow_unverified=True),
-      str(run_copy))
+    config(cache, 8, checkpoint_every_steps=2, checkpoint_allow_unverified=True), str(run_copy)
+  )
   assert (r["start_step"], r["step"]) == (6, 8)
-  for item in ITEMS:     # what this run saved has its record again
+  for item in ITEMS:  # what this run saved has its record again
     assert (run_copy / "checkpoints" / "8" / item / INTEGRITY_FILE).is_file()
 
 
@@ -158,17 +157,19 @@ class _WithContentHash:
     return getattr(self._ds, name)
 
 
-@pytest.mark.parametrize("change,needle", [
+@pytest.mark.parametrize(
+  "change,needle",
+  [
     ({"global_batch_size": 8}, "resume.global_batch_size 4 -> 8"),
     ({"seq_len": 16}, "resume.seq_len 32 -> 16"),
     ({"seed": 1}, "resume.seed 0 -> 1"),
-])
+  ],
+)
 def test_resume_with_another_batch_shape_or_seed_is_refused(change, needle, run_copy, cache):
   """Used to resume silently: no longer an exact continuation."""
   before = snapshot(run_copy / "checkpoints")
   with pytest.raises(errors.ConfigError) as err:
-    loop.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2, **change),
-                             str(run_copy))
+    loop.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2, **change), str(run_copy))
   msg = str(err.value)
   assert needle in msg and "--config.resume_with_changes=true" in msg and "\n" not in msg
   assert snapshot(run_copy / "checkpoints") == before
@@ -180,8 +181,9 @@ def test_resume_on_other_data_is_refused_unless_accepted(run_copy, cache, monkey
   trained_on = stored_fingerprint(str(run_copy))[1]["data_content_hash"]
   assert trained_on and trained_on != "corpus-B"
   create = input_pipeline.create_datasets
-  monkeypatch.setattr(input_pipeline, "create_datasets",
-                      lambda *a, **k: _WithContentHash(create(*a, **k), "corpus-B"))
+  monkeypatch.setattr(
+    input_pipeline, "create_datasets", lambda *a, **k: _WithContentHash(create(*a, **k), "corpus-B")
+  )
   before = snapshot(run_copy / "checkpoints")
   with pytest.raises(errors.ConfigError) as err:
     loop.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2), str(run_copy))
@@ -189,10 +191,11 @@ def test_resume_on_other_data_is_refused_unless_accepted(run_copy, cache, monkey
   assert "--config.resume_with_changes=true" in str(err.value)
   assert snapshot(run_copy / "checkpoints") == before
   r = loop.train_and_evaluate(
-      config(cache, 8, checkpoint_every_steps=2, resume_with_changes=True), str(run_copy))
+    config(cache, 8, checkpoint_every_steps=2, resume_with_changes=True), str(run_copy)
+  )
   assert (r["start_step"], r["step"]) == (6, 8)
   meta = stored_fingerprint(str(run_copy))[1]
-  assert meta["data_content_hash"] == "corpus-B"      # what the run now trains on
+  assert meta["data_content_hash"] == "corpus-B"  # what the run now trains on
 
 
 def test_a_model_change_is_not_accepted_by_resume_with_changes(run_copy, cache):
@@ -202,21 +205,22 @@ def test_a_model_change_is_not_accepted_by_resume_with_changes(run_copy, cache):
     loop.train_and_evaluate(c, str(run_copy))
 
 
-def test_reader_whose_step_is_rotated_away_reads_the_newest(run_copy, tmp_path, monkeypatch,
-                                                             caplog):
+def test_reader_whose_step_is_rotated_away_reads_the_newest(
+  run_copy, tmp_path, monkeypatch, caplog
+):
   """A tool lists steps [2, 4] and picks 4; before it reads, the trainer commits 6 and
   its max_to_keep deletes 4. Used to report the healthy run as corrupt."""
   ck = run_copy / "checkpoints"
   _, expected = _params(run_copy, step=6)
-  shutil.move(ck / "6", tmp_path / "6")          # not committed yet when the tool lists
-  read_step = restore._read_step    # pylint: disable=protected-access
+  shutil.move(ck / "6", tmp_path / "6")  # not committed yet when the tool lists
+  read_step = restore._read_step  # pylint: disable=protected-access
   seen = []
 
   def rotate_then_read(manager, directory, step, *args):
     seen.append(step)
     if step == 4 and not (ck / "6").exists():
-      shutil.move(tmp_path / "6", ck / "6")       # the trainer commits 6 ...
-      shutil.rmtree(ck / "4")                     # ... and rotates 4 away
+      shutil.move(tmp_path / "6", ck / "6")  # the trainer commits 6 ...
+      shutil.rmtree(ck / "4")  # ... and rotates 4 away
     return read_step(manager, directory, step, *args)
 
   monkeypatch.setattr(restore, "_read_step", rotate_then_read)
@@ -237,8 +241,11 @@ def test_checkpoints_naming_the_handlers_module_before_the_split_restore(run_cop
   for path in (run_copy / "checkpoints").glob("*/_CHECKPOINT_METADATA"):
     text = path.read_text()
     assert "odetransformer.train.checkpoint.integrity._Integrity" in text, text
-    path.write_text(text.replace("odetransformer.train.checkpoint.integrity.",
-                                 "odetransformer.train.checkpointing."))
+    path.write_text(
+      text.replace(
+        "odetransformer.train.checkpoint.integrity.", "odetransformer.train.checkpointing."
+      )
+    )
   old_step, old_values = _params(run_copy)
   assert old_step == step == 6
   assert all(np.array_equal(a, b) for a, b in zip(old_values, values))

@@ -1,4 +1,5 @@
 """launch/ scripts: valid bash, shellcheck-clean, `--help` works offline, dry runs."""
+
 import os
 import pathlib
 import re
@@ -16,8 +17,20 @@ def _offline_env(tmp_path):
   """PATH with only basic tools: no gcloud, srun, sbatch, ssh or scontrol."""
   bindir = tmp_path / "bin"
   bindir.mkdir(exist_ok=True)
-  for tool in ("cat", "dirname", "sed", "seq", "hostname", "printf", "env", "head", "wc",
-               "mktemp", "tar", "rm"):
+  for tool in (
+    "cat",
+    "dirname",
+    "sed",
+    "seq",
+    "hostname",
+    "printf",
+    "env",
+    "head",
+    "wc",
+    "mktemp",
+    "tar",
+    "rm",
+  ):
     path = shutil.which(tool)
     if path and not (bindir / tool).exists():
       (bindir / tool).symlink_to(path)
@@ -40,12 +53,15 @@ def test_strict_mode(script):
 def test_shellcheck(script):
   if shutil.which("shellcheck") is None:
     if os.environ.get("ODET_REQUIRE_SHELLCHECK"):
-      pytest.fail("shellcheck is not installed but ODET_REQUIRE_SHELLCHECK is set "
-                  "(apt-get install -y shellcheck)")
+      pytest.fail(
+        "shellcheck is not installed but ODET_REQUIRE_SHELLCHECK is set "
+        "(apt-get install -y shellcheck)"
+      )
     pytest.skip("shellcheck not installed (apt-get install -y shellcheck)")
   # -x: follow the scripts' `source launch/common.sh` (paths relative to the root).
-  r = subprocess.run(["shellcheck", "-x", "-s", "bash", script], cwd=str(ROOT),
-                     capture_output=True, text=True)
+  r = subprocess.run(
+    ["shellcheck", "-x", "-s", "bash", script], cwd=str(ROOT), capture_output=True, text=True
+  )
   assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -54,8 +70,13 @@ def test_shellcheck(script):
 def test_help_is_offline(script, flag, tmp_path):
   for tool in ("gcloud", "srun", "sbatch", "ssh", "scontrol"):
     assert shutil.which(tool, path=_offline_env(tmp_path)["PATH"]) is None
-  r = subprocess.run(["/bin/bash", str(ROOT / script), flag], env=_offline_env(tmp_path),
-                     capture_output=True, text=True, timeout=20)
+  r = subprocess.run(
+    ["/bin/bash", str(ROOT / script), flag],
+    env=_offline_env(tmp_path),
+    capture_output=True,
+    text=True,
+    timeout=20,
+  )
   assert r.returncode == 0, r.stderr
   assert "usage" in r.stdout.lower()
   assert "--config" in r.stdout and "--workdir" in r.stdout
@@ -64,8 +85,13 @@ def test_help_is_offline(script, flag, tmp_path):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_missing_workdir_is_a_one_line_error(script, tmp_path):
   args = ["--name", "x", "--zone", "z"] if script.endswith("tpu_pod.sh") else []
-  r = subprocess.run(["/bin/bash", str(ROOT / script), *args], env=_offline_env(tmp_path),
-                     capture_output=True, text=True, timeout=20)
+  r = subprocess.run(
+    ["/bin/bash", str(ROOT / script), *args],
+    env=_offline_env(tmp_path),
+    capture_output=True,
+    text=True,
+    timeout=20,
+  )
   assert r.returncode == 2
   assert "workdir" in r.stderr
 
@@ -73,8 +99,14 @@ def test_missing_workdir_is_a_one_line_error(script, tmp_path):
 def _dry_run(script, args, tmp_path, root=ROOT, **env):
   e = _offline_env(tmp_path)
   e.update(DRY_RUN="1", **env)
-  r = subprocess.run(["/bin/bash", str(root / script), *args], env=e, cwd=str(root),
-                     capture_output=True, text=True, timeout=60)
+  r = subprocess.run(
+    ["/bin/bash", str(root / script), *args],
+    env=e,
+    cwd=str(root),
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert r.returncode == 0, r.stderr
   return r.stdout
 
@@ -84,17 +116,16 @@ def _pinned_jax(root=ROOT):
   return re.search(r"^jax==([^\s;]+)", (root / "requirements.txt").read_text(), re.M).group(1)
 
 
-_INSTALLS = {   # script, the arguments of a dry run that sets up its venv, jax's extra
-    "launch/tpu_pod.sh": (["--name", "t", "--zone", "z", "--workdir", "gs://b/run"], "tpu"),
-    "launch/gpu_slurm.sbatch": (["--workdir", "/shared/run", "--setup"], "cuda12"),
-    "launch/gpu_multinode.sh": (["--workdir", "/shared/run", "--setup"], "cuda12"),
+_INSTALLS = {  # script, the arguments of a dry run that sets up its venv, jax's extra
+  "launch/tpu_pod.sh": (["--name", "t", "--zone", "z", "--workdir", "gs://b/run"], "tpu"),
+  "launch/gpu_slurm.sbatch": (["--workdir", "/shared/run", "--setup"], "cuda12"),
+  "launch/gpu_multinode.sh": (["--workdir", "/shared/run", "--setup"], "cuda12"),
 }
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("checkout", ["this", "another pin"])
-def test_scripts_install_the_platform_jax_extra_at_the_requirements_pin(script, checkout,
-                                                                       tmp_path):
+def test_scripts_install_the_platform_jax_extra_at_the_requirements_pin(script, checkout, tmp_path):
   """What each script pip-installs is jax[tpu] / jax[cuda12] at requirements.txt's jax
   pin: this checkout's, and in a copy whose requirements.txt pins another version (the
   scripts read it; none writes a version of its own)."""
@@ -115,27 +146,55 @@ def test_scripts_install_the_platform_jax_extra_at_the_requirements_pin(script, 
 
 
 def test_tpu_dry_run_passes_overrides(tmp_path):
-  out = _dry_run("launch/tpu_pod.sh",
-                 ["--name", "t", "--zone", "us-central2-b", "--workdir", "gs://b/run",
-                  "--skip_setup", "--config.seed=7", "--", "--config.mesh.shape=1,-1,1"],
-                 tmp_path)
+  out = _dry_run(
+    "launch/tpu_pod.sh",
+    [
+      "--name",
+      "t",
+      "--zone",
+      "us-central2-b",
+      "--workdir",
+      "gs://b/run",
+      "--skip_setup",
+      "--config.seed=7",
+      "--",
+      "--config.mesh.shape=1,-1,1",
+    ],
+    tmp_path,
+  )
   assert "tpu-vm ssh t --zone us-central2-b --worker=all" in out
   assert "main.py" in out and "gs://b/run" in out
   assert "--config.seed=7" in out and "--config.mesh.shape=1" in out
 
 
 def test_slurm_dry_run(tmp_path):
-  out = _dry_run("launch/gpu_slurm.sbatch",
-                 ["--workdir", "/shared/run", "--", "--config.seed=3"], tmp_path)
+  out = _dry_run(
+    "launch/gpu_slurm.sbatch", ["--workdir", "/shared/run", "--", "--config.seed=3"], tmp_path
+  )
   assert "srun --nodes=1 --ntasks-per-node=1" in out
   assert "--workdir=/shared/run" in out and "--config.seed=3" in out
 
 
 def test_multinode_dry_run_process_ids(tmp_path):
-  out = _dry_run("launch/gpu_multinode.sh",
-                 ["--workdir", "/shared/run", "--num_nodes", "2", "--node_rank", "1",
-                  "--coordinator", "n0:1234", "--procs_per_node", "4", "--gpus_per_node", "4",
-                  "--config.seed=3"], tmp_path)
+  out = _dry_run(
+    "launch/gpu_multinode.sh",
+    [
+      "--workdir",
+      "/shared/run",
+      "--num_nodes",
+      "2",
+      "--node_rank",
+      "1",
+      "--coordinator",
+      "n0:1234",
+      "--procs_per_node",
+      "4",
+      "--gpus_per_node",
+      "4",
+      "--config.seed=3",
+    ],
+    tmp_path,
+  )
   lines = [l for l in out.strip().splitlines() if "JAX_PROCESS_ID" in l]
   assert len(lines) == 4
   for local, line in enumerate(lines):
@@ -155,10 +214,18 @@ def test_scripts_parse_their_flags_with_common_sh(script):
 
 def _usage_flags(script, tmp_path):
   """[(flag, takes a value)] of the options block of `script --help`."""
-  out = subprocess.run(["/bin/bash", str(ROOT / script), "--help"], env=_offline_env(tmp_path),
-                       capture_output=True, text=True, timeout=20, check=True).stdout
-  return [(m.group(1), bool(m.group(2)))
-          for m in re.finditer(r"(?m)^  (--\w+)(?: ([A-Z][A-Z0-9:_]*))?\s", out)]
+  out = subprocess.run(
+    ["/bin/bash", str(ROOT / script), "--help"],
+    env=_offline_env(tmp_path),
+    capture_output=True,
+    text=True,
+    timeout=20,
+    check=True,
+  ).stdout
+  return [
+    (m.group(1), bool(m.group(2)))
+    for m in re.finditer(r"(?m)^  (--\w+)(?: ([A-Z][A-Z0-9:_]*))?\s", out)
+  ]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -169,8 +236,13 @@ def test_every_documented_flag_is_parsed(script, tmp_path):
   assert ("--workdir", True) in flags and ("--dry_run", False) in flags, flags
   for flag, value in flags:
     args = [f"{flag}=x"] if value else [flag]
-    r = subprocess.run(["/bin/bash", str(ROOT / script), *args, "--help"],
-                       env=_offline_env(tmp_path), capture_output=True, text=True, timeout=20)
+    r = subprocess.run(
+      ["/bin/bash", str(ROOT / script), *args, "--help"],
+      env=_offline_env(tmp_path),
+      capture_output=True,
+      text=True,
+      timeout=20,
+    )
     assert r.returncode == 0 and "usage" in r.stdout.lower(), (flag, r.stderr)
 
 
@@ -189,30 +261,41 @@ def _parse(*args):
       printf '%s\\n' "$A" "$B" "$(/bin/bash -c 'echo "${{E:-unset}}"')" "$CONFIG" \\
           "$WORKDIR" "$DRY_RUN" "${{EXTRA[@]}}"
       """)
-  return subprocess.run(["/bin/bash", "-c", script, "t", *args], capture_output=True,
-                        text=True, timeout=20)
+  return subprocess.run(
+    ["/bin/bash", "-c", script, "t", *args], capture_output=True, text=True, timeout=20
+  )
 
 
-@pytest.mark.parametrize("args,expected", [
+@pytest.mark.parametrize(
+  "args,expected",
+  [
     ([], ["a0", "0", "unset", "c0", "", "0"]),
-    (["--a", "x y", "--b", "--e", "v", "--workdir=/w", "--dry_run"],
-     ["x y", "1", "v", "c0", "/w", "1"]),
-    (["--a=k=v", "--config.seed=3", "--config", "f.py", "--", "--a", "--config.x=1"],
-     ["k=v", "0", "unset", "f.py", "", "0", "--config.seed=3", "--a", "--config.x=1"]),
-])
+    (
+      ["--a", "x y", "--b", "--e", "v", "--workdir=/w", "--dry_run"],
+      ["x y", "1", "v", "c0", "/w", "1"],
+    ),
+    (
+      ["--a=k=v", "--config.seed=3", "--config", "f.py", "--", "--a", "--config.x=1"],
+      ["k=v", "0", "unset", "f.py", "", "0", "--config.seed=3", "--a", "--config.x=1"],
+    ),
+  ],
+)
 def test_parse_args_sets_values_switches_exports_and_passes_the_rest(args, expected):
   r = _parse(*args)
   assert r.returncode == 0, r.stderr
   assert r.stdout.split("\n")[:-1] == expected
 
 
-@pytest.mark.parametrize("args,error", [
+@pytest.mark.parametrize(
+  "args,error",
+  [
     (["--a"], "t: --a needs a value"),
     (["--a", ""], "t: --a needs a value"),
     (["--b=1"], "t: unknown argument '--b=1' (see --help)"),
     (["--zz", "--a", "x"], "t: unknown argument '--zz' (see --help)"),
     (["--configs=x"], "t: unknown argument '--configs=x' (see --help)"),
-])
+  ],
+)
 def test_parse_args_misuse_is_one_line_exit_2(args, error):
   r = _parse(*args)
   assert (r.returncode, r.stderr, r.stdout) == (2, error + "\n", "")

@@ -2,6 +2,7 @@
 direct model scoring, is_greedy equals an argmax check, rolling windows and greedy
 generation equal plain loops, and a local LAMBADA-format task runs offline, in process
 and through `python -m odetransformer.lm_eval`."""
+
 import glob
 import json
 import math
@@ -16,8 +17,9 @@ import numpy as np
 import pytest
 
 lm_eval = pytest.importorskip(
-    "lm_eval", reason="lm-evaluation-harness is an optional dependency "
-    "(pip install -r requirements-eval.txt)")
+  "lm_eval",
+  reason="lm-evaluation-harness is an optional dependency (pip install -r requirements-eval.txt)",
+)
 
 from lm_eval.api.instance import Instance  # pylint: disable=g-import-not-at-top
 
@@ -31,8 +33,8 @@ pytestmark = [pytest.mark.xdist_group("test_lm_eval"), pytest.mark.slow]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TASK_DIR = ROOT / "examples" / "lm_eval_tasks"
-MAX_LENGTH = 24   # short, so LAMBADA passages are left-truncated and strings need windows
-NUM_STEPS = 2     # not the training K (3): the ODE is evaluated at another step count
+MAX_LENGTH = 24  # short, so LAMBADA passages are left-truncated and strings need windows
+NUM_STEPS = 2  # not the training K (3): the ODE is evaluated at another step count
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +51,9 @@ def workdir(tmp_path_factory):
 def lm(workdir):
   # As the harness builds it: model_args parsed from a string, batch_size as a string.
   return ODETransformerLM.create_from_arg_string(
-      f"workdir={workdir},solver_steps={NUM_STEPS},max_length={MAX_LENGTH}",
-      {"batch_size": "3", "max_batch_size": None, "device": "cpu"})
+    f"workdir={workdir},solver_steps={NUM_STEPS},max_length={MAX_LENGTH}",
+    {"batch_size": "3", "max_batch_size": None, "device": "cpu"},
+  )
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +66,13 @@ def reference(lm):
     """[len(ids), vocab] float64 log-probabilities of the next token after each prefix."""
     assert 0 < len(ids) <= MAX_LENGTH
     row = np.zeros((1, MAX_LENGTH), np.int32)  # right padding: causal, so it is ignored
-    row[0, :len(ids)] = ids
-    logits = np.asarray(fwd(state, row)[0, :len(ids)], np.float64)
+    row[0, : len(ids)] = ids
+    logits = np.asarray(fwd(state, row)[0, : len(ids)], np.float64)
     shifted = logits - logits.max(-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
   def score(ctx, cont):
-    full = (list(ctx) + list(cont))[-(MAX_LENGTH + 1):]
+    full = (list(ctx) + list(cont))[-(MAX_LENGTH + 1) :]
     logp = log_probs(full[:-1])
     rows = range(len(full) - 1 - len(cont), len(full) - 1)
     total = sum(logp[i, full[i + 1]] for i in rows)
@@ -90,8 +93,9 @@ def lambada_requests():
 
 
 def instances(kind, args_list):
-  return [Instance(request_type=kind, doc={}, arguments=args, idx=i)
-          for i, args in enumerate(args_list)]
+  return [
+    Instance(request_type=kind, doc={}, arguments=args, idx=i) for i, args in enumerate(args_list)
+  ]
 
 
 def test_loglikelihood_equals_direct_scoring(lm, reference):
@@ -101,7 +105,7 @@ def test_loglikelihood_equals_direct_scoring(lm, reference):
   assert len(got) == len(reqs)
   for (ctx, cont), (logp, greedy) in zip(reqs, got):
     ctx_ids = lm.tok_encode(ctx)
-    cont_ids = lm.tok_encode(ctx + cont)[len(ctx_ids):]
+    cont_ids = lm.tok_encode(ctx + cont)[len(ctx_ids) :]
     want, want_greedy = score(ctx_ids, cont_ids)
     assert logp == pytest.approx(want, abs=1e-4)
     assert greedy == want_greedy
@@ -115,8 +119,9 @@ def test_is_greedy_matches_argmax(lm, reference):
   for _ in range(3):  # the model's own greedy continuation, by a plain argmax loop
     greedy.append(int(np.argmax(log_probs(ctx + greedy)[-1])))
   other = greedy[:2] + [(greedy[2] + 1) % lm.model.config.vocab_size]
-  got = lm._loglikelihood_tokens([(("a", "b"), ctx, greedy), (("a", "c"), ctx, other)],
-                                 disable_tqdm=True)
+  got = lm._loglikelihood_tokens(
+    [(("a", "b"), ctx, greedy), (("a", "c"), ctx, other)], disable_tqdm=True
+  )
   assert got[0][1] is True and got[1][1] is False
   assert got[0][0] == pytest.approx(score(ctx, greedy)[0], abs=1e-4)
   assert got[1][0] == pytest.approx(score(ctx, other)[0], abs=1e-4)
@@ -126,8 +131,9 @@ def test_is_greedy_matches_argmax(lm, reference):
 def test_loglikelihood_rolling_scores_every_token_once(lm, reference):
   log_probs, _ = reference
   text = " ".join(lambada_docs()[:3])
-  (got,) = lm.loglikelihood_rolling(instances("loglikelihood_rolling", [(text,)]),
-                                    disable_tqdm=True)
+  (got,) = lm.loglikelihood_rolling(
+    instances("loglikelihood_rolling", [(text,)]), disable_tqdm=True
+  )
   ids = lm.tok_encode(text)
   assert len(ids) > 2 * MAX_LENGTH  # at least three windows
   stream = [lm.eot_token_id] + ids  # token i of `ids` is stream[i + 1]
@@ -144,10 +150,11 @@ def test_generate_until_equals_a_greedy_loop(lm, reference):
   log_probs, _ = reference
   contexts = ["import os\n", "class Counter:", "for name in names:\n    print("]
   gen = {"until": ["\n\n"], "max_gen_toks": 6, "do_sample": False}
-  got = lm.generate_until(instances("generate_until", [(c, gen) for c in contexts]),
-                          disable_tqdm=True)
+  got = lm.generate_until(
+    instances("generate_until", [(c, gen) for c in contexts]), disable_tqdm=True
+  )
   for ctx, text in zip(contexts, got):
-    ids = lm.tok_encode(ctx)[-(MAX_LENGTH - 6):]
+    ids = lm.tok_encode(ctx)[-(MAX_LENGTH - 6) :]
     new = []
     for _ in range(6):
       tok = int(np.argmax(log_probs(ids + new)[-1]))
@@ -162,9 +169,10 @@ def local_task(tmp_path):
   """The example task, its data file given by absolute path (as for any task run
   outside the repository root), with a private datasets cache."""
   text = (TASK_DIR / "lambada_local.yaml").read_text()
-  text = text.replace("test: examples/lm_eval_tasks/lambada_local.jsonl",
-                      f"test: {TASK_DIR / 'lambada_local.jsonl'}\n  "
-                      f"cache_dir: {tmp_path / 'hf_cache'}")
+  text = text.replace(
+    "test: examples/lm_eval_tasks/lambada_local.jsonl",
+    f"test: {TASK_DIR / 'lambada_local.jsonl'}\n  cache_dir: {tmp_path / 'hf_cache'}",
+  )
   assert str(TASK_DIR) in text
   (tmp_path / "tasks").mkdir()
   (tmp_path / "tasks" / "lambada_local.yaml").write_text(text)
@@ -176,7 +184,7 @@ def expected_metrics(lm, reference):
   scores = []
   for ctx, cont in lambada_requests():
     ctx_ids = lm.tok_encode(ctx)
-    scores.append(score(ctx_ids, lm.tok_encode(ctx + cont)[len(ctx_ids):]))
+    scores.append(score(ctx_ids, lm.tok_encode(ctx + cont)[len(ctx_ids) :]))
   return (math.exp(-np.mean([s for s, _ in scores])), np.mean([g for _, g in scores]))
 
 
@@ -186,12 +194,30 @@ def test_command_line_runs_a_local_lambada_task(workdir, lm, reference, tmp_path
   task's perplexity and accuracy equal those of direct scoring."""
   tasks = local_task(tmp_path)
   out = tmp_path / "out"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-             HF_DATASETS_CACHE=str(tmp_path / "hf_cache"))
-  cmd = [sys.executable, "-m", "odetransformer.tools.lm_eval", "--model", "odetransformer",
-         "--model_args", f"workdir={workdir},solver_steps={NUM_STEPS},max_length={MAX_LENGTH}",
-         "--include_path", str(tasks), "--tasks", "lambada_local",
-         "--batch_size", "3", "--output_path", str(out)]
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    HF_HUB_OFFLINE="1",
+    HF_DATASETS_OFFLINE="1",
+    HF_DATASETS_CACHE=str(tmp_path / "hf_cache"),
+  )
+  cmd = [
+    sys.executable,
+    "-m",
+    "odetransformer.tools.lm_eval",
+    "--model",
+    "odetransformer",
+    "--model_args",
+    f"workdir={workdir},solver_steps={NUM_STEPS},max_length={MAX_LENGTH}",
+    "--include_path",
+    str(tasks),
+    "--tasks",
+    "lambada_local",
+    "--batch_size",
+    "3",
+    "--output_path",
+    str(out),
+  ]
   r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "lambada_local" in r.stdout

@@ -1,4 +1,5 @@
 """odetransformer.tools.memory: per-device memory report (analytic and compiled paths)."""
+
 import json
 import math
 import os
@@ -45,8 +46,14 @@ def small_config():
 def _cli(tmp_path, *args, timeout=150):
   out = tmp_path / "report.json"
   env = cpu_env()
-  r = subprocess.run([sys.executable, "-m", "odetransformer.tools.memory", *args, f"--json={out}"],
-                     cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=timeout)
+  r = subprocess.run(
+    [sys.executable, "-m", "odetransformer.tools.memory", *args, f"--json={out}"],
+    cwd=str(ROOT),
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   return r.stdout, json.loads(out.read_text())
 
@@ -57,8 +64,8 @@ def test_param_bytes_equal_eval_shape_count():
   r = memory.memory_report(config, compile_step=False, devices=jax.devices()[:1])
   n = count_params(cfg)
   assert r.num_params == n
-  assert r.param_bytes == n * 4                   # float32 params, one device holds all
-  assert r.opt_state_bytes >= 2 * n * 4           # Adam mu and nu (+ step counters)
+  assert r.param_bytes == n * 4  # float32 params, one device holds all
+  assert r.opt_state_bytes >= 2 * n * 4  # Adam mu and nu (+ step counters)
   assert r.grad_bytes == n * 4
   assert not r.compiled and r.total_bytes > r.state_bytes
 
@@ -67,11 +74,18 @@ def test_param_bytes_equal_eval_shape_count():
 def test_analytic_cli_shards_params_over_fake_devices(tmp_path):
   config = small_config()
   n = count_params(config_lib.model_config(config, config.data.vocab_size))
-  args = ["--config=configs/default.py", "--num_devices=4", "--nocompile",
-          "--config.model.d_model=64", "--config.model.num_heads=4",
-          "--config.model.mlp_dim=128", "--config.model.solver_steps=3",
-          "--config.model.time_embed_dim=8", "--config.model.time_sinusoids=8",
-          "--config.data.vocab_size=512"]
+  args = [
+    "--config=configs/default.py",
+    "--num_devices=4",
+    "--nocompile",
+    "--config.model.d_model=64",
+    "--config.model.num_heads=4",
+    "--config.model.mlp_dim=128",
+    "--config.model.solver_steps=3",
+    "--config.model.time_embed_dim=8",
+    "--config.model.time_sinusoids=8",
+    "--config.data.vocab_size=512",
+  ]
   stdout, rep = _cli(tmp_path, *args)
   assert rep["num_devices"] == 4 and rep["mesh_shape"] == {"data": 1, "fsdp": 4, "tensor": 1}
   assert rep["num_params"] == n and not rep["compiled"]
@@ -94,8 +108,13 @@ def test_compiled_cli_on_four_fake_devices(tmp_path):
   """Train and eval steps compiled on 4 devices (fsdp 4); the eval step's generated
   weights are sharded as the train step's: its temporaries hold a quarter of the K
   weights W(t_k), not all of them whole (over twice the bound below when they were)."""
-  stdout, rep = _cli(tmp_path, "--config=configs/default.py", "--num_devices=4",
-                     "--config.mesh.shape=1,-1,1", *_weight_heavy_flags())
+  stdout, rep = _cli(
+    tmp_path,
+    "--config=configs/default.py",
+    "--num_devices=4",
+    "--config.mesh.shape=1,-1,1",
+    *_weight_heavy_flags(),
+  )
   assert rep["compiled"] and rep["mesh_shape"] == {"data": 1, "fsdp": 4, "tensor": 1}
   x = rep["xla"]
   assert x["temp_size_in_bytes"] > 0 and x["argument_size_in_bytes"] > 0
@@ -116,8 +135,13 @@ def test_compiled_cli_on_four_fake_devices(tmp_path):
 
 @pytest.mark.slow
 def test_large_config_uses_the_analytic_path_and_a_verdict(tmp_path):
-  stdout, rep = _cli(tmp_path, "--config=configs/owt_large.py", "--num_devices=8",
-                     "--device_memory_gib=1", timeout=60)
+  stdout, rep = _cli(
+    tmp_path,
+    "--config=configs/owt_large.py",
+    "--num_devices=8",
+    "--device_memory_gib=1",
+    timeout=60,
+  )
   assert not rep["compiled"] and rep["num_params"] > 1_000_000_000
   assert rep["mesh_shape"]["fsdp"] == 8
   assert "DOES NOT FIT" in stdout and not rep["fits"]
@@ -125,9 +149,20 @@ def test_large_config_uses_the_analytic_path_and_a_verdict(tmp_path):
 
 @pytest.mark.slow
 def test_bad_mesh_is_a_one_line_error(tmp_path):
-  r = subprocess.run([sys.executable, "-m", "odetransformer.tools.memory",
-                      "--config=configs/default.py", "--num_devices=4",
-                      "--config.mesh.shape=3,-1,1"], cwd=str(ROOT), capture_output=True,
-                     text=True, timeout=60, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  r = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "odetransformer.tools.memory",
+      "--config=configs/default.py",
+      "--num_devices=4",
+      "--config.mesh.shape=3,-1,1",
+    ],
+    cwd=str(ROOT),
+    capture_output=True,
+    text=True,
+    timeout=60,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   assert r.returncode == 2
   assert "mesh.shape" in r.stderr and "Traceback" not in r.stderr

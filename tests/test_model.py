@@ -1,5 +1,6 @@
 """DiffEqFormer model core: scan vs reference loop, materialisation, causality,
 solver orders, finite-difference gradients, program size, init scale, baselines."""
+
 import dataclasses
 import math
 
@@ -17,9 +18,19 @@ from odetransformer.model.time_embedding import time_embedding
 from odetransformer.model.transformer import create_model
 from odetransformer.train.losses import token_cross_entropy
 
-TINY = ModelConfig(vocab_size=97, d_model=32, num_heads=4, mlp_dim=64, solver_steps=4, num_layers=4,
-                   max_len=32, time_embed_dim=8, time_sinusoids=6, time_hidden=16,
-                   remat_policy="none")
+TINY = ModelConfig(
+  vocab_size=97,
+  d_model=32,
+  num_heads=4,
+  mlp_dim=64,
+  solver_steps=4,
+  num_layers=4,
+  max_len=32,
+  time_embed_dim=8,
+  time_sinusoids=6,
+  time_hidden=16,
+  remat_policy="none",
+)
 
 
 def tokens(key=0, b=2, length=16, vocab=97):
@@ -47,7 +58,7 @@ def test_time_embedding_matches_closed_form():
     got = np.asarray(time_embedding(jnp.float32(t), s), np.float64)
     want = ref_time_embedding(np.float64(np.float32(t)), s)
     ang = 1000.0 * t * np.exp(-math.log(10000.0) * np.arange(s) / s)
-    bound = np.concatenate([[0.0], ang, ang]) * 4 * 2.0 ** -24 + 1e-6
+    bound = np.concatenate([[0.0], ang, ang]) * 4 * 2.0**-24 + 1e-6
     assert got.shape == (2 * s + 1,)
     assert np.all(np.abs(got - want) <= bound), (t, np.max(np.abs(got - want) - bound))
 
@@ -65,7 +76,7 @@ def ref_weights(model, t):
     hidden = e @ _np(mlp.fc1.kernel[...]) + _np(mlp.fc1.bias[...])
     hidden = hidden / (1.0 + np.exp(-hidden))
     code = hidden @ _np(mlp.fc2.kernel[...]) + _np(mlp.fc2.bias[...])
-    proj = _np(hyper.gens[name].proj[...])   # [*shape, d_t]
+    proj = _np(hyper.gens[name].proj[...])  # [*shape, d_t]
     out[name] = proj @ code + _np(hyper.gens[name].base[...])
   return out
 
@@ -83,7 +94,7 @@ def ref_rope(x, pos, base):  # x [t, n, h]
   inv = 1.0 / base ** (np.arange(0, h, 2) / h)
   ang = pos[:, None] * inv
   sin, cos = np.sin(ang)[:, None], np.cos(ang)[:, None]
-  x1, x2 = x[..., :h // 2], x[..., h // 2:]
+  x1, x2 = x[..., : h // 2], x[..., h // 2 :]
   return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
@@ -111,7 +122,7 @@ def ref_field(x, w, cfg, seg, pos):
   a = np.einsum("tnh,nhd->td", attn, w["wo"]) + (w["bo"] if gpt else 0.0)
   if gpt:
     u = n2 @ w["w1"] + w["b1"]
-    g = 0.5 * u * (1 + np.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u ** 3)))
+    g = 0.5 * u * (1 + np.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
     m = g @ w["w2"] + w["b2"]
   else:
     u = n2 @ w["w1"]
@@ -132,7 +143,7 @@ def ref_logits(model, toks, num_steps, seg=None, pos=None):
     x = x * cfg.embed_scale
     dt = 1.0 / num_steps
     for step in range(num_steps):  # plain Python loop over solver steps
-      t = np.float32(step) * np.float32(dt)   # the model's float32 time grid
+      t = np.float32(step) * np.float32(dt)  # the model's float32 time grid
       x = x + dt * ref_field(x, ref_weights(model, t), cfg, sb, p)
     shift = _np(model.final_norm_shift[...]) if cfg.family == "gpt2" else None
     x = ref_norm(x, _np(model.final_norm_scale[...]), shift, cfg.norm_eps)
@@ -161,16 +172,24 @@ def _perturb_hypernet(model, scale=0.3, seed=7):
   state = nnx.state(model, nnx.Param)
   leaves, tree = jax.tree.flatten(state)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
-  leaves = [x + scale * jax.random.normal(k, x.shape, x.dtype) / math.sqrt(max(x.shape[-1], 1))
-            for x, k in zip(leaves, keys)]
+  leaves = [
+    x + scale * jax.random.normal(k, x.shape, x.dtype) / math.sqrt(max(x.shape[-1], 1))
+    for x, k in zip(leaves, keys)
+  ]
   nnx.update(model, jax.tree.unflatten(tree, leaves))
 
 
 @pytest.mark.matmul_precision("highest")
 @pytest.mark.slow
-@pytest.mark.parametrize("family,options", [
-    ("gpt2", {}), ("llama", {}), ("gpt2", {"step_time": "end"}),
-    ("llama", {"step_time": "end", "llama_block": "reference"})])
+@pytest.mark.parametrize(
+  "family,options",
+  [
+    ("gpt2", {}),
+    ("llama", {}),
+    ("gpt2", {"step_time": "end"}),
+    ("llama", {"step_time": "end", "llama_block": "reference"}),
+  ],
+)
 def test_materialized_equals_euler_solve(family, options):
   cfg = dataclasses.replace(TINY, family=family, **options)
   model = create_model(cfg, seed=2)
@@ -188,8 +207,12 @@ def test_materialized_shared_equals_solve():
   model = create_model(dataclasses.replace(TINY, kind="shared"), seed=3)
   _perturb_hypernet(model)
   toks = tokens(4)
-  np.testing.assert_allclose(np.asarray(materialize(model, 5)(toks)),
-                             np.asarray(model(toks, num_steps=5)), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(materialize(model, 5)(toks)),
+    np.asarray(model(toks, num_steps=5)),
+    atol=1e-5,
+    rtol=1e-5,
+  )
 
 
 @pytest.mark.parametrize("solver", ["midpoint", "rk4"])
@@ -201,8 +224,14 @@ def test_materialising_a_higher_order_ode_is_refused(solver):
     materialize(model, 4)
 
 
-KINDS = [("diffeqformer", "gpt2"), ("diffeqformer", "llama"), ("transformer", "gpt2"),
-         ("transformer", "llama"), ("parallel", "gpt2"), ("shared", "llama")]
+KINDS = [
+  ("diffeqformer", "gpt2"),
+  ("diffeqformer", "llama"),
+  ("transformer", "gpt2"),
+  ("transformer", "llama"),
+  ("parallel", "gpt2"),
+  ("shared", "llama"),
+]
 
 
 @pytest.mark.slow
@@ -220,8 +249,9 @@ def test_causality_and_segments(kind, family):
   seg = jnp.array([[1] * 5 + [2] * 7])
   pos = jnp.array([list(range(5)) + list(range(7))])
   a = np.asarray(model(toks, segment_ids_bl=seg, positions_bl=pos))
-  b = np.asarray(model(toks.at[0, 2].set((toks[0, 2] + 3) % 97), segment_ids_bl=seg,
-                       positions_bl=pos))
+  b = np.asarray(
+    model(toks.at[0, 2].set((toks[0, 2] + 3) % 97), segment_ids_bl=seg, positions_bl=pos)
+  )
   np.testing.assert_array_equal(a[0, 5:], b[0, 5:])
   # ... and the second document alone gives the same logits as inside the pack.
   alone = np.asarray(model(toks[:, 5:]))
@@ -265,11 +295,18 @@ def test_solver_broadcasts_constant_inputs_and_returns_evaluation_outputs():
   ts = solvers.stage_times(k, method)
   field = lambda x, inp: jnp.cos(inp["t"]) * (inp["a"] @ x)
   copied = solvers.fixed_step_solve(
-      field, x0, {"t": ts, "a": jnp.broadcast_to(a, ts.shape + a.shape)}, 1.0 / k, method)
+    field, x0, {"t": ts, "a": jnp.broadcast_to(a, ts.shape + a.shape)}, 1.0 / k, method
+  )
   shared = {"t": ts, "a": a[None, None]}
   x, traj, outs = solvers.fixed_step_solve(
-      lambda x, inp: (field(x, inp), x), x0, shared, 1.0 / k, method,
-      return_trajectory=True, eval_outputs=True)
+    lambda x, inp: (field(x, inp), x),
+    x0,
+    shared,
+    1.0 / k,
+    method,
+    return_trajectory=True,
+    eval_outputs=True,
+  )
   np.testing.assert_array_equal(np.asarray(x), np.asarray(copied))
   assert outs.shape == (k, solvers.num_evals(method), 2)
   np.testing.assert_array_equal(np.asarray(outs[:, 0]), np.asarray(traj))
@@ -277,11 +314,14 @@ def test_solver_broadcasts_constant_inputs_and_returns_evaluation_outputs():
     solvers.fixed_step_solve(field, x0, {"t": ts[:, :1], "a": a[None, None]}, 1.0 / k, method)
   with pytest.raises(ValueError, match="pass num_steps"):
     solvers.fixed_step_solve(lambda x, b: b @ x, x0, a[None, None], 0.5, "euler")
-  np.testing.assert_allclose(   # (I + A/2)² x0: two Euler steps of dx/dt = A x
-      np.asarray(solvers.fixed_step_solve(lambda x, b: b @ x, x0, a[None, None], 0.5,
-                                          "euler", num_steps=2)),
-      np.linalg.matrix_power(np.eye(2) + np.asarray(a) / 2, 2) @ np.asarray(x0), rtol=0,
-      atol=1e-6)   # float32 state of O(1)
+  np.testing.assert_allclose(  # (I + A/2)² x0: two Euler steps of dx/dt = A x
+    np.asarray(
+      solvers.fixed_step_solve(lambda x, b: b @ x, x0, a[None, None], 0.5, "euler", num_steps=2)
+    ),
+    np.linalg.matrix_power(np.eye(2) + np.asarray(a) / 2, 2) @ np.asarray(x0),
+    rtol=0,
+    atol=1e-6,
+  )  # float32 state of O(1)
 
 
 @pytest.mark.slow
@@ -295,9 +335,19 @@ def test_model_solver_converges():
   """
   for method, order in (("euler", 1), ("midpoint", 2), ("rk4", 4)):
     with jax.enable_x64(True):
-      model = create_model(dataclasses.replace(
-          TINY, kind="shared", d_model=64, mlp_dim=128, solver=method, dtype="float64",
-          param_dtype="float64", embed_scale=8.0), seed=5)
+      model = create_model(
+        dataclasses.replace(
+          TINY,
+          kind="shared",
+          d_model=64,
+          mlp_dim=128,
+          solver=method,
+          dtype="float64",
+          param_dtype="float64",
+          embed_scale=8.0,
+        ),
+        seed=5,
+      )
       toks = tokens(6, b=1, length=8)
       lg = {k: np.asarray(model(toks, num_steps=k)) for k in (8, 16, 256)}
       e8, e16 = (np.abs(lg[k] - lg[256]).max() for k in (8, 16))
@@ -306,24 +356,31 @@ def test_model_solver_converges():
 
 @pytest.mark.slow
 def test_hypernetwork_gradients_match_finite_differences():
-  cfg = dataclasses.replace(TINY, dtype="float64", param_dtype="float64", d_model=16,
-                            num_heads=2, mlp_dim=32)
+  cfg = dataclasses.replace(
+    TINY, dtype="float64", param_dtype="float64", d_model=16, num_heads=2, mlp_dim=32
+  )
   with jax.enable_x64(True):
     model = create_model(cfg, seed=6)
     _perturb_hypernet(model)
     toks = tokens(7, b=1, length=6)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    @jax.jit   # one compiled program for the 12 evaluations below, not op-by-op dispatch
+    @jax.jit  # one compiled program for the 12 evaluations below, not op-by-op dispatch
     def loss(p):
       m = nnx.merge(graphdef, p, rest)
       s, w = token_cross_entropy(m(toks, num_steps=3), jnp.roll(toks, -1, axis=1))
       return s / w
 
     grads = jax.tree.map(np.asarray, jax.jit(jax.grad(loss))(params))
-    params = jax.tree.map(np.asarray, params)   # host float64: no op-by-op dispatch below
-    targets = ["/gens/wq/proj", "/gens/b1/proj", "/gens/norm2_scale/proj",
-               "/mlps/q/fc1/kernel", "/gens/wo/base", "/embed"]
+    params = jax.tree.map(np.asarray, params)  # host float64: no op-by-op dispatch below
+    targets = [
+      "/gens/wq/proj",
+      "/gens/b1/proj",
+      "/gens/norm2_scale/proj",
+      "/mlps/q/fc1/kernel",
+      "/gens/wo/base",
+      "/embed",
+    ]
     for i, target in enumerate(targets):
       # Directional derivative along a random direction supported on one parameter.
       rng = np.random.default_rng(i)
@@ -368,8 +425,9 @@ def test_init_well_scaled_at_any_k(k):
   """A fresh DiffEqFormer's field is near zero (W(t) = P·h(t) with P and h both O(σ)), so
   the solve carries the embeddings through almost unchanged at any K, and the initial
   loss is ≈ ln(vocab)."""
-  cfg = dataclasses.replace(TINY, vocab_size=512, d_model=64, mlp_dim=256,
-                            time_embed_dim=16, time_sinusoids=16)
+  cfg = dataclasses.replace(
+    TINY, vocab_size=512, d_model=64, mlp_dim=256, time_embed_dim=16, time_sinusoids=16
+  )
   model = create_model(cfg, seed=8)
   toks = tokens(9, b=4, length=32, vocab=512)
   logits, traj = model(toks, num_steps=k, return_trajectory=True)
@@ -386,9 +444,16 @@ def test_init_follows_the_reference_code(family):
   """P ~ N(0, hyper_init_std²) for weights and N(0, hyper_bias_init_std²) for biases,
   P0 = 0 (1 for norm scales), norm generators 0, time-MLP kernels N(0, σ²) with hidden
   width d_t and zero biases; input embeddings unscaled."""
-  cfg = dataclasses.replace(TINY, family=family, d_model=64, mlp_dim=256,
-                            time_embed_dim=16, time_hidden=0, hyper_init_std=0.03,
-                            hyper_bias_init_std=1e-3)
+  cfg = dataclasses.replace(
+    TINY,
+    family=family,
+    d_model=64,
+    mlp_dim=256,
+    time_embed_dim=16,
+    time_hidden=0,
+    hyper_init_std=0.03,
+    hyper_bias_init_std=1e-3,
+  )
   model = create_model(cfg, seed=3)
   for name, gen in model.stack.gens.items():
     role = model.stack.specs[name].role
@@ -417,13 +482,16 @@ def test_embedding_init_follows_the_reference_models(kind):
   """As the authors' models (levanter's Gpt2Embeddings and LlamaEmbedding): GPT-2 token
   embeddings N(0, 0.02²) and positions N(0, 0.01²); untied Llama token embeddings
   N(0, 1); tied ones are also the head and keep 0.02."""
+
   def std(**kw):
     m = create_model(dataclasses.replace(TINY, kind=kind, **kw), seed=1)
-    return {n: float(jnp.std(getattr(m, n)[...])) for n in ("embed", "pos_embed")
-            if hasattr(m, n)}
-  for got, want in ((std(family="gpt2"), {"embed": 0.02, "pos_embed": 0.01}),
-                    (std(family="llama", tie_embeddings=False), {"embed": 1.0}),
-                    (std(family="llama"), {"embed": 0.02})):
+    return {n: float(jnp.std(getattr(m, n)[...])) for n in ("embed", "pos_embed") if hasattr(m, n)}
+
+  for got, want in (
+    (std(family="gpt2"), {"embed": 0.02, "pos_embed": 0.01}),
+    (std(family="llama", tie_embeddings=False), {"embed": 1.0}),
+    (std(family="llama"), {"embed": 0.02}),
+  ):
     assert got.keys() == want.keys()
     for name in want:
       assert abs(got[name] / want[name] - 1) < 0.1, (name, got, want)
@@ -438,15 +506,16 @@ def test_init_final_state_scale_independent_of_k():
   for k in (2, 8, 64):
     _, traj = model(toks, num_steps=k, return_trajectory=True)
     x_last = traj[-1]  # state entering the last step ≈ x(1 - dt)
-    finals.append(float(jnp.sqrt(jnp.mean(x_last ** 2))))
+    finals.append(float(jnp.sqrt(jnp.mean(x_last**2))))
   assert max(finals) / min(finals) < 1.5, finals
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,family", KINDS)
 def test_kinds_train(kind, family):
-  model = create_model(dataclasses.replace(TINY, kind=kind, family=family,
-                                           remat_policy="full"), seed=12)
+  model = create_model(
+    dataclasses.replace(TINY, kind=kind, family=family, remat_policy="full"), seed=12
+  )
   opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
   toks = tokens(13, b=4, length=16)
 
@@ -455,6 +524,7 @@ def test_kinds_train(kind, family):
     def loss_fn(m):
       s, w = token_cross_entropy(m(toks[:, :-1]), toks[:, 1:])
       return s / w
+
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     opt.update(model, grads)
     return loss
@@ -473,7 +543,8 @@ def test_remat_policies_same_gradients():
     def loss_fn(m):
       s, w = token_cross_entropy(m(toks), toks)
       return s / w
-    grads.append(jax.tree.leaves(nnx.jit(nnx.grad(loss_fn))(model)))   # as training runs it
+
+    grads.append(jax.tree.leaves(nnx.jit(nnx.grad(loss_fn))(model)))  # as training runs it
   for g in grads[1:]:
     for a, b in zip(grads[0], g):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
@@ -496,17 +567,21 @@ def test_every_rk4_field_evaluation_draws_its_own_dropout_masks(monkeypatch):
   evaluation's two dropout masks (attention, FFN) come from keys of their own, as do the
   embeddings'. Keys are recorded as the model runs."""
   from odetransformer.model import blocks
+
   seen, dropout = [], blocks._dropout
 
   def recording(x, rate, key):
-    jax.debug.callback(lambda k: seen.append(tuple(np.asarray(k).ravel())),
-                       jax.random.key_data(key))
+    jax.debug.callback(
+      lambda k: seen.append(tuple(np.asarray(k).ravel())), jax.random.key_data(key)
+    )
     return dropout(x, rate, key)
+
   monkeypatch.setattr(blocks, "_dropout", recording)
   k = 2
   model = create_model(dataclasses.replace(TINY, solver="rk4", dropout_rate=0.1), seed=16)
-  jax.block_until_ready(model(tokens(17), num_steps=k, deterministic=False,
-                              dropout_rng=jax.random.key(0)))
+  jax.block_until_ready(
+    model(tokens(17), num_steps=k, deterministic=False, dropout_rng=jax.random.key(0))
+  )
   assert len(seen) == 1 + k * 4 * 2
   assert len(set(seen)) == len(seen)
 
@@ -525,31 +600,40 @@ def test_float32_state_keeps_small_increments_in_bfloat16():
     graphdef, state = nnx.split(m)
     fn = jax.jit(lambda st: nnx.merge(graphdef, st)(toks, num_steps=n))
     return np.asarray(fn(state), np.float32)
+
   ref = logits()
-  err = {sd: np.abs(logits(dtype="bfloat16", state_dtype=sd) - ref).max()
-         for sd in ("float32", "bfloat16")}
+  err = {
+    sd: np.abs(logits(dtype="bfloat16", state_dtype=sd) - ref).max()
+    for sd in ("float32", "bfloat16")
+  }
   assert err["float32"] < err["bfloat16"] / 4, err
 
 
 def test_shared_time_mlp_has_fewer_params():
   def n_params(m):
     return sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
+
   per_weight = create_model(TINY, seed=0)
   shared = create_model(dataclasses.replace(TINY, shared_time_mlp=True), seed=0)
   assert n_params(shared) < n_params(per_weight)
 
 
-@pytest.mark.parametrize("override,message", [
+@pytest.mark.parametrize(
+  "override,message",
+  [
     ({"num_heads": 5}, "does not divide"),
     ({"kind": "rnn"}, "model.kind='rnn' is unknown"),
     ({"solver": "dopri"}, "model.solver='dopri' is unknown"),
     ({"solver_steps": 0}, "must be a positive integer"),
     ({"typo_key": 1}, "unknown model config keys"),
     ({"step_time": "middle"}, "model.step_time='middle' is unknown"),
-    ({"llama_block": "reference"}, "use llama_block='paper'"),   # family gpt
-    ({"llama_block": "reference", "family": "llama", "kind": "transformer"},
-     "use llama_block='paper'"),
-])
+    ({"llama_block": "reference"}, "use llama_block='paper'"),  # family gpt
+    (
+      {"llama_block": "reference", "family": "llama", "kind": "transformer"},
+      "use llama_block='paper'",
+    ),
+  ],
+)
 def test_config_errors(override, message):
   c = default_model_config()
   with c.unlocked():
@@ -577,6 +661,7 @@ def test_generate_weights_and_gradients_match_a_loop_in_float64(k):
   its VJP is the closed form dP = Σ_k dW_k ⊗ h_k, dh_k = Σ dW_k·P, dP0 = Σ_k dW_k,
   computed here entry by entry in float64."""
   from odetransformer.model.hypernet import generate_weights
+
   shape, d_t = (5, 3, 4), 7
   rng = np.random.default_rng(k)
   h = rng.normal(size=(k, d_t))
@@ -601,8 +686,12 @@ def test_generate_weights_and_gradients_match_a_loop_in_float64(k):
 
 def test_param_count_matches_allocated_model_and_gpt2():
   from odetransformer.model.param_count import count_params, paper_config
-  for cfg in (TINY, dataclasses.replace(TINY, kind="transformer"),
-              dataclasses.replace(TINY, family="llama", shared_time_mlp=True)):
+
+  for cfg in (
+    TINY,
+    dataclasses.replace(TINY, kind="transformer"),
+    dataclasses.replace(TINY, family="llama", shared_time_mlp=True),
+  ):
     allocated = sum(x.size for x in jax.tree.leaves(nnx.state(create_model(cfg), nnx.Param)))
     assert count_params(cfg) == allocated
   # GPT-2 closed form: tokens + positions + L·(attention 4d²+4d, MLP 8d²+5d, 2 norms 4d)
@@ -615,17 +704,21 @@ def test_param_count_matches_allocated_model_and_gpt2():
 @pytest.mark.slow
 def test_lora_starts_at_base_trains_adapters_only_and_merges():
   from odetransformer.model.lora import Frozen, LoraParam, merge_lora
+
   base = materialize(create_model(TINY, seed=20), 5)
-  cfg = dataclasses.replace(base.config, lora_rank=2, lora_alpha=4.0,
-                            lora_targets=("wq", "wo", "w2"))
+  cfg = dataclasses.replace(
+    base.config, lora_rank=2, lora_alpha=4.0, lora_targets=("wq", "wo", "w2")
+  )
   lora = create_model(cfg, seed=21)
   # Copy the base weights into the frozen slots.
   nnx.update(lora, jax.tree.map(lambda x: x, nnx.state(base)))
   toks = tokens(22)
   np.testing.assert_array_equal(np.asarray(lora(toks)), np.asarray(base(toks)))
   trainable = nnx.state(lora, nnx.Param)
-  assert all(isinstance(v, LoraParam) for v in jax.tree.leaves(
-      trainable, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  assert all(
+    isinstance(v, LoraParam)
+    for v in jax.tree.leaves(trainable, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  )
   assert isinstance(lora.stack.params["wq"], Frozen) and isinstance(lora.embed, Frozen)
   before = jax.tree.map(np.asarray, nnx.state(lora, Frozen))
   opt = nnx.Optimizer(lora, optax.adam(1e-2), wrt=nnx.Param)
@@ -637,5 +730,4 @@ def test_lora_starts_at_base_trains_adapters_only_and_merges():
   assert not np.array_equal(np.asarray(lora(toks)), np.asarray(base(toks)))
   merged = merge_lora(lora)
   assert merged.config.lora_rank == 0
-  np.testing.assert_allclose(np.asarray(merged(toks)), np.asarray(lora(toks)),
-                             atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(merged(toks)), np.asarray(lora(toks)), atol=1e-5, rtol=1e-5)

@@ -23,6 +23,7 @@ progress and evaluation, and the TensorBoard scalars and checkpoints are written
 the SIGTERM stops both processes at the same step, exit 0; the 1-process resume of the
 2-process checkpoint continues its two input shards exactly.
 """
+
 import json
 import os
 import pathlib
@@ -44,8 +45,8 @@ from tiny import cpu_env
 pytestmark = [pytest.mark.xdist_group("test_multihost"), pytest.mark.slow]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TIMEOUT_S = 240          # per group of processes; a hang is killed, not waited on
-STEPS = 1000             # the schedule's length: every run stops well before
+TIMEOUT_S = 240  # per group of processes; a hang is killed, not waited on
+STEPS = 1000  # the schedule's length: every run stops well before
 
 DRIVER = f"STEPS = {STEPS}\n" + textwrap.dedent("""
     import json, os, sys
@@ -138,9 +139,15 @@ def _free_port() -> int:
 
 def _env(tmp, devices, **extra):
   env = cpu_env(devices)
-  env.update(ODET_ROOT=str(ROOT), ODET_CACHE=str(tmp / "cache"))   # + the session's compile cache
-  for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
-              "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"):
+  env.update(ODET_ROOT=str(ROOT), ODET_CACHE=str(tmp / "cache"))  # + the session's compile cache
+  for key in (
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    "TPU_WORKER_HOSTNAMES",
+  ):
     env.pop(key, None)
   env.update({k: str(v) for k, v in extra.items()})
   return env
@@ -155,8 +162,11 @@ def _start_group(tmp, name, envs):
     env["ODET_RESULT"] = str(tmp / f"{name}_{i}.json")
     log = open(tmp / f"{name}_{i}.log", "w")
     logs.append(log)
-    procs.append(subprocess.Popen([sys.executable, str(driver)], env=env, cwd=str(ROOT),
-                                  stdout=log, stderr=subprocess.STDOUT))
+    procs.append(
+      subprocess.Popen(
+        [sys.executable, str(driver)], env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT
+      )
+    )
   return procs, logs
 
 
@@ -179,18 +189,30 @@ def _run_group(tmp, name, envs, started=None) -> list:
       log.close()
   codes = [p.returncode for p in procs]
   if codes != [0] * len(procs):
-    tails = "\n".join(f"--- {name} process {i} (rc {c}) ---\n" +
-                      (tmp / f"{name}_{i}.log").read_text()[-3000:]
-                      for i, c in enumerate(codes))
-    pytest.fail(f"{name}: processes exited with {codes} (killed after {TIMEOUT_S}s if "
-                f"still running)\n{tails}")
+    tails = "\n".join(
+      f"--- {name} process {i} (rc {c}) ---\n" + (tmp / f"{name}_{i}.log").read_text()[-3000:]
+      for i, c in enumerate(codes)
+    )
+    pytest.fail(
+      f"{name}: processes exited with {codes} (killed after {TIMEOUT_S}s if still running)\n{tails}"
+    )
   return [json.loads((tmp / f"{name}_{i}.json").read_text()) for i in range(len(procs))]
 
 
 def _two_process_envs(tmp, workdir, **extra):
   port = _free_port()
-  return [_env(tmp, 4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=2,
-               JAX_PROCESS_ID=i, ODET_WORKDIR=workdir, **extra) for i in range(2)]
+  return [
+    _env(
+      tmp,
+      4,
+      JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+      JAX_NUM_PROCESSES=2,
+      JAX_PROCESS_ID=i,
+      ODET_WORKDIR=workdir,
+      **extra,
+    )
+    for i in range(2)
+  ]
 
 
 def _two_processes(tmp, name, workdir, **extra):
@@ -220,12 +242,22 @@ def runs(base, gcs_bucket):
   procs[1].send_signal(signal.SIGTERM)
   sigterm = _run_group(tmp, "sigterm", envs, started=(procs, logs))
   stopped = sigterm[0]["step"]
-  part2 = _two_processes(tmp, "part2", workdir, ODET_STOP_AT=stopped + 2,
-                         ODET_EVAL_AT=stopped + 2)
-  ref = _run_group(tmp, "ref", [_env(tmp, 8, ODET_WORKDIR=tmp / "ref",
-                                     ODET_STOP_AT=stopped + 2, ODET_EVAL_AT=stopped + 2,
-                                     ODET_THEN_RESUME=workdir,
-                                     ODET_THEN_STOP_AT=stopped + 3)])[0]
+  part2 = _two_processes(tmp, "part2", workdir, ODET_STOP_AT=stopped + 2, ODET_EVAL_AT=stopped + 2)
+  ref = _run_group(
+    tmp,
+    "ref",
+    [
+      _env(
+        tmp,
+        8,
+        ODET_WORKDIR=tmp / "ref",
+        ODET_STOP_AT=stopped + 2,
+        ODET_EVAL_AT=stopped + 2,
+        ODET_THEN_RESUME=workdir,
+        ODET_THEN_STOP_AT=stopped + 3,
+      )
+    ],
+  )[0]
   return ref, sigterm, part2, workdir, stopped
 
 
@@ -265,7 +297,7 @@ def test_losses_and_evaluation_equal_single_process(runs):
       assert sorted(got) == list(steps)
       for s in steps:
         assert got[s] == pytest.approx(expected[s], abs=1e-5), (r["process_index"], s)
-  for r in part2:                    # evaluated at step S + 2
+  for r in part2:  # evaluated at step S + 2
     assert r["eval"]["loss"] == pytest.approx(ref["eval"]["loss"], abs=1e-5)
     assert r["eval"]["num_tokens"] == ref["eval"]["num_tokens"] > 0
 
@@ -277,7 +309,7 @@ def test_each_process_reads_a_disjoint_half(runs):
     p0, p1 = group[0]["batches"], group[1]["batches"]
     assert len(p0) == len(p1) == count
     for j in range(count):
-      assert len(p0[j]) == len(p1[j]) == 4            # 8 rows / 2 processes
+      assert len(p0[j]) == len(p1[j]) == 4  # 8 rows / 2 processes
       rows0 = {tuple(r) for r in p0[j]}
       rows1 = {tuple(r) for r in p1[j]}
       assert not rows0 & rows1, f"step {offset + j + 1}: processes share rows"
@@ -320,6 +352,6 @@ def test_two_process_checkpoint_resumes_on_one_process(runs, base):
   ref, _, _, workdir, stopped = runs
   assert ref["then"] == {"start_step": stopped + 2, "step": stopped + 3}
   assert finalized_steps(workdir)[-1] == stopped + 3
-  assert "input shards, this run" not in (base / "ref_0.log").read_text()   # exact
+  assert "input shards, this run" not in (base / "ref_0.log").read_text()  # exact
   for root in {pathlib.Path.cwd(), ROOT, base}:
     assert not (root / "gs:").exists(), root

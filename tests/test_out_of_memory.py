@@ -1,5 +1,6 @@
 """Out of device memory is one line naming what XLA could not allocate, the planner's
 estimate and what to change (odetransformer.tools.out_of_memory, main.py)."""
+
 import subprocess
 import sys
 
@@ -7,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from odetransformer.tools import memory
-from odetransformer.tools import out_of_memory
+from odetransformer.tools import memory, out_of_memory
+
 from tiny import ROOT, config_flags, cpu_env, tiny_config
 
 GIB = 1 << 30
@@ -53,8 +54,12 @@ def test_other_errors_are_not_out_of_memory(tmp_path):
     assert out_of_memory.out_of_memory_error(e, tiny_config(tmp_path)) is None
   assert out_of_memory.find_out_of_memory(ValueError("RESOURCE_EXHAUSTED")) is None
   assert out_of_memory.requested_bytes("Out of memory allocating 4096 bytes.") == 4096
-  assert out_of_memory.requested_bytes("Failed to allocate request for 24.00GiB "
-                                       "(25769803776B) on device ordinal 0") == 25769803776
+  assert (
+    out_of_memory.requested_bytes(
+      "Failed to allocate request for 24.00GiB (25769803776B) on device ordinal 0"
+    )
+    == 25769803776
+  )
 
 
 @pytest.mark.slow
@@ -65,9 +70,20 @@ def test_main_reports_a_model_too_big_in_one_line(tmp_path):
   c.model.kind = "transformer"
   c.model.mlp_dim = 1 << 30
   workdir = tmp_path / "run"
-  proc = subprocess.run([sys.executable, "main.py", "--config=configs/default.py",
-                         f"--workdir={workdir}", *config_flags(c)], cwd=ROOT, env=cpu_env(),
-                        capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "main.py",
+      "--config=configs/default.py",
+      f"--workdir={workdir}",
+      *config_flags(c),
+    ],
+    cwd=ROOT,
+    env=cpu_env(),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   lines = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
   assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
   assert "Traceback" not in proc.stderr and proc.stderr.rstrip().endswith(lines[0])

@@ -3,6 +3,7 @@ holds and that it imports without the checkout, its dependencies against the pin
 requirements, the test tiers (a test that starts processes is marked slow), the XLA-flag
 probe, the matmul-precision marker and the TF32 emulation used to find where it is needed.
 """
+
 import os
 import pathlib
 import re
@@ -41,9 +42,11 @@ def test_dependencies_are_lower_bounds_at_the_requirements_pins():
   (the set the tests run with), so the two lists cannot drift apart."""
   tomllib = pytest.importorskip("tomllib", reason="tomllib is in Python 3.11+")
   project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-  groups = {"requirements.txt": project["dependencies"] + project["optional-dependencies"]["test"],
-            "requirements-eval.txt": project["optional-dependencies"]["eval"],
-            "requirements-export.txt": project["optional-dependencies"]["export"]}
+  groups = {
+    "requirements.txt": project["dependencies"] + project["optional-dependencies"]["test"],
+    "requirements-eval.txt": project["optional-dependencies"]["eval"],
+    "requirements-export.txt": project["optional-dependencies"]["export"],
+  }
   for requirements, declared in groups.items():
     pins = _pins(requirements)
     for dep in declared:
@@ -56,9 +59,12 @@ def test_no_test_edits_sys_path():
   """The packages come installed and the repository root from pytest's `pythonpath`
   (child processes: PYTHONPATH from conftest); no test or script a test runs patches it."""
   edit = re.compile(r"sys\.path\s*(\.insert|\.append|\.extend|\[[^\]]*\]\s*=|\+?=)")
-  offenders = [f"{p.name}:{i}" for p in sorted((ROOT / "tests").glob("*.py"))
-               for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
-               if edit.search(line)]
+  offenders = [
+    f"{p.name}:{i}"
+    for p in sorted((ROOT / "tests").glob("*.py"))
+    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+    if edit.search(line)
+  ]
   assert not offenders, offenders
 
 
@@ -67,21 +73,54 @@ def test_the_wheel_holds_the_two_packages_and_imports_without_the_checkout(tmp_p
   """`pip install .` installs odetransformer and input_pipeline, every module of both and
   nothing else; installed into a fresh directory, they import from there in a process
   whose path has no checkout (the tools' `python -m odetransformer.<tool>` included)."""
-  subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                  "--no-build-isolation", "-w", str(tmp_path / "dist"), str(ROOT)],
-                 check=True, capture_output=True, timeout=300)
-  wheel, = (tmp_path / "dist").glob("odetransformer-*.whl")
+  subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "pip",
+      "wheel",
+      "-q",
+      "--no-deps",
+      "--no-build-isolation",
+      "-w",
+      str(tmp_path / "dist"),
+      str(ROOT),
+    ],
+    check=True,
+    capture_output=True,
+    timeout=300,
+  )
+  (wheel,) = (tmp_path / "dist").glob("odetransformer-*.whl")
   names = set(zipfile.ZipFile(wheel).namelist())
   assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {
-      "odetransformer", "input_pipeline"}
-  modules = {p.relative_to(ROOT).as_posix() for package in ("odetransformer", "input_pipeline")
-             for p in (ROOT / package).rglob("*.py")}
+    "odetransformer",
+    "input_pipeline",
+  }
+  modules = {
+    p.relative_to(ROOT).as_posix()
+    for package in ("odetransformer", "input_pipeline")
+    for p in (ROOT / package).rglob("*.py")
+  }
   assert modules <= names, sorted(modules - names)
 
   site = tmp_path / "site"
-  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
-                  "--target", str(site), str(wheel)], check=True, capture_output=True,
-                 timeout=300)
+  subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "pip",
+      "install",
+      "-q",
+      "--no-deps",
+      "--no-compile",
+      "--target",
+      str(site),
+      str(wheel),
+    ],
+    check=True,
+    capture_output=True,
+    timeout=300,
+  )
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   env["PYTHONPATH"] = str(site)
   script = textwrap.dedent("""
@@ -90,12 +129,24 @@ def test_the_wheel_holds_the_two_packages_and_imports_without_the_checkout(tmp_p
       from input_pipeline import tokenizer
       print(odetransformer.__file__, input_pipeline.__file__)
       """)
-  out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, check=True,
-                       capture_output=True, text=True, timeout=300).stdout.split()
+  out = subprocess.run(
+    [sys.executable, "-c", script],
+    cwd=tmp_path,
+    env=env,
+    check=True,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  ).stdout.split()
   assert all(path.startswith(str(site)) for path in out), out
-  r = subprocess.run([sys.executable, "-m", "odetransformer.generate", "--help"], cwd=tmp_path,
-                     env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
-                     timeout=300)
+  r = subprocess.run(
+    [sys.executable, "-m", "odetransformer.generate", "--help"],
+    cwd=tmp_path,
+    env=dict(env, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   # absl prints a tool's usage (its module docstring and flags) for --help, and exits 1.
   assert "--workdir" in r.stdout and "Traceback" not in r.stderr, r.stderr[-2000:]
 
@@ -171,8 +222,15 @@ def test_the_tf32_emulation_rounds_only_default_precision_float32_dots(tmp_path)
   TF32's ~1e-3 (what a GPU gives), one at 'highest' (asked for, or from the marker's
   context) by float32's ~1e-7; other dtypes compile and run as before."""
   import json  # pylint: disable=g-import-not-at-top
-  out = subprocess.run([sys.executable, "-c", _TF32_SCRIPT], env=tiny.cpu_env(),
-                       capture_output=True, text=True, timeout=300, check=True).stdout
+
+  out = subprocess.run(
+    [sys.executable, "-c", _TF32_SCRIPT],
+    env=tiny.cpu_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=True,
+  ).stdout
   errors = json.loads(out.strip().splitlines()[-1])
   assert 1e-4 < errors["default"] < 1e-2, errors
   assert errors["highest"] < 1e-5 and errors["context"] < 1e-5, errors

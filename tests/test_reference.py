@@ -12,6 +12,7 @@ at t_k = (k+1)·dt, `Gpt2Embeddings` tied to the head). Llama family:
 Our model matches at `model.step_time='end'` (and `llama_block='reference'`), and does
 not at our own conventions, so the comparison can tell them apart.
 """
+
 import dataclasses
 import math
 
@@ -19,10 +20,9 @@ from flax import nnx
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_model import TINY, _np, _perturb_hypernet, tokens
 
 from odetransformer.model.transformer import create_model
-
-from test_model import TINY, _np, _perturb_hypernet, tokens
 
 
 # ------------------------------------------------------- qkvflow's equations in numpy
@@ -32,8 +32,11 @@ def sinusoidal_pos_emb(t, num_sinusoids):
   is what both models compute (an argument of 1000 rad is only known to ~6e-5 rad in
   float32), so they are formed in float32 here and everything after in float64."""
   x = np.float32(t) * np.float32(1000.0)
-  freqs = np.exp(np.float32(-math.log(10000.0)) * np.arange(num_sinusoids, dtype=np.float32)
-                 / np.float32(num_sinusoids))
+  freqs = np.exp(
+    np.float32(-math.log(10000.0))
+    * np.arange(num_sinusoids, dtype=np.float32)
+    / np.float32(num_sinusoids)
+  )
   args = (x * freqs.astype(np.float32)).astype(np.float64)
   return np.concatenate([[np.float64(x / np.float32(1000.0))], np.sin(args), np.cos(args)])
 
@@ -84,7 +87,7 @@ def rotary(x, base):
   inv_freq = 1.0 / base ** (np.arange(0, size, 2) / size)
   freqs = np.arange(length)[:, None] * inv_freq[None]
   emb = np.concatenate([freqs, freqs], -1)[:, None]
-  half = np.concatenate([-x[..., size // 2:], x[..., :size // 2]], -1)
+  half = np.concatenate([-x[..., size // 2 :], x[..., : size // 2]], -1)
   return x * np.cos(emb) + half * np.sin(emb)
 
 
@@ -94,7 +97,7 @@ def gpt_block(ref, e, x):
   attn = causal_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2])
   attn = temporal_linear(ref["attn_c_proj"], e, attn, 2)
   u = temporal_linear(ref["c_fc"], e, temporal_norm(ref["mlp_ln"], e, x, 1e-5, False), 1)
-  u = 0.5 * u * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (u + 0.044715 * u ** 3)))
+  u = 0.5 * u * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (u + 0.044715 * u**3)))
   return attn + temporal_linear(ref["mlp_c_proj"], e, u, 1)
 
 
@@ -115,7 +118,7 @@ def reference_logits(ref, toks, num_layers, family, num_sinusoids, rope_base):
   """NeuralOdeLMHeadModel / LlamaLMHeadModel: embed, Euler x + dt·block(t_k, x) at
   t_k = (k+1)·dt, final norm, head; one row of tokens at a time."""
   dt = np.float32(1.0 / num_layers)
-  ts = (np.arange(num_layers, dtype=np.float32) + np.float32(1.0)) * dt   # generate_t
+  ts = (np.arange(num_layers, dtype=np.float32) + np.float32(1.0)) * dt  # generate_t
   out = []
   for row in np.asarray(toks):
     x = ref["token_embeddings"][row]
@@ -125,11 +128,11 @@ def reference_logits(ref, toks, num_layers, family, num_sinusoids, rope_base):
       e = sinusoidal_pos_emb(t, num_sinusoids)
       f = gpt_block(ref, e, x) if family == "gpt2" else llama_block(ref, e, x, rope_base)
       x = x + f * np.float64(dt)
-    if family == "gpt2":   # hnn.LayerNorm, eps 1e-5, tied unembedding
+    if family == "gpt2":  # hnn.LayerNorm, eps 1e-5, tied unembedding
       mean = x.mean(-1, keepdims=True)
       x = (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
       out.append((x * ref["ln_f_w"] + ref["ln_f_b"]) @ ref["token_embeddings"].T)
-    else:                  # LlamaRMSNorm_, eps 1e-5, no bias; lm_head
+    else:  # LlamaRMSNorm_, eps 1e-5, no bias; lm_head
       x = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)
       out.append((x * ref["ln_f_w"]) @ ref["lm_head"])
   return np.stack(out)
@@ -140,8 +143,12 @@ def _module(model, group, gens):
   """A reference module dict: the time MLP of `group`, and f_W/f_W_bias/f_b/f_weight/
   f_bias from our generators (P [*shape, d_t] -> [d_t, *shape]; P0 -> the Linear's bias)."""
   mlp = model.stack.mlps[group]
-  mod = {"lin1_w": _np(mlp.fc1.kernel[...]), "lin1_b": _np(mlp.fc1.bias[...]),
-         "lin2_w": _np(mlp.fc2.kernel[...]), "lin2_b": _np(mlp.fc2.bias[...])}
+  mod = {
+    "lin1_w": _np(mlp.fc1.kernel[...]),
+    "lin1_b": _np(mlp.fc1.bias[...]),
+    "lin2_w": _np(mlp.fc2.kernel[...]),
+    "lin2_b": _np(mlp.fc2.bias[...]),
+  }
   for key, name in gens.items():
     gen = model.stack.gens[name]
     mod[key] = np.moveaxis(_np(gen.proj[...]), -1, 0)
@@ -153,8 +160,10 @@ def _module(model, group, gens):
 def reference_params(model):
   cfg, stack = model.config, model.stack
   ref = {"token_embeddings": _np(model.embed[...]), "ln_f_w": _np(model.final_norm_scale[...])}
-  norms = {"norm1": "attn_ln" if cfg.family == "gpt2" else "input_layernorm",
-           "norm2": "mlp_ln" if cfg.family == "gpt2" else "post_attention_layernorm"}
+  norms = {
+    "norm1": "attn_ln" if cfg.family == "gpt2" else "input_layernorm",
+    "norm2": "mlp_ln" if cfg.family == "gpt2" else "post_attention_layernorm",
+  }
   for ours, theirs in norms.items():
     ref[theirs] = _module(model, ours, {"f_weight": f"{ours}_scale", "f_bias": f"{ours}_shift"})
   if cfg.family == "gpt2":
@@ -162,18 +171,26 @@ def reference_params(model):
     ref["ln_f_b"] = _np(model.final_norm_shift[...])
     # c_attn is one TemporalLinear (one time MLP) with Out = (qkv, heads, head_size).
     qkv = [_module(model, p, {"f_W": f"w{p}", "f_b": f"b{p}"}) for p in "qkv"]
-    ref["c_attn"] = dict(qkv[0], f_W=np.stack([m["f_W"] for m in qkv], 2),
-                         f_W_bias=np.stack([m["f_W_bias"] for m in qkv], 1),
-                         f_b=np.stack([m["f_b"] for m in qkv], 1))
+    ref["c_attn"] = dict(
+      qkv[0],
+      f_W=np.stack([m["f_W"] for m in qkv], 2),
+      f_W_bias=np.stack([m["f_W_bias"] for m in qkv], 1),
+      f_b=np.stack([m["f_b"] for m in qkv], 1),
+    )
     ref["attn_c_proj"] = _module(model, "o", {"f_W": "wo", "f_b": "bo"})
     ref["c_fc"] = _module(model, "fc1", {"f_W": "w1", "f_b": "b1"})
     ref["mlp_c_proj"] = _module(model, "fc2", {"f_W": "w2", "f_b": "b2"})
   else:
     ref["lm_head"] = _np(model.head[...])
-    for theirs, ours, group in (("q_proj", "wq", "q"), ("k_proj", "wk", "k"),
-                                ("v_proj", "wv", "v"), ("o_proj", "wo", "o"),
-                                ("gate_proj", "w1", "fc1"), ("up_proj", "w3", "fc3"),
-                                ("down_proj", "w2", "fc2")):
+    for theirs, ours, group in (
+      ("q_proj", "wq", "q"),
+      ("k_proj", "wk", "k"),
+      ("v_proj", "wv", "v"),
+      ("o_proj", "wo", "o"),
+      ("gate_proj", "w1", "fc1"),
+      ("up_proj", "w3", "fc3"),
+      ("down_proj", "w2", "fc2"),
+    ):
       ref[theirs] = _module(model, group, {"f_W": ours})
   return ref
 
@@ -191,8 +208,10 @@ def _reference_expressible(model):
       nnx.update(model.stack.mlps[p], nnx.state(model.stack.mlps["q"]))
 
 
-CASES = {"gpt2": dict(family="gpt2"),
-         "llama": dict(family="llama", llama_block="reference", tie_embeddings=False)}
+CASES = {
+  "gpt2": dict(family="gpt2"),
+  "llama": dict(family="llama", llama_block="reference", tie_embeddings=False),
+}
 
 
 @pytest.mark.slow
@@ -205,8 +224,9 @@ def test_end_step_time_is_the_reference_forward(name):
   model = create_model(cfg, seed=5)
   _reference_expressible(model)
   toks = tokens(2, b=2, length=12)
-  want = reference_logits(reference_params(model), toks, cfg.depth, cfg.family,
-                          cfg.time_sinusoids, cfg.rope_base)
+  want = reference_logits(
+    reference_params(model), toks, cfg.depth, cfg.family, cfg.time_sinusoids, cfg.rope_base
+  )
   scale = np.abs(want).max()
 
   def error(config):
@@ -214,14 +234,16 @@ def test_end_step_time_is_the_reference_forward(name):
     other = nnx.merge(nnx.graphdef(create_model(config, seed=0)), state)
     return np.abs(np.asarray(other(toks), np.float64) - want).max() / scale
 
-  assert scale > 0.5    # logits well away from 0, so the relative error means something
+  assert scale > 0.5  # logits well away from 0, so the relative error means something
   err = error(cfg)
   assert err < 1e-5, err
   assert error(dataclasses.replace(cfg, step_time="start")) > 100 * max(err, 1e-7)
   if cfg.family == "llama":
     paper = dataclasses.replace(cfg, llama_block="paper")
     paper_model = create_model(paper, seed=0)
-    nnx.update(paper_model, nnx.state(model).filter(
-        lambda path, _: not any(str(p).endswith("_shift") for p in path)))
+    nnx.update(
+      paper_model,
+      nnx.state(model).filter(lambda path, _: not any(str(p).endswith("_shift") for p in path)),
+    )
     got = np.asarray(paper_model(toks), np.float64)
     assert np.abs(got - want).max() / scale > 100 * max(err, 1e-7)

@@ -1,5 +1,6 @@
 """A resume holds one TrainState: restored into the abstract (sharded) targets, with no
 created state beside it (`loop._restore_or_init`)."""
+
 import gc
 import threading
 
@@ -11,7 +12,7 @@ from odetransformer.train.checkpoint.manager import Checkpointer
 
 from tiny import tiny_config
 
-pytestmark = pytest.mark.slow   # runs training end to end
+pytestmark = pytest.mark.slow  # runs training end to end
 
 
 def _live_bytes() -> int:
@@ -28,7 +29,7 @@ def test_resume_peak_live_device_bytes_are_one_state(tmp_path, monkeypatch):
   config = tiny_config(tmp_path / "cache", num_train_steps=2)
   config.eval_every_steps = 0
   workdir = str(tmp_path / "run")
-  loop.train_and_evaluate(config, workdir)          # leaves a checkpoint at step 2
+  loop.train_and_evaluate(config, workdir)  # leaves a checkpoint at step 2
 
   samples, states = [], []
   sample = lambda: samples.append(_live_bytes())
@@ -47,6 +48,7 @@ def test_resume_peak_live_device_bytes_are_one_state(tmp_path, monkeypatch):
     def poll():
       while not done.wait(0.001):
         sample()
+
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
     try:
@@ -60,12 +62,12 @@ def test_resume_peak_live_device_bytes_are_one_state(tmp_path, monkeypatch):
 
   monkeypatch.setattr(Checkpointer, "restore_latest", measured_restore)
   monkeypatch.setattr(loop, "_restore_or_init", measured_restore_or_init)
-  gc.collect()            # the baseline holds no garbage that the resume would free
+  gc.collect()  # the baseline holds no garbage that the resume would free
   before = _live_bytes()
-  resumed = loop.train_and_evaluate(config, workdir)   # at step 2 already: restore, eval
+  resumed = loop.train_and_evaluate(config, workdir)  # at step 2 already: restore, eval
   assert resumed["start_step"] == 2 and len(states) == 1
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(states[0]))
   assert len(samples) >= 3 and state_bytes > 0
   peak = max(samples) - before
-  assert peak >= state_bytes                            # the restored state is counted
+  assert peak >= state_bytes  # the restored state is counted
   assert peak <= 1.15 * state_bytes, (peak / state_bytes, peak, state_bytes)

@@ -1,4 +1,5 @@
 """Mesh shapes and logical-axis rules (no devices needed beyond the host CPU)."""
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -21,12 +22,15 @@ def test_mesh_shape_minus_one_takes_the_rest():
   assert sharding.resolve_mesh_shape((2, 2, 2), 8) == (2, 2, 2)
 
 
-@pytest.mark.parametrize("shape,devices,words", [
+@pytest.mark.parametrize(
+  "shape,devices,words",
+  [
     ((3, -1, 1), 8, "does not divide"),
     ((2, 2, 1), 8, "needs 4 devices"),
     ((-1, -1, 1), 8, "at most one"),
     ((1, 8), 8, "3 entries"),
-])
+  ],
+)
 def test_bad_mesh_shapes_are_one_line_errors(shape, devices, words):
   with pytest.raises(sharding.MeshError, match=words):
     sharding.resolve_mesh_shape(shape, devices)
@@ -46,14 +50,15 @@ def test_default_mesh_is_auto_and_covers_every_logical_axis():
 
 def test_rules_overrides_from_config_strings():
   config = default.get_config()
-  config.mesh.rules.embed = ""                 # replicate
+  config.mesh.rules.embed = ""  # replicate
   config.mesh.rules.batch = "data"
   config.mesh.rules.mlp = "fsdp,tensor"
   rules = dict(sharding.logical_axis_rules(config.mesh))
   assert rules["embed"] is None and rules["batch"] == "data"
   assert rules["mlp"] == ("fsdp", "tensor")
-  assert sharding.logical_to_spec(("batch", "length", "mlp"), tuple(rules.items())) == \
-      P("data", None, ("fsdp", "tensor"))
+  assert sharding.logical_to_spec(("batch", "length", "mlp"), tuple(rules.items())) == P(
+    "data", None, ("fsdp", "tensor")
+  )
 
 
 def test_unknown_mesh_axis_in_rules_is_an_error():
@@ -66,7 +71,7 @@ def test_unknown_mesh_axis_in_rules_is_an_error():
 def test_activation_rules_drop_the_batch_axes():
   rules = dict(sharding.activation_rules(sharding.DEFAULT_RULES))
   assert rules["batch"] == ("data", "fsdp")
-  assert rules["embed"] is None               # fsdp is taken by the batch
+  assert rules["embed"] is None  # fsdp is taken by the batch
   assert rules["heads"] == rules["vocab"] == "tensor"
 
 
@@ -92,38 +97,43 @@ def test_generated_weights_follow_the_parameter_rules_activations_the_rules_in_f
   c = tiny_config("/unused")
   cfg = config_lib.model_config(c, 64)
   rules = sharding.logical_axis_rules(c.mesh)
-  mesh = jax.sharding.AbstractMesh((1, 2, 1), sharding.MESH_AXES,
-                                   axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  mesh = jax.sharding.AbstractMesh(
+    (1, 2, 1), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3
+  )
   graphdef, state = nnx.split(create_model(cfg))
   batch = {"inputs": jnp.zeros((2, 8), jnp.int32)}
 
   def specs(param_rules):
     def logits(s):
       return steps._logits(nnx.merge(graphdef, s), batch, param_rules)  # pylint: disable=protected-access
-    with jax.sharding.use_abstract_mesh(mesh), nnx.logical_axis_rules(
-        sharding.activation_rules(rules)):
+
+    with (
+      jax.sharding.use_abstract_mesh(mesh),
+      nnx.logical_axis_rules(sharding.activation_rules(rules)),
+    ):
       return _constraint_specs(jax.make_jaxpr(logits)(state).jaxpr)
 
   passed, in_force = specs(rules), specs(None)
   embed_weights = [s for s in layer_param_specs(cfg).values() if "embed" in s.axes]
-  generated = [s for s in passed if "fsdp" in s[1:]]     # fsdp elsewhere than the batch
+  generated = [s for s in passed if "fsdp" in s[1:]]  # fsdp elsewhere than the batch
   assert len(generated) == len(embed_weights) > 0, passed
   assert len(passed) == len(in_force)
   for p, f in zip(passed, in_force):
-    if p in generated:   # W [K·S, *weight axes]: the same, but embed on fsdp
+    if p in generated:  # W [K·S, *weight axes]: the same, but embed on fsdp
       assert p[0] is None and f == tuple(None if a == "fsdp" else a for a in p), (p, f)
-    else:                # an activation: as before
+    else:  # an activation: as before
       assert p == f
 
 
 def test_global_batch_rejects_local_data_that_does_not_tile_the_stated_global_shape():
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   sh = jax.sharding.NamedSharding(mesh, P("data"))
   local = {"inputs": np.zeros((4, 8), np.int32)}
   assert sharding.global_batch_from_local(local, sh, 4)["inputs"].shape == (4, 8)
-  with pytest.raises(ValueError):   # this process's rows do not tile a batch of 8
+  with pytest.raises(ValueError):  # this process's rows do not tile a batch of 8
     sharding.global_batch_from_local(local, sh, 8)
 
 
@@ -216,12 +226,13 @@ def test_loss_and_gradients_on_8_device_meshes_equal_one_device(tmp_path):
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   from tiny import run_on_8_cpu_devices  # pylint: disable=g-import-not-at-top
+
   out, _ = run_on_8_cpu_devices(_EQUALITY_SCRIPT, tmp_path, timeout=1800)
   assert set(out) == {"ode_gpt", "continuous_llama", "lora"}
   for name, runs in out.items():
     loss, norm, grads, eval_loss = runs.pop("one")
     assert norm > 0, name
-    if name == "lora":   # only the adapters train: A and B of wq, wo, w1
+    if name == "lora":  # only the adapters train: A and B of wq, wo, w1
       assert len(grads) == 6 and all("lora" in key for key in grads), sorted(grads)
     else:
       assert len(grads) >= 8, (name, sorted(grads))
@@ -245,5 +256,6 @@ def test_loss_and_gradients_on_8_device_meshes_equal_one_device(tmp_path):
           continue
         assert np.any(g != 0), (name, key)
         # float32 sums taken in another order: a few ulps of the largest entry.
-        np.testing.assert_allclose(g8, g, rtol=1e-4, atol=1e-6 * np.max(np.abs(g)),
-                                   err_msg=f"{name} {mesh} {key}")
+        np.testing.assert_allclose(
+          g8, g, rtol=1e-4, atol=1e-6 * np.max(np.abs(g)), err_msg=f"{name} {mesh} {key}"
+        )

@@ -1,6 +1,7 @@
 """Issue 47 items 1 and 6 at toy size: the one-command GPT-2 small single-epoch comparison
 (`benchmarks.single_epoch --config=configs/wikipedia_small.py`), run with the config's
 `:tiny` variant on a slice of the wikipedia-2015 files, and the GPU script's dry run."""
+
 import json
 import os
 import re
@@ -30,18 +31,23 @@ def _wikipedia_slice(tmp_path):
   wiki = shared_data_path("wikipedia-2015")
   data = tmp_path / "data"
   data.mkdir()
-  for name, chars in (("train-00.txt", 30_000), ("train-01.txt", 30_000),
-                      ("valid.txt", 6_000), ("test.txt", 6_000)):
-    (data / name).write_text((wiki / name).read_text(encoding="utf-8")[:chars],
-                             encoding="utf-8")
+  for name, chars in (
+    ("train-00.txt", 30_000),
+    ("train-01.txt", 30_000),
+    ("valid.txt", 6_000),
+    ("test.txt", 6_000),
+  ):
+    (data / name).write_text((wiki / name).read_text(encoding="utf-8")[:chars], encoding="utf-8")
   return data
 
 
 def _extra_texts(tmp_path):
   """Two held-out files of other text: WikiText-2 test and Tiny Shakespeare."""
   out = []
-  for name, src in (("wikitext2.txt", shared_data_path("wikitext-2", "test.txt")),
-                    ("shakespeare.txt", shared_data_path("tinyshakespeare", "input.txt"))):
+  for name, src in (
+    ("wikitext2.txt", shared_data_path("wikitext-2", "test.txt")),
+    ("shakespeare.txt", shared_data_path("tinyshakespeare", "input.txt")),
+  ):
     path = tmp_path / name
     path.write_text(src.read_text(encoding="utf-8")[:4_000], encoding="utf-8")
     out.append(str(path))
@@ -53,12 +59,17 @@ def test_wikipedia_small_config_keeps_the_authors_settings():
   the batch, vocabulary, data and remat changed; the benchmark names it gpt2-small."""
   from benchmarks import single_epoch  # pylint: disable=g-import-not-at-top
   from configs import owt_small, wikipedia_small  # pylint: disable=g-import-not-at-top
+
   c, authors = wikipedia_small.get_config(), owt_small.get_config()
   model, ref = c.model.to_dict(), authors.model.to_dict()
   assert {k for k in model if model[k] != ref[k]} == {"remat_policy"}
   assert c.optim.to_dict() == authors.optim.to_dict()
-  assert (c.model.time_embed_dim, c.model.time_sinusoids, c.model.dropout_rate,
-          c.model.dtype) == (20, 128, 0.1, "bfloat16")
+  assert (c.model.time_embed_dim, c.model.time_sinusoids, c.model.dropout_rate, c.model.dtype) == (
+    20,
+    128,
+    0.1,
+    "bfloat16",
+  )
   assert (c.global_batch_size, c.seq_len, c.data.vocab_size) == (64, 1024, 32768)
   assert single_epoch.model_label(c) == "gpt2-small"
   tiny = wikipedia_small.get_config("tiny")
@@ -75,16 +86,30 @@ def test_one_command_compares_both_models_and_plots_seed0(tmp_path, capsys):
   and item 6's spectra, Lyapunov and clustering PNGs of seed 0's DiffEqFormer exist."""
   from benchmarks import single_epoch  # pylint: disable=g-import-not-at-top
   from odetransformer.train import loading  # pylint: disable=g-import-not-at-top
+
   data, texts, runs = _wikipedia_slice(tmp_path), _extra_texts(tmp_path), tmp_path / "runs"
-  flags = ["--config=configs/wikipedia_small.py:tiny", f"--data_dir={data}",
-           f"--workdir={runs}", "--steps=4", "--seeds=2", "--eval_every=2", "--log_every=2",
-           "--spectra_grid=4", "--lyapunov_tokens=8", f"--eval_text={','.join(texts)}"]
+  flags = [
+    "--config=configs/wikipedia_small.py:tiny",
+    f"--data_dir={data}",
+    f"--workdir={runs}",
+    "--steps=4",
+    "--seeds=2",
+    "--eval_every=2",
+    "--log_every=2",
+    "--spectra_grid=4",
+    "--lyapunov_tokens=8",
+    f"--eval_text={','.join(texts)}",
+  ]
   single_epoch.main(flags)
   out = capsys.readouterr().out
   lines = out.strip().splitlines()
-  evals = {(kind, seed): json.loads((runs / f"{kind}_seed{seed}_steps4" /
-                                     "single_epoch_evals.json").read_text())["4"]
-           for kind in ("diffeqformer", "transformer") for seed in (0, 1)}
+  evals = {
+    (kind, seed): json.loads(
+      (runs / f"{kind}_seed{seed}_steps4" / "single_epoch_evals.json").read_text()
+    )["4"]
+    for kind in ("diffeqformer", "transformer")
+    for seed in (0, 1)
+  }
 
   for seed in (0, 1):
     ode, gpt = (runs / f"{kind}_seed{seed}_steps4" for kind in ("diffeqformer", "transformer"))
@@ -96,44 +121,61 @@ def test_one_command_compares_both_models_and_plots_seed0(tmp_path, capsys):
     assert {k for k in m_ode if m_ode[k] != m_gpt[k]} == {"kind"}
     assert (m_ode["kind"], m_gpt["kind"]) == ("diffeqformer", "transformer")
     assert c_ode == c_gpt and c_ode["seed"] == seed
-    assert evals["diffeqformer", seed]["documents_read"] == \
-        evals["transformer", seed]["documents_read"]
-    _find(rf"^tokens seen per model: 256 \(4 steps x 2 rows x 32 targets\); documents read "
-          rf"{NUM} of {NUM} .*: single epoch, no token position of the training text served "
-          r"twice$", out)
+    assert (
+      evals["diffeqformer", seed]["documents_read"] == evals["transformer", seed]["documents_read"]
+    )
+    _find(
+      rf"^tokens seen per model: 256 \(4 steps x 2 rows x 32 targets\); documents read "
+      rf"{NUM} of {NUM} .*: single epoch, no token position of the training text served "
+      r"twice$",
+      out,
+    )
     for kind in ("diffeqformer", "transformer"):
       e = evals[kind, seed]
       # The curve: the loop's valid evaluations at 2 and 4; at 4 the whole split, as the
       # final score.
       assert sorted(e["curve"]) == ["2", "4"]
       assert f"{e['curve']['4']:.2f}" == f"{e['valid']['perplexity']:.2f}"
-      m = _find(rf"^seed {seed} {kind}\s+\| 4 steps \| valid ppl\s+{NUM} \| test ppl\s+{NUM} "
-                rf"\| {NUM} test tokens \| train {NUM} s, score {NUM} s on 1 x \S+ \(cpu\) \| "
-                r"trained now$", out)
+      m = _find(
+        rf"^seed {seed} {kind}\s+\| 4 steps \| valid ppl\s+{NUM} \| test ppl\s+{NUM} "
+        rf"\| {NUM} test tokens \| train {NUM} s, score {NUM} s on 1 x \S+ \(cpu\) \| "
+        r"trained now$",
+        out,
+      )
       assert _num(m.group(2)) == pytest.approx(e["test"]["perplexity"], abs=0.005)
     for path in texts:
-      o, g = (evals[kind, seed]["texts"][path]["perplexity"]
-              for kind in ("diffeqformer", "transformer"))
+      o, g = (
+        evals[kind, seed]["texts"][path]["perplexity"] for kind in ("diffeqformer", "transformer")
+      )
       assert len([l for l in lines if l.startswith(f"seed {seed} eval_text {path} |")]) == 1
-      _find(rf"^seed {seed} eval_text {re.escape(path)} \| diffeqformer ppl {o:.2f} \| "
-            rf"transformer ppl {g:.2f} \| diffeqformer/gpt ratio {o / g:.3f} \| {NUM} tokens$",
-            out)
+      _find(
+        rf"^seed {seed} eval_text {re.escape(path)} \| diffeqformer ppl {o:.2f} \| "
+        rf"transformer ppl {g:.2f} \| diffeqformer/gpt ratio {o / g:.3f} \| {NUM} tokens$",
+        out,
+      )
 
   def ratios(where):
     return [where(evals["diffeqformer", s]) / where(evals["transformer", s]) for s in (0, 1)]
 
   for path in texts:
     r = ratios(lambda e, path=path: e["texts"][path]["perplexity"])
-    assert (f"eval_text {path}: diffeqformer/gpt perplexity ratio {statistics.mean(r):.3f} ± "
-            f"{statistics.stdev(r):.3f} (2 seeds)") in lines
+    assert (
+      f"eval_text {path}: diffeqformer/gpt perplexity ratio {statistics.mean(r):.3f} ± "
+      f"{statistics.stdev(r):.3f} (2 seeds)"
+    ) in lines
   m = _find(r"^wall time of this command: ([0-9.]+) s on 1 x \S+ \(cpu\)$", out)
   assert float(m.group(1)) > 0
   n_ode, n_gpt = (evals[kind, 0]["num_params"] for kind in ("diffeqformer", "transformer"))
-  assert f"parameters: diffeqformer {n_ode:,} | gpt {n_gpt:,}: the DiffEqFormer holds " \
-         f"{n_ode / n_gpt:.1f}x GPT's parameters (its hypernetworks)" in lines
+  assert (
+    f"parameters: diffeqformer {n_ode:,} | gpt {n_gpt:,}: the DiffEqFormer holds "
+    f"{n_ode / n_gpt:.1f}x GPT's parameters (its hypernetworks)" in lines
+  )
   r = ratios(lambda e: e["test"]["perplexity"])
-  m = re.fullmatch(r"(\S+) single-epoch diffeqformer/gpt test perplexity ratio: ([0-9.]+) ± "
-                   r"([0-9.]+) \(2 seeds, 256 tokens\)", lines[-1])
+  m = re.fullmatch(
+    r"(\S+) single-epoch diffeqformer/gpt test perplexity ratio: ([0-9.]+) ± "
+    r"([0-9.]+) \(2 seeds, 256 tokens\)",
+    lines[-1],
+  )
   assert m, lines[-1]
   assert m.group(1) == "d32-h2-K2"
   assert (m.group(2), m.group(3)) == (f"{statistics.mean(r):.3f}", f"{statistics.stdev(r):.3f}")
@@ -146,33 +188,52 @@ def test_one_command_compares_both_models_and_plots_seed0(tmp_path, capsys):
   assert "trained now" not in again and again.count("| read back from ") == 4
   assert re.search(r"^analysis of diffeqformer_seed0_steps4: read back from ", again, re.M)
 
-  pngs = [runs / "single_epoch.png"] + [runs / "analysis" / f"{name}.png" for name in (
-      "spectra_qk", "spectra_ov", "spectra_ff", "lyapunov", "clustering",
-      "clustering_dispersion", "clustering_trained")]
+  pngs = [runs / "single_epoch.png"] + [
+    runs / "analysis" / f"{name}.png"
+    for name in (
+      "spectra_qk",
+      "spectra_ov",
+      "spectra_ff",
+      "lyapunov",
+      "clustering",
+      "clustering_dispersion",
+      "clustering_trained",
+    )
+  ]
   for png in pngs:
     assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 1000, png
   trained = json.loads((runs / "analysis" / "clustering_trained.json").read_text())
-  assert trained["times"] == [0.0, 0.5, 1.0] and trained["tokens"] == 8   # K = 2 steps
+  assert trained["times"] == [0.0, 0.5, 1.0] and trained["tokens"] == 8  # K = 2 steps
   assert all(0 <= d <= 2 for d in trained["mean_pairwise_distance"])
   spectra = json.loads((runs / "analysis" / "spectra_summary.json").read_text())
   assert spectra["kind"] == "diffeqformer" and len(spectra["times"]) == 4
   assert json.loads((runs / "analysis" / "lyapunov.json").read_text())["position"] == 7
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--eval_text=/nonexistent/x.txt"],
-     "error: --eval_text: /nonexistent/x.txt is not a file; pass existing text files, "
-     "comma-separated"),
-    (["--config=configs/wikipedia_small.py", "--lr=1e-3"],
-     "error: --lr applies without --config; with --config=configs/wikipedia_small.py the "
-     "config sets the model and optimizer (edit it, or leave --config out)"),
-    (["--config=configs/wikipedia_small.py:huge"],
-     "error: --config=configs/wikipedia_small.py:huge: variant 'huge': the variants are '' "
-     "and 'tiny'; pass FILE.py[:VARIANT] whose get_config() returns a ConfigDict, e.g. "
-     "configs/wikipedia_small.py"),
-])
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    (
+      ["--eval_text=/nonexistent/x.txt"],
+      "error: --eval_text: /nonexistent/x.txt is not a file; pass existing text files, "
+      "comma-separated",
+    ),
+    (
+      ["--config=configs/wikipedia_small.py", "--lr=1e-3"],
+      "error: --lr applies without --config; with --config=configs/wikipedia_small.py the "
+      "config sets the model and optimizer (edit it, or leave --config out)",
+    ),
+    (
+      ["--config=configs/wikipedia_small.py:huge"],
+      "error: --config=configs/wikipedia_small.py:huge: variant 'huge': the variants are '' "
+      "and 'tiny'; pass FILE.py[:VARIANT] whose get_config() returns a ConfigDict, e.g. "
+      "configs/wikipedia_small.py",
+    ),
+  ],
+)
 def test_bad_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, message):
   from benchmarks import single_epoch  # pylint: disable=g-import-not-at-top
+
   with pytest.raises(SystemExit) as e:
     single_epoch.parse_args([f"--data_dir={_wikipedia_slice(tmp_path)}", *flags])
   assert e.value.code == 2
@@ -190,8 +251,14 @@ def test_gpu_script_dry_run(tmp_path):
   env = dict(os.environ, TINY="1", OUT=str(out), WORK=str(work), PACK=str(tmp_path / "pack"))
 
   def script(*args):
-    r = subprocess.run(["bash", "benchmarks/gpu/wikipedia_small.sh", *args], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+      ["bash", "benchmarks/gpu/wikipedia_small.sh", *args],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
@@ -203,8 +270,16 @@ def test_gpu_script_dry_run(tmp_path):
   assert "training a 512-piece SentencePiece" not in (out / "train.log").read_text()
   assert (out / "state" / "diffeqformer_seed0_steps4" / "single_epoch_evals.json").is_file()
   log = (out / "single_epoch.log").read_text()
-  assert re.search(r"^d32-h2-K2 single-epoch diffeqformer/gpt test perplexity ratio: "
-                   r"[0-9.]+ \(1 seed, [0-9,]+ tokens\)$", log.strip().splitlines()[-1])
-  for name in ("single_epoch.png", "single_epoch.md", "analysis/spectra_qk.png",
-               "analysis/lyapunov.png", "analysis/clustering_trained.png"):
+  assert re.search(
+    r"^d32-h2-K2 single-epoch diffeqformer/gpt test perplexity ratio: "
+    r"[0-9.]+ \(1 seed, [0-9,]+ tokens\)$",
+    log.strip().splitlines()[-1],
+  )
+  for name in (
+    "single_epoch.png",
+    "single_epoch.md",
+    "analysis/spectra_qk.png",
+    "analysis/lyapunov.png",
+    "analysis/clustering_trained.png",
+  ):
     assert (out / name).stat().st_size > 0, name

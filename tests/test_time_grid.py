@@ -1,5 +1,6 @@
 """Time grids: non-uniform solves against closed forms and a reference loop, the training
 grid draw (model.train_time_grid) and its hook in the train step."""
+
 import dataclasses
 
 from flax import nnx
@@ -8,6 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_model import (
+  TINY,
+  _np,
+  _perturb_hypernet,
+  linear_ode_problem,
+  ref_field,
+  ref_norm,
+  ref_weights,
+  tokens,
+)
 
 from odetransformer.model import config as config_lib
 from odetransformer.model import solvers, time_grid
@@ -17,8 +28,6 @@ from odetransformer.train import sharding as sharding_lib
 from odetransformer.train import steps
 from odetransformer.train.losses import token_cross_entropy
 
-from test_model import (TINY, _np, _perturb_hypernet, linear_ode_problem, ref_field, ref_norm,
-                        ref_weights, tokens)
 from tiny import tiny_config
 
 
@@ -39,8 +48,7 @@ def test_solver_order_on_a_non_uniform_grid(method, order):
       grid = _smooth_grid(k)
       nodes = np.asarray(solvers.STAGE_NODES[method])
       ts = grid[:-1, None] + np.diff(grid)[:, None] * nodes[None]  # stage times, by hand
-      x1 = solvers.fixed_step_solve(field, x0, jnp.asarray(ts), jnp.asarray(np.diff(grid)),
-                                    method)
+      x1 = solvers.fixed_step_solve(field, x0, jnp.asarray(ts), jnp.asarray(np.diff(grid)), method)
       errors.append(np.linalg.norm(np.asarray(x1) - exact))
     rates = np.log2(np.array(errors[:-1]) / np.array(errors[1:]))
     np.testing.assert_allclose(rates, order, atol=0.15)
@@ -50,21 +58,24 @@ def test_grid_stage_times_and_steps():
   grid = jnp.asarray([0.0, 0.1, 0.5, 1.0])
   ts, dts = solvers.grid_stage_times(grid, "rk4")
   np.testing.assert_allclose(np.asarray(dts), [0.1, 0.4, 0.5], rtol=1e-6)
-  np.testing.assert_allclose(np.asarray(ts), [[0.0, 0.05, 0.1], [0.1, 0.3, 0.5],
-                                              [0.5, 0.75, 1.0]], rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(ts), [[0.0, 0.05, 0.1], [0.1, 0.3, 0.5], [0.5, 0.75, 1.0]], rtol=1e-6
+  )
 
 
 def test_bfloat16_state_stays_bfloat16_with_per_step_dt():
   x0 = jnp.ones((3,), jnp.bfloat16)
-  x1 = solvers.fixed_step_solve(lambda x, t: -x, x0, jnp.zeros((2, 1)),
-                                jnp.asarray([0.25, 0.75], jnp.float32), "euler", "full")
+  x1 = solvers.fixed_step_solve(
+    lambda x, t: -x, x0, jnp.zeros((2, 1)), jnp.asarray([0.25, 0.75], jnp.float32), "euler", "full"
+  )
   assert x1.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(x1, np.float32), 0.75 * 0.25, rtol=1e-2)
 
 
 @pytest.mark.matmul_precision("highest")
-@pytest.mark.parametrize("family,step_time", [("gpt2", "start"), ("llama", "start"),
-                                               ("llama", "end")])
+@pytest.mark.parametrize(
+  "family,step_time", [("gpt2", "start"), ("llama", "start"), ("llama", "end")]
+)
 def test_model_on_a_time_grid_matches_a_reference_loop(family, step_time):
   """Step k of the model on a grid is x + dt_k·F(x, W(g_k)) (W(g_{k+1}) at step_time
   'end'), dt_k = g_{k+1} - g_k: a plain Python loop with W(t) from the hypernetwork's
@@ -83,7 +94,7 @@ def test_model_on_a_time_grid_matches_a_reference_loop(family, step_time):
     if family == "gpt2":
       x = x + _np(model.pos_embed[...])[p]
     for k in range(len(grid) - 1):
-      dt = np.float64(np.float32(grid[k + 1] - grid[k]))   # the model's float32 steps
+      dt = np.float64(np.float32(grid[k + 1] - grid[k]))  # the model's float32 steps
       t = grid[k + 1] if step_time == "end" else grid[k]
       x = x + dt * ref_field(x, ref_weights(model, t), cfg, None, p)
     shift = _np(model.final_norm_shift[...]) if family == "gpt2" else None
@@ -113,15 +124,17 @@ def test_time_grid_is_checked():
     model(toks, num_steps=3, time_grid=time_grid.uniform_grid(4))
   with pytest.raises(ValueError, match="has no time"):
     create_model(dataclasses.replace(TINY, kind="transformer"), seed=0)(
-        toks, time_grid=time_grid.uniform_grid(4))
+      toks, time_grid=time_grid.uniform_grid(4)
+    )
   with pytest.raises(ValueError, match="train_time_grid='sometimes' is unknown"):
     ModelConfig(train_time_grid="sometimes")
 
 
 def _draws(max_offset, k=4, n=400):
   keys = jax.random.split(jax.random.key(0), n)
-  return np.asarray(jax.vmap(lambda key: time_grid.random_offset_grid(key, k, max_offset))(
-      keys), np.float64)
+  return np.asarray(
+    jax.vmap(lambda key: time_grid.random_offset_grid(key, k, max_offset))(keys), np.float64
+  )
 
 
 def test_random_offset_grid_is_the_reference_scheme():
@@ -138,10 +151,11 @@ def test_random_offset_grid_is_the_reference_scheme():
     np.testing.assert_allclose(g[1:], t_ref, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(np.diff(g), dts_ref, rtol=1e-4, atol=1e-7)
   hist, _ = np.histogram(grids[:, 1] / dt, bins=4, range=(0.0, 1.0))
-  assert hist.min() > 60, hist        # each quarter of (0, dt) holds ~100 of 400 draws
+  assert hist.min() > 60, hist  # each quarter of (0, dt) holds ~100 of 400 draws
   for step_time in ("start", "end"):
-    evaluated = np.asarray(jax.vmap(
-        lambda g, s=step_time: solvers.grid_stage_times(g, "euler", s)[0])(grids))
+    evaluated = np.asarray(
+      jax.vmap(lambda g, s=step_time: solvers.grid_stage_times(g, "euler", s)[0])(grids)
+    )
     assert not np.any((evaluated >= (k - 1) / k) & (evaluated < 1.0)), step_time
 
 
@@ -153,15 +167,21 @@ def test_random_grids_train_every_time_a_solve_evaluates(grid_name, step_time, m
   drawn grid) fall in every one of 64 equal bins of [0, 1], so every t that a solve at
   another N evaluates — [0, 1) at 'start', (0, 1] at 'end' — lies within 1/64 of a
   trained one; the grids are valid (0 = g_0 <= … <= g_K = 1)."""
-  cfg = dataclasses.replace(TINY, solver_steps=4,
-                            num_layers=4, train_time_grid=grid_name, step_time=step_time,
-                            solver=method)
+  cfg = dataclasses.replace(
+    TINY,
+    solver_steps=4,
+    num_layers=4,
+    train_time_grid=grid_name,
+    step_time=step_time,
+    solver=method,
+  )
   keys = jax.random.split(jax.random.key(1), 400)
   grids = jax.vmap(lambda key: time_grid.train_time_grid(cfg, key))(keys)
   g = np.asarray(grids, np.float64)
   assert (g[:, 0] == 0).all() and (g[:, -1] == 1).all() and (np.diff(g, axis=1) >= 0).all()
-  ts = np.asarray(jax.vmap(lambda grid: solvers.grid_stage_times(grid, method, step_time)[0])(
-      grids), np.float64).ravel()
+  ts = np.asarray(
+    jax.vmap(lambda grid: solvers.grid_stage_times(grid, method, step_time)[0])(grids), np.float64
+  ).ravel()
   assert ts.min() >= 0.0 and ts.max() <= 1.0
   hist, _ = np.histogram(ts, bins=64, range=(0.0, 1.0))
   assert hist.min() > 0, np.flatnonzero(hist == 0) / 64
@@ -172,11 +192,14 @@ def test_train_time_grid_option():
   ode = dataclasses.replace(TINY, solver_steps=4, num_layers=4)
   assert time_grid.train_time_grid(ode, key) is None
   on = dataclasses.replace(ode, train_time_grid="random_offset")
-  np.testing.assert_array_equal(np.asarray(time_grid.train_time_grid(on, key)),
-                                np.asarray(time_grid.random_offset_grid(key, 4)))
+  np.testing.assert_array_equal(
+    np.asarray(time_grid.train_time_grid(on, key)), np.asarray(time_grid.random_offset_grid(key, 4))
+  )
   shift = dataclasses.replace(ode, train_time_grid="random_shift")
-  np.testing.assert_array_equal(np.asarray(time_grid.train_time_grid(shift, key)),
-                                np.asarray(time_grid.random_offset_grid(key, 4, 2.0)))
+  np.testing.assert_array_equal(
+    np.asarray(time_grid.train_time_grid(shift, key)),
+    np.asarray(time_grid.random_offset_grid(key, 4, 2.0)),
+  )
   # A discrete model's depth has no time: the GPT baseline of an ODE config ignores it.
   assert time_grid.train_time_grid(dataclasses.replace(on, kind="transformer"), key) is None
 
@@ -192,14 +215,16 @@ def test_train_step_solves_on_the_grid_drawn_from_its_rng():
   mesh = sharding_lib.make_mesh(c.mesh)
   rules = sharding_lib.logical_axis_rules(c.mesh)
   rng = np.random.default_rng(2)
-  batch = {"inputs": rng.integers(0, 64, (2, 16)).astype(np.int32),
-           "targets": rng.integers(0, 64, (2, 16)).astype(np.int32),
-           "weights": np.ones((2, 16), np.float32)}
+  batch = {
+    "inputs": rng.integers(0, 64, (2, 16)).astype(np.int32),
+    "targets": rng.integers(0, 64, (2, 16)).astype(np.int32),
+    "weights": np.ones((2, 16), np.float32),
+  }
   key = jax.random.key(7)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     ts, state = steps.init_train_state(cfg, optax.sgd(0.0), 0, mesh)
     model, optimizer = ts.merge(state)
-    _perturb_hypernet(model, scale=3.0)   # a field that moves x, so grids differ in loss
+    _perturb_hypernet(model, scale=3.0)  # a field that moves x, so grids differ in loss
     state = nnx.state({"model": model, "optimizer": optimizer})
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(state["model"]))
     step = steps.make_train_step(ts, lambda s: 0.0, rules)
@@ -209,7 +234,7 @@ def test_train_step_solves_on_the_grid_drawn_from_its_rng():
   nnx.replace_by_pure_dict(ref_state, params)
   reference = nnx.merge(graphdef, ref_state)
 
-  @nnx.jit   # one compiled forward for both grids, not op-by-op dispatch
+  @nnx.jit  # one compiled forward for both grids, not op-by-op dispatch
   def grid_loss(model, grid):
     logits = model(jnp.asarray(batch["inputs"]), time_grid=grid)
     s, w = token_cross_entropy(logits.astype(jnp.float32), jnp.asarray(batch["targets"]))
@@ -228,13 +253,17 @@ def test_new_model_fields_match_fingerprints_written_before_them():
   """A checkpoint written before model.step_time / model.llama_block existed resumes
   under their defaults (its meaning then); a stored value that differs does not."""
   from odetransformer.train.checkpoint.fingerprint import (  # pylint: disable=g-import-not-at-top
-      fingerprint, fingerprint_diffs)
+    fingerprint,
+    fingerprint_diffs,
+  )
+
   c = tiny_config("/unused")
   new = fingerprint(c)
   assert new["model"]["step_time"] == "start" and new["model"]["llama_block"] == "paper"
-  old = {**new, "model": {k: v for k, v in new["model"].items()
-                          if k not in ("step_time", "llama_block")}}
+  old = {
+    **new,
+    "model": {k: v for k, v in new["model"].items() if k not in ("step_time", "llama_block")},
+  }
   assert fingerprint_diffs(old, new) == []
   c.model.step_time = "end"
-  assert fingerprint_diffs(new, fingerprint(c)) == [
-      "model.step_time 'start' -> 'end'"]
+  assert fingerprint_diffs(new, fingerprint(c)) == ["model.step_time 'start' -> 'end'"]

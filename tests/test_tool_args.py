@@ -10,6 +10,7 @@ Plus main.py: `optim.learning_rate=nan` is refused by the optimizer's validation
 UserError: one stderr line, exit 2, as a DivergenceError is), and a diverged run's hint
 follows its clipping setting.
 """
+
 import os
 import pathlib
 import re
@@ -28,7 +29,7 @@ from odetransformer.train.checkpoint.fingerprint import save_config
 from tiny import config_flags, cpu_env, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ABSL_INFO = re.compile(r"I\d{4} ")   # absl's INFO lines (main.py logs the JAX topology)
+ABSL_INFO = re.compile(r"I\d{4} ")  # absl's INFO lines (main.py logs the JAX topology)
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +41,14 @@ def workdir(tmp_path_factory):
 
 
 def run(args, timeout=120) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, *args], cwd=ROOT, env=cpu_env(), capture_output=True,
-                        timeout=timeout)
+  return subprocess.run(
+    [sys.executable, *args], cwd=ROOT, env=cpu_env(), capture_output=True, timeout=timeout
+  )
 
 
 def error_line(proc) -> str:
   """The one stderr line (absl INFO lines aside) of a command that exited 2."""
-  lines = [l for l in proc.stderr.decode("utf-8", "replace").splitlines()
-           if not ABSL_INFO.match(l)]
+  lines = [l for l in proc.stderr.decode("utf-8", "replace").splitlines() if not ABSL_INFO.match(l)]
   assert proc.returncode == 2, proc.stderr.decode()[-3000:]
   assert len(lines) == 1 and lines[0].startswith("error: "), lines
   return lines[0]
@@ -75,23 +76,29 @@ def test_generate_refuses_in_one_stderr_line(workdir):
   assert "--max_new_tokens=0 must be a positive number" in error_line(proc)
 
 
-@pytest.mark.parametrize("flag, needle", [
+@pytest.mark.parametrize(
+  "flag, needle",
+  [
     ("--max_new_tokens=-5", "--max_new_tokens=-5 must be a positive number"),
     ("--num_samples=0", "--num_samples=0 must be >= 1"),
     ("--seed=99999999999999999999", "--seed=99999999999999999999 is out of range"),
     (os.fsdecode(b"--prompt=caf\xe9 \xff"), "--prompt is not valid UTF-8 text"),  # as argv
     ("--temperature=-1", "--temperature=-1.0 must be a finite number >= 0"),
     ("--temperature=nan", "--temperature=nan must be a finite number >= 0"),
-])
+  ],
+)
 def test_generate_refuses(workdir, flag, needle):
   assert needle in refusal(generate, workdir, flag)
 
 
-@pytest.mark.parametrize("flag, needle", [
+@pytest.mark.parametrize(
+  "flag, needle",
+  [
     ("--seq_len=4096", "--seq_len=4096 exceeds the model's 32 learned positions"),
     ("--plot=/sys/odet_ppl.png", "--plot=/sys/odet_ppl.png cannot be written"),
     ("--mesh_shape=2,x", "--mesh_shape='2,x': expected 3 comma-separated sizes"),
-])
+  ],
+)
 def test_evaluate_refuses(workdir, flag, needle):
   assert needle in refusal(evaluate, workdir, flag)
 
@@ -102,22 +109,30 @@ def test_solver_steps_on_a_discrete_run_is_refused_before_loading(tmp_path):
   save_config(c, str(tmp_path))
   for command in (evaluate, generate):
     assert refusal(command, tmp_path, "--solver_steps=3") == (
-        "--solver_steps=3: this run is a discrete 'transformer' model of 2 layers, which "
-        "runs only at that depth; leave --solver_steps out")
+      "--solver_steps=3: this run is a discrete 'transformer' model of 2 layers, which "
+      "runs only at that depth; leave --solver_steps out"
+    )
 
 
 @pytest.mark.slow
 def test_evaluate_plot_refuses_a_directory(workdir):
   proc = run(["-m", "odetransformer.tools.evaluate", f"--workdir={workdir}", f"--plot={workdir}"])
   assert f"--plot={workdir} is a directory" in error_line(proc)
-  assert sorted(os.listdir(workdir)) == ["config.json"]   # no probe file left
+  assert sorted(os.listdir(workdir)) == ["config.json"]  # no probe file left
 
 
 @pytest.mark.slow
 def test_main_refuses_a_nan_learning_rate(tmp_path):
   c = tiny_config(tmp_path / "cache")
-  proc = run(["main.py", "--config=configs/default.py", f"--workdir={tmp_path / 'wd'}",
-              *config_flags(c), "--config.optim.learning_rate=nan"])
+  proc = run(
+    [
+      "main.py",
+      "--config=configs/default.py",
+      f"--workdir={tmp_path / 'wd'}",
+      *config_flags(c),
+      "--config.optim.learning_rate=nan",
+    ]
+  )
   assert "optim.learning_rate=nan must be a finite number > 0" in error_line(proc)
   assert not (tmp_path / "wd").exists()
 
@@ -126,12 +141,15 @@ def test_divergence_hints():
   """With clipping on, a diverged run's hint (test_reliability's divergence test: the
   whole message) does not tell it to turn clipping on."""
   import ml_collections  # pylint: disable=g-import-not-at-top
+
   optim = lambda **kw: ml_collections.ConfigDict(dict(learning_rate=1e-3, **kw))
   assert health.divergence_hint(optim(grad_clip_norm=0.0)) == (
-      "lower optim.learning_rate (now 0.001) or turn on clipping with "
-      "optim.grad_clip_norm (e.g. 1.0; now off)")
+    "lower optim.learning_rate (now 0.001) or turn on clipping with "
+    "optim.grad_clip_norm (e.g. 1.0; now off)"
+  )
   assert health.divergence_hint(optim(grad_clip_norm=0.5, skip_nonfinite_steps=2)) == (
-      "lower optim.learning_rate (now 0.001) or lower optim.grad_clip_norm (now 0.5)")
+    "lower optim.learning_rate (now 0.001) or lower optim.grad_clip_norm (now 0.5)"
+  )
 
 
 @pytest.mark.slow
@@ -143,20 +161,49 @@ def test_run_mesh_follows_the_run_or_the_flag():
 
   from odetransformer import errors  # pylint: disable=g-import-not-at-top
   from odetransformer.train import loading
+
   n = jax.device_count()
   run = lambda shape: ml_collections.ConfigDict({"mesh": {"shape": shape}})
   assert dict(loading.run_mesh(run((1, 1, -1))).shape) == {"data": 1, "fsdp": 1, "tensor": n}
   assert dict(loading.run_mesh(run((n + 1, 1, 1))).shape) == {"data": 1, "fsdp": n, "tensor": 1}
   assert dict(loading.run_mesh(run((1, 1, -1)), "(-1, 1, 1)").shape) == {
-      "data": n, "fsdp": 1, "tensor": 1}
-  with pytest.raises(errors.UserError, match=r"--mesh_shape=9,9,9: mesh.shape=\(9, 9, 9\) "
-                     "needs 729 devices"):
+    "data": n,
+    "fsdp": 1,
+    "tensor": 1,
+  }
+  with pytest.raises(
+    errors.UserError,
+    match=r"--mesh_shape=9,9,9: mesh.shape=\(9, 9, 9\) "
+    "needs 729 devices",
+  ):
     loading.run_mesh(run((1, -1, 1)), "9,9,9")
 
 
 def test_lm_eval_drops_writing_options_on_other_processes():
   from odetransformer.tools import lm_eval  # pylint: disable=g-import-not-at-top
-  argv = ["lm_eval", "--model", "odetransformer", "--output_path", "out", "--log_samples",
-          "--tasks", "t", "-o=out2", "-s", "--wandb_args", "project=p", "--limit", "3"]
+
+  argv = [
+    "lm_eval",
+    "--model",
+    "odetransformer",
+    "--output_path",
+    "out",
+    "--log_samples",
+    "--tasks",
+    "t",
+    "-o=out2",
+    "-s",
+    "--wandb_args",
+    "project=p",
+    "--limit",
+    "3",
+  ]
   assert lm_eval.without_writing_options(argv) == [
-      "lm_eval", "--model", "odetransformer", "--tasks", "t", "--limit", "3"]
+    "lm_eval",
+    "--model",
+    "odetransformer",
+    "--tasks",
+    "t",
+    "--limit",
+    "3",
+  ]

@@ -12,6 +12,7 @@ fine-tuning losses and evaluations, and evaluate's losses and perplexities, of t
 The 2-process job also runs the lyapunov command on the pre-trained ODE on a (2, 2, 2)
 mesh, checked against this process's 1-device analysis.
 """
+
 import dataclasses
 import json
 import os
@@ -35,8 +36,8 @@ from tiny import cpu_env, tiny_config
 pytestmark = [pytest.mark.xdist_group("test_tools_multihost"), pytest.mark.slow]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TIMEOUT_S = 240          # per group of processes; a hang is killed, not waited on
-EVAL_FLAGS = ("--batch_size=6", "--max_batches=2")   # 6 rows (2 input shards): padded to 8
+TIMEOUT_S = 240  # per group of processes; a hang is killed, not waited on
+EVAL_FLAGS = ("--batch_size=6", "--max_batches=2")  # 6 rows (2 input shards): padded to 8
 
 DRIVER = textwrap.dedent("""
     import contextlib, dataclasses, io, json, os, sys
@@ -87,13 +88,21 @@ def finetune_config(cache, pre):
   """The fine-tuning run of the pre-trained run `pre`, on either topology."""
   c = tiny_config(cache, num_train_steps=2)
   c.global_batch_size = c.eval_batch_size = 8
-  c.eval_every_steps = c.checkpoint_every_steps = 0   # at the end (and step 0: init_from)
+  c.eval_every_steps = c.checkpoint_every_steps = 0  # at the end (and step 0: init_from)
   c.data.eval_max_batches = 1
-  c.data.input_shards = 2            # 1 process and 2 read the same two input shards
+  c.data.input_shards = 2  # 1 process and 2 read the same two input shards
   c.init_from = str(pre)
-  c.finetune = ml_collections.ConfigDict(dict(
-      method="full", solver_steps=3, lora_rank=0, lora_alpha=1.0, targets="wq",
-      train_embeddings=False, lora_init="zero_b"))
+  c.finetune = ml_collections.ConfigDict(
+    dict(
+      method="full",
+      solver_steps=3,
+      lora_rank=0,
+      lora_alpha=1.0,
+      targets="wq",
+      train_embeddings=False,
+      lora_init="zero_b",
+    )
+  )
   return c
 
 
@@ -109,16 +118,30 @@ def _two_processes(tmp, name, pre) -> list:
   port = _free_port()
   procs = []
   for i in range(2):
-    env = cpu_env(4, ODET_ROOT=ROOT, ODET_CACHE=tmp / "cache", ODET_PRE=pre,
-                  ODET_WORKDIR=tmp / name, ODET_RESULT=tmp / f"{name}_{i}.json",
-                  ODET_EVAL_FLAGS=json.dumps(EVAL_FLAGS))
+    env = cpu_env(
+      4,
+      ODET_ROOT=ROOT,
+      ODET_CACHE=tmp / "cache",
+      ODET_PRE=pre,
+      ODET_WORKDIR=tmp / name,
+      ODET_RESULT=tmp / f"{name}_{i}.json",
+      ODET_EVAL_FLAGS=json.dumps(EVAL_FLAGS),
+    )
     for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"):
       env.pop(key, None)
-    env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-               JAX_PROCESS_ID=str(i))
+    env.update(
+      JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)
+    )
     log = open(tmp / f"{name}_{i}.log", "w")
-    procs.append(subprocess.Popen([sys.executable, str(tmp / "driver.py")], env=env,
-                                  cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+    procs.append(
+      subprocess.Popen(
+        [sys.executable, str(tmp / "driver.py")],
+        env=env,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+      )
+    )
     log.close()
   deadline = time.monotonic() + TIMEOUT_S
   while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -131,9 +154,12 @@ def _two_processes(tmp, name, pre) -> list:
     p.wait()
   codes = [p.returncode for p in procs]
   if codes != [0, 0]:
-    pytest.fail(f"{name}: exit codes {codes}\n" + "\n".join(
-        f"--- process {i} ---\n" + (tmp / f"{name}_{i}.log").read_text()[-3000:]
-        for i in range(2)))
+    pytest.fail(
+      f"{name}: exit codes {codes}\n"
+      + "\n".join(
+        f"--- process {i} ---\n" + (tmp / f"{name}_{i}.log").read_text()[-3000:] for i in range(2)
+      )
+    )
   return [json.loads((tmp / f"{name}_{i}.json").read_text()) for i in range(2)]
 
 
@@ -145,12 +171,13 @@ def runs(tmp_path_factory):
   pre = tmp / "pre"
   c = tiny_config(tmp / "cache", num_train_steps=2)
   c.eval_every_steps = 0
-  loop.train_and_evaluate(c, str(pre))          # also caches the tokenizer and data
+  loop.train_and_evaluate(c, str(pre))  # also caches the tokenizer and data
   one = loop.train_and_evaluate(finetune_config(tmp / "cache", pre), str(tmp / "one"))
-  one["evaluate"] = [dataclasses.asdict(r) for workdir, steps in ((tmp / "one", [None]),
-                                                                   (pre, [4]))
-                     for r in evaluate.evaluate(str(workdir), steps, batch_size=6,
-                                                max_batches=2)]
+  one["evaluate"] = [
+    dataclasses.asdict(r)
+    for workdir, steps in ((tmp / "one", [None]), (pre, [4]))
+    for r in evaluate.evaluate(str(workdir), steps, batch_size=6, max_batches=2)
+  ]
   two = _two_processes(tmp, "two", pre)
   return tmp, one, two
 
@@ -165,7 +192,9 @@ def _assert_same_scores(got: dict, want: dict):
 def test_topology(runs):
   _, _, two = runs
   assert [(r["process_index"], r["process_count"], r["device_count"]) for r in two] == [
-      (0, 2, 8), (1, 2, 8)]
+    (0, 2, 8),
+    (1, 2, 8),
+  ]
 
 
 def test_two_process_finetune_equals_one_device(runs):
@@ -181,7 +210,7 @@ def test_two_process_finetune_equals_one_device(runs):
 def test_two_process_evaluate_equals_one_device(runs):
   """The evaluate command of the 2 × 4 job against this process's own (1 device)."""
   _, one, two = runs
-  assert [e["num_steps"] for e in one["evaluate"]] == [3, 4]   # fine-tuned; the ODE at N=4 (K=2)
+  assert [e["num_steps"] for e in one["evaluate"]] == [3, 4]  # fine-tuned; the ODE at N=4 (K=2)
   for r in two:
     for got, want in zip(r["evaluate"], one["evaluate"], strict=True):
       assert got["num_tokens"] == want["num_tokens"] > 0
@@ -190,8 +219,11 @@ def test_two_process_evaluate_equals_one_device(runs):
 
 def test_only_process_0_prints(runs):
   _, _, two = runs
-  for name, words in (("ft", "perplexity"), ("pre", "perplexity"),
-                      ("lyapunov", "lyapunov: output position")):
+  for name, words in (
+    ("ft", "perplexity"),
+    ("pre", "perplexity"),
+    ("lyapunov", "lyapunov: output position"),
+  ):
     assert words in two[0]["printed"][name]
     assert two[1]["printed"][name] == ""
 
@@ -208,4 +240,8 @@ def test_two_process_lyapunov_on_a_mesh_equals_one_device(runs):
     np.testing.assert_allclose(r["lyapunov"]["exponents"], want.exponents, rtol=1e-5, atol=1e-9)
     np.testing.assert_allclose(r["lyapunov"]["attention"], want.attention, rtol=1e-6)
   assert sorted(os.listdir(tmp / "two_lyapunov")) == [
-      "lyapunov.html", "lyapunov.json", "lyapunov.npz", "lyapunov.png"]
+    "lyapunov.html",
+    "lyapunov.json",
+    "lyapunov.npz",
+    "lyapunov.png",
+  ]

@@ -1,4 +1,5 @@
 """End to end: train_and_evaluate, checkpoints, exact resume, sharding, WikiText-2."""
+
 import contextlib
 import json
 import logging
@@ -7,6 +8,7 @@ import pathlib
 import re
 import textwrap
 
+from conftest import shared_data_path
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -19,17 +21,14 @@ from configs import default
 from odetransformer.errors import UserError
 from odetransformer.model import config as config_lib
 from odetransformer.model.transformer import create_model
-from odetransformer.train import loop
+from odetransformer.train import loop, setup, steps
 from odetransformer.train import metrics as metrics_lib
 from odetransformer.train import optimizer as optimizer_lib
-from odetransformer.train import setup
 from odetransformer.train import sharding as sharding_lib
-from odetransformer.train import steps
 from odetransformer.train.checkpoint.fingerprint import stored_fingerprint
 from odetransformer.train.checkpoint.manager import Checkpointer
 from odetransformer.train.checkpoint.restore import restore_model_state
 
-from conftest import shared_data_path
 # tiny_config is also re-exported for other test modules.
 from tiny import config_flags, run_on_8_cpu_devices, tiny_config
 
@@ -60,7 +59,7 @@ def runs(tmp_path_factory):
   base = tmp_path_factory.mktemp("train")
   cache = base / "cache"
   wd_a, wd_b = base / "a", base / "b"
-  with pytest.MonkeyPatch.context() as mp:   # a SIGTERM arriving during step 4
+  with pytest.MonkeyPatch.context() as mp:  # a SIGTERM arriving during step 4
     mp.setattr(Checkpointer, "reached_preemption", lambda self, step: step == 4)
     first = loop.train_and_evaluate(tiny_config(cache, 6), str(wd_a))
   with compiled_functions() as resume_compiles:
@@ -69,9 +68,17 @@ def runs(tmp_path_factory):
   wd_c = base / "c"
   stopped = loop.train_and_evaluate(tiny_config(cache, 6), str(wd_c), stop_at_step=3)
   continued = loop.train_and_evaluate(tiny_config(cache, 6), str(wd_c))
-  return dict(first=first, resumed=resumed, fresh=fresh, wd_a=wd_a, wd_b=wd_b,
-              resume_compiles=resume_compiles, stopped=stopped, continued=continued,
-              wd_c=wd_c)
+  return dict(
+    first=first,
+    resumed=resumed,
+    fresh=fresh,
+    wd_a=wd_a,
+    wd_b=wd_b,
+    resume_compiles=resume_compiles,
+    stopped=stopped,
+    continued=continued,
+    wd_c=wd_c,
+  )
 
 
 @contextlib.contextmanager
@@ -96,17 +103,24 @@ def compiled_functions():
 
 def test_first_run_writes_checkpoints_events_and_config(runs):
   r, wd = runs["first"], runs["wd_a"]
-  assert (r["start_step"], r["step"]) == (0, 4)   # stopped by the "preemption"
+  assert (r["start_step"], r["step"]) == (0, 4)  # stopped by the "preemption"
   assert math.isfinite(r["eval"]["perplexity"]) and r["eval"]["perplexity"] > 1
   assert r["eval"]["num_tokens"] > 0
-  assert (wd / "checkpoints" / "2").is_dir()       # periodic
-  assert (wd / "checkpoints" / "4").is_dir()       # on preemption
-  saved = json.loads((wd / "config.json").read_text())   # the latest run's config
+  assert (wd / "checkpoints" / "2").is_dir()  # periodic
+  assert (wd / "checkpoints" / "4").is_dir()  # on preemption
+  saved = json.loads((wd / "config.json").read_text())  # the latest run's config
   assert saved["model"]["vocab_size"] == 512 and saved["seq_len"] == 32
   scalars = metrics_lib.read_scalars(str(wd / "tensorboard"))
   assert [s for s, _ in scalars["train/loss"]][:4] == [1, 2, 3, 4]
-  for tag in ("train/perplexity", "train/learning_rate", "train/grad_norm",
-              "train/tokens_per_sec", "train/mfu", "eval/loss", "eval/perplexity"):
+  for tag in (
+    "train/perplexity",
+    "train/learning_rate",
+    "train/grad_norm",
+    "train/tokens_per_sec",
+    "train/mfu",
+    "eval/loss",
+    "eval/perplexity",
+  ):
     assert tag in scalars, tag
 
 
@@ -115,7 +129,7 @@ def test_second_run_resumes_and_continues(runs):
   assert (r["start_step"], r["step"]) == (4, 6)
   assert [s for s, _ in r["loss_history"]] == [5, 6]
   steps = sorted(int(p.name) for p in (wd / "checkpoints").iterdir() if p.name.isdigit())
-  assert steps[-1] == 6 and len(steps) <= 3   # keep-last-k (3)
+  assert steps[-1] == 6 and len(steps) <= 3  # keep-last-k (3)
 
 
 def test_resumed_run_compiles_its_train_step_once(runs):
@@ -135,8 +149,9 @@ def _final_params(workdir):
 
 def test_logged_param_norm_is_the_checkpointed_parameters_norm(runs):
   step, params = _final_params(runs["wd_a"])
-  norm = math.sqrt(sum(float(np.sum(np.square(x.astype(np.float64))))
-                       for x in jax.tree.leaves(params)))
+  norm = math.sqrt(
+    sum(float(np.sum(np.square(x.astype(np.float64)))) for x in jax.tree.leaves(params))
+  )
   logged = dict(metrics_lib.read_scalars(str(runs["wd_a"] / "tensorboard"))["train/param_norm"])
   assert logged[step] == pytest.approx(norm, rel=1e-5)
 
@@ -149,24 +164,26 @@ def test_resume_is_exact(runs):
   hist_b = dict(runs["fresh"]["loss_history"])
   for step, loss in runs["resumed"]["loss_history"]:
     np.testing.assert_allclose(loss, hist_b[step], rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-               params_a, params_b)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), params_a, params_b
+  )
 
 
 def test_stop_at_step_saves_there_and_the_next_call_continues_exactly(runs):
   """Stopped at 3 (the schedule still 6 steps') + continued == 6 straight."""
   stopped, continued = runs["stopped"], runs["continued"]
   assert (stopped["start_step"], stopped["step"]) == (0, 3)
-  assert (runs["wd_c"] / "checkpoints" / "3").is_dir()          # saved at the stop
-  assert stopped["data_state"]["num_shards"] == 1               # the iterator's state
+  assert (runs["wd_c"] / "checkpoints" / "3").is_dir()  # saved at the stop
+  assert stopped["data_state"]["num_shards"] == 1  # the iterator's state
   assert (continued["start_step"], continued["step"]) == (3, 6)
   hist_b = dict(runs["fresh"]["loss_history"])
   for step, loss in stopped["loss_history"] + continued["loss_history"]:
     np.testing.assert_allclose(loss, hist_b[step], rtol=1e-6)
   _, params_c = _final_params(runs["wd_c"])
   _, params_b = _final_params(runs["wd_b"])
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-               params_c, params_b)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), params_c, params_b
+  )
 
 
 def test_finetune_lora_starts_at_the_pretrained_model(runs, tmp_path):
@@ -174,9 +191,16 @@ def test_finetune_lora_starts_at_the_pretrained_model(runs, tmp_path):
   step-0 evaluation equals the pre-trained run's final one; then only adapters train."""
   c = tiny_config(runs["wd_b"].parent / "cache", 2)
   c.init_from = str(runs["wd_b"])
-  c.finetune = ml_collections.ConfigDict(dict(
-      method="lora", solver_steps=None, lora_rank=4, lora_alpha=8.0, targets="wq,wv",
-      train_embeddings=False))
+  c.finetune = ml_collections.ConfigDict(
+    dict(
+      method="lora",
+      solver_steps=None,
+      lora_rank=4,
+      lora_alpha=8.0,
+      targets="wq,wv",
+      train_embeddings=False,
+    )
+  )
   r = loop.train_and_evaluate(c, str(tmp_path))
   evals = dict(metrics_lib.read_scalars(str(tmp_path / "tensorboard"))["eval/loss"])
   np.testing.assert_allclose(evals[0], runs["fresh"]["eval"]["loss"], rtol=1e-5)
@@ -187,14 +211,17 @@ def test_finetune_lora_starts_at_the_pretrained_model(runs, tmp_path):
 
 def _flat(tree, dtype=None):
   """A pytree as {keystr: numpy array}."""
-  return {jax.tree_util.keystr(k): np.asarray(v, dtype)
-          for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {
+    jax.tree_util.keystr(k): np.asarray(v, dtype)
+    for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
 
 
 def _direct_gradients(cfg, params, batch):
   """(loss, {keystr: gradient}) of the token-weighted mean cross-entropy of `batch`,
   taken with plain `nnx.value_and_grad` on a model holding `params` (a pure dict): the
   independent reference for the train step (jitted: op by op it compiles each op)."""
+
   def mean_loss(model):
     logits = model(jnp.asarray(batch["inputs"]))
     logp = jax.nn.log_softmax(logits.astype(jnp.float32))
@@ -208,12 +235,15 @@ def _direct_gradients(cfg, params, batch):
   return loss, _flat(nnx.to_pure_dict(nnx.state(grads, nnx.Param)))
 
 
-@pytest.mark.parametrize("overrides, accums", [
-    ({}, (1, 2)),          # Euler, K = 2: the whole batch, and 2 microbatches (clipped)
-    ({"solver": "rk4", "solver_steps": 3}, (1,)),      # 12 solver times in one GEMM
+@pytest.mark.parametrize(
+  "overrides, accums",
+  [
+    ({}, (1, 2)),  # Euler, K = 2: the whole batch, and 2 microbatches (clipped)
+    ({"solver": "rk4", "solver_steps": 3}, (1,)),  # 12 solver times in one GEMM
     ({"family": "llama", "shared_time_mlp": True}, (1,)),
     ({"kind": "transformer"}, (1,)),
-])
+  ],
+)
 def test_step_loss_grad_norm_and_clipping_use_the_true_gradient(overrides, accums):
   """The step's loss and gradient norm equal those of the token-weighted mean loss of the
   whole batch taken directly (also when the gradient is accumulated over microbatches of
@@ -232,9 +262,11 @@ def test_step_loss_grad_norm_and_clipping_use_the_true_gradient(overrides, accum
   mesh = sharding_lib.make_mesh(c.mesh)
   rules = sharding_lib.logical_axis_rules(c.mesh)
   rng = np.random.default_rng(1)
-  batch = {"inputs": rng.integers(0, 64, (4, 16)).astype(np.int32),
-           "targets": rng.integers(0, 64, (4, 16)).astype(np.int32),
-           "weights": (rng.random((4, 16)) > 0.3).astype(np.float32)}
+  batch = {
+    "inputs": rng.integers(0, 64, (4, 16)).astype(np.int32),
+    "targets": rng.integers(0, 64, (4, 16)).astype(np.int32),
+    "weights": (rng.random((4, 16)) > 0.3).astype(np.float32),
+  }
   out = {}
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     layout = steps.state_layout(cfg, tx, 0, mesh)
@@ -243,12 +275,15 @@ def test_step_loss_grad_norm_and_clipping_use_the_true_gradient(overrides, accum
       before = jax.tree.map(np.asarray, nnx.to_pure_dict(state["model"]))
       step = steps.make_train_step(layout, lambda step: 1.0, rules, grad_accum_steps=accum)
       state, m = step(state, batch, jax.random.key(0))
-      out[accum] = (float(m.loss.compute()), float(m.grad_norm.compute()),
-                    _flat(nnx.to_pure_dict(state)))
+      out[accum] = (
+        float(m.loss.compute()),
+        float(m.grad_norm.compute()),
+        _flat(nnx.to_pure_dict(state)),
+      )
 
   loss, grads = _direct_gradients(cfg, before, batch)
   grads = {key: g.astype(np.float64) for key, g in grads.items()}
-  norm = math.sqrt(sum(np.sum(g ** 2) for g in grads.values()))
+  norm = math.sqrt(sum(np.sum(g**2) for g in grads.values()))
   assert len(grads) > 10
   assert any(key.endswith("['proj']") for key in grads) == (cfg.kind != "transformer")
   assert norm > 10 * max_norm
@@ -258,11 +293,10 @@ def test_step_loss_grad_norm_and_clipping_use_the_true_gradient(overrides, accum
   for step_loss, grad_norm, state in out.values():
     np.testing.assert_allclose(step_loss, float(loss), rtol=1e-5)
     np.testing.assert_allclose(grad_norm, norm, rtol=1e-4)
-    for key, g in grads.items():   # f32 gradients, and the rounding of `after` to f32
+    for key, g in grads.items():  # f32 gradients, and the rounding of `after` to f32
       after = state[f"['model']{key}"].astype(np.float64)
       moved, want = before[key] - after, g * scale
-      bound = (1e-3 * np.abs(want) + 1e-6 * largest
-               + np.spacing(np.abs(after).astype(np.float32)))
+      bound = 1e-3 * np.abs(want) + 1e-6 * largest + np.spacing(np.abs(after).astype(np.float32))
       assert np.all(np.abs(moved - want) <= bound), (key, np.max(np.abs(moved - want) - bound))
   if len(out) > 1:
     (loss1, norm1, state1), (loss2, norm2, state2) = out.values()
@@ -285,16 +319,23 @@ def test_skipped_nonfinite_step_leaves_the_state_exactly_as_it_was():
   mesh = sharding_lib.make_mesh(c.mesh)
   rules = sharding_lib.logical_axis_rules(c.mesh)
   rng = np.random.default_rng(0)
-  a, b = ({"inputs": rng.integers(0, 64, (4, 16)).astype(np.int32),
-           "targets": rng.integers(0, 64, (4, 16)).astype(np.int32),
-           "weights": np.ones((4, 16), np.float32)} for _ in range(2))
+  a, b = (
+    {
+      "inputs": rng.integers(0, 64, (4, 16)).astype(np.int32),
+      "targets": rng.integers(0, 64, (4, 16)).astype(np.int32),
+      "weights": np.ones((4, 16), np.float32),
+    }
+    for _ in range(2)
+  )
   bad = dict(b, weights=b["weights"].copy())
-  bad["weights"][1, 3] = np.nan               # a stand-in for a batch that overflows
+  bad["weights"][1, 3] = np.nan  # a stand-in for a batch that overflows
 
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     layout = steps.state_layout(cfg, tx, 0, mesh)
-    train_step = {skip: steps.make_train_step(layout, sched, rules, skip_nonfinite=skip)
-                  for skip in (True, False)}   # each compiled once, run twice
+    train_step = {
+      skip: steps.make_train_step(layout, sched, rules, skip_nonfinite=skip)
+      for skip in (True, False)
+    }  # each compiled once, run twice
 
   def run(batches, skip):
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
@@ -384,7 +425,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 def test_sharded_2x2x2_matches_one_device_and_keeps_shardings(tmp_path):
   out, stderr = run_on_8_cpu_devices(_SHARDED_SCRIPT, tmp_path, timeout=600)
   np.testing.assert_allclose(out["eight"][0], out["one"][0], rtol=1e-5)  # first step
-  np.testing.assert_allclose(out["eight"], out["one"], rtol=1e-4)        # and after
+  np.testing.assert_allclose(out["eight"], out["one"], rtol=1e-4)  # and after
   assert out["drift"] == []
   # The SPMD partitioner never falls back to replicating a whole tensor (it warns when it
   # does: the embedding lookup once all-gathered the global batch's activations).
@@ -418,20 +459,23 @@ def test_default_model_learns_wikitext2(kind, tmp_path_factory):
   c.data.cache_dir = str(cache)
   r = loop.train_and_evaluate(c, str(tmp_path_factory.mktemp(f"wt2_{kind}")))
   losses = [loss for _, loss in r["loss_history"]]
-  assert losses[0] > math.log(2048) - 0.5          # starts near uniform
-  assert np.mean(losses[-5:]) < losses[0] - 1.0    # and clearly learns
+  assert losses[0] > math.log(2048) - 0.5  # starts near uniform
+  assert np.mean(losses[-5:]) < losses[0] - 1.0  # and clearly learns
   assert r["eval"]["loss"] < losses[0] - 1.0
 
 
-TINY_FLAGS = config_flags(tiny_config(None, num_train_steps=2))   # for main.py subprocesses
+TINY_FLAGS = config_flags(tiny_config(None, num_train_steps=2))  # for main.py subprocesses
 
 
-@pytest.mark.parametrize("overrides,kind", [
+@pytest.mark.parametrize(
+  "overrides,kind",
+  [
     ({"model.num_heads": 5}, "ConfigError"),
-    ({"mesh.shape": (2, 1, 1)}, "ConfigError"),          # 2 devices on a 1-CPU host
+    ({"mesh.shape": (2, 1, 1)}, "ConfigError"),  # 2 devices on a 1-CPU host
     ({"optim.skip_nonfinite_steps": -1}, "ConfigError"),
     ({"data.source": "local", "data.train_files": "/nonexistent/*.txt"}, "DataError"),
-])
+  ],
+)
 def test_bad_input_is_one_line_before_anything_is_written(tmp_path, overrides, kind):
   """A one-line UserError of its kind, raised before the workdir is made (main.py prints
   any UserError as one `error:` line and exits 2: test_reliability runs it)."""
@@ -458,21 +502,24 @@ def _override(config, overrides):
 
 def _files(directory):
   """{relative path: (size, mtime_ns)} of every file under `directory`."""
-  return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
-          for p in sorted(directory.rglob("*")) if p.is_file()}
+  return {
+    str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
+    for p in sorted(directory.rglob("*"))
+    if p.is_file()
+  }
 
 
 # One setting that fails each of setup.check_run's checks, in its docstring's order, and
 # a phrase of the error it gives.
 _CHECK_RUN_BREAKS = [
-    ("1 paths", "data.cache_dir", "\udcff", "--config.data.cache_dir="),
-    ("2 init_from", "init_from", "/nonexistent/pretrained", "init_from='/nonexistent/pretrained'"),
-    ("3 mesh", "mesh.shape", (1, 1, 0), "mesh.shape=(1, 1, 0)"),
-    ("4 check_config", "num_train_steps", 0, "num_train_steps=0"),
-    ("5 model", "model.num_heads", 5, "model.num_heads=5"),
-    ("6 optimizer", "optim.b1", 1.5, "optim.b1=1.5"),
-    ("7 checkpoints kept", "checkpoint_max_to_keep", 0, "checkpoint_max_to_keep=0"),
-    ("8 resumable", "seed", 1, "holds checkpoints (step 6)"),
+  ("1 paths", "data.cache_dir", "\udcff", "--config.data.cache_dir="),
+  ("2 init_from", "init_from", "/nonexistent/pretrained", "init_from='/nonexistent/pretrained'"),
+  ("3 mesh", "mesh.shape", (1, 1, 0), "mesh.shape=(1, 1, 0)"),
+  ("4 check_config", "num_train_steps", 0, "num_train_steps=0"),
+  ("5 model", "model.num_heads", 5, "model.num_heads=5"),
+  ("6 optimizer", "optim.b1", 1.5, "optim.b1=1.5"),
+  ("7 checkpoints kept", "checkpoint_max_to_keep", 0, "checkpoint_max_to_keep=0"),
+  ("8 resumable", "seed", 1, "holds checkpoints (step 6)"),
 ]
 
 
@@ -487,8 +534,9 @@ def test_check_run_reports_its_checks_in_docstring_order_and_writes_nothing(runs
   for i, (name, _, _, phrase) in enumerate(_CHECK_RUN_BREAKS):
     c = ml_collections.ConfigDict(base.to_dict())
     for _, key, value, _ in _CHECK_RUN_BREAKS[i:]:
-      _override(c, {key: str(base.data.cache_dir) + value} if key == "data.cache_dir"
-                else {key: value})
+      _override(
+        c, {key: str(base.data.cache_dir) + value} if key == "data.cache_dir" else {key: value}
+      )
     with pytest.raises(UserError) as err:
       setup.check_run(c, str(wd))
     assert phrase in str(err.value) and "\n" not in str(err.value), (name, err.value)
@@ -509,6 +557,7 @@ def test_short_eval_batch_padding_rows_have_weight_zero():
   up to the local batch size 0 (they must not count in the eval loss)."""
   batch = {"inputs": np.ones((3, 5), np.int32), "targets": np.ones((3, 5), np.int32)}
   out = steps.local_batch(batch, local_batch_size=4)
-  assert {k: v.shape for k, v in out.items()} == {k: (4, 5) for k in
-                                                  ("inputs", "targets", "weights")}
+  assert {k: v.shape for k, v in out.items()} == {
+    k: (4, 5) for k in ("inputs", "targets", "weights")
+  }
   np.testing.assert_array_equal(out["weights"], np.repeat([[1.0], [1.0], [1.0], [0.0]], 5, 1))

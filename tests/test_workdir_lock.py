@@ -1,6 +1,7 @@
 """Issue 31 item 3 and issue 32 item 2: the workdir lock on object storage (against a
 GCS emulator), a run that stops when its lock is no longer its own, and start-up cleanup
 that deletes only unfinished saves whose writer is known to have ended."""
+
 import json
 import os
 import signal
@@ -9,15 +10,16 @@ import subprocess
 import time
 
 import pytest
+from test_reliability import (
+  assert_one_line_error,
+  main_cmd,
+  start_and_wait_for_checkpoint,
+)
 
 from odetransformer.runtime import fileio
 from odetransformer.runtime.workdir_lock import WorkdirInUseError, WorkdirLock
 from odetransformer.train.checkpoint.manager import Checkpointer
 from odetransformer.train.checkpoint.paths import OWNERS_DIR, finalized_steps, unfinished_steps
-
-from test_reliability import (assert_one_line_error, main_cmd, start_and_wait_for_checkpoint,
-                              subprocess_env)
-from test_train import ROOT, fast_compiles  # pylint: disable=unused-import
 
 
 @pytest.mark.slow
@@ -27,11 +29,14 @@ def test_object_lock_refuses_takes_over_stale_and_notices_loss(gcs_bucket, caplo
   first = WorkdirLock(wd, heartbeat_s=0.2, stale_s=30).acquire()
   record = json.loads(fileio.read_text(lock_path))
   assert {k: record[k] for k in ("pid", "host", "run")} == {
-      "pid": os.getpid(), "host": socket.gethostname(), "run": first.record["run"]}
+    "pid": os.getpid(),
+    "host": socket.gethostname(),
+    "run": first.record["run"],
+  }
   # A fresh lock: refused in one line, the object untouched.
   with pytest.raises(WorkdirInUseError, match=r"is in use by PID \d+ on host .*last heartbeat"):
     WorkdirLock(wd, stale_s=30).acquire()
-  time.sleep(0.5)                                   # heartbeats rewrite the object
+  time.sleep(0.5)  # heartbeats rewrite the object
   assert json.loads(fileio.read_text(lock_path))["heartbeat"] > record["heartbeat"]
   first.check()
   # Deleted under the live run; a second run creates its own: the first notices.
@@ -41,11 +46,11 @@ def test_object_lock_refuses_takes_over_stale_and_notices_loss(gcs_bucket, caplo
   time.sleep(0.5)
   with pytest.raises(WorkdirInUseError, match=f"of this run was taken by PID {os.getpid()}"):
     first.check()
-  first.release()                                   # not its lock: left alone
+  first.release()  # not its lock: left alone
   second.check()
   # The second run dies without releasing (its heartbeats stop): stale after 1 s.
-  second._stop.set()                                # pylint: disable=protected-access
-  second._thread.join()                             # pylint: disable=protected-access
+  second._stop.set()  # pylint: disable=protected-access
+  second._thread.join()  # pylint: disable=protected-access
   time.sleep(1.5)
   with caplog.at_level("WARNING"):
     third = WorkdirLock(wd, stale_s=1).acquire()
@@ -61,8 +66,7 @@ def _unfinished(workdir, step, owner, remote):
   name = str(step) if remote else f"{step}.orbax-checkpoint-tmp-1700000000"
   fileio.write_bytes_atomic(fileio.join(workdir, "checkpoints", name, "model", "x"), b"x")
   if owner is not None:
-    fileio.write_text_atomic(fileio.join(workdir, OWNERS_DIR, f"{step}.json"),
-                             json.dumps(owner))
+    fileio.write_text_atomic(fileio.join(workdir, OWNERS_DIR, f"{step}.json"), json.dumps(owner))
 
 
 @pytest.mark.parametrize("remote", [False, True], ids=["local", "gs"])
@@ -84,7 +88,7 @@ def test_startup_deletes_only_saves_whose_writer_has_ended(remote, request, tmp_
     lock.release()
   left = [s for s, _ in unfinished_steps(wd)]
   assert left == [4, 5, 6]
-  assert f"which may still be running" in caplog.text
+  assert "which may still be running" in caplog.text
   assert "of a run that recorded no owner" in caplog.text
   # Without the lock nothing is deleted.
   ckpt = Checkpointer(wd)
@@ -99,19 +103,21 @@ def test_run_whose_lock_file_was_replaced_stops_in_one_line(tmp_path):
   wd = tmp_path / "wd"
   cache = tmp_path / "cache"
   proc = start_and_wait_for_checkpoint(
-      main_cmd(wd, cache, 200, "--config.checkpoint_every_steps=1",
-               "--config.log_every_steps=100"), wd)
+    main_cmd(wd, cache, 200, "--config.checkpoint_every_steps=1", "--config.log_every_steps=100"),
+    wd,
+  )
   (wd / ".lock").unlink()
-  other = WorkdirLock(str(wd)).acquire()            # what a second run does first
+  other = WorkdirLock(str(wd)).acquire()  # what a second run does first
   try:
     _, err = proc.communicate(timeout=120)
     proc.stderr = err
     before = finalized_steps(str(wd))
-    assert_one_line_error(proc, "WorkdirInUseError", "was deleted and created again",
-                          "stopped without writing more")
+    assert_one_line_error(
+      proc, "WorkdirInUseError", "was deleted and created again", "stopped without writing more"
+    )
     time.sleep(0.5)
     assert finalized_steps(str(wd)) == before
-    assert (wd / ".lock").read_text() == json.dumps(other.record) + "\n"   # not cleared
+    assert (wd / ".lock").read_text() == json.dumps(other.record) + "\n"  # not cleared
   finally:
     other.release()
     if proc.poll() is None:

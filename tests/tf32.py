@@ -9,6 +9,7 @@ of every such dot the same way (lax.reduce_precision's HLO before the dot); a do
 'high' or 'highest', or of other dtypes, is left as it is. It replaces a private lowering
 rule of jax (jax._src.lax.lax), so it is a test aid, not part of the library.
 """
+
 import functools
 
 import numpy as np

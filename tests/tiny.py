@@ -1,6 +1,7 @@
 """The tiny training config shared by tests that need a real (seconds-sized) run, the
 environment of the tests' child processes, and the runner of scripts that need 8 host
 CPU devices."""
+
 import json
 import os
 import pathlib
@@ -16,8 +17,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # programs, their shardings and memory plans, numerics to float tolerance) does not
 # depend on how the machine code is emitted; the benchmarks, run for their figures
 # outside the tests, keep XLA's default.
-WANTED_TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",
-                         "--xla_cpu_use_fusion_emitters=false")
+WANTED_TEST_XLA_FLAGS = (
+  "--xla_backend_optimization_level=0",
+  "--xla_cpu_use_fusion_emitters=false",
+)
 # Where the flags this jax's XLA accepts are handed on: pytest's workers and every process
 # the tests start inherit it, so XLA is asked once per session.
 KNOWN_FLAGS_ENV = "ODET_TEST_XLA_FLAGS"
@@ -30,14 +33,17 @@ def xla_accepts(flags) -> bool:
   version of XLA may not know a test's flag), so it is asked in a child process."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
   env.update(XLA_FLAGS=" ".join(flags), XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True,
-                        text=True, timeout=300)
+  proc = subprocess.run(
+    [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300
+  )
   if proc.returncode == 0:
     return True
   if "Unknown flag" in proc.stderr and any(f.split("=")[0] in proc.stderr for f in flags):
     return False
-  raise RuntimeError(f"probing XLA_FLAGS={' '.join(flags)!r} failed for another reason "
-                     f"than an unknown flag:\n{proc.stderr[-3000:]}")
+  raise RuntimeError(
+    f"probing XLA_FLAGS={' '.join(flags)!r} failed for another reason "
+    f"than an unknown flag:\n{proc.stderr[-3000:]}"
+  )
 
 
 def known_xla_flags(flags) -> list:
@@ -73,6 +79,7 @@ def cpu_env(devices: int = 0, **extra) -> dict:
 def tiny_config(cache_dir, num_train_steps=4):
   """A seconds-sized run on the embedded corpus (callers override what they test)."""
   from configs import default  # pylint: disable=g-import-not-at-top  (conftest imports this module before jax)
+
   c = default.get_config()
   c.num_train_steps = num_train_steps
   c.log_every_steps = 1
@@ -91,7 +98,7 @@ def tiny_config(cache_dir, num_train_steps=4):
   c.data.vocab_size = 512
   c.data.tokenizer_sample_bytes = 300_000
   c.data.eval_max_batches = 2
-  if cache_dir is not None:                  # None: the default cache
+  if cache_dir is not None:  # None: the default cache
     c.data.cache_dir = str(cache_dir)
   return c
 
@@ -109,18 +116,24 @@ def config_flags(config, base=None) -> list:
   """`config` as main.py flags: --config.<key>=<value> for each leaf that differs from
   `base` (default: configs/default.py's; the config file main.py is given), so subprocess
   tests run exactly the config the in-process ones do."""
+
   def leaves(node, prefix=""):
     for key, value in node.items():
       if hasattr(value, "items"):
         yield from leaves(value, f"{prefix}{key}.")
       else:
         yield f"{prefix}{key}", value
+
   if base is None:
     from configs import default  # pylint: disable=g-import-not-at-top
+
     base = default.get_config()
   base = dict(leaves(base))
-  return [f"--config.{key}={value}" for key, value in leaves(config)
-          if key not in base or base[key] != value]
+  return [
+    f"--config.{key}={value}"
+    for key, value in leaves(config)
+    if key not in base or base[key] != value
+  ]
 
 
 def run_on_8_cpu_devices(script_text: str, tmp_path, timeout: int):
@@ -129,7 +142,13 @@ def run_on_8_cpu_devices(script_text: str, tmp_path, timeout: int):
   env = cpu_env(8)
   script = pathlib.Path(tmp_path) / "on_8_devices.py"
   script.write_text(script_text)
-  proc = subprocess.run([sys.executable, str(script), str(ROOT)], env=env, cwd=ROOT,
-                        capture_output=True, text=True, timeout=timeout)
+  proc = subprocess.run(
+    [sys.executable, str(script), str(ROOT)],
+    env=env,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr

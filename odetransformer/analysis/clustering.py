@@ -28,6 +28,7 @@ gives the median over draws, because with random W0 the outcome depends on the d
 writes DIR/clustering.json, DIR/clustering.npz, DIR/clustering.png (3-D trajectories)
 and DIR/clustering_dispersion.png (dispersion vs t).
 """
+
 from collections.abc import Callable, Sequence
 import dataclasses
 import json
@@ -43,9 +44,9 @@ from odetransformer.runtime import fileio
 NUM_TOKENS = 40
 DIM = 3
 NUM_STEPS = 200
-HORIZON = 10.0          # T; dt = T / NUM_STEPS = 0.05
-BETA_END = 10.0         # β(T) of the polynomial cases
-CLUSTER_TOL = 0.05      # distance under which two tokens are in one cluster
+HORIZON = 10.0  # T; dt = T / NUM_STEPS = 0.05
+BETA_END = 10.0  # β(T) of the polynomial cases
+CLUSTER_TOL = 0.05  # distance under which two tokens are in one cluster
 CASES = ("identity", "shared", "poly1", "poly2", "poly4")
 
 
@@ -63,8 +64,16 @@ def normalise(x_nd):
   return x_nd / jnp.linalg.norm(x_nd, axis=-1, keepdims=True)
 
 
-def simulate(x0_nd, q0, k0, v0, beta: Callable, horizon: float = HORIZON,
-             num_steps: int = NUM_STEPS, causal: bool = False):
+def simulate(
+  x0_nd,
+  q0,
+  k0,
+  v0,
+  beta: Callable,
+  horizon: float = HORIZON,
+  num_steps: int = NUM_STEPS,
+  causal: bool = False,
+):
   """Trajectory [num_steps + 1, n, d] of x ← normalise(x + dt·attn_{β(t)W0}(x)).
 
   `x0_nd` is projected to the sphere first; `beta(t)` is a jnp-traceable scalar.
@@ -87,9 +96,11 @@ def beta_polynomial(order, horizon: float = HORIZON, beta_end: float = BETA_END)
 
   `order` may be a traced scalar (all cases then share one compiled simulation).
   """
+
   def beta(t):
     grown = 1.0 + (beta_end - 1.0) * (t / horizon) ** order
     return jnp.where(order == 0, jnp.ones_like(grown), grown)
+
   return beta
 
 
@@ -144,23 +155,27 @@ def num_clusters(x_nd, tol: float = CLUSTER_TOL) -> int:
 @dataclasses.dataclass
 class CaseResult:
   case: str
-  trajectory: np.ndarray         # [S + 1, n, d] (draw 0)
-  beta: np.ndarray               # [S] β(t_k)
-  dispersion: np.ndarray         # [S + 1] mean pairwise distance along t (draw 0)
-  initial: float                 # mean pairwise distance at t = 0
-  final: float                   # at t = T (draw 0)
+  trajectory: np.ndarray  # [S + 1, n, d] (draw 0)
+  beta: np.ndarray  # [S] β(t_k)
+  dispersion: np.ndarray  # [S + 1] mean pairwise distance along t (draw 0)
+  initial: float  # mean pairwise distance at t = 0
+  final: float  # at t = T (draw 0)
   final_polarisation_gap: float  # 1 − |mean x| at t = T (draw 0)
-  final_clusters: int            # at t = T (draw 0)
-  final_draws: np.ndarray        # [draws] final mean pairwise distance per weight draw
+  final_clusters: int  # at t = T (draw 0)
+  final_draws: np.ndarray  # [draws] final mean pairwise distance per weight draw
 
   def numbers(self) -> dict:
-    return {"initial_dispersion": self.initial, "final_dispersion": self.final,
-            "ratio_final_to_initial": self.final / self.initial,
-            "final_polarisation_gap": self.final_polarisation_gap,
-            "final_clusters": self.final_clusters,
-            "final_dispersion_draws": self.final_draws.tolist(),
-            "final_dispersion_median_over_draws": float(np.median(self.final_draws)),
-            "beta_start": float(self.beta[0]), "beta_end": float(self.beta[-1])}
+    return {
+      "initial_dispersion": self.initial,
+      "final_dispersion": self.final,
+      "ratio_final_to_initial": self.final / self.initial,
+      "final_polarisation_gap": self.final_polarisation_gap,
+      "final_clusters": self.final_clusters,
+      "final_dispersion_draws": self.final_draws.tolist(),
+      "final_dispersion_median_over_draws": float(np.median(self.final_draws)),
+      "beta_start": float(self.beta[0]),
+      "beta_end": float(self.beta[-1]),
+    }
 
 
 def initial_tokens(key, num_tokens: int = NUM_TOKENS):
@@ -168,10 +183,16 @@ def initial_tokens(key, num_tokens: int = NUM_TOKENS):
   return jax.random.uniform(key, (num_tokens, DIM), minval=-1.0, maxval=1.0)
 
 
-def run_cases(cases: Sequence[str] = CASES, seed: int = 0, num_draws: int = 8,
-              horizon: float = HORIZON, num_steps: int = NUM_STEPS,
-              beta_end: float = BETA_END, num_tokens: int = NUM_TOKENS,
-              causal: bool = False) -> dict:
+def run_cases(
+  cases: Sequence[str] = CASES,
+  seed: int = 0,
+  num_draws: int = 8,
+  horizon: float = HORIZON,
+  num_steps: int = NUM_STEPS,
+  beta_end: float = BETA_END,
+  num_tokens: int = NUM_TOKENS,
+  causal: bool = False,
+) -> dict:
   """Simulates every case from the same initial tokens: case -> CaseResult."""
   key_x, key_w = jax.random.split(jax.random.key(seed))
   x0 = initial_tokens(key_x, num_tokens)
@@ -180,7 +201,7 @@ def run_cases(cases: Sequence[str] = CASES, seed: int = 0, num_draws: int = 8,
   draw_keys = jax.random.split(key_w, max(1, num_draws))
   setups = [[case_setup(case, k) for k in draw_keys] for case in cases]
   stack = lambda i: jnp.asarray([[s[i] for s in row] for row in setups], jnp.float32)
-  q0, k0, v0, order = stack(0), stack(1), stack(2), stack(3)     # [cases, draws, …]
+  q0, k0, v0, order = stack(0), stack(1), stack(2), stack(3)  # [cases, draws, …]
 
   def one(q, k, v, p):
     beta = beta_polynomial(p, horizon, beta_end)
@@ -193,30 +214,38 @@ def run_cases(cases: Sequence[str] = CASES, seed: int = 0, num_draws: int = 8,
     traj = trajs[c, 0]
     disp = np.array([mean_pairwise_distance(x) for x in traj])
     out[case] = CaseResult(
-        case=case, trajectory=traj, beta=betas[c, 0], dispersion=disp,
-        initial=float(disp[0]), final=float(disp[-1]),
-        final_polarisation_gap=polarisation_gap(traj[-1]),
-        final_clusters=num_clusters(traj[-1]),
-        final_draws=np.array([mean_pairwise_distance(t[-1]) for t in trajs[c]]))
+      case=case,
+      trajectory=traj,
+      beta=betas[c, 0],
+      dispersion=disp,
+      initial=float(disp[0]),
+      final=float(disp[-1]),
+      final_polarisation_gap=polarisation_gap(traj[-1]),
+      final_clusters=num_clusters(traj[-1]),
+      final_draws=np.array([mean_pairwise_distance(t[-1]) for t in trajs[c]]),
+    )
   return out
 
 
 def summary_line(results: dict) -> str:
-  parts = [f"{c} {r.initial:.3g}→{r.final:.3g} ({r.final_clusters} cl; median over "
-           f"{len(r.final_draws)} draws {np.median(r.final_draws):.3g})"
-           for c, r in results.items()]
+  parts = [
+    f"{c} {r.initial:.3g}→{r.final:.3g} ({r.final_clusters} cl; median over "
+    f"{len(r.final_draws)} draws {np.median(r.final_draws):.3g})"
+    for c, r in results.items()
+  ]
   return "clustering: mean pairwise distance t=0→T: " + "; ".join(parts)
 
 
 # ------------------------------------------------------------------------------ plots
 def plot_trajectories(results: dict, path: str, horizon: float = HORIZON) -> None:
   import matplotlib  # lazy: matplotlib only for the plots
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
 
   cases = list(results)
   fig = plt.figure(figsize=(3.6 * len(cases), 4.2))
-  u, v = np.mgrid[0:2 * np.pi:30j, 0:np.pi:15j]
+  u, v = np.mgrid[0 : 2 * np.pi : 30j, 0 : np.pi : 15j]
   sphere = (np.cos(u) * np.sin(v), np.sin(u) * np.sin(v), np.cos(v))
   colors = plt.cm.tab10(np.arange(len(cases)) % 10)
   for idx, case in enumerate(cases):
@@ -225,13 +254,16 @@ def plot_trajectories(results: dict, path: str, horizon: float = HORIZON) -> Non
     ax.plot_wireframe(*sphere, color="0.85", lw=0.3)
     traj = r.trajectory
     for i in range(traj.shape[1]):
-      ax.plot(traj[:, i, 0], traj[:, i, 1], traj[:, i, 2], color=colors[idx], lw=0.7,
-              alpha=0.5, ls="--")
+      ax.plot(
+        traj[:, i, 0], traj[:, i, 1], traj[:, i, 2], color=colors[idx], lw=0.7, alpha=0.5, ls="--"
+      )
     ax.scatter(*traj[0].T, facecolors="white", edgecolors="tab:blue", s=18, label="t = 0")
     ax.scatter(*traj[-1].T, color=colors[idx], edgecolors="black", s=22, label=f"t = {horizon:g}")
-    ax.set_title(f"{case}: β {r.beta[0]:.3g}→{r.beta[-1]:.3g}\n"
-                 f"dispersion {r.initial:.2f}→{r.final:.3g}, {r.final_clusters} cluster(s)",
-                 fontsize=9)
+    ax.set_title(
+      f"{case}: β {r.beta[0]:.3g}→{r.beta[-1]:.3g}\n"
+      f"dispersion {r.initial:.2f}→{r.final:.3g}, {r.final_clusters} cluster(s)",
+      fontsize=9,
+    )
     ax.set_box_aspect((1, 1, 1))
     ax.set_xticks([-1, 0, 1])
     ax.set_yticks([-1, 0, 1])
@@ -246,6 +278,7 @@ def plot_trajectories(results: dict, path: str, horizon: float = HORIZON) -> Non
 
 def plot_dispersion(results: dict, path: str, horizon: float = HORIZON) -> None:
   import matplotlib  # lazy: matplotlib only for the plots
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
 
@@ -266,13 +299,23 @@ def plot_dispersion(results: dict, path: str, horizon: float = HORIZON) -> None:
 def write_outputs(results: dict, out_dir: str, settings: dict) -> dict:
   """clustering.json, clustering.npz and the two PNGs in `out_dir` (a local directory or
   a URL such as gs://...); returns name -> path."""
-  paths = {"json": fileio.join(out_dir, "clustering.json"),
-           "npz": fileio.join(out_dir, "clustering.npz"),
-           "png": fileio.join(out_dir, "clustering.png"),
-           "dispersion_png": fileio.join(out_dir, "clustering_dispersion.png")}
-  fileio.write_text_atomic(paths["json"], json.dumps(
-      {"settings": settings, "cases": {c: r.numbers() for c, r in results.items()},
-       "summary": summary_line(results)}, indent=1))
+  paths = {
+    "json": fileio.join(out_dir, "clustering.json"),
+    "npz": fileio.join(out_dir, "clustering.npz"),
+    "png": fileio.join(out_dir, "clustering.png"),
+    "dispersion_png": fileio.join(out_dir, "clustering_dispersion.png"),
+  }
+  fileio.write_text_atomic(
+    paths["json"],
+    json.dumps(
+      {
+        "settings": settings,
+        "cases": {c: r.numbers() for c, r in results.items()},
+        "summary": summary_line(results),
+      },
+      indent=1,
+    ),
+  )
   arrays = {}
   for c, r in results.items():
     arrays[f"{c}_trajectory"] = r.trajectory
@@ -287,8 +330,9 @@ def write_outputs(results: dict, out_dir: str, settings: dict) -> dict:
 # -------------------------------------------------------------------------------- CLI
 def parse_args(argv):
   p = errors.ArgumentParser(
-      prog="python -m odetransformer.analysis.clustering",
-      description="App. C.8: attention-only token dynamics on the sphere, weights β(t)·W0.")
+    prog="python -m odetransformer.analysis.clustering",
+    description="App. C.8: attention-only token dynamics on the sphere, weights β(t)·W0.",
+  )
   p.add_argument("--out", required=True, help="output directory (local or gs://...)")
   p.add_argument("--seed", type=int, default=0, help="initial tokens and weight draws")
   p.add_argument("--num_draws", type=int, default=8, help="random W0 draws per case")
@@ -305,23 +349,40 @@ def main(argv: list | None = None) -> dict:
   """The command line; a bad flag is a UserError (one line: errors.run_cli)."""
   args = parse_args(sys.argv[1:] if argv is None else argv)
   cases = [c for c in args.cases.split(",") if c]
-  unknown = [c for c in cases if c not in CASES and not (c.startswith("poly") and
-                                                         c[4:].isdigit())]
+  unknown = [c for c in cases if c not in CASES and not (c.startswith("poly") and c[4:].isdigit())]
   if unknown or not cases:
-    raise errors.UserError(f"--cases={args.cases!r}: unknown {unknown or 'none given'}; "
-                           f"choose from {list(CASES)} (or polyN)")
+    raise errors.UserError(
+      f"--cases={args.cases!r}: unknown {unknown or 'none given'}; "
+      f"choose from {list(CASES)} (or polyN)"
+    )
   for name in ("num_steps", "num_tokens", "num_draws"):
     if getattr(args, name) <= 0:
       raise errors.UserError(f"--{name}={getattr(args, name)} must be positive")
   if not args.horizon > 0:
     raise errors.UserError(f"--horizon={args.horizon} must be positive")
-  settings = {"num_tokens": args.num_tokens, "dim": DIM, "num_steps": args.num_steps,
-              "horizon": args.horizon, "dt": args.horizon / args.num_steps,
-              "beta_end": args.beta_end, "seed": args.seed, "num_draws": args.num_draws,
-              "causal": args.causal, "init": "uniform in [-1, 1]^3, projected to the sphere",
-              "dispersion": "mean pairwise distance"}
-  results = run_cases(cases, args.seed, args.num_draws, args.horizon, args.num_steps,
-                      args.beta_end, args.num_tokens, args.causal)
+  settings = {
+    "num_tokens": args.num_tokens,
+    "dim": DIM,
+    "num_steps": args.num_steps,
+    "horizon": args.horizon,
+    "dt": args.horizon / args.num_steps,
+    "beta_end": args.beta_end,
+    "seed": args.seed,
+    "num_draws": args.num_draws,
+    "causal": args.causal,
+    "init": "uniform in [-1, 1]^3, projected to the sphere",
+    "dispersion": "mean pairwise distance",
+  }
+  results = run_cases(
+    cases,
+    args.seed,
+    args.num_draws,
+    args.horizon,
+    args.num_steps,
+    args.beta_end,
+    args.num_tokens,
+    args.causal,
+  )
   paths = write_outputs(results, args.out, settings)
   print(summary_line(results))
   print(f"wrote {', '.join(paths.values())}")

@@ -7,6 +7,7 @@ with dt = 1, so x_{l+1} = x_l + F_l(x_l) is the same Euler recursion as the ODE'
 x_{k+1} = x_k + dt·F(x_k, t_k). The analysis runs in float32 (or the dtype asked for),
 whatever the model's compute dtype.
 """
+
 from collections.abc import Callable
 import dataclasses
 
@@ -21,10 +22,11 @@ from odetransformer.model.solvers import broadcast_stages, stage_times
 @dataclasses.dataclass
 class StepWeights:
   """Per-step layer params of the Euler recursion x_{k+1} = x_k + dt·F(x_k; weights[k])."""
-  weights: dict        # name -> [K, *shape]
-  dt: float            # 1/K for ODE kinds, 1 for discrete kinds
-  times: np.ndarray    # [K]: t_k = k/K (ODE kinds) or the layer index (discrete kinds)
-  axis_label: str      # 't' or 'layer'
+
+  weights: dict  # name -> [K, *shape]
+  dt: float  # 1/K for ODE kinds, 1 for discrete kinds
+  times: np.ndarray  # [K]: t_k = k/K (ODE kinds) or the layer index (discrete kinds)
+  axis_label: str  # 't' or 'layer'
 
 
 def weights_at(model, ts, dtype=jnp.float32) -> dict:
@@ -74,4 +76,3 @@ def embed(model, tokens_l, dtype=jnp.float32):
   tokens = jnp.asarray(tokens_l, jnp.int32)[None]
   positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
   return model.embed_tokens(tokens, positions)[0].astype(dtype)
-

@@ -27,6 +27,7 @@ and DIR/lyapunov.png (the text coloured by each map, side by side). The model lo
 the run's mesh (or --mesh_shape=1,-1,1 ...), under `jax.distributed` when launched as
 several processes; process 0 writes.
 """
+
 from collections.abc import Callable, Sequence
 import dataclasses
 import html
@@ -57,14 +58,16 @@ def jacobian_row(field: Callable, x_ld, p, position: int, chunk: int | None = No
   """
   length, d = x_ld.shape
   f, pullback = jax.vjp(lambda x: field(x, p), x_ld)
-  cotangents = jax.nn.one_hot(position, length, dtype=f.dtype)[None, :, None] * \
-      jnp.eye(d, dtype=f.dtype)[:, None, :]                      # [d_out, l, d]
+  cotangents = (
+    jax.nn.one_hot(position, length, dtype=f.dtype)[None, :, None]
+    * jnp.eye(d, dtype=f.dtype)[:, None, :]
+  )  # [d_out, l, d]
   pull = lambda ct: pullback(ct)[0]
   if chunk is None or chunk >= d:
     rows = jax.vmap(pull)(cotangents)
   else:
     rows = jax.lax.map(pull, cotangents, batch_size=chunk)
-  return jnp.transpose(rows, (1, 0, 2)), f                       # [l, d_out, d_in]
+  return jnp.transpose(rows, (1, 0, 2)), f  # [l, d_out, d_in]
 
 
 def _tangent_step(j_dd, q_dd, dt):
@@ -86,8 +89,9 @@ def _tangent_steps(jac_ldd, q_ldd, dt):
   return jax.vmap(_tangent_step, in_axes=(0, 0, None))(jac_ldd, q_ldd, dt)
 
 
-def tangent_exponents(field: Callable, x0_ld, step_weights, dt: float, position: int,
-                      chunk: int | None = None):
+def tangent_exponents(
+  field: Callable, x0_ld, step_weights, dt: float, position: int, chunk: int | None = None
+):
   """Finite-time Lyapunov exponents of every input token for output `position`.
 
   Args:
@@ -139,22 +143,28 @@ def attention_to(cfg, x_ld, p, position: int):
 @dataclasses.dataclass
 class Sensitivity:
   """Lyapunov and attention maps of one output position over a token sequence."""
-  tokens: np.ndarray       # [l] ids
-  position: int            # o, in [0, l)
-  exponents: np.ndarray    # [l, d] finite-time spectrum of each input token
-  scores: np.ndarray       # [l] max exponent (the token's Lyapunov score)
-  attention: np.ndarray    # [l] attention of o to each token, mean over heads and steps
+
+  tokens: np.ndarray  # [l] ids
+  position: int  # o, in [0, l)
+  exponents: np.ndarray  # [l, d] finite-time spectrum of each input token
+  scores: np.ndarray  # [l] max exponent (the token's Lyapunov score)
+  attention: np.ndarray  # [l] attention of o to each token, mean over heads and steps
   attention_steps: np.ndarray  # [K, heads, l]
-  trajectory: np.ndarray   # [K, l, d] states x_k before each step
+  trajectory: np.ndarray  # [K, l, d] states x_k before each step
   dt: float
   num_steps: int
-  times: np.ndarray        # [K] t_k, or layer indices
+  times: np.ndarray  # [K] t_k, or layer indices
   axis_label: str
 
 
-def sensitivity(model, tokens_l: Sequence[int], position: int = -1,
-                num_steps: int | None = None, chunk: int | None = None,
-                dtype=jnp.float32) -> Sensitivity:
+def sensitivity(
+  model,
+  tokens_l: Sequence[int],
+  position: int = -1,
+  num_steps: int | None = None,
+  chunk: int | None = None,
+  dtype=jnp.float32,
+) -> Sensitivity:
   """Lyapunov scores and the attention map of output `position` for one token sequence."""
   cfg = model.config
   tokens = np.asarray(tokens_l, np.int32)
@@ -164,8 +174,11 @@ def sensitivity(model, tokens_l: Sequence[int], position: int = -1,
   if not -length <= position < length:
     raise ValueError(f"position={position} is outside the {length} tokens")
   if cfg.is_ode and cfg.solver != "euler":
-    logging.warning("model trained with solver=%r; analysing its Euler solve at K=%s steps",
-                    cfg.solver, num_steps or cfg.depth)
+    logging.warning(
+      "model trained with solver=%r; analysing its Euler solve at K=%s steps",
+      cfg.solver,
+      num_steps or cfg.depth,
+    )
   o = position % length
   steps = fields.euler_steps(model, num_steps, dtype)
   field = fields.vector_field(cfg, length)
@@ -179,11 +192,19 @@ def sensitivity(model, tokens_l: Sequence[int], position: int = -1,
 
   exps, att, traj = run(x0, steps.weights)
   exps, att = loading.to_host(exps, np.float64), loading.to_host(att, np.float64)
-  return Sensitivity(tokens=tokens, position=o, exponents=exps, scores=exps.max(-1),
-                     attention=att.mean(axis=(0, 1)), attention_steps=att,
-                     trajectory=loading.to_host(traj), dt=steps.dt,
-                     num_steps=len(steps.times), times=steps.times,
-                     axis_label=steps.axis_label)
+  return Sensitivity(
+    tokens=tokens,
+    position=o,
+    exponents=exps,
+    scores=exps.max(-1),
+    attention=att.mean(axis=(0, 1)),
+    attention_steps=att,
+    trajectory=loading.to_host(traj),
+    dt=steps.dt,
+    num_steps=len(steps.times),
+    times=steps.times,
+    axis_label=steps.axis_label,
+  )
 
 
 # ------------------------------------------------------------------------ tokenizer
@@ -191,6 +212,7 @@ def load_tokenizer(workdir: str, path: str | None = None):
   """`path` if given, else the run's tokenizer (`loading.load_tokenizer`)."""
   # lazy: importing input_pipeline pulls in grain and tensorflow_datasets (~2 s)
   from input_pipeline import tokenizer as tokenizer_lib
+
   if path:
     return tokenizer_lib.load(path, int(load_config(workdir).data.vocab_size))
   return loading.load_tokenizer(workdir)
@@ -200,7 +222,7 @@ def piece_text(sp, token_id: int) -> str:
   """A readable rendering of one piece ('▁' → space, byte pieces decoded)."""
   piece = sp.id_to_piece(int(token_id))
   m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
-  if m:   # byte fallback: ASCII shown as itself; bytes of multi-byte UTF-8 stay <0xNN>
+  if m:  # byte fallback: ASCII shown as itself; bytes of multi-byte UTF-8 stay <0xNN>
     byte = int(m.group(1), 16)
     ch = chr(byte)
     return {"\n": "↵", "\t": "⇥"}.get(ch, ch if byte < 0x80 and ch.isprintable() else piece)
@@ -214,6 +236,7 @@ def spearman(a, b) -> float:
   """Spearman rank correlation of two maps (ties get their average rank); nan when
   either map is constant."""
   from scipy.stats import rankdata  # lazy: scipy.stats takes seconds to import
+
   if len(a) < 2:
     return float("nan")
   ra, rb = rankdata(np.asarray(a)), rankdata(np.asarray(b))
@@ -252,8 +275,10 @@ def _css_color(cmap, u):
 def render_html(pieces, res: Sensitivity, title: str = "") -> str:
   """Two coloured copies of the text: Lyapunov score and attention, side by side."""
   import matplotlib  # lazy: matplotlib only for the pictures
+
   matplotlib.use("Agg")
   from matplotlib import colormaps  # lazy: after the Agg backend is chosen
+
   cmap = colormaps["Reds"]
   active = np.arange(len(pieces)) <= res.position
 
@@ -262,12 +287,10 @@ def render_html(pieces, res: Sensitivity, title: str = "") -> str:
     spans = []
     for i, piece in enumerate(pieces):
       tip = f"#{i}: {fmt(values[i])}" if active[i] else f"#{i}: after o"
-      style = (f"background:{_css_color(cmap, 0.85 * u[i])}" if active[i]
-               else "color:#999")
+      style = f"background:{_css_color(cmap, 0.85 * u[i])}" if active[i] else "color:#999"
       if i == res.position:
         style += ";outline:2px solid #1f77b4"
-      spans.append(f"<span title='{html.escape(tip)}' style='{style}'>"
-                   f"{html.escape(piece)}</span>")
+      spans.append(f"<span title='{html.escape(tip)}' style='{style}'>{html.escape(piece)}</span>")
     return "".join(spans)
 
   lyap = text_block(res.scores, lambda v: f"λ_max = {v:.4g}")
@@ -302,10 +325,20 @@ def _flow_text(ax, fig, pieces, values, active, position, cmap, title):
   for i, piece in enumerate(pieces):
     shown = piece if piece.strip() else piece.replace(" ", "\u2423") or "\u2423"
     face = cmap(0.85 * u[i]) if active[i] else (0.93, 0.93, 0.93)
-    txt = ax.text(x, y, shown, fontsize=9, family="monospace", va="top", ha="left",
-                  color="black" if active[i] else "0.55", transform=ax.transAxes,
-                  bbox=dict(boxstyle="square,pad=0.15", fc=face,
-                            ec="#1f77b4" if i == position else "none", lw=1.5))
+    txt = ax.text(
+      x,
+      y,
+      shown,
+      fontsize=9,
+      family="monospace",
+      va="top",
+      ha="left",
+      color="black" if active[i] else "0.55",
+      transform=ax.transAxes,
+      bbox=dict(
+        boxstyle="square,pad=0.15", fc=face, ec="#1f77b4" if i == position else "none", lw=1.5
+      ),
+    )
     bb = txt.get_window_extent(renderer)
     w, h = bb.width / ax_w, bb.height / ax_h
     if x > 0 and x + w > 1.0:
@@ -319,43 +352,90 @@ def _flow_text(ax, fig, pieces, values, active, position, cmap, title):
 def render_png(pieces, res: Sensitivity, path: str, title: str = "") -> None:
   """The text coloured by the Lyapunov score (left) and by attention (right)."""
   import matplotlib  # lazy: matplotlib only for the pictures
+
   matplotlib.use("Agg")
   from matplotlib import colormaps  # lazy: after the Agg backend is chosen
   import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
+
   cmap = colormaps["Reds"]
   n_chars = sum(len(p) + 1 for p in pieces)
-  height = 0.8 + 0.3 * (1 + n_chars // 100)   # ~100+ characters per panel line
+  height = 0.8 + 0.3 * (1 + n_chars // 100)  # ~100+ characters per panel line
   fig, axes = plt.subplots(1, 2, figsize=(14, height))
-  fig.subplots_adjust(left=0.01, right=0.99, bottom=0.02, top=1.0 - 0.55 / height,
-                      wspace=0.04)
+  fig.subplots_adjust(left=0.01, right=0.99, bottom=0.02, top=1.0 - 0.55 / height, wspace=0.04)
   active = np.arange(len(pieces)) <= res.position
-  _flow_text(axes[0], fig, pieces, res.scores, active, res.position, cmap,
-             "Lyapunov score (max finite-time exponent)")
-  _flow_text(axes[1], fig, pieces, res.attention, active, res.position, cmap,
-             "attention (mean over heads and steps)")
+  _flow_text(
+    axes[0],
+    fig,
+    pieces,
+    res.scores,
+    active,
+    res.position,
+    cmap,
+    "Lyapunov score (max finite-time exponent)",
+  )
+  _flow_text(
+    axes[1],
+    fig,
+    pieces,
+    res.attention,
+    active,
+    res.position,
+    cmap,
+    "attention (mean over heads and steps)",
+  )
   rho = map_correlation(res)
-  fig.suptitle(f"{title}: output position {res.position} ({pieces[res.position]!r}, outlined); "
-               f"colour min–max over the tokens before it; Spearman ρ = {rho:.2f}",
-               fontsize=10, y=1.0 - 0.08 / height, va="top")
+  fig.suptitle(
+    f"{title}: output position {res.position} ({pieces[res.position]!r}, outlined); "
+    f"colour min–max over the tokens before it; Spearman ρ = {rho:.2f}",
+    fontsize=10,
+    y=1.0 - 0.08 / height,
+    va="top",
+  )
   fileio.write_figure(path, fig, dpi=120)
   plt.close(fig)
 
 
-def write_outputs(res: Sensitivity, pieces: Sequence[str], out_dir: str,
-                  title: str = "") -> dict:
+def write_outputs(res: Sensitivity, pieces: Sequence[str], out_dir: str, title: str = "") -> dict:
   """lyapunov.{json,npz,html,png} in `out_dir` (a local directory or a URL such as
   gs://...); returns name -> path."""
-  paths = {name: fileio.join(out_dir, f"lyapunov.{name}")
-           for name in ("json", "npz", "html", "png")}
-  fileio.write_text_atomic(paths["json"], json.dumps(
-      {"position": res.position, "num_steps": res.num_steps, "dt": res.dt,
-       "axis": res.axis_label, "spearman_lyapunov_attention": map_correlation(res),
-       "tokens": [{"index": i, "id": int(t), "piece": pieces[i],
-                   "lyapunov": float(res.scores[i]), "attention": float(res.attention[i])}
-                  for i, t in enumerate(res.tokens)]}, indent=1, ensure_ascii=False))
-  fileio.write_npz(paths["npz"], tokens=res.tokens, position=res.position,
-                   exponents=res.exponents, scores=res.scores, attention=res.attention,
-                   attention_steps=res.attention_steps, times=res.times, dt=res.dt)
+  paths = {
+    name: fileio.join(out_dir, f"lyapunov.{name}") for name in ("json", "npz", "html", "png")
+  }
+  fileio.write_text_atomic(
+    paths["json"],
+    json.dumps(
+      {
+        "position": res.position,
+        "num_steps": res.num_steps,
+        "dt": res.dt,
+        "axis": res.axis_label,
+        "spearman_lyapunov_attention": map_correlation(res),
+        "tokens": [
+          {
+            "index": i,
+            "id": int(t),
+            "piece": pieces[i],
+            "lyapunov": float(res.scores[i]),
+            "attention": float(res.attention[i]),
+          }
+          for i, t in enumerate(res.tokens)
+        ],
+      },
+      indent=1,
+      ensure_ascii=False,
+    ),
+  )
+  fileio.write_npz(
+    paths["npz"],
+    tokens=res.tokens,
+    position=res.position,
+    exponents=res.exponents,
+    scores=res.scores,
+    attention=res.attention,
+    attention_steps=res.attention_steps,
+    times=res.times,
+    dt=res.dt,
+  )
   fileio.write_text_atomic(paths["html"], render_html(list(pieces), res, title))
   render_png(list(pieces), res, paths["png"], title)
   return paths
@@ -369,33 +449,51 @@ def summary_line(res: Sensitivity, pieces: Sequence[str], top: int = 5) -> str:
     return ", ".join(f"{pieces[i]!r}@{i} {values[i]:.3g}" for i in order)
 
   rho = map_correlation(res)
-  return (f"lyapunov: output position {res.position} ({pieces[res.position]!r}, "
-          f"λ_max {res.scores[res.position]:.3g}) over {res.position + 1} tokens, "
-          f"K={res.num_steps} dt={res.dt:.4g}; earlier tokens, top Lyapunov: "
-          f"{tops(res.scores)} | top attention: {tops(res.attention)} | Spearman ρ={rho:.3f}")
+  return (
+    f"lyapunov: output position {res.position} ({pieces[res.position]!r}, "
+    f"λ_max {res.scores[res.position]:.3g}) over {res.position + 1} tokens, "
+    f"K={res.num_steps} dt={res.dt:.4g}; earlier tokens, top Lyapunov: "
+    f"{tops(res.scores)} | top attention: {tops(res.attention)} | Spearman ρ={rho:.3f}"
+  )
 
 
 # -------------------------------------------------------------------------------- CLI
 def parse_args(argv):
   p = errors.ArgumentParser(
-      prog="python -m odetransformer.analysis.lyapunov",
-      description="Token sensitivity of one output position by Lyapunov exponents, "
-                  "beside the attention map.")
+    prog="python -m odetransformer.analysis.lyapunov",
+    description="Token sensitivity of one output position by Lyapunov exponents, "
+    "beside the attention map.",
+  )
   p.add_argument("--workdir", required=True, help="training run directory (main.py --workdir)")
   p.add_argument("--text", required=True, help="the text to analyse")
-  p.add_argument("--position", type=int, default=-1,
-                 help="output position o (token index; negative counts from the end)")
+  p.add_argument(
+    "--position",
+    type=int,
+    default=-1,
+    help="output position o (token index; negative counts from the end)",
+  )
   p.add_argument("--out", required=True, help="output directory (local or gs://...)")
-  p.add_argument("--solver_steps", type=int, default=None,
-                 help="Euler steps K for ODE models (default: the trained K)")
+  p.add_argument(
+    "--solver_steps",
+    type=int,
+    default=None,
+    help="Euler steps K for ODE models (default: the trained K)",
+  )
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   p.add_argument("--mesh_shape", default="", help=loading.MESH_SHAPE_HELP)
   p.add_argument("--checkpoint_allow_unverified", action="store_true", help=UNVERIFIED_FLAG_HELP)
   p.add_argument("--tokenizer", default=None, help="SentencePiece .model (default: the run's)")
-  p.add_argument("--prepend_eos", action="store_true",
-                 help="put the document separator (eos) before the text, as in training")
-  p.add_argument("--jacobian_chunk", type=int, default=None,
-                 help="pull back this many Jacobian rows at a time (bounds memory)")
+  p.add_argument(
+    "--prepend_eos",
+    action="store_true",
+    help="put the document separator (eos) before the text, as in training",
+  )
+  p.add_argument(
+    "--jacobian_chunk",
+    type=int,
+    default=None,
+    help="pull back this many Jacobian rows at a time (bounds memory)",
+  )
   known = {a.dest for a in p._actions}
   return p.parse_args(errors.renamed_flags(argv, known))
 
@@ -404,15 +502,21 @@ def main(argv: list | None = None) -> Sensitivity:
   """The command line; a bad flag or workdir is a UserError (one line: errors.run_cli)."""
   args = parse_args(sys.argv[1:] if argv is None else argv)
   if args.solver_steps is not None and args.solver_steps <= 0:
-    raise errors.UserError(f"--solver_steps={args.solver_steps} must be a positive number of "
-                           "Euler steps (or left out: the trained K)")
+    raise errors.UserError(
+      f"--solver_steps={args.solver_steps} must be a positive number of "
+      "Euler steps (or left out: the trained K)"
+    )
   if args.jacobian_chunk is not None and args.jacobian_chunk <= 0:
     raise errors.UserError(f"--jacobian_chunk={args.jacobian_chunk} must be positive")
   loading.parse_mesh_shape(args.mesh_shape)
   loading.load_run_config(args.workdir)
-  host.initialize_distributed()   # several processes: jax.distributed, as main.py
-  loaded = loading.load_model(args.workdir, step=args.step, mesh_shape=args.mesh_shape,
-                      allow_unverified=args.checkpoint_allow_unverified)
+  host.initialize_distributed()  # several processes: jax.distributed, as main.py
+  loaded = loading.load_model(
+    args.workdir,
+    step=args.step,
+    mesh_shape=args.mesh_shape,
+    allow_unverified=args.checkpoint_allow_unverified,
+  )
   cfg = loaded.model_config
   sp = load_tokenizer(args.workdir, args.tokenizer)
   # Undecodable bytes in argv arrive as lone surrogates, which SentencePiece rejects.
@@ -424,14 +528,16 @@ def main(argv: list | None = None) -> Sensitivity:
     raise errors.UserError("--text encodes to no tokens; pass some text (or --prepend_eos)")
   if cfg.family == "gpt2" and len(ids) > cfg.max_len:
     logging.warning("text is %d tokens; keeping the last model.max_len=%d", len(ids), cfg.max_len)
-    ids = ids[-cfg.max_len:]
+    ids = ids[-cfg.max_len :]
   if not -len(ids) <= args.position < len(ids):
-    raise errors.UserError(f"--position={args.position} is outside the text's {len(ids)} "
-                           f"tokens; pass one in [{-len(ids)}, {len(ids) - 1}]")
+    raise errors.UserError(
+      f"--position={args.position} is outside the text's {len(ids)} "
+      f"tokens; pass one in [{-len(ids)}, {len(ids) - 1}]"
+    )
   res = sensitivity(loaded.model, ids, args.position, args.solver_steps, args.jacobian_chunk)
   pieces = [piece_text(sp, i) for i in ids]
   title = f"{cfg.kind} ({fileio.path(args.workdir).name}, step {loaded.step})"
-  if jax.process_index() == 0:   # every process computed it; one writes
+  if jax.process_index() == 0:  # every process computed it; one writes
     paths = write_outputs(res, pieces, args.out, title)
     print(summary_line(res, pieces))
     print(f"wrote {', '.join(paths.values())}")

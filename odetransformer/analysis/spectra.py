@@ -19,6 +19,7 @@ writes DIR/spectra.npz, DIR/spectra_{qk,ov,ff}.png and prints one summary line. 
 model loads on the run's mesh (or --mesh_shape=1,-1,1 ...), under `jax.distributed` when
 launched as several processes; process 0 writes.
 """
+
 import dataclasses
 import json
 import sys
@@ -36,11 +37,12 @@ from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 @dataclasses.dataclass
 class Spectra:
   """Eigenvalues along t (or per layer), each set sorted by descending real part."""
-  times: np.ndarray       # [T] times t, or layer indices
-  axis_label: str         # 't' or 'layer'
-  qk: np.ndarray          # complex [T, heads, head_dim]
-  ov: np.ndarray          # complex [T, heads, head_dim]
-  ff: np.ndarray          # complex [T, d]
+
+  times: np.ndarray  # [T] times t, or layer indices
+  axis_label: str  # 't' or 'layer'
+  qk: np.ndarray  # complex [T, heads, head_dim]
+  ov: np.ndarray  # complex [T, heads, head_dim]
+  ff: np.ndarray  # complex [T, d]
   kind: str = ""
 
 
@@ -59,12 +61,14 @@ def eigenvalues(weights: dict) -> dict:
     'qk' [T, n, h], 'ov' [T, n, h], 'ff' [T, d]: complex, sorted by descending real part.
   """
   w = {k: loading.to_host(weights[k], np.float64) for k in ("wq", "wk", "wv", "wo", "w1", "w2")}
-  kq = np.einsum("tdna,tdnb->tnab", w["wk"], w["wq"])   # W_K,hᵀ W_Q,h   [h, h]
-  ov = np.einsum("tnad,tdnb->tnab", w["wo"], w["wv"])   # W_O,h W_V,h    [h, h]
-  ff = np.einsum("tdf,tfe->tde", w["w1"], w["w2"])      # W_1 W_2        [d, d]
-  return {"qk": _sorted_desc(np.linalg.eigvals(kq)),
-          "ov": _sorted_desc(np.linalg.eigvals(ov)),
-          "ff": _sorted_desc(np.linalg.eigvals(ff))}
+  kq = np.einsum("tdna,tdnb->tnab", w["wk"], w["wq"])  # W_K,hᵀ W_Q,h   [h, h]
+  ov = np.einsum("tnad,tdnb->tnab", w["wo"], w["wv"])  # W_O,h W_V,h    [h, h]
+  ff = np.einsum("tdf,tfe->tde", w["w1"], w["w2"])  # W_1 W_2        [d, d]
+  return {
+    "qk": _sorted_desc(np.linalg.eigvals(kq)),
+    "ov": _sorted_desc(np.linalg.eigvals(ov)),
+    "ff": _sorted_desc(np.linalg.eigvals(ff)),
+  }
 
 
 _NEEDED = ("wq", "wk", "wv", "wo", "w1", "w2")
@@ -102,8 +106,11 @@ def spread(eigs) -> np.ndarray:
 
 def spread_along(spectra: Spectra) -> dict:
   """Per matrix, the spread along the axis: QK and OV averaged over heads. name -> [T]."""
-  return {"qk": spread(spectra.qk).mean(-1), "ov": spread(spectra.ov).mean(-1),
-          "ff": spread(spectra.ff)}
+  return {
+    "qk": spread(spectra.qk).mean(-1),
+    "ov": spread(spectra.ov).mean(-1),
+    "ff": spread(spectra.ff),
+  }
 
 
 def summary_line(spectra: Spectra) -> str:
@@ -112,44 +119,63 @@ def summary_line(spectra: Spectra) -> str:
   parts = []
   for name, s in spread_along(spectra).items():
     ratio = s[-1] / s[0] if s[0] > 0 else float("inf")
-    parts.append(f"{name.upper()} {s[0]:.3g}→{s[-1]:.3g} (×{ratio:.2f}, "
-                 f"peak {s.max():.3g} at {spectra.axis_label}={t[int(np.argmax(s))]:.3g})")
-  where = (f"t ∈ [{t[0]:.3g}, {t[-1]:.3g}], {len(t)} points" if spectra.axis_label == "t"
-           else f"{len(t)} layers")
-  return (f"spectra ({spectra.kind}, {where}): eigenvalue spread max−min Re λ "
-          f"(QK/OV mean over heads), first→last: " + "; ".join(parts))
+    parts.append(
+      f"{name.upper()} {s[0]:.3g}→{s[-1]:.3g} (×{ratio:.2f}, "
+      f"peak {s.max():.3g} at {spectra.axis_label}={t[int(np.argmax(s))]:.3g})"
+    )
+  where = (
+    f"t ∈ [{t[0]:.3g}, {t[-1]:.3g}], {len(t)} points"
+    if spectra.axis_label == "t"
+    else f"{len(t)} layers"
+  )
+  return (
+    f"spectra ({spectra.kind}, {where}): eigenvalue spread max−min Re λ "
+    f"(QK/OV mean over heads), first→last: " + "; ".join(parts)
+  )
 
 
 def save_npz(spectra: Spectra, path: str) -> None:
   spreads = spread_along(spectra)
-  fileio.write_npz(path, times=spectra.times, axis_label=spectra.axis_label, kind=spectra.kind,
-           qk=spectra.qk, ov=spectra.ov, ff=spectra.ff,
-           qk_spread=spreads["qk"], ov_spread=spreads["ov"], ff_spread=spreads["ff"])
+  fileio.write_npz(
+    path,
+    times=spectra.times,
+    axis_label=spectra.axis_label,
+    kind=spectra.kind,
+    qk=spectra.qk,
+    ov=spectra.ov,
+    ff=spectra.ff,
+    qk_spread=spreads["qk"],
+    ov_spread=spreads["ov"],
+    ff_spread=spreads["ff"],
+  )
 
 
 # ------------------------------------------------------------------------------ plots
 def _lines(ax, x, values, cmap, marker):
   """One line per eigenvalue rank (values [T, r], already ordered per t)."""
   from matplotlib.ticker import MaxNLocator  # lazy: matplotlib only for the plots
+
   r = values.shape[-1]
   colors = cmap(np.linspace(0.0, 1.0, max(r, 2)))
   for j in range(r):
     ax.plot(x, values[:, j], color=colors[j], lw=1.0, marker=marker, ms=3)
-  if marker:   # per layer: integer ticks
+  if marker:  # per layer: integer ticks
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def plot_heads(eigs, times, axis_label: str, title: str, path: str, max_cols: int = 8):
   """Real part (sorted) and magnitude (sorted) vs t, one column per head."""
   import matplotlib  # lazy: matplotlib only for the plots
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
 
   n = eigs.shape[1]
   cols = min(n, max_cols)
   blocks = -(-n // cols)
-  fig, axes = plt.subplots(2 * blocks, cols, figsize=(2.6 * cols + 0.6, 4.4 * blocks),
-                           squeeze=False, sharex=True)
+  fig, axes = plt.subplots(
+    2 * blocks, cols, figsize=(2.6 * cols + 0.6, 4.4 * blocks), squeeze=False, sharex=True
+  )
   marker = "o" if axis_label == "layer" else None
   re = np.sort(np.real(eigs), axis=-1)[..., ::-1]
   mag = np.sort(np.abs(eigs), axis=-1)[..., ::-1]
@@ -183,6 +209,7 @@ def plot_heads(eigs, times, axis_label: str, title: str, path: str, max_cols: in
 
 def plot_ff(eigs, times, axis_label: str, title: str, path: str):
   import matplotlib  # lazy: matplotlib only for the plots
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
 
@@ -204,37 +231,65 @@ def plot_ff(eigs, times, axis_label: str, title: str, path: str):
 def write_outputs(spectra: Spectra, out_dir: str) -> dict:
   """spectra.npz, spectra_summary.json and the three PNGs in `out_dir` (a local
   directory or a URL such as gs://...); returns name -> path."""
-  paths = {"npz": fileio.join(out_dir, "spectra.npz"),
-           "summary": fileio.join(out_dir, "spectra_summary.json"),
-           "qk": fileio.join(out_dir, "spectra_qk.png"),
-           "ov": fileio.join(out_dir, "spectra_ov.png"),
-           "ff": fileio.join(out_dir, "spectra_ff.png")}
+  paths = {
+    "npz": fileio.join(out_dir, "spectra.npz"),
+    "summary": fileio.join(out_dir, "spectra_summary.json"),
+    "qk": fileio.join(out_dir, "spectra_qk.png"),
+    "ov": fileio.join(out_dir, "spectra_ov.png"),
+    "ff": fileio.join(out_dir, "spectra_ff.png"),
+  }
   save_npz(spectra, paths["npz"])
   spreads = spread_along(spectra)
-  fileio.write_text_atomic(paths["summary"], json.dumps(
-      {"kind": spectra.kind, "axis": spectra.axis_label, "times": spectra.times.tolist(),
-       "spread": {k: v.tolist() for k, v in spreads.items()},
-       "summary": summary_line(spectra)}, indent=1))
+  fileio.write_text_atomic(
+    paths["summary"],
+    json.dumps(
+      {
+        "kind": spectra.kind,
+        "axis": spectra.axis_label,
+        "times": spectra.times.tolist(),
+        "spread": {k: v.tolist() for k, v in spreads.items()},
+        "summary": summary_line(spectra),
+      },
+      indent=1,
+    ),
+  )
   where = f"({spectra.kind})"
-  plot_heads(spectra.qk, spectra.times, spectra.axis_label,
-             f"eigenvalues of W_Q,h W_K,hᵀ per head {where}", paths["qk"])
-  plot_heads(spectra.ov, spectra.times, spectra.axis_label,
-             f"eigenvalues of W_V,h W_O,h per head {where}", paths["ov"])
-  plot_ff(spectra.ff, spectra.times, spectra.axis_label,
-          f"eigenvalues of W_1 W_2 {where}", paths["ff"])
+  plot_heads(
+    spectra.qk,
+    spectra.times,
+    spectra.axis_label,
+    f"eigenvalues of W_Q,h W_K,hᵀ per head {where}",
+    paths["qk"],
+  )
+  plot_heads(
+    spectra.ov,
+    spectra.times,
+    spectra.axis_label,
+    f"eigenvalues of W_V,h W_O,h per head {where}",
+    paths["ov"],
+  )
+  plot_ff(
+    spectra.ff, spectra.times, spectra.axis_label, f"eigenvalues of W_1 W_2 {where}", paths["ff"]
+  )
   return paths
 
 
 # -------------------------------------------------------------------------------- CLI
 def parse_args(argv):
   p = errors.ArgumentParser(
-      prog="python -m odetransformer.analysis.spectra",
-      description="Eigenvalues of W_QK, W_OV per head and of W_1 W_2, along t or per layer.")
+    prog="python -m odetransformer.analysis.spectra",
+    description="Eigenvalues of W_QK, W_OV per head and of W_1 W_2, along t or per layer.",
+  )
   p.add_argument("--workdir", required=True, help="training run directory (main.py --workdir)")
-  p.add_argument("--out", required=True,
-                 help="output directory (local or gs://...) for .npz, .json and PNGs")
-  p.add_argument("--grid", type=int, default=64,
-                 help="points t in [0, 1] for ODE models (discrete models: every layer)")
+  p.add_argument(
+    "--out", required=True, help="output directory (local or gs://...) for .npz, .json and PNGs"
+  )
+  p.add_argument(
+    "--grid",
+    type=int,
+    default=64,
+    help="points t in [0, 1] for ODE models (discrete models: every layer)",
+  )
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   p.add_argument("--mesh_shape", default="", help=loading.MESH_SHAPE_HELP)
   p.add_argument("--checkpoint_allow_unverified", action="store_true", help=UNVERIFIED_FLAG_HELP)
@@ -245,15 +300,21 @@ def main(argv: list | None = None) -> Spectra:
   """The command line; a bad flag or workdir is a UserError (one line: errors.run_cli)."""
   args = parse_args(sys.argv[1:] if argv is None else argv)
   if args.grid < 2:
-    raise errors.UserError(f"--grid={args.grid}: an ODE's spectra need at least 2 points "
-                           "t in [0, 1]; pass --grid=2 or more (default 64)")
+    raise errors.UserError(
+      f"--grid={args.grid}: an ODE's spectra need at least 2 points "
+      "t in [0, 1]; pass --grid=2 or more (default 64)"
+    )
   loading.parse_mesh_shape(args.mesh_shape)
   loading.load_run_config(args.workdir)
-  host.initialize_distributed()   # several processes: jax.distributed, as main.py
-  loaded = loading.load_model(args.workdir, step=args.step, mesh_shape=args.mesh_shape,
-                      allow_unverified=args.checkpoint_allow_unverified)
+  host.initialize_distributed()  # several processes: jax.distributed, as main.py
+  loaded = loading.load_model(
+    args.workdir,
+    step=args.step,
+    mesh_shape=args.mesh_shape,
+    allow_unverified=args.checkpoint_allow_unverified,
+  )
   spectra = compute_spectra(loaded.model, args.grid)
-  if jax.process_index() == 0:   # every process computed them; one writes
+  if jax.process_index() == 0:  # every process computed them; one writes
     paths = write_outputs(spectra, args.out)
     print(summary_line(spectra))
     print(f"wrote {', '.join(paths.values())}")

@@ -11,19 +11,20 @@ mesh axis already splits the batch); a weight computed inside a step — DiffEqF
 W(t) — must instead live where its parameters do, so the caller passes the parameters'
 rules down to where it is made (the model's `param_rules` argument).
 """
+
 from flax.core import spmd as core_spmd
 import jax
 
 LOGICAL_AXES = (
-    "batch",       # examples in a batch
-    "length",      # sequence positions (activations, position table)
-    "embed",       # model width d
-    "heads",       # attention heads
-    "kv",          # per-head width
-    "mlp",         # feed-forward hidden width
-    "vocab",       # vocabulary
-    "time_embed",  # hypernetwork code width d_t (last axis of weight generators)
-    "layers",      # stacked discrete layers
+  "batch",  # examples in a batch
+  "length",  # sequence positions (activations, position table)
+  "embed",  # model width d
+  "heads",  # attention heads
+  "kv",  # per-head width
+  "mlp",  # feed-forward hidden width
+  "vocab",  # vocabulary
+  "time_embed",  # hypernetwork code width d_t (last axis of weight generators)
+  "layers",  # stacked discrete layers
 )
 
 

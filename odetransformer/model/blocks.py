@@ -7,6 +7,7 @@ axes and roles; weight names start with 'w', biases with 'b', norm entries with 
 
 Shape suffixes: b batch, l/s query/key length, d width, n heads, h head dim, f mlp.
 """
+
 import dataclasses
 import math
 from typing import NamedTuple
@@ -24,11 +25,11 @@ from odetransformer.model.config import ModelConfig
 class ParamSpec:
   shape: tuple
   axes: tuple
-  role: str        # 'in' | 'out' (output projection: dt folds in) | 'bias' | 'out_bias'
-                   # | 'norm_scale' | 'norm_shift'
-  group: str       # params sharing one hypernetwork MLP (a linear layer, or a norm)
+  role: str  # 'in' | 'out' (output projection: dt folds in) | 'bias' | 'out_bias'
+  # | 'norm_scale' | 'norm_shift'
+  group: str  # params sharing one hypernetwork MLP (a linear layer, or a norm)
   fan_in: int = 1
-  n_in: int = 1    # leading input axes of a weight (wo: heads, kv); the rest are outputs
+  n_in: int = 1  # leading input axes of a weight (wo: heads, kv); the rest are outputs
 
 
 def layer_param_specs(cfg: ModelConfig) -> dict:
@@ -72,7 +73,7 @@ def norm(x_bld, scale_d, shift_d: jax.Array | None, eps: float, center: bool = T
   return x.astype(x_bld.dtype)
 
 
-REFERENCE_LLAMA_NORM_EPS = 1e-6   # the authors' Llama DiffEqFormer's block RMSNorms
+REFERENCE_LLAMA_NORM_EPS = 1e-6  # the authors' Llama DiffEqFormer's block RMSNorms
 
 
 def block_norm(x_bld, p, which: str, cfg: ModelConfig):
@@ -80,8 +81,9 @@ def block_norm(x_bld, p, which: str, cfg: ModelConfig):
   LayerNorm (gpt), RMSNorm (llama), RMSNorm plus shift at eps 1e-6
   (llama_block='reference')."""
   if cfg.llama_block == "reference":
-    return norm(x_bld, p[f"{which}_scale"], p[f"{which}_shift"], REFERENCE_LLAMA_NORM_EPS,
-                center=False)
+    return norm(
+      x_bld, p[f"{which}_scale"], p[f"{which}_shift"], REFERENCE_LLAMA_NORM_EPS, center=False
+    )
   return norm(x_bld, p[f"{which}_scale"], p.get(f"{which}_shift"), cfg.norm_eps)
 
 
@@ -95,7 +97,7 @@ def rope(x_blnh, positions_bl, base: float):
   """Rotary position embedding (rotate-half convention) on the last axis."""
   h = x_blnh.shape[-1]
   inv_freq = 1.0 / (base ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
-  angle = positions_bl.astype(jnp.float32)[..., None] * inv_freq     # [b, l, h/2]
+  angle = positions_bl.astype(jnp.float32)[..., None] * inv_freq  # [b, l, h/2]
   sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
   x1, x2 = jnp.split(x_blnh.astype(jnp.promote_types(x_blnh.dtype, jnp.float32)), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -108,6 +110,7 @@ class SegmentMask(NamedTuple):
   The form the fused kernels take (splash: causal mask + `SegmentIds`); the XLA and
   cuDNN paths (`jax.nn.dot_product_attention`, which has no segment ids) expand it to a
   dense [b, 1, l, s] mask themselves (`dense`)."""
+
   segment_ids_bl: jax.Array
 
   def dense(self):
@@ -124,7 +127,7 @@ def attention_mask(segment_ids_bl) -> SegmentMask | None:
 # --------------------------------------------------------------------------------------
 # Attention kernels (`model.attention_impl`)
 # --------------------------------------------------------------------------------------
-SPLASH_BLOCK = 128   # the splash kernel's tile of queries and keys (TPU lanes)
+SPLASH_BLOCK = 128  # the splash kernel's tile of queries and keys (TPU lanes)
 
 
 def _platform() -> str:
@@ -147,8 +150,7 @@ def attention_kernel(cfg: ModelConfig, seq_len: int, platform: str | None = None
   """
   impl = cfg.attention_impl
   platform = platform or _platform()
-  cudnn_ok = (cfg.dtype in ("bfloat16", "float16") and cfg.head_dim % 8 == 0
-              and cfg.head_dim <= 128)
+  cudnn_ok = cfg.dtype in ("bfloat16", "float16") and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
   splash_ok = seq_len % SPLASH_BLOCK == 0
   if impl == "auto":
     if platform == "cuda" and cudnn_ok:
@@ -156,32 +158,51 @@ def attention_kernel(cfg: ModelConfig, seq_len: int, platform: str | None = None
     if platform == "tpu" and splash_ok:
       return "splash"
     return "xla"
-  needs = {   # kernel: (platform, devices, whether the shape allows it, what it needs)
-      "cudnn": ("cuda", "NVIDIA GPUs", cudnn_ok,
-                f"needs model.dtype bfloat16 and a head dim that is a multiple of 8 up to "
-                f"128 (have {cfg.dtype}, {cfg.head_dim})"),
-      "splash": ("tpu", "TPUs", splash_ok,
-                 f"needs a sequence length that is a multiple of {SPLASH_BLOCK}, "
-                 f"got {seq_len}")}
+  needs = {  # kernel: (platform, devices, whether the shape allows it, what it needs)
+    "cudnn": (
+      "cuda",
+      "NVIDIA GPUs",
+      cudnn_ok,
+      f"needs model.dtype bfloat16 and a head dim that is a multiple of 8 up to "
+      f"128 (have {cfg.dtype}, {cfg.head_dim})",
+    ),
+    "splash": (
+      "tpu",
+      "TPUs",
+      splash_ok,
+      f"needs a sequence length that is a multiple of {SPLASH_BLOCK}, got {seq_len}",
+    ),
+  }
   if impl in needs:
     where, devices, ok, why = needs[impl]
-    problem = (f"runs on {devices} only, this run is on {platform}" if platform != where
-               else None if ok else why)
+    problem = (
+      f"runs on {devices} only, this run is on {platform}"
+      if platform != where
+      else None
+      if ok
+      else why
+    )
     if problem:
       raise ConfigError(f"model.attention_impl={impl!r} {problem}; use 'auto' or 'xla'")
   return impl
 
 
-def dot_product_attention(q_blnh, k_bsnh, v_bsnh, mask: SegmentMask | None,
-                          kernel: str, interpret: bool = False):
+def dot_product_attention(
+  q_blnh, k_bsnh, v_bsnh, mask: SegmentMask | None, kernel: str, interpret: bool = False
+):
   """Causal attention of [b, l, heads, head_dim] q, k, v within `mask`'s documents, by
   `kernel` ('xla', 'cudnn' or 'splash'; `interpret` runs splash's Pallas kernel in
   the interpreter, on any platform)."""
   if kernel == "splash":
     return _splash_attention(q_blnh, k_bsnh, v_bsnh, mask, interpret)
-  return jax.nn.dot_product_attention(q_blnh, k_bsnh, v_bsnh,
-                                      mask=None if mask is None else mask.dense(),
-                                      is_causal=True, implementation=kernel)
+  return jax.nn.dot_product_attention(
+    q_blnh,
+    k_bsnh,
+    v_bsnh,
+    mask=None if mask is None else mask.dense(),
+    is_causal=True,
+    implementation=kernel,
+  )
 
 
 def _splash_attention(q_blnh, k_bsnh, v_bsnh, mask: SegmentMask | None, interpret):
@@ -191,22 +212,35 @@ def _splash_attention(q_blnh, k_bsnh, v_bsnh, mask: SegmentMask | None, interpre
   rules split them, the sequence whole."""
   # lazy: the Pallas TPU kernels, only for attention_impl='splash'
   from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
   length = q_blnh.shape[1]
   block = math.gcd(length, 512)
-  sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                            block_q_dkv=block, block_kv_dkv=block,
-                            block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+  sizes = splash.BlockSizes(
+    block_q=block,
+    block_kv=block,
+    block_kv_compute=block,
+    block_q_dkv=block,
+    block_kv_dkv=block,
+    block_kv_dkv_compute=block,
+    block_q_dq=block,
+    block_kv_dq=block,
+  )
   scale = 1.0 / math.sqrt(q_blnh.shape[-1])
 
   def per_shard(q, k, v, *seg):
     # [b, l, n, h] -> [b, n, l, h]; the kernel takes one example's heads at a time.
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q * scale, k, v))
     kernel = splash.make_splash_mha(
-        splash.MultiHeadMask([splash.CausalMask((length, length))] * q.shape[1]),
-        block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+      splash.MultiHeadMask([splash.CausalMask((length, length))] * q.shape[1]),
+      block_sizes=sizes,
+      head_shards=1,
+      q_seq_shards=1,
+      interpret=interpret,
+    )
 
     def one(q, k, v, *s):
       return kernel(q, k, v, segment_ids=splash.SegmentIds(q=s[0], kv=s[0]) if s else None)
+
     return jax.vmap(one)(q, k, v, *seg).transpose(0, 2, 1, 3)
 
   args = (q_blnh, k_bsnh, v_bsnh) + (() if mask is None else (mask.segment_ids_bl,))
@@ -248,6 +282,7 @@ class LayerCache(NamedTuple):
   right-padded prompt's tail), never attended and overwritten before they are visible.
   Writes stay in range when index_b + l <= s (the caller's check: `dynamic_update_slice`
   would clamp them)."""
+
   k_bsnh: jax.Array
   v_bsnh: jax.Array
   index_b: jax.Array
@@ -255,8 +290,9 @@ class LayerCache(NamedTuple):
   def write(self, k_blnh, v_blnh) -> "LayerCache":
     """The cache with each row's l new keys and values written at its own position."""
     put = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (i, 0, 0)))
-    return self._replace(k_bsnh=put(self.k_bsnh, k_blnh, self.index_b),
-                         v_bsnh=put(self.v_bsnh, v_blnh, self.index_b))
+    return self._replace(
+      k_bsnh=put(self.k_bsnh, k_blnh, self.index_b), v_bsnh=put(self.v_bsnh, v_blnh, self.index_b)
+    )
 
   def allowed(self, length: int):
     """[b, 1, l, s] boolean: key position <= the query's (causal over the cache)."""
@@ -264,8 +300,14 @@ class LayerCache(NamedTuple):
     return (jnp.arange(self.k_bsnh.shape[1])[None, None, :] <= query_bl[:, :, None])[:, None]
 
 
-def attention(x_bld, p, cfg: ModelConfig, mask: SegmentMask | None, positions_bl,
-              cache: LayerCache | None = None):
+def attention(
+  x_bld,
+  p,
+  cfg: ModelConfig,
+  mask: SegmentMask | None,
+  positions_bl,
+  cache: LayerCache | None = None,
+):
   """Causal multi-head self-attention within `mask`'s documents, by the kernel
   `model.attention_impl` selects (`attention_kernel`).
 

@@ -11,6 +11,7 @@ Names changed in this release (the old ones still work, each with one warning li
 (`'gpt'` -> `'gpt2'`); `num_steps` -> `solver_steps` (K, ODE kinds) or `num_layers`
 (L, discrete kinds), whichever applies to the kind.
 """
+
 import dataclasses
 import logging
 import typing
@@ -22,14 +23,14 @@ from odetransformer.model.solvers import STEP_TIMES
 from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
 
 KINDS = ("diffeqformer", "transformer", "parallel", "shared")
-ODE_KINDS = ("diffeqformer", "shared")   # depth = model.solver_steps; else model.num_layers
+ODE_KINDS = ("diffeqformer", "shared")  # depth = model.solver_steps; else model.num_layers
 FAMILIES = ("gpt2", "llama")
 SOLVERS = ("euler", "midpoint", "rk4")
 LLAMA_BLOCKS = ("paper", "reference")
 REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = ("float32", "bfloat16", "float64")  # float64: numerical checks
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
-DEFAULT_DEPTH = 6   # K or L when a config sets neither
+DEFAULT_DEPTH = 6  # K or L when a config sets neither
 
 # Old name -> new name, for one release (`migrate_model_fields`).
 DEPRECATED_KEYS = {"flavour": "family", "num_steps": "solver_steps or num_layers"}
@@ -44,95 +45,145 @@ def _field(default, meaning: str):
 def depth_fields(kind: str) -> tuple:
   """(the depth field a kind uses, the one it does not): K ('solver_steps') for the ODE
   kinds, L ('num_layers') for the discrete ones."""
-  return (("solver_steps", "num_layers") if kind in ODE_KINDS
-          else ("num_layers", "solver_steps"))
+  return ("solver_steps", "num_layers") if kind in ODE_KINDS else ("num_layers", "solver_steps")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Typed, validated model config; each field's meaning is its `meaning` metadata."""
-  kind: str = _field("diffeqformer", (
+
+  kind: str = _field(
+    "diffeqformer",
+    (
       "'diffeqformer': time-dependent weights from hypernetworks (the paper's model); "
       "'transformer': discrete transformer, sequential pre-norm blocks (GPT-2, or Llama "
       "with family='llama'); 'parallel': discrete parallel-block transformer; "
-      "'shared': weight-sharing ODE (weights constant in t, Zhong et al. 2022)"))
-  family: str = _field("gpt2", (
+      "'shared': weight-sharing ODE (weights constant in t, Zhong et al. 2022)"
+    ),
+  )
+  family: str = _field(
+    "gpt2",
+    (
       "'gpt2': LayerNorm, learned positions, GELU, biases; "
-      "'llama': RMSNorm, RoPE, SwiGLU, no biases"))
+      "'llama': RMSNorm, RoPE, SwiGLU, no biases"
+    ),
+  )
   vocab_size: int = _field(2048, "set from the tokenizer by the training code")
   d_model: int = _field(128, "width d")
   num_heads: int = _field(4, "attention heads (must divide d_model)")
   mlp_dim: int = _field(512, "feed-forward hidden width")
-  solver_steps: int | None = _field(None, (
-      f"K, solver steps of the ODE kinds (diffeqformer, shared); None = {DEFAULT_DEPTH}"))
-  num_layers: int | None = _field(None, (
-      f"L, layers of the discrete kinds (transformer, parallel); None = {DEFAULT_DEPTH}"))
+  solver_steps: int | None = _field(
+    None, (f"K, solver steps of the ODE kinds (diffeqformer, shared); None = {DEFAULT_DEPTH}")
+  )
+  num_layers: int | None = _field(
+    None, (f"L, layers of the discrete kinds (transformer, parallel); None = {DEFAULT_DEPTH}")
+  )
   max_len: int = _field(256, "position table size (gpt2 family); RoPE has no limit")
   time_embed_dim: int = _field(32, "d_t: hypernetwork code width (paper: 20…144)")
-  time_sinusoids: int = _field(128, (
-      "S: sinusoid pairs in e(t) (size 2S+1); the authors' configs use 128"))
+  time_sinusoids: int = _field(
+    128, ("S: sinusoid pairs in e(t) (size 2S+1); the authors' configs use 128")
+  )
   time_hidden: int = _field(0, "H: hypernetwork MLP hidden width; 0 = d_t, as the authors' code")
   shared_time_mlp: bool = _field(False, "App. D.2 ablation: one MLP shared by all weights")
   solver: str = _field("euler", "'euler' | 'midpoint' | 'rk4' (ODE kinds only)")
-  step_time: str = _field("start", (
+  step_time: str = _field(
+    "start",
+    (
       "where a step evaluates the field (odetransformer/model/solvers.py): 'start' = "
       "Euler's step k at t = k/K (the textbook scheme); 'end' = at (k+1)/K, the authors' "
       "code's scheme (midpoint's nodes reflected too; RK4 the same under both). 'start' "
-      "is the default because every earlier run and checkpoint used it"))
-  llama_block: str = _field("paper", (
+      "is the default because every earlier run and checkpoint used it"
+    ),
+  )
+  llama_block: str = _field(
+    "paper",
+    (
       "the Llama-family DiffEqFormer block: 'paper' = F(x) = Attn(N1(x)) + FFN(N2(x)), "
       "the paper's equation, RMSNorms with a time-dependent scale; 'reference' = the "
       "authors' code: the norms also carry a time-dependent shift B·h(t), the FFN reads "
       "N2(N1(x)), block norms use eps 1e-6 (the final norm keeps norm_eps). 'paper' is "
       "the default: it is the paper's model, it scored better than 'reference' at the "
       "authors' init (benchmarks/README.md, Quality), and Llama checkpoints written "
-      "before this field hold no norm shifts, so they restore only under it"))
-  train_time_grid: str = _field("fixed", (
+      "before this field hold no norm shifts, so they restore only under it"
+    ),
+  )
+  train_time_grid: str = _field(
+    "fixed",
+    (
       "training time grid per batch (ODE kinds; odetransformer/model/time_grid.py): "
       "'fixed' = k/K; 'random_shift' = interior times shifted by dt0 ~ U(0, 2/K): every "
       "solver's evaluation points cover [0, 1) under step_time='start' and (0, 1] under "
       "'end'; 'random_offset' = dt0 ~ U(0, 1/K), the authors' scheme: Euler is never "
       "evaluated in [(K-1)/K, 1) under either step_time (only at 1, under 'end'); "
-      "'random_uniform' = sorted U(0, 1) interior times, so all step sizes are trained too"))
-  remat_policy: str = _field("full", (
-      "'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'"))
-  dtype: str = _field("float32", (
-      "compute dtype: 'float32' | 'bfloat16' (params stay param_dtype)"))
-  attention_impl: str = _field("auto", (
+      "'random_uniform' = sorted U(0, 1) interior times, so all step sizes are trained too"
+    ),
+  )
+  remat_policy: str = _field(
+    "full", ("'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'")
+  )
+  dtype: str = _field(
+    "float32", ("compute dtype: 'float32' | 'bfloat16' (params stay param_dtype)")
+  )
+  attention_impl: str = _field(
+    "auto",
+    (
       "attention kernel: 'xla' | 'cudnn' (NVIDIA GPUs, bfloat16) | 'splash' (TPU, "
       "Pallas) | 'auto': cudnn on NVIDIA GPUs when dtype and head size allow, splash on "
-      "TPU, else xla. One the platform cannot run is an error (`blocks.attention_kernel`)"))
+      "TPU, else xla. One the platform cannot run is an error (`blocks.attention_kernel`)"
+    ),
+  )
   param_dtype: str = _field("float32", "dtype of the parameters")
-  state_dtype: str = _field("float32", (
+  state_dtype: str = _field(
+    "float32",
+    (
       "dtype of the ODE state / residual stream x carried between steps: 'float32' "
       "keeps an increment dt·F far below |x| that bfloat16 (8 mantissa bits) would "
-      "round away"))
+      "round away"
+    ),
+  )
   tie_embeddings: bool = _field(True, "LM head = embedding transpose")
   dropout_rate: float = _field(0.0, "on embeddings and on attention / FFN outputs")
   rope_base: float = _field(10000.0, "llama family")
   norm_eps: float = _field(1e-5, "epsilon of the layer / RMS norms")
-  embed_scale: float = _field(1.0, (
-      "multiplier on input embeddings; 1 as the authors' code (no √d)"))
-  hyper_init_std: float = _field(0.02, (
+  embed_scale: float = _field(
+    1.0, ("multiplier on input embeddings; 1 as the authors' code (no √d)")
+  )
+  hyper_init_std: float = _field(
+    0.02,
+    (
       "DiffEqFormer init as the authors' code (SDML-KU/qkvflow): std of P (weights' "
       "generators) and of the time MLPs' kernels; static parts P0 and all MLP biases "
-      "start at 0 (haliax Linear init)"))
-  hyper_bias_init_std: float = _field(1e-4, (
-      "std of P of the bias generators (qkvflow TemporalLinear f_b)"))
-  lora_rank: int = _field(0, (
+      "start at 0 (haliax Linear init)"
+    ),
+  )
+  hyper_bias_init_std: float = _field(
+    1e-4, ("std of P of the bias generators (qkvflow TemporalLinear f_b)")
+  )
+  lora_rank: int = _field(
+    0,
+    (
       "LoRA on a discrete model's stacked layers (fine-tuning; "
       "odetransformer/train/finetune.py): 0 = no adapters; > 0 freezes the layers and "
-      "trains A·B"))
+      "trains A·B"
+    ),
+  )
   lora_alpha: float = _field(16.0, "adapter scale alpha / rank")
-  lora_targets: tuple = _field(("wq", "wk", "wv", "wo"), (
-      "layer weights to adapt, comma-separated in a ConfigDict (wq wk wv wo w1 w2 w3)"))
-  lora_train_embeddings: bool = _field(False, (
-      "also train embeddings, positions, final norm, head"))
-  out_proj_scale: float = _field(1.0, (
+  lora_targets: tuple = _field(
+    ("wq", "wk", "wv", "wo"),
+    ("layer weights to adapt, comma-separated in a ConfigDict (wq wk wv wo w1 w2 w3)"),
+  )
+  lora_train_embeddings: bool = _field(
+    False, ("also train embeddings, positions, final norm, head")
+  )
+  out_proj_scale: float = _field(
+    1.0,
+    (
       "discrete kinds: factor on each layer's W_O, W_2 and their biases (LoRA updates "
       "included). A materialised ODE being fine-tuned keeps dt = 1/N here rather than "
       "in its stored weights, so its residual update is x + dt·layer(x) as in the "
-      "authors' code"))
+      "authors' code"
+    ),
+  )
 
   def __post_init__(self):
     def choice(name, options):
@@ -140,8 +191,7 @@ class ModelConfig:
       if value not in options:
         old = {"kind": OLD_KINDS, "family": OLD_FAMILIES}.get(name, {})
         hint = f" (the old name of {old[value]!r})" if value in old else ""
-        raise ValueError(f"model.{name}={value!r}{hint} is unknown; choose one of "
-                         f"{list(options)}")
+        raise ValueError(f"model.{name}={value!r}{hint} is unknown; choose one of {list(options)}")
 
     choice("kind", KINDS)
     choice("family", FAMILIES)
@@ -158,38 +208,57 @@ class ModelConfig:
     if getattr(self, depth) is None:
       if getattr(self, other) is not None:
         raise ValueError(
-            f"model.{other}={getattr(self, other)} does not apply to kind={self.kind!r}; "
-            f"its depth is model.{depth}: set that instead")
+          f"model.{other}={getattr(self, other)} does not apply to kind={self.kind!r}; "
+          f"its depth is model.{depth}: set that instead"
+        )
       object.__setattr__(self, depth, DEFAULT_DEPTH)
-    for name in ("vocab_size", "d_model", "num_heads", "mlp_dim", depth, "max_len",
-                 "time_embed_dim", "time_sinusoids"):
+    for name in (
+      "vocab_size",
+      "d_model",
+      "num_heads",
+      "mlp_dim",
+      depth,
+      "max_len",
+      "time_embed_dim",
+      "time_sinusoids",
+    ):
       if int(getattr(self, name)) <= 0:
         raise ValueError(f"model.{name}={getattr(self, name)} must be a positive integer")
     if self.d_model % self.num_heads:
-      raise ValueError(f"model.num_heads={self.num_heads} does not divide "
-                       f"model.d_model={self.d_model}; pick a divisor of the width")
+      raise ValueError(
+        f"model.num_heads={self.num_heads} does not divide "
+        f"model.d_model={self.d_model}; pick a divisor of the width"
+      )
     if self.family == "llama" and self.head_dim % 2:
-      raise ValueError(f"RoPE needs an even head dim, got {self.head_dim}; "
-                       "change model.d_model or model.num_heads")
+      raise ValueError(
+        f"RoPE needs an even head dim, got {self.head_dim}; change model.d_model or model.num_heads"
+      )
     if self.llama_block == "reference" and (self.family != "llama" or self.kind == "transformer"):
-      raise ValueError(f"model.llama_block='reference' is the authors' Llama DiffEqFormer "
-                       f"block; this model is family={self.family!r}, kind={self.kind!r}: "
-                       "use llama_block='paper'")
+      raise ValueError(
+        f"model.llama_block='reference' is the authors' Llama DiffEqFormer "
+        f"block; this model is family={self.family!r}, kind={self.kind!r}: "
+        "use llama_block='paper'"
+      )
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")
     if self.lora_rank < 0:
       raise ValueError(f"model.lora_rank={self.lora_rank} must be >= 0")
     if self.lora_rank and self.is_ode:
-      raise ValueError("LoRA adapts discrete layers; materialise the ODE first "
-                       "(finetune.method='lora' does this)")
+      raise ValueError(
+        "LoRA adapts discrete layers; materialise the ODE first (finetune.method='lora' does this)"
+      )
     weights = {"wq", "wk", "wv", "wo", "w1", "w2"} | ({"w3"} if self.family == "llama" else set())
     bad = sorted(set(self.lora_targets) - weights)
     if self.lora_rank and bad:
-      raise ValueError(f"model.lora_targets has {bad}, not layer weights of this model; "
-                       f"choose from {sorted(weights)}")
+      raise ValueError(
+        f"model.lora_targets has {bad}, not layer weights of this model; "
+        f"choose from {sorted(weights)}"
+      )
     if self.out_proj_scale <= 0 or (self.is_ode and self.out_proj_scale != 1.0):
-      raise ValueError(f"model.out_proj_scale={self.out_proj_scale} must be > 0, and 1 for "
-                       "ODE kinds (their step size is 1/solver_steps)")
+      raise ValueError(
+        f"model.out_proj_scale={self.out_proj_scale} must be > 0, and 1 for "
+        "ODE kinds (their step size is 1/solver_steps)"
+      )
     if self.time_hidden < 0:
       raise ValueError(f"model.time_hidden={self.time_hidden} must be >= 0 (0 = d_t)")
     if self.embed_scale <= 0:
@@ -278,8 +347,14 @@ def migrate_model_fields(values: dict, warn: bool = True) -> dict:
     say(f"model.num_steps={num_steps}", f"model.{depth}={num_steps} (kind={kind!r})")
     values[depth] = num_steps
   if values.get(depth) is not None and values.get(other) not in (None, values[depth]):
-    logging.warning("model.%s=%s is not used by kind=%r: its depth is model.%s=%s",
-                    other, values[other], kind, depth, values[depth])
+    logging.warning(
+      "model.%s=%s is not used by kind=%r: its depth is model.%s=%s",
+      other,
+      values[other],
+      kind,
+      depth,
+      values[depth],
+    )
   return values
 
 
@@ -299,8 +374,9 @@ def default_model_config() -> ml_collections.ConfigDict:
   return c
 
 
-def migrate_config(config: ml_collections.ConfigDict,
-                   warn: bool = True) -> ml_collections.ConfigDict:
+def migrate_config(
+  config: ml_collections.ConfigDict, warn: bool = True
+) -> ml_collections.ConfigDict:
   """A copy of a run's config with `model` (and `finetune`) under their new names, one
   warning line per old name (`warn`); configs with new names come back equal.
 
@@ -309,7 +385,7 @@ def migrate_config(config: ml_collections.ConfigDict,
   """
   config = ml_collections.ConfigDict(config.to_dict())
   if "model" in config:
-    values = migrate_model_fields(config.model.to_dict(), warn)   # old keys popped
+    values = migrate_model_fields(config.model.to_dict(), warn)  # old keys popped
     model = default_model_config()
     for old in DEPRECATED_KEYS:
       del model[old]

@@ -23,6 +23,7 @@ solve (`solvers.fixed_step_solve`) of its own block (`blocks.block_fn`) given a
 `blocks.LayerCache` per field evaluation, so `Decoder.__call__` equals the model's full
 forward pass (`model(tokens, num_steps=N)`) at every position (tests/test_generate.py).
 """
+
 import dataclasses
 import functools
 from typing import NamedTuple
@@ -40,6 +41,7 @@ from odetransformer.model.transformer import LanguageModel
 
 class KVCache(NamedTuple):
   """Keys and values of every slot: each [slots, b, max_len, heads, head_dim]."""
+
   k: jax.Array
   v: jax.Array
 
@@ -51,11 +53,12 @@ class KVCache(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class _Static:
   """What the compiled decode step is specialised on (hashable)."""
-  cfg: ModelConfig     # config of the model that embeds and projects (materialised if so)
-  method: str          # 'euler' | 'midpoint' | 'rk4' (discrete: 'euler' with dt = 1)
+
+  cfg: ModelConfig  # config of the model that embeds and projects (materialised if so)
+  method: str  # 'euler' | 'midpoint' | 'rk4' (discrete: 'euler' with dt = 1)
   dt: float
-  num_layers: int      # solver steps / layers L
-  evals: int           # block evaluations per layer (cache slots per layer)
+  num_layers: int  # solver steps / layers L
+  evals: int  # block evaluations per layer (cache slots per layer)
 
 
 class Decoder:
@@ -85,14 +88,14 @@ class Decoder:
     # ODE: dt not folded); [L, 1, …] in the compute dtype for discrete layers.
     layers, dt, method = model.step_weights(n)
     self.model = model
-    self.static = _Static(cfg=cfg, method=method, dt=float(dt), num_layers=n,
-                          evals=solvers.num_evals(method))
+    self.static = _Static(
+      cfg=cfg, method=method, dt=float(dt), num_layers=n, evals=solvers.num_evals(method)
+    )
     self.num_slots = n * self.static.evals
     # The decode step reads the layer weights from `layers` only; the stack's own
     # params are replaced by shapes when the model is merged inside it.
     graphdef, stack_state, rest = nnx.split(model, nnx.PathContains("stack"), ...)
-    abstract_stack = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                  stack_state)
+    abstract_stack = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stack_state)
     self.params = {"rest": rest, "layers": layers}
     self._fn = functools.partial(_decode_chunk, graphdef, abstract_stack, self.static)
     self._step = jax.jit(self._fn, donate_argnums=(2,))
@@ -109,8 +112,10 @@ class Decoder:
     """An empty (zero) cache for `batch_size` rows of up to `max_len` tokens."""
     limit = self.max_positions()
     if limit is not None and max_len > limit:
-      raise ValueError(f"max_len={max_len} exceeds the model's {limit} learned positions "
-                       "(model.max_len); shorten the prompt or the generation")
+      raise ValueError(
+        f"max_len={max_len} exceeds the model's {limit} learned positions "
+        "(model.max_len); shorten the prompt or the generation"
+      )
     cfg = self.config
     shape = (self.num_slots, batch_size, max_len, cfg.num_heads, cfg.head_dim)
     dtype = jnp.dtype(cfg.dtype)
@@ -128,13 +133,14 @@ class Decoder:
       (logits [b, l, vocab] in the compute dtype, updated cache).
     """
     b, length = np.shape(tokens_bl)
-    index_b = np.broadcast_to(np.asarray(index_b, np.int32), (b,))   # a few ints to host
+    index_b = np.broadcast_to(np.asarray(index_b, np.int32), (b,))  # a few ints to host
     if index_b.min() < 0 or index_b.max() + length > cache.max_len:
-      raise ValueError(f"writing {length} tokens at cache positions {index_b.min()}…"
-                       f"{index_b.max() + length - 1} overflows the cache of max_len="
-                       f"{cache.max_len}; make the cache longer (init_cache)")
-    return self._step(self.params, jnp.asarray(tokens_bl, jnp.int32), cache,
-                      jnp.asarray(index_b))
+      raise ValueError(
+        f"writing {length} tokens at cache positions {index_b.min()}…"
+        f"{index_b.max() + length - 1} overflows the cache of max_len="
+        f"{cache.max_len}; make the cache longer (init_cache)"
+      )
+    return self._step(self.params, jnp.asarray(tokens_bl, jnp.int32), cache, jnp.asarray(index_b))
 
   def step_fn(self):
     """The pure (params, tokens_bl, cache, index_b) -> (logits, cache) step, for use
@@ -148,8 +154,9 @@ class Decoder:
 # --------------------------------------------------------------------------------------
 # The step (a pure function)
 # --------------------------------------------------------------------------------------
-def _decode_chunk(graphdef, abstract_stack, static: _Static, params, tokens_bl,
-                  cache: KVCache, index_b):
+def _decode_chunk(
+  graphdef, abstract_stack, static: _Static, params, tokens_bl, cache: KVCache, index_b
+):
   """(params, tokens [b, l], cache, index [b]) -> (logits [b, l, vocab], cache): the
   model's solve with one cache slot per field evaluation."""
   model = nnx.merge(graphdef, abstract_stack, params["rest"])
@@ -161,13 +168,21 @@ def _decode_chunk(graphdef, abstract_stack, static: _Static, params, tokens_bl,
   lead = (static.num_layers, static.evals)
   slots = (cache.k.reshape(lead + cache.k.shape[1:]), cache.v.reshape(lead + cache.v.shape[1:]))
 
-  def field(x_bld, p, slot):   # the block in the compute dtype, x in the state's
-    out, layer_cache = block(x_bld.astype(cfg.dtype), p, cfg, None, positions_bl,
-                             cache=blocks.LayerCache(*slot, index_b))
+  def field(x_bld, p, slot):  # the block in the compute dtype, x in the state's
+    out, layer_cache = block(
+      x_bld.astype(cfg.dtype), p, cfg, None, positions_bl, cache=blocks.LayerCache(*slot, index_b)
+    )
     return out.astype(x_bld.dtype), (layer_cache.k_bsnh, layer_cache.v_bsnh)
 
   x, (k_cache, v_cache) = solvers.fixed_step_solve(
-      field, x, params["layers"], static.dt, static.method, eval_inputs=slots,
-      num_steps=static.num_layers, eval_outputs=True)
+    field,
+    x,
+    params["layers"],
+    static.dt,
+    static.method,
+    eval_inputs=slots,
+    num_steps=static.num_layers,
+    eval_outputs=True,
+  )
   new_cache = KVCache(k=k_cache.reshape(cache.k.shape), v=v_cache.reshape(cache.v.shape))
   return model.logits(x), new_cache

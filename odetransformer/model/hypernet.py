@@ -49,15 +49,22 @@ class TimeMLP(nnx.Module):
     self.num_sinusoids = cfg.time_sinusoids
     dtype = jnp.dtype(cfg.param_dtype)
     init = nnx.initializers.normal(stddev=cfg.hyper_init_std)
-    self.fc1 = nnx.Linear(2 * cfg.time_sinusoids + 1, cfg.hyper_hidden, param_dtype=dtype,
-                          kernel_init=nnx.with_partitioning(init, (None, None)),
-                          bias_init=nnx.with_partitioning(nnx.initializers.zeros, (None,)),
-                          rngs=rngs)
-    self.fc2 = nnx.Linear(cfg.hyper_hidden, cfg.time_embed_dim, param_dtype=dtype,
-                          kernel_init=nnx.with_partitioning(init, (None, "time_embed")),
-                          bias_init=nnx.with_partitioning(nnx.initializers.zeros,
-                                                          ("time_embed",)),
-                          rngs=rngs)
+    self.fc1 = nnx.Linear(
+      2 * cfg.time_sinusoids + 1,
+      cfg.hyper_hidden,
+      param_dtype=dtype,
+      kernel_init=nnx.with_partitioning(init, (None, None)),
+      bias_init=nnx.with_partitioning(nnx.initializers.zeros, (None,)),
+      rngs=rngs,
+    )
+    self.fc2 = nnx.Linear(
+      cfg.hyper_hidden,
+      cfg.time_embed_dim,
+      param_dtype=dtype,
+      kernel_init=nnx.with_partitioning(init, (None, "time_embed")),
+      bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("time_embed",)),
+      rngs=rngs,
+    )
 
   def __call__(self, t):
     """[...] times -> [..., d_t] codes (float32)."""
@@ -94,8 +101,12 @@ class WeightGenerator(nnx.Module):
   def __init__(self, spec: ParamSpec, cfg: ModelConfig, *, rngs: nnx.Rngs):
     dtype = jnp.dtype(cfg.param_dtype)
     shape = spec.shape + (cfg.time_embed_dim,)
-    std = {"in": cfg.hyper_init_std, "out": cfg.hyper_init_std,
-           "bias": cfg.hyper_bias_init_std, "out_bias": cfg.hyper_bias_init_std}.get(spec.role)
+    std = {
+      "in": cfg.hyper_init_std,
+      "out": cfg.hyper_init_std,
+      "bias": cfg.hyper_bias_init_std,
+      "out_bias": cfg.hyper_bias_init_std,
+    }.get(spec.role)
     if std is None:  # norm Γ/Β: zero, so a norm's scale is 1 + 0·h(t)
       proj = jnp.zeros(shape, dtype)
     else:
@@ -108,8 +119,14 @@ class WeightGenerator(nnx.Module):
     """[K, d_t] codes -> [K, *shape] weights in `dtype`: one GEMM, f32 accumulation.
     `axes` are the weight's logical axes (its ParamSpec's); `param_rules` as in
     `generate_weights`."""
-    w = generate_weights(h_kd.astype(dtype), self.proj[...].astype(dtype), self.base[...],
-                         axes, jnp.promote_types(dtype, jnp.float32), param_rules)
+    w = generate_weights(
+      h_kd.astype(dtype),
+      self.proj[...].astype(dtype),
+      self.base[...],
+      axes,
+      jnp.promote_types(dtype, jnp.float32),
+      param_rules,
+    )
     return w.astype(dtype)
 
 
@@ -125,8 +142,9 @@ class HyperNetwork(nnx.Module):
       self.mlp = TimeMLP(cfg, rngs=rngs)
     else:
       self.mlps = nnx.Dict({g: TimeMLP(cfg, rngs=rngs) for g in self.groups})
-    self.gens = nnx.Dict({name: WeightGenerator(spec, cfg, rngs=rngs)
-                          for name, spec in self.specs.items()})
+    self.gens = nnx.Dict(
+      {name: WeightGenerator(spec, cfg, rngs=rngs) for name, spec in self.specs.items()}
+    )
 
   def codes(self, t):
     """group -> h(t) [..., d_t]."""

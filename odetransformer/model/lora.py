@@ -6,6 +6,7 @@ W0 + (alpha/r)·A·B with W0 held fixed (`Frozen`). `DiscreteStack` holds the fa
 (`init_adapters`) and applies them (`apply`); fine-tuning starts them (`factor_shapes`);
 export merges them (`merge_lora`).
 """
+
 import dataclasses
 import math
 
@@ -25,8 +26,8 @@ class LoraParam(nnx.Param):
 
 def factor_shapes(spec, rank: int, num_layers: int) -> tuple:
   """(A's shape [L, n_in, r], B's shape [L, r, n_out]) for a target of ParamSpec `spec`."""
-  n_in = math.prod(spec.shape[:spec.n_in])
-  n_out = math.prod(spec.shape[spec.n_in:])
+  n_in = math.prod(spec.shape[: spec.n_in])
+  n_out = math.prod(spec.shape[spec.n_in :])
   return (num_layers, n_in, rank), (num_layers, rank, n_out)
 
 
@@ -39,8 +40,9 @@ def init_adapters(cfg, specs: dict, rngs: nnx.Rngs) -> nnx.Dict:
     a_shape, b_shape = factor_shapes(specs[name], cfg.lora_rank, cfg.depth)
     a = jax.random.normal(rngs.params(), a_shape, dtype) / math.sqrt(a_shape[1])
     adapters[name] = nnx.Dict(
-        a=LoraParam(a, out_sharding=("layers", None, None)),
-        b=LoraParam(jnp.zeros(b_shape, dtype), out_sharding=("layers", None, None)))
+      a=LoraParam(a, out_sharding=("layers", None, None)),
+      b=LoraParam(jnp.zeros(b_shape, dtype), out_sharding=("layers", None, None)),
+    )
   return nnx.Dict(adapters)
 
 
@@ -68,6 +70,5 @@ def merge_lora(model):
   cfg = model.config
   if not cfg.lora_rank:
     raise ValueError("this model has no LoRA adapters to merge")
-  plain = dataclasses.replace(cfg, lora_rank=0, lora_train_embeddings=False,
-                              out_proj_scale=1.0)
+  plain = dataclasses.replace(cfg, lora_rank=0, lora_train_embeddings=False, out_proj_scale=1.0)
   return model.with_layers(plain, model.layer_weights(jnp.dtype(cfg.param_dtype)))

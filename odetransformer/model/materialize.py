@@ -15,6 +15,7 @@ the same function:
   the same amounts whatever N is (with dt folded in, a step on dt·W_O is a step N times
   larger on W_O), and a LoRA update ΔW of W_O or W_2 lies under dt like W itself.
 """
+
 import dataclasses
 
 import jax.numpy as jnp
@@ -30,9 +31,11 @@ def check_materializable(cfg, num_steps: int) -> None:
   if not cfg.is_ode:
     raise ValueError(f"only ODE models materialise; this model is kind={cfg.kind!r}")
   if cfg.solver != "euler":
-    raise ValueError(f"only an Euler ODE is N plain layers; this model's solver is "
-                     f"{cfg.solver!r} (decode it with decode.Decoder, fine-tune it with "
-                     "finetune.method='continuous')")
+    raise ValueError(
+      f"only an Euler ODE is N plain layers; this model's solver is "
+      f"{cfg.solver!r} (decode it with decode.Decoder, fine-tune it with "
+      "finetune.method='continuous')"
+    )
   if num_steps <= 0:
     raise ValueError(f"num_steps={num_steps} must be positive")
 
@@ -57,6 +60,7 @@ def materialize(model: LanguageModel, num_steps: int, fold_dt: bool = True) -> L
     specs = model.stack.specs
     layers = {n: (w * dt if specs[n].role in _DT_ROLES else w) for n, w in layers.items()}
 
-  new_cfg = dataclasses.replace(cfg, kind="parallel", num_layers=num_steps,
-                                out_proj_scale=1.0 if fold_dt else dt)
+  new_cfg = dataclasses.replace(
+    cfg, kind="parallel", num_layers=num_steps, out_proj_scale=1.0 if fold_dt else dt
+  )
   return model.with_layers(new_cfg, layers)

@@ -24,21 +24,31 @@ from odetransformer.model.config import ModelConfig
 from odetransformer.model.transformer import LanguageModel
 
 PAPER_SHAPES = {
-    # name: (family, layers, d_model, heads, mlp_dim, vocab)
-    "gpt-small": ("gpt2", 12, 768, 12, 3072, 50304),
-    "gpt-medium": ("gpt2", 24, 1024, 16, 4096, 50304),
-    "gpt-large": ("gpt2", 36, 1280, 20, 5120, 50304),
-    "llama-1b": ("llama", 16, 2048, 16, 8192, 32000),
+  # name: (family, layers, d_model, heads, mlp_dim, vocab)
+  "gpt-small": ("gpt2", 12, 768, 12, 3072, 50304),
+  "gpt-medium": ("gpt2", 24, 1024, 16, 4096, 50304),
+  "gpt-large": ("gpt2", 36, 1280, 20, 5120, 50304),
+  "llama-1b": ("llama", 16, 2048, 16, 8192, 32000),
 }
 
 
-def paper_config(name: str, kind: str = "diffeqformer", time_embed_dim: int = 96,
-                 time_sinusoids: int = 128) -> ModelConfig:
+def paper_config(
+  name: str, kind: str = "diffeqformer", time_embed_dim: int = 96, time_sinusoids: int = 128
+) -> ModelConfig:
   family, layers, d, heads, mlp, vocab = PAPER_SHAPES[name]
-  return ModelConfig(kind=kind, family=family, vocab_size=vocab, d_model=d,
-                     num_heads=heads, mlp_dim=mlp, solver_steps=layers,
-                     num_layers=layers, max_len=1024,
-                     time_embed_dim=time_embed_dim, time_sinusoids=time_sinusoids)
+  return ModelConfig(
+    kind=kind,
+    family=family,
+    vocab_size=vocab,
+    d_model=d,
+    num_heads=heads,
+    mlp_dim=mlp,
+    solver_steps=layers,
+    num_layers=layers,
+    max_len=1024,
+    time_embed_dim=time_embed_dim,
+    time_sinusoids=time_sinusoids,
+  )
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -59,8 +69,9 @@ def layer_params(cfg: ModelConfig) -> int:
   return total
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, num_steps: int | None = None,
-                    tokens_per_batch: int | None = None) -> float:
+def flops_per_token(
+  cfg: ModelConfig, seq_len: int, num_steps: int | None = None, tokens_per_batch: int | None = None
+) -> float:
   """Training FLOPs (forward + backward) per token, for MFU.
 
   6·(K·layer params + head) + 6·K·seq·d for attention scores (causal, halved from 12);
@@ -73,19 +84,23 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, num_steps: int | None = None
   flops = 6.0 * (k * evals * lp + cfg.d_model * cfg.vocab_size)
   flops += 6.0 * k * evals * seq_len * cfg.d_model
   if cfg.kind == "diffeqformer" and tokens_per_batch:
-    stages = len(solvers.STAGE_NODES[cfg.solver])   # distinct stage times (rk4: 3)
+    stages = len(solvers.STAGE_NODES[cfg.solver])  # distinct stage times (rk4: 3)
     flops += 6.0 * k * stages * cfg.time_embed_dim * lp / tokens_per_batch
   return flops
 
 
 def table() -> str:
-  rows = ["| shape | layers/K | d | heads | GPT params | DiffEqFormer params (d_t 96) | ratio |",
-          "|---|---|---|---|---|---|---|"]
+  rows = [
+    "| shape | layers/K | d | heads | GPT params | DiffEqFormer params (d_t 96) | ratio |",
+    "|---|---|---|---|---|---|---|",
+  ]
   for name, (_family, layers, d, heads, _, _) in PAPER_SHAPES.items():
     ode = count_params(paper_config(name))
     gpt = count_params(paper_config(name, kind="transformer"))
-    rows.append(f"| {name} | {layers} | {d} | {heads} | {gpt / 1e6:,.1f} M | "
-                f"{ode / 1e6:,.1f} M | {ode / gpt:.1f}× |")
+    rows.append(
+      f"| {name} | {layers} | {d} | {heads} | {gpt / 1e6:,.1f} M | "
+      f"{ode / 1e6:,.1f} M | {ode / gpt:.1f}× |"
+    )
   return "\n".join(rows)
 
 

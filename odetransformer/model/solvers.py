@@ -25,6 +25,7 @@ per step, dt_k = g_{k+1} - g_k; the solver then scans the step sizes beside the 
 This module is the one place that walks a method's stages (tableaux, stage times, the
 step): the model's forward pass and cached decoding both run `fixed_step_solve`.
 """
+
 from collections.abc import Callable
 import functools
 from typing import Any, NamedTuple
@@ -35,16 +36,16 @@ import jax.numpy as jnp
 # Nodes c_s (fractions of dt) at which each method evaluates the field: the textbook
 # tableaux, step_time='start'.
 STAGE_NODES = {
-    "euler": (0.0,),
-    "midpoint": (0.0, 0.5),
-    "rk4": (0.0, 0.5, 1.0),  # k2 and k3 share the midpoint node
+  "euler": (0.0,),
+  "midpoint": (0.0, 0.5),
+  "rk4": (0.0, 0.5, 1.0),  # k2 and k3 share the midpoint node
 }
 # step_time='end' (module docstring): the same stages, nodes reflected where that keeps
 # the method's order.
 END_STAGE_NODES = {
-    "euler": (1.0,),
-    "midpoint": (1.0, 0.5),
-    "rk4": (0.0, 0.5, 1.0),
+  "euler": (1.0,),
+  "midpoint": (1.0, 0.5),
+  "rk4": (0.0, 0.5, 1.0),
 }
 STEP_TIMES = ("start", "end")
 
@@ -60,16 +61,18 @@ class Tableau(NamedTuple):
   """An explicit Runge–Kutta method: field evaluation e runs at node
   STAGE_NODES[method][stages[e]] on x + dt·Σ_j a[e][j]·k_j, and the step is
   x + dt·Σ_e b[e]·k_e."""
+
   stages: tuple
   a: tuple
   b: tuple
 
 
 TABLEAUX = {
-    "euler": Tableau(stages=(0,), a=((),), b=(1.0,)),
-    "midpoint": Tableau(stages=(0, 1), a=((), (0.5,)), b=(0.0, 1.0)),
-    "rk4": Tableau(stages=(0, 1, 1, 2), a=((), (0.5,), (0.0, 0.5), (0.0, 0.0, 1.0)),
-                   b=(1 / 6, 1 / 3, 1 / 3, 1 / 6)),
+  "euler": Tableau(stages=(0,), a=((),), b=(1.0,)),
+  "midpoint": Tableau(stages=(0, 1), a=((), (0.5,)), b=(0.0, 1.0)),
+  "rk4": Tableau(
+    stages=(0, 1, 1, 2), a=((), (0.5,), (0.0, 0.5), (0.0, 0.0, 1.0)), b=(1 / 6, 1 / 3, 1 / 3, 1 / 6)
+  ),
 }
 
 
@@ -92,11 +95,10 @@ def rk_step(field: Callable[[Any, int], Any], method: str, x, dt):
 
 
 REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable":
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "none": None,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "dots_saveable": jax.checkpoint_policies.dots_saveable,
+  "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
 
@@ -156,8 +158,10 @@ def _step(field, method, constants, with_outputs):
         out, aux = out
         outputs.append(aux)
       return out
+
     x = rk_step(f, method, x, dt)
     return x, (jax.tree.map(lambda *a: jnp.stack(a), *outputs) if with_outputs else None)
+
   return step
 
 
@@ -174,22 +178,34 @@ def _split_constants(stage_inputs, num_stages: int):
     elif len(lead) == 2 and lead[1] == num_stages:
       constant.append(False)
     else:
-      raise ValueError(f"a stage input has leading axes {lead}; expected [K, {num_stages}] "
-                       "(steps, stages) or [1, 1] (the same at every stage)")
+      raise ValueError(
+        f"a stage input has leading axes {lead}; expected [K, {num_stages}] "
+        "(steps, stages) or [1, 1] (the same at every stage)"
+      )
   fixed = [leaf[0, 0] for leaf, c in zip(leaves, constant) if c]
   scanned = [leaf for leaf, c in zip(leaves, constant) if not c]
 
   def rebuild(at):
     it_scanned, it_fixed = iter(at), iter(fixed)
-    return jax.tree.unflatten(treedef, [next(it_fixed) if c else next(it_scanned)
-                                        for c in constant])
+    return jax.tree.unflatten(
+      treedef, [next(it_fixed) if c else next(it_scanned) for c in constant]
+    )
+
   return scanned, rebuild
 
 
-def fixed_step_solve(field: Callable[..., Any], x0, stage_inputs, dt,
-                     method: str = "euler", remat_policy: str = "none",
-                     return_trajectory: bool = False, eval_inputs=None,
-                     num_steps: int | None = None, eval_outputs: bool = False):
+def fixed_step_solve(
+  field: Callable[..., Any],
+  x0,
+  stage_inputs,
+  dt,
+  method: str = "euler",
+  remat_policy: str = "none",
+  return_trajectory: bool = False,
+  eval_inputs=None,
+  num_steps: int | None = None,
+  eval_outputs: bool = False,
+):
   """Integrates dx/dt = field(x, inputs(t)) with K fixed steps.
 
   Args:
@@ -221,27 +237,31 @@ def fixed_step_solve(field: Callable[..., Any], x0, stage_inputs, dt,
   if method not in STAGE_NODES:
     raise ValueError(f"unknown solver {method!r}; choose one of {sorted(STAGE_NODES)}")
   if remat_policy not in REMAT_POLICIES:
-    raise ValueError(f"unknown remat_policy {remat_policy!r}; "
-                     f"choose one of {sorted(REMAT_POLICIES)}")
+    raise ValueError(
+      f"unknown remat_policy {remat_policy!r}; choose one of {sorted(REMAT_POLICIES)}"
+    )
   scanned, rebuild = _split_constants(stage_inputs, len(STAGE_NODES[method]))
   step = _step(field, method, rebuild, eval_outputs)
   per_step = not isinstance(dt, (int, float))
-  lengths = {a.shape[0] for a in scanned + jax.tree.leaves(eval_inputs)
-             + ([dt] if per_step else [])}
+  lengths = {
+    a.shape[0] for a in scanned + jax.tree.leaves(eval_inputs) + ([dt] if per_step else [])
+  }
   if num_steps is not None:
     lengths.add(num_steps)
   if not lengths:
-    raise ValueError("no stage input has a step axis (every leaf is [1, 1, ...]); "
-                     "pass num_steps")
+    raise ValueError("no stage input has a step axis (every leaf is [1, 1, ...]); pass num_steps")
   if len(lengths) != 1:
-    raise ValueError(f"the stage inputs, dt and num_steps disagree on the number of steps "
-                     f"({sorted(lengths)}); give them one K")
+    raise ValueError(
+      f"the stage inputs, dt and num_steps disagree on the number of steps "
+      f"({sorted(lengths)}); give them one K"
+    )
   num_steps = lengths.pop()
   if per_step:
     dt = jnp.asarray(dt).astype(x0.dtype)
     if dt.shape != (num_steps,):
-      raise ValueError(f"dt has shape {dt.shape}; expected a float or ({num_steps},), "
-                       "one step size per step")
+      raise ValueError(
+        f"dt has shape {dt.shape}; expected a float or ({num_steps},), one step size per step"
+      )
     xs = ((scanned, eval_inputs), dt)
   else:
     # A uniform dt stays a constant of the program (closed over, not traced).

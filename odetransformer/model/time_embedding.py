@@ -1,4 +1,5 @@
 """Parameter-free sinusoidal embedding of the layer time t ∈ [0, 1]."""
+
 import math
 
 import jax.numpy as jnp
@@ -17,7 +18,6 @@ def time_embedding(t, num_sinusoids: int, scale: float = TIME_SCALE):
     [..., 2S+1] float32 embedding.
   """
   t = jnp.asarray(t, jnp.float32)
-  omega = jnp.exp(-math.log(10000.0) * jnp.arange(num_sinusoids, dtype=jnp.float32)
-                  / num_sinusoids)
+  omega = jnp.exp(-math.log(10000.0) * jnp.arange(num_sinusoids, dtype=jnp.float32) / num_sinusoids)
   angle = scale * t[..., None] * omega
   return jnp.concatenate([t[..., None], jnp.sin(angle), jnp.cos(angle)], axis=-1)

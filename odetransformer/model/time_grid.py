@@ -46,15 +46,13 @@ def random_offset_grid(key, num_steps: int, max_offset: float = 1.0):
   dt = 1.0 / num_steps
   dt0 = jax.random.uniform(key, (), jnp.float32, 0.0, max_offset * dt)
   interior = dt0 + dt * jnp.arange(num_steps - 1, dtype=jnp.float32)
-  return jnp.concatenate([jnp.zeros((1,), jnp.float32), interior,
-                          jnp.ones((1,), jnp.float32)])
+  return jnp.concatenate([jnp.zeros((1,), jnp.float32), interior, jnp.ones((1,), jnp.float32)])
 
 
 def random_uniform_grid(key, num_steps: int):
   """[K+1] grid [0, sorted K-1 draws of U(0, 1), 1]."""
   interior = jnp.sort(jax.random.uniform(key, (num_steps - 1,), jnp.float32))
-  return jnp.concatenate([jnp.zeros((1,), jnp.float32), interior,
-                          jnp.ones((1,), jnp.float32)])
+  return jnp.concatenate([jnp.zeros((1,), jnp.float32), interior, jnp.ones((1,), jnp.float32)])
 
 
 def train_time_grid(cfg, key) -> jax.Array | None:
@@ -63,12 +61,13 @@ def train_time_grid(cfg, key) -> jax.Array | None:
   if not cfg.is_ode or cfg.train_time_grid == "fixed":
     return None
   if cfg.train_time_grid in ("random_offset", "random_shift"):
-    return random_offset_grid(key, cfg.depth,
-                              2.0 if cfg.train_time_grid == "random_shift" else 1.0)
+    return random_offset_grid(key, cfg.depth, 2.0 if cfg.train_time_grid == "random_shift" else 1.0)
   if cfg.train_time_grid == "random_uniform":
     return random_uniform_grid(key, cfg.depth)
-  raise ValueError(f"model.train_time_grid={cfg.train_time_grid!r} is unknown; "
-                   f"choose one of {list(TRAIN_TIME_GRIDS)}")
+  raise ValueError(
+    f"model.train_time_grid={cfg.train_time_grid!r} is unknown; "
+    f"choose one of {list(TRAIN_TIME_GRIDS)}"
+  )
 
 
 def check_time_grid(grid) -> int:
@@ -79,6 +78,8 @@ def check_time_grid(grid) -> int:
   if not isinstance(grid, jax.core.Tracer):
     g = jax.device_get(grid)
     if not (g[0] == 0.0 and g[-1] == 1.0 and (g[1:] > g[:-1]).all()):
-      raise ValueError(f"time_grid {list(map(float, g))} must increase from 0 to 1; "
-                       "pass [K+1] times 0 = g_0 < … < g_K = 1")
+      raise ValueError(
+        f"time_grid {list(map(float, g))} must increase from 0 to 1; "
+        "pass [K+1] times 0 = g_0 < … < g_K = 1"
+      )
   return shape[0] - 1

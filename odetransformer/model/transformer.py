@@ -13,6 +13,7 @@ and the analysis all ask it (through `LanguageModel.step_weights`):
 
 `num_steps` is a call-time argument: an ODE's parameters hold no K.
 """
+
 import math
 
 from flax import nnx
@@ -66,8 +67,9 @@ class DiscreteStack(nnx.Module):
       # GPT-2 initialisation: N(0, 0.02²), output projections scaled by 1/√(2L).
       std = EMBED_STD / (math.sqrt(2 * cfg.depth) if spec.role == "out" else 1.0)
       params[name] = var(
-          _init_layer_param(rngs.params(), spec, std, dtype, lead=(cfg.depth,)),
-          out_sharding=("layers",) + spec.axes)
+        _init_layer_param(rngs.params(), spec, std, dtype, lead=(cfg.depth,)),
+        out_sharding=("layers",) + spec.axes,
+      )
     self.params = nnx.Dict(params)
     if cfg.lora_rank:
       self.lora = lora.init_adapters(cfg, self.specs, rngs)
@@ -80,9 +82,11 @@ class DiscreteStack(nnx.Module):
     out = {name: p[...] for name, p in self.params.items()}
     if self.lora_scale:
       out = lora.apply(out, self.lora, self.lora_scale)
-    if self.out_proj_scale != 1.0:   # a materialised ODE's dt, over W and its LoRA update
-      out = {name: (w * self.out_proj_scale if self.specs[name].role in ("out", "out_bias")
-                    else w) for name, w in out.items()}
+    if self.out_proj_scale != 1.0:  # a materialised ODE's dt, over W and its LoRA update
+      out = {
+        name: (w * self.out_proj_scale if self.specs[name].role in ("out", "out_bias") else w)
+        for name, w in out.items()
+      }
     return {name: w.astype(dtype)[:, None] for name, w in out.items()}
 
 
@@ -94,10 +98,15 @@ class SharedLayer(nnx.Module):
     dtype = jnp.dtype(cfg.param_dtype)
     self.specs = blocks.layer_param_specs(cfg)
     # Fan-in init with no depth scaling: dt = 1/K already averages the K updates.
-    self.params = nnx.Dict({
-        name: nnx.Param(_init_layer_param(rngs.params(), spec, 1.0 / math.sqrt(spec.fan_in),
-                                          dtype), out_sharding=spec.axes)
-        for name, spec in self.specs.items()})
+    self.params = nnx.Dict(
+      {
+        name: nnx.Param(
+          _init_layer_param(rngs.params(), spec, 1.0 / math.sqrt(spec.fan_in), dtype),
+          out_sharding=spec.axes,
+        )
+        for name, spec in self.specs.items()
+      }
+    )
 
   def step_weights(self, times, dtype, param_rules=None):
     """The layer at every time of `times` [K, S]: name -> [1, 1, *shape] in `dtype`, which
@@ -131,13 +140,16 @@ class LanguageModel(nnx.Module):
     d = cfg.d_model
     # With LoRA, the non-layer weights train only when asked to.
     var = lora.Frozen if cfg.lora_rank and not cfg.lora_train_embeddings else nnx.Param
-    embed_std = (LLAMA_EMBED_STD if cfg.family == "llama" and not cfg.tie_embeddings
-                 else EMBED_STD)
-    self.embed = var(jax.random.normal(rngs.params(), (cfg.vocab_size, d), dtype)
-                           * embed_std, out_sharding=("vocab", "embed"))
+    embed_std = LLAMA_EMBED_STD if cfg.family == "llama" and not cfg.tie_embeddings else EMBED_STD
+    self.embed = var(
+      jax.random.normal(rngs.params(), (cfg.vocab_size, d), dtype) * embed_std,
+      out_sharding=("vocab", "embed"),
+    )
     if cfg.family == "gpt2":
-      self.pos_embed = var(jax.random.normal(rngs.params(), (cfg.max_len, d), dtype)
-                                 * POS_EMBED_STD, out_sharding=("length", "embed"))
+      self.pos_embed = var(
+        jax.random.normal(rngs.params(), (cfg.max_len, d), dtype) * POS_EMBED_STD,
+        out_sharding=("length", "embed"),
+      )
     # `stack` is the layer-weight source (`weight_source`; a hypernetwork for
     # 'diffeqformer'): the name is kept, checkpoints store its state under it.
     self.stack = weight_source(cfg, rngs)
@@ -145,12 +157,15 @@ class LanguageModel(nnx.Module):
     if cfg.family == "gpt2":
       self.final_norm_shift = var(jnp.zeros((d,), dtype), out_sharding=("embed",))
     if not cfg.tie_embeddings:
-      self.head = var(jax.random.normal(rngs.params(), (d, cfg.vocab_size), dtype)
-                            * EMBED_STD, out_sharding=("embed", "vocab"))
+      self.head = var(
+        jax.random.normal(rngs.params(), (d, cfg.vocab_size), dtype) * EMBED_STD,
+        out_sharding=("embed", "vocab"),
+      )
 
   # ---------------------------------------------------------------------------------
-  def step_weights(self, num_steps: int | None = None, time_grid=None, dtype=None,
-                   param_rules=None):
+  def step_weights(
+    self, num_steps: int | None = None, time_grid=None, dtype=None, param_rules=None
+  ):
     """What the solver scans: (layer params name -> [K, S, *shape], dt, method).
 
     ODE kinds: the stack's weights at the stage times of K = `num_steps` uniform steps
@@ -162,15 +177,18 @@ class LanguageModel(nnx.Module):
     dtype = jnp.dtype(cfg.dtype if dtype is None else dtype)
     if not cfg.is_ode:
       return self.stack.step_weights(None, dtype, param_rules), 1.0, "euler"
-    times, dt = solvers.solve_times(self.resolve_num_steps(num_steps), cfg.solver,
-                                    cfg.step_time, time_grid)
+    times, dt = solvers.solve_times(
+      self.resolve_num_steps(num_steps), cfg.solver, cfg.step_time, time_grid
+    )
     return self.stack.step_weights(times, dtype, param_rules), dt, cfg.solver
 
   def layer_weights(self, dtype=None):
     """A discrete model's L layers, name -> [L, *shape] (its step weights, one stage)."""
     if self.config.is_ode:
-      raise ValueError(f"kind={self.config.kind!r} is an ODE: its weights are W(t) "
-                       "(step_weights, or materialize it)")
+      raise ValueError(
+        f"kind={self.config.kind!r} is an ODE: its weights are W(t) "
+        "(step_weights, or materialize it)"
+      )
     weights, _, _ = self.step_weights(dtype=dtype)
     return {name: w[:, 0] for name, w in weights.items()}
 
@@ -200,14 +218,25 @@ class LanguageModel(nnx.Module):
     if k <= 0:
       raise ValueError(f"num_steps={k} must be positive")
     if not cfg.is_ode and k != cfg.depth:
-      raise ValueError(f"a discrete '{cfg.kind}' model has {cfg.depth} layers; "
-                       f"num_steps={k} needs an ODE model (materialize it instead)")
+      raise ValueError(
+        f"a discrete '{cfg.kind}' model has {cfg.depth} layers; "
+        f"num_steps={k} needs an ODE model (materialize it instead)"
+      )
     return k
 
-  def __call__(self, tokens_bl, *, segment_ids_bl=None, positions_bl=None,
-               num_steps: int | None = None, deterministic: bool = True,
-               dropout_rng=None, return_trajectory: bool = False, time_grid=None,
-               param_rules=None):
+  def __call__(
+    self,
+    tokens_bl,
+    *,
+    segment_ids_bl=None,
+    positions_bl=None,
+    num_steps: int | None = None,
+    deterministic: bool = True,
+    dropout_rng=None,
+    return_trajectory: bool = False,
+    time_grid=None,
+    param_rules=None,
+  ):
     """Logits [b, l, vocab] in the compute dtype.
 
     Args:
@@ -230,18 +259,20 @@ class LanguageModel(nnx.Module):
     cfg = self.config
     if time_grid is not None:
       if not cfg.is_ode:
-        raise ValueError(f"a discrete '{cfg.kind}' model has no time; time_grid needs "
-                         "an ODE model")
+        raise ValueError(f"a discrete '{cfg.kind}' model has no time; time_grid needs an ODE model")
       grid_k = check_time_grid(time_grid)
       if num_steps is not None and int(num_steps) != grid_k:
-        raise ValueError(f"num_steps={num_steps} and a time_grid of {grid_k} steps "
-                         "disagree; pass one of them")
+        raise ValueError(
+          f"num_steps={num_steps} and a time_grid of {grid_k} steps disagree; pass one of them"
+        )
       num_steps = grid_k
     k = self.resolve_num_steps(num_steps)
     b, length = tokens_bl.shape
     if cfg.family == "gpt2" and length > cfg.max_len:
-      raise ValueError(f"sequence length {length} exceeds model.max_len={cfg.max_len}; "
-                       "raise model.max_len or shorten the sequence")
+      raise ValueError(
+        f"sequence length {length} exceeds model.max_len={cfg.max_len}; "
+        "raise model.max_len or shorten the sequence"
+      )
     if positions_bl is None:
       positions_bl = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
     use_dropout = (not deterministic) and cfg.dropout_rate > 0.0
@@ -257,18 +288,26 @@ class LanguageModel(nnx.Module):
     block = blocks.block_fn(cfg)
     weights, dt, method = self.step_weights(k, time_grid, param_rules=param_rules)
     keys = None
-    if use_dropout:   # one key per field evaluation (rk4's 2nd and 3rd share a time)
+    if use_dropout:  # one key per field evaluation (rk4's 2nd and 3rd share a time)
       n_evals = solvers.num_evals(method)
       keys = jax.random.split(dropout_rng, k * n_evals).reshape(k, n_evals)
     compute = jnp.dtype(cfg.dtype)
 
-    def field(x_bld, p, key=None):   # the block in the compute dtype, x in the state's
+    def field(x_bld, p, key=None):  # the block in the compute dtype, x in the state's
       out = block(x_bld.astype(compute), p, cfg, mask, positions_bl, key)
       return constrain(out, ("batch", "length", "embed")).astype(x_bld.dtype)
 
-    out = solvers.fixed_step_solve(field, x, weights, dt, method, cfg.remat_policy,
-                                   return_trajectory=return_trajectory, eval_inputs=keys,
-                                   num_steps=k)
+    out = solvers.fixed_step_solve(
+      field,
+      x,
+      weights,
+      dt,
+      method,
+      cfg.remat_policy,
+      return_trajectory=return_trajectory,
+      eval_inputs=keys,
+      num_steps=k,
+    )
     if return_trajectory:
       x, traj = out
       return self.logits(x), traj
@@ -283,8 +322,9 @@ class LanguageModel(nnx.Module):
       abstract = nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     values = {name: getattr(self, name)[...] for name in _TOP_LEVEL if hasattr(abstract, name)}
-    values["stack"] = {"params": {n: jnp.asarray(w, jnp.dtype(cfg.param_dtype))
-                                  for n, w in layers.items()}}
+    values["stack"] = {
+      "params": {n: jnp.asarray(w, jnp.dtype(cfg.param_dtype)) for n, w in layers.items()}
+    }
     nnx.replace_by_pure_dict(state, values)
     return nnx.merge(graphdef, state)
 

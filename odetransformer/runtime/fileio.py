@@ -15,6 +15,7 @@ Google Cloud Storage emulators (tests, a local fake-gcs-server): setting
 all it takes; `configure_emulator` (run when this module is imported) derives what the
 other libraries need from it.
 """
+
 import hashlib
 import io
 import os
@@ -86,9 +87,9 @@ def check_encodable(p: PathLike, what: str) -> None:
     os.fspath(p).encode("utf-8")
   except UnicodeEncodeError:
     raise UserError(
-        f"{what}={os.fspath(p)!a} holds bytes this process's locale cannot decode "
-        "(LC_ALL/LANG name a non-UTF-8 locale and UTF-8 mode is off); run with "
-        "PYTHONUTF8=1 or a UTF-8 locale (e.g. LC_ALL=C.UTF-8), or use an ASCII path"
+      f"{what}={os.fspath(p)!a} holds bytes this process's locale cannot decode "
+      "(LC_ALL/LANG name a non-UTF-8 locale and UTF-8 mode is off); run with "
+      "PYTHONUTF8=1 or a UTF-8 locale (e.g. LC_ALL=C.UTF-8), or use an ASCII path"
     ) from None
 
 
@@ -143,7 +144,7 @@ def walk_files(root: PathLike) -> list:
   base = os.fspath(root).split("://", 1)[-1].rstrip("/")
   out = []
   for directory, _, files in root.walk():
-    rel = os.fspath(directory).split("://", 1)[-1].rstrip("/")[len(base):].strip("/")
+    rel = os.fspath(directory).split("://", 1)[-1].rstrip("/")[len(base) :].strip("/")
     out += [f"{rel}/{name}" if rel else name for name in files]
   return sorted(out)
 
@@ -161,9 +162,9 @@ def write_bytes_atomic(p: PathLike, data: bytes) -> None:
   new, never a part."""
   q = path(p)
   if not is_local(p):
-    q.write_bytes(data)     # an object appears whole when its upload completes
+    q.write_bytes(data)  # an object appears whole when its upload completes
     return
-  q.parent.mkdir(parents=True, exist_ok=True)    # as on an object store
+  q.parent.mkdir(parents=True, exist_ok=True)  # as on an object store
   tmp = q.parent / f".{q.name}.tmp-{os.getpid()}"
   tmp.write_bytes(data)
   os.replace(os.fspath(tmp), os.fspath(q))
@@ -217,7 +218,7 @@ def copy_tree(src: PathLike, dst: PathLike) -> None:
     copy(src, dst)
     return
   for rel in walk_files(src):
-    copy(path(src) / rel, path(dst) / rel)      # creates a local file's directory
+    copy(path(src) / rel, path(dst) / rel)  # creates a local file's directory
 
 
 def copy(src: PathLike, dst: PathLike) -> None:
@@ -232,8 +233,9 @@ def local_copy(p: PathLike) -> str:
   if is_local(p):
     return os.fspath(p)
   data = read_bytes(p)
-  local = os.path.join(tempfile.gettempdir(), "odet_remote_copies",
-                       hashlib.sha256(data).hexdigest()[:32], path(p).name)
+  local = os.path.join(
+    tempfile.gettempdir(), "odet_remote_copies", hashlib.sha256(data).hexdigest()[:32], path(p).name
+  )
   if not os.path.isfile(local):
     write_bytes_atomic(local, data)
   return local
@@ -251,8 +253,9 @@ def gcs_blob(url: PathLike):
   """The google-cloud-storage Blob of `gs://bucket/name` (for what epath lacks:
   generation preconditions). Honours STORAGE_EMULATOR_HOST (no credentials then)."""
   from google.cloud import storage  # lazy: google-cloud-storage only for gs:// locks
+
   url = os.fspath(url)
   if not url.startswith("gs://"):
     raise ValueError(f"{url} is not a gs:// URL")
-  bucket, _, name = url[len("gs://"):].partition("/")
+  bucket, _, name = url[len("gs://") :].partition("/")
   return storage.Client().bucket(bucket).blob(name)

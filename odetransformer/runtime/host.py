@@ -18,12 +18,19 @@ one is what must not happen, hence the broad list.
 downstream tools): `jax.distributed.initialize()` when the environment says this is one
 of several processes, nothing on a single host.
 """
+
 from collections.abc import Mapping
 import glob
 import os
 
-_DEVICE_FILES = ("dev/nvidia0", "dev/nvidiactl", "dev/dxg", "dev/kfd", "dev/accel*",
-                 "dev/vfio/[0-9]*")
+_DEVICE_FILES = (
+  "dev/nvidia0",
+  "dev/nvidiactl",
+  "dev/dxg",
+  "dev/kfd",
+  "dev/accel*",
+  "dev/vfio/[0-9]*",
+)
 _GOOGLE_PCI_VENDOR = "0x1ae0"
 # PCI base classes that are not accelerators: mass storage, network, bridge.
 _NOT_ACCELERATOR_CLASSES = ("0x01", "0x02", "0x06")
@@ -45,8 +52,7 @@ def accelerator_devices(root: str = "/") -> list:
   for vendor in sorted(glob.glob(os.path.join(root, "sys/bus/pci/devices/*/vendor"))):
     device = os.path.dirname(vendor)
     pci_class = _read(os.path.join(device, "class"))
-    if _read(vendor) == _GOOGLE_PCI_VENDOR and not pci_class.startswith(
-        _NOT_ACCELERATOR_CLASSES):
+    if _read(vendor) == _GOOGLE_PCI_VENDOR and not pci_class.startswith(_NOT_ACCELERATOR_CLASSES):
       found.append(device)
   return found
 
@@ -110,6 +116,7 @@ def initialize_distributed() -> bool:
   if not multi_process_env():
     return False
   import jax  # lazy: this module decides things before jax is imported (stdlib only)
+
   if not jax.distributed.is_initialized():
     jax.distributed.initialize(**distributed_args())
   return True

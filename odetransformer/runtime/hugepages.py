@@ -23,6 +23,7 @@ arguments). It happens only when all of these hold:
 - Linux with glibc ≥ 2.35 and transparent huge pages in `madvise` mode (`always`
   needs no request; `never` cannot be asked).
 """
+
 from collections.abc import Mapping
 import os
 import sys
@@ -39,8 +40,10 @@ def opted_in(environ: Mapping[str, str]) -> bool:
   """Whether ODET_HUGEPAGES asks for huge pages (a value other than 1, 0 or '' is an error)."""
   value = environ.get(SWITCH, "").strip()
   if value not in ("", "0", "1"):
-    raise UserError(f"{SWITCH}={value!r} is not a switch value; set {SWITCH}=1 for huge "
-                    "pages on CPU, or 0 (the default) for none")
+    raise UserError(
+      f"{SWITCH}={value!r} is not a switch value; set {SWITCH}=1 for huge "
+      "pages on CPU, or 0 (the default) for none"
+    )
   return value == "1"
 
 
@@ -60,11 +63,12 @@ def _thp_mode() -> str:
   except OSError:
     return ""
   start, end = text.find("["), text.find("]")
-  return text[start + 1:end] if 0 <= start < end else ""
+  return text[start + 1 : end] if 0 <= start < end else ""
 
 
-def reason_not_to(environ: Mapping[str, str], thp_mode: str, glibc: tuple | None,
-                  accelerators: list) -> str:
+def reason_not_to(
+  environ: Mapping[str, str], thp_mode: str, glibc: tuple | None, accelerators: list
+) -> str:
   """Why there is no re-exec in this environment and machine state ('' when there is one).
 
   `accelerators`: `host.accelerator_devices()`; see the module docstring for the rules.
@@ -86,7 +90,7 @@ def reason_not_to(environ: Mapping[str, str], thp_mode: str, glibc: tuple | None
 
 def reason_not_here() -> str:
   """`reason_not_to` for this process on this machine ('' when it re-executes)."""
-  if not opted_in(os.environ):   # the default: nothing else is looked at
+  if not opted_in(os.environ):  # the default: nothing else is looked at
     return f"{SWITCH} is not 1"
   return reason_not_to(os.environ, _thp_mode(), _glibc_version(), host.accelerator_devices())
 
@@ -96,11 +100,11 @@ def reexec_with_huge_pages() -> None:
   if reason_not_here():
     return
   env = dict(os.environ, GLIBC_TUNABLES=TUNABLE)
-  args = getattr(sys, "orig_argv", None) or [sys.executable] + sys.argv   # 3.10+: with -X, -m
+  args = getattr(sys, "orig_argv", None) or [sys.executable] + sys.argv  # 3.10+: with -X, -m
   sys.stdout.flush()
   sys.stderr.flush()
   try:
     # sys.executable, not args[0]: a bare "python" could resolve outside the venv.
     os.execve(sys.executable, [sys.executable] + args[1:], env)
   except OSError:
-    pass   # cannot re-exec (no executable path): carry on with 4 KiB pages
+    pass  # cannot re-exec (no executable path): carry on with 4 KiB pages

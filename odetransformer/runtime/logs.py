@@ -6,9 +6,9 @@ drops, from `sys.excepthook` and `sys.unraisablehook`, the "Event loop is closed
 tracebacks that every read or write still pending prints after a failed save or
 restore. `--verbose` on the command line keeps them all.
 """
+
 import logging as std_logging
 import sys
-from typing import Optional
 
 from odetransformer import errors
 
@@ -45,10 +45,10 @@ class _LibraryLogs(std_logging.Filter):
     return record.levelno >= self.min_level
 
 
-def quiet_library_logs(min_level: Optional[int] = None) -> None:
+def quiet_library_logs(min_level: int | None = None) -> None:
   """Installs the library log filter once; `min_level` (default WARNING when installing)
   sets the lowest level of orbax and TFDS records shown."""
-  std_logging.getLogger("gcsfs").setLevel(std_logging.WARNING)   # INFO: a line per file read
+  std_logging.getLogger("gcsfs").setLevel(std_logging.WARNING)  # INFO: a line per file read
   logger = std_logging.getLogger("absl")
   found = [f for f in logger.filters if isinstance(f, _LibraryLogs)]
   if found:
@@ -64,6 +64,7 @@ def quiet_tool_logs(cli: bool = False) -> None:
   restore's notices are not the user's business); for a command line (`cli`), absl's
   INFO lines of other libraries too."""
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+
   if cli and absl_logging.get_verbosity() >= absl_logging.INFO:
     absl_logging.set_verbosity(absl_logging.WARNING)
   quiet_library_logs(std_logging.ERROR)
@@ -92,6 +93,7 @@ def quiet_orbax_tracebacks():
   def excepthook(exc_type, exc, tb):
     if not _closed_loop_callback(exc_type, exc, tb):
       hook(exc_type, exc, tb)
+
   excepthook._odet_quiet = True  # pylint: disable=protected-access
   sys.excepthook = excepthook
   unraisable = sys.unraisablehook
@@ -99,4 +101,5 @@ def quiet_orbax_tracebacks():
   def unraisablehook(args):
     if not _closed_loop_callback(args.exc_type, args.exc_value, args.exc_traceback):
       unraisable(args)
+
   sys.unraisablehook = unraisablehook

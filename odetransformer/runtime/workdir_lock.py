@@ -28,6 +28,7 @@ noticed at the next heartbeat or checkpoint (`check`), and the run stops in one 
 Multi-host runs take it on process 0 only (the others write nothing but their shards
 of checkpoints, which process 0 coordinates).
 """
+
 import errno
 import fcntl
 import json
@@ -43,8 +44,8 @@ from odetransformer.errors import UserError
 from odetransformer.runtime import fileio
 
 LOCK_FILE = ".lock"
-HEARTBEAT_S = 60.0     # how often a remote lock's heartbeat is rewritten
-STALE_S = 600.0        # a remote lock without a heartbeat for this long is taken over
+HEARTBEAT_S = 60.0  # how often a remote lock's heartbeat is rewritten
+STALE_S = 600.0  # a remote lock without a heartbeat for this long is taken over
 
 
 class WorkdirInUseError(UserError):
@@ -55,8 +56,11 @@ def _describe(holder: dict) -> str:
   if not holder:
     return "another process (it is still starting, so its PID is not written yet)"
   started = holder.get("started")
-  when = (f", started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started))}"
-          if isinstance(started, (int, float)) else "")
+  when = (
+    f", started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started))}"
+    if isinstance(started, (int, float))
+    else ""
+  )
   return f"PID {holder.get('pid', '?')} on host {holder.get('host', '?')}{when}"
 
 
@@ -79,7 +83,7 @@ def pid_gone(record: dict) -> bool:
   except ProcessLookupError:
     return True
   except PermissionError:
-    return False        # it exists, as another user's
+    return False  # it exists, as another user's
   return False
 
 
@@ -98,8 +102,14 @@ class WorkdirLock:
   this host that no longer exists, or a stale heartbeat).
   """
 
-  def __init__(self, workdir: str, enabled: bool = True, *,
-               heartbeat_s: float = HEARTBEAT_S, stale_s: float = STALE_S):
+  def __init__(
+    self,
+    workdir: str,
+    enabled: bool = True,
+    *,
+    heartbeat_s: float = HEARTBEAT_S,
+    stale_s: float = STALE_S,
+  ):
     self.workdir = os.fspath(workdir)
     self.path = fileio.join(self.workdir, LOCK_FILE)
     self.enabled = enabled
@@ -110,7 +120,7 @@ class WorkdirLock:
     self._created_dir = False
     self._blob = None
     self._generation = None
-    self._lost = ""                       # why the lock is no longer this run's
+    self._lost = ""  # why the lock is no longer this run's
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
 
@@ -119,8 +129,12 @@ class WorkdirLock:
     writable). Never blocks."""
     if not self.enabled:
       return self
-    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-              "run": uuid.uuid4().hex}
+    record = {
+      "pid": os.getpid(),
+      "host": socket.gethostname(),
+      "started": time.time(),
+      "run": uuid.uuid4().hex,
+    }
     if fileio.is_local(self.workdir):
       self._acquire_flock(record)
     else:
@@ -130,15 +144,19 @@ class WorkdirLock:
   # -- local: flock ---------------------------------------------------------------------
   def _acquire_flock(self, record: dict):
     if os.path.exists(self.workdir) and not os.path.isdir(self.workdir):
-      raise UserError(f"--workdir={self.workdir} is a file, not a directory; pass a "
-                      "directory (new or of an earlier run)")
+      raise UserError(
+        f"--workdir={self.workdir} is a file, not a directory; pass a "
+        "directory (new or of an earlier run)"
+      )
     try:
       self._created_dir = not os.path.exists(self.workdir)
       os.makedirs(self.workdir, exist_ok=True)
       fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-      raise UserError(f"--workdir={self.workdir} is not writable ({e.strerror}); pass a "
-                      "directory this user can write to") from e
+      raise UserError(
+        f"--workdir={self.workdir} is not writable ({e.strerror}); pass a "
+        "directory this user can write to"
+      ) from e
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -146,17 +164,22 @@ class WorkdirLock:
       os.close(fd)
       if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
         raise WorkdirInUseError(
-            f"--workdir={self.workdir} is in use by {_describe(holder)}; wait for that "
-            f"run to end or stop it, or pass another --workdir") from e
-      logging.warning("cannot lock %s (%s): two runs on this workdir would not be "
-                      "stopped", self.path, e.strerror)
+          f"--workdir={self.workdir} is in use by {_describe(holder)}; wait for that "
+          f"run to end or stop it, or pass another --workdir"
+        ) from e
+      logging.warning(
+        "cannot lock %s (%s): two runs on this workdir would not be stopped", self.path, e.strerror
+      )
       return
     previous = _parse(os.pread(fd, 4096, 0))
     if previous:
-      known = ("that process is not running" if pid_gone(previous) else
-               "it released the lock without clearing it, or holds it on another host "
-               "where this filesystem's locks do not reach (a process there cannot be "
-               "checked from here): if it still runs, stop one of the two")
+      known = (
+        "that process is not running"
+        if pid_gone(previous)
+        else "it released the lock without clearing it, or holds it on another host "
+        "where this filesystem's locks do not reach (a process there cannot be "
+        "checked from here): if it still runs, stop one of the two"
+      )
       logging.warning("took over the workdir lock of %s: %s", _describe(previous), known)
       self.previous = dict(previous, gone=pid_gone(previous))
     self._fd = fd
@@ -183,6 +206,7 @@ class WorkdirLock:
   # -- object store: create-if-absent and heartbeats ------------------------------------
   def _acquire_object(self, record: dict):
     from google.api_core import exceptions  # lazy: google-cloud only for a gs:// workdir
+
     try:
       self._blob = fileio.gcs_blob(self.path)
       try:
@@ -192,46 +216,58 @@ class WorkdirLock:
     except WorkdirInUseError:
       raise
     except Exception as e:
-      raise UserError(f"cannot create the workdir lock {self.path} ({type(e).__name__}: "
-                      f"{' '.join(str(e).split())[:200]}); check the bucket's name and this "
-                      "machine's access to it, or pass another --workdir") from e
+      raise UserError(
+        f"cannot create the workdir lock {self.path} ({type(e).__name__}: "
+        f"{' '.join(str(e).split())[:200]}); check the bucket's name and this "
+        "machine's access to it, or pass another --workdir"
+      ) from e
     self.record = record
-    self._thread = threading.Thread(target=self._beat, name="workdir-lock-heartbeat",
-                                    daemon=True)
+    self._thread = threading.Thread(target=self._beat, name="workdir-lock-heartbeat", daemon=True)
     self._thread.start()
 
   def _put(self, record: dict, if_generation_match: int):
     record = dict(record, heartbeat=time.time())
-    self._blob.upload_from_string(json.dumps(record) + "\n", content_type="application/json",
-                                  if_generation_match=if_generation_match)
+    self._blob.upload_from_string(
+      json.dumps(record) + "\n",
+      content_type="application/json",
+      if_generation_match=if_generation_match,
+    )
     self._generation = self._blob.generation
 
   def _take_over_if_stale(self, record: dict):
     from google.api_core import exceptions  # lazy: google-cloud only for a gs:// workdir
+
     blob = self._blob.bucket.get_blob(self._blob.name)
-    if blob is None:                  # released meanwhile: create it afresh
+    if blob is None:  # released meanwhile: create it afresh
       self._put(record, if_generation_match=0)
       return
     holder = _parse(blob.download_as_bytes(if_generation_match=blob.generation))
     age = time.time() - blob.updated.timestamp()
     if age < self.stale_s:
       raise WorkdirInUseError(
-          f"--workdir={self.workdir} is in use by {_describe(holder)} (last heartbeat "
-          f"{age:.0f} s ago); wait for that run to end or stop it, or pass another "
-          "--workdir")
+        f"--workdir={self.workdir} is in use by {_describe(holder)} (last heartbeat "
+        f"{age:.0f} s ago); wait for that run to end or stop it, or pass another "
+        "--workdir"
+      )
     try:
       self._put(record, if_generation_match=blob.generation)
     except exceptions.PreconditionFailed as e:
-      raise WorkdirInUseError(f"--workdir={self.workdir} was just taken by another run; "
-                              "pass another --workdir") from e
+      raise WorkdirInUseError(
+        f"--workdir={self.workdir} was just taken by another run; pass another --workdir"
+      ) from e
     logging.warning(
-        "took over the workdir lock of %s: its last heartbeat is %.0f s old (a lock counts "
-        "as stale after %.0f s); whether that process still runs cannot be checked from "
-        "here: if it does, stop it", _describe(holder), age, self.stale_s)
-    self.previous = dict(holder, gone=True)   # as far as can be known: stale
+      "took over the workdir lock of %s: its last heartbeat is %.0f s old (a lock counts "
+      "as stale after %.0f s); whether that process still runs cannot be checked from "
+      "here: if it does, stop it",
+      _describe(holder),
+      age,
+      self.stale_s,
+    )
+    self.previous = dict(holder, gone=True)  # as far as can be known: stale
 
   def _beat(self):
     from google.api_core import exceptions  # lazy: google-cloud only for a gs:// workdir
+
     warned = False
     while not self._stop.wait(self.heartbeat_s):
       try:
@@ -241,8 +277,9 @@ class WorkdirLock:
         return
       except Exception as e:
         if not warned:
-          logging.warning("cannot renew the workdir lock %s (%s); retrying", self.path,
-                          type(e).__name__)
+          logging.warning(
+            "cannot renew the workdir lock %s (%s); retrying", self.path, type(e).__name__
+          )
           warned = True
 
   def _check_object(self) -> str:
@@ -261,14 +298,14 @@ class WorkdirLock:
     replaced by another run's): the run must not write more into the workdir."""
     if self.record is None:
       return
-    lost = self._lost or (self._check_flock() if self._fd is not None
-                          else self._check_object())
+    lost = self._lost or (self._check_flock() if self._fd is not None else self._check_object())
     if lost:
       self._lost = lost
       raise WorkdirInUseError(
-          f"the lock {self.path} of this run {lost} while it ran: another run may be "
-          "writing this workdir, so this one stopped without writing more; stop the other "
-          "run or let it finish, then resume with the same command")
+        f"the lock {self.path} of this run {lost} while it ran: another run may be "
+        "writing this workdir, so this one stopped without writing more; stop the other "
+        "run or let it finish, then resume with the same command"
+      )
 
   def release(self):
     """Clears the lock if it is still this run's (the next run sees no previous holder)."""
@@ -281,7 +318,7 @@ class WorkdirLock:
         if not self._lost:
           self._blob.delete(if_generation_match=self._generation)
       except Exception:
-        pass   # taken over or gone: it is not this run's to delete
+        pass  # taken over or gone: it is not this run's to delete
       self.record = None
     if self._fd is None:
       return
@@ -292,7 +329,7 @@ class WorkdirLock:
           os.remove(self.path)
           os.rmdir(self.workdir)
     except OSError:
-      pass   # e.g. the directory was removed: nothing left to tidy
+      pass  # e.g. the directory was removed: nothing left to tidy
     fcntl.flock(self._fd, fcntl.LOCK_UN)
     os.close(self._fd)
     self._fd = None

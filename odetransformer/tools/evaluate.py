@@ -24,8 +24,9 @@ runs under `jax.distributed`, every process reading the same batches; process 0 
 and writes the plot. Every flag is checked (the --plot path by a probe write) before
 anything is loaded.
 """
+
+from collections.abc import Sequence
 import os
-from typing import Sequence
 
 import jax
 
@@ -34,10 +35,16 @@ from odetransformer.model.config import model_config
 from odetransformer.runtime import fileio, host
 from odetransformer.runtime.logs import quiet_tool_logs
 from odetransformer.train import loading
+
 # The scorer and the data of every evaluation (train/evaluation.py); the command only
 # parses flags and prints.
 from odetransformer.train.evaluation import (  # noqa: F401  pylint: disable=unused-import
-    EvalData, Result, eval_data, evaluate, evaluate_model)
+  EvalData,
+  Result,
+  eval_data,
+  evaluate,
+  evaluate_model,
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -50,11 +57,15 @@ def parse_num_steps(text: str) -> list:
   try:
     steps = [int(v) for v in text.split(",") if v.strip()]
   except ValueError as e:
-    raise UserError(f"--solver_steps={text!r} is not a list of step counts; pass "
-                    "comma-separated integers, e.g. --solver_steps=6,12") from e
+    raise UserError(
+      f"--solver_steps={text!r} is not a list of step counts; pass "
+      "comma-separated integers, e.g. --solver_steps=6,12"
+    ) from e
   if not steps or min(steps) <= 0:
-    raise UserError(f"--solver_steps={text!r} holds a step count <= 0; pass positive "
-                    "integers, e.g. --solver_steps=6,12")
+    raise UserError(
+      f"--solver_steps={text!r} holds a step count <= 0; pass positive "
+      "integers, e.g. --solver_steps=6,12"
+    )
   return steps
 
 
@@ -64,16 +75,18 @@ def check_writable(path: str, flag: str) -> None:
   if fileio.isdir(path):
     raise UserError(f"--{flag}={path} is a directory; pass a file path")
   parent = os.fspath(fileio.path(path).parent)
-  if fileio.is_local(parent) and not fileio.isdir(parent):   # object stores: no dirs
-    raise UserError(f"--{flag}={path}: its directory does not exist; create it or pick "
-                    "another path")
+  if fileio.is_local(parent) and not fileio.isdir(parent):  # object stores: no dirs
+    raise UserError(
+      f"--{flag}={path}: its directory does not exist; create it or pick another path"
+    )
   probe = fileio.join(parent, f".{fileio.path(path).name}.probe-{os.getpid()}")
   try:
     fileio.write_bytes_atomic(probe, b"")
     fileio.remove(probe)
   except OSError as e:
-    raise UserError(f"--{flag}={path} cannot be written ({e.strerror or e}); pick a "
-                    "writable path") from e
+    raise UserError(
+      f"--{flag}={path} cannot be written ({e.strerror or e}); pick a writable path"
+    ) from e
 
 
 def check_flags(f) -> tuple:
@@ -81,11 +94,15 @@ def check_flags(f) -> tuple:
   steps = parse_num_steps(f.solver_steps)
   for name in ("seq_len", "batch_size", "max_batches"):
     if getattr(f, name) < 0:
-      raise UserError(f"--{name}={getattr(f, name)} is negative; pass a positive number, or "
-                      "0 (or nothing) for the run's own")
+      raise UserError(
+        f"--{name}={getattr(f, name)} is negative; pass a positive number, or "
+        "0 (or nothing) for the run's own"
+      )
   if f.step is not None and f.step < 0:
-    raise UserError(f"--step={f.step} is not a checkpoint step; pass a step >= 0, or leave "
-                    "--step out for the latest")
+    raise UserError(
+      f"--step={f.step} is not a checkpoint step; pass a step >= 0, or leave "
+      "--step out for the latest"
+    )
   loading.parse_mesh_shape(f.mesh_shape)
   if f.plot:
     check_writable(f.plot, "plot")
@@ -93,13 +110,17 @@ def check_flags(f) -> tuple:
   cfg = model_config(config, vocab_size=config.data.get("vocab_size"))
   for n in steps:
     if n is not None and not cfg.is_ode and n != cfg.depth:
-      raise UserError(f"--solver_steps={n}: this run is a discrete {cfg.kind!r} model of "
-                      f"{cfg.depth} layers, which runs only at that depth; leave "
-                      "--solver_steps out")
+      raise UserError(
+        f"--solver_steps={n}: this run is a discrete {cfg.kind!r} model of "
+        f"{cfg.depth} layers, which runs only at that depth; leave "
+        "--solver_steps out"
+      )
   seq_len = f.seq_len or int(config.seq_len)
   if cfg.family == "gpt2" and seq_len > cfg.max_len:
-    raise UserError(f"--seq_len={seq_len} exceeds the model's {cfg.max_len} learned "
-                    f"positions (model.max_len); pass --seq_len={cfg.max_len} or less")
+    raise UserError(
+      f"--seq_len={seq_len} exceeds the model's {cfg.max_len} learned "
+      f"positions (model.max_len); pass --seq_len={cfg.max_len} or less"
+    )
   return steps, config
 
 
@@ -107,8 +128,10 @@ def format_table(results: Sequence[Result], trained_k: int) -> str:
   lines = [f"{'N':>5} {'tokens':>10} {'loss':>8} {'perplexity':>12} {'accuracy':>9} {'time':>7}"]
   for r in results:
     mark = "  (training K)" if r.num_steps == trained_k else ""
-    lines.append(f"{r.num_steps:>5} {r.num_tokens:>10,} {r.loss:>8.4f} {r.perplexity:>12.3f} "
-                 f"{r.accuracy:>9.4f} {r.seconds:>6.1f}s{mark}")
+    lines.append(
+      f"{r.num_steps:>5} {r.num_tokens:>10,} {r.loss:>8.4f} {r.perplexity:>12.3f} "
+      f"{r.accuracy:>9.4f} {r.seconds:>6.1f}s{mark}"
+    )
   return "\n".join(lines)
 
 
@@ -116,6 +139,7 @@ def plot_table(results: Sequence[Result], trained_k: int, title: str = ""):
   """Perplexity against N (log-2 axis, the training K marked) as a matplotlib Figure,
   made without pyplot, so no global figure state or display backend is touched."""
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+
   fig = Figure(figsize=(6, 4), layout="constrained")
   ax = fig.add_subplot()
   ns = [r.num_steps for r in results]
@@ -144,17 +168,30 @@ def main(argv, flag_values=None):
   # Every mistake in the flags is a UserError: one line and exit 2 (errors.run_cli).
   steps, _ = check_flags(f)
   host.initialize_distributed()
-  loaded = loading.load_model(f.workdir, step=f.step, mesh_shape=f.mesh_shape,
-                      allow_unverified=f.checkpoint_allow_unverified)
+  loaded = loading.load_model(
+    f.workdir, step=f.step, mesh_shape=f.mesh_shape, allow_unverified=f.checkpoint_allow_unverified
+  )
   cfg = loaded.model_config
-  data = eval_data(f.workdir, loaded.config, data=f.data, split=f.split,
-                   data_dir=f.data_dir, seq_len=f.seq_len, batch_size=f.batch_size,
-                   max_batches=f.max_batches)
+  data = eval_data(
+    f.workdir,
+    loaded.config,
+    data=f.data,
+    split=f.split,
+    data_dir=f.data_dir,
+    seq_len=f.seq_len,
+    batch_size=f.batch_size,
+    max_batches=f.max_batches,
+  )
   say = print if jax.process_index() == 0 else lambda *_: None
-  say(f"checkpoint step {loaded.step} of {f.workdir}: {cfg.kind}/{cfg.family}"
-      + (f", {cfg.solver} solver" if cfg.is_ode else "") + f", trained at K={cfg.depth}")
-  say(f"data: {data.description}" + (f", first {f.max_batches} batches" if f.max_batches
-                                    else ", whole split"))
+  say(
+    f"checkpoint step {loaded.step} of {f.workdir}: {cfg.kind}/{cfg.family}"
+    + (f", {cfg.solver} solver" if cfg.is_ode else "")
+    + f", trained at K={cfg.depth}"
+  )
+  say(
+    f"data: {data.description}"
+    + (f", first {f.max_batches} batches" if f.max_batches else ", whole split")
+  )
   results = []
   for n in steps:
     results.append(evaluate_model(loaded.model, data.batches(), n, loaded.rules))
@@ -168,15 +205,26 @@ def main(argv, flag_values=None):
 def define_flags(flag_values=None):
   """Defines this command's flags in `flag_values` (default: absl's global FLAGS)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
+
   fv = flags.FLAGS if flag_values is None else flag_values
   define = lambda kind, name, default, text: getattr(flags, f"DEFINE_{kind}")(
-      name, default, text, flag_values=fv)
+    name, default, text, flag_values=fv
+  )
   define("string", "workdir", None, "Training run directory (config.json + checkpoints/).")
-  define("string", "solver_steps", "",
-         "Comma-separated solver step counts N (ODE kinds); '' = the training K.")
+  define(
+    "string",
+    "solver_steps",
+    "",
+    "Comma-separated solver step counts N (ODE kinds); '' = the training K.",
+  )
   define("integer", "step", None, "Checkpoint step (default: the latest).")
-  define("string", "data", "", "Data source ('' = the run's config.data.source), e.g. "
-         "'tfds:lm1b', 'wikitext103', or 'local:<comma-separated globs>'.")
+  define(
+    "string",
+    "data",
+    "",
+    "Data source ('' = the run's config.data.source), e.g. "
+    "'tfds:lm1b', 'wikitext103', or 'local:<comma-separated globs>'.",
+  )
   define("string", "split", "", "Eval split of TFDS-style sources ('' = the run's).")
   define("string", "data_dir", "", "TFDS data_dir ('' = the run's).")
   define("integer", "seq_len", 0, "Tokens per row (0 = the run's seq_len).")
@@ -189,4 +237,5 @@ def define_flags(flag_values=None):
 
 if __name__ == "__main__":
   from odetransformer import errors  # pylint: disable=g-import-not-at-top
+
   errors.run_absl_tool(main, define_flags)

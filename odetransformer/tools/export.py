@@ -29,12 +29,12 @@ it into the card and exits 1 when they differ. A non-empty DIR is refused unless
 `--overwrite`; DIR appears whole or not at all (`write_directory`). W and DIR may be
 local paths or URLs (gs://...).
 """
+
 import dataclasses
 import json
 import os
 import shutil
 import sys
-from typing import Optional
 
 from flax import nnx
 import jax
@@ -51,7 +51,7 @@ from odetransformer.tools import hf_tokenizer
 from odetransformer.train import loading
 from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 
-SHARD_BYTES = 5 * 2**30          # a larger model is written in shards of at most this
+SHARD_BYTES = 5 * 2**30  # a larger model is written in shards of at most this
 MODELING_FILE = "modeling_odetransformer.py"
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -59,32 +59,41 @@ DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 # --------------------------------------------------------------------------------------
 # The model as discrete layers
 # --------------------------------------------------------------------------------------
-def check_exportable(cfg, num_steps: Optional[int]) -> None:
+def check_exportable(cfg, num_steps: int | None) -> None:
   """A one-line UserError unless a model of config `cfg` exports at `num_steps`."""
   if cfg.is_ode and cfg.solver != "euler":
-    raise UserError(f"cannot export this {cfg.kind} model: only an Euler ODE is N plain "
-                    f"layers and its solver is {cfg.solver!r}; export a run trained with "
-                    "model.solver='euler' (evaluate and generate run this one as it is)")
+    raise UserError(
+      f"cannot export this {cfg.kind} model: only an Euler ODE is N plain "
+      f"layers and its solver is {cfg.solver!r}; export a run trained with "
+      "model.solver='euler' (evaluate and generate run this one as it is)"
+    )
   if num_steps is not None and num_steps <= 0:
     raise UserError(f"--solver_steps={num_steps} is not a step count; pass a positive integer")
   if cfg.is_ode:
-    check_materializable(cfg, cfg.depth if num_steps is None else num_steps)   # Euler, N > 0
+    check_materializable(cfg, cfg.depth if num_steps is None else num_steps)  # Euler, N > 0
   elif num_steps is not None and num_steps != cfg.depth:
-    raise UserError(f"--solver_steps={num_steps}: a discrete '{cfg.kind}' model has "
-                    f"{cfg.depth} layers; leave --solver_steps out")
+    raise UserError(
+      f"--solver_steps={num_steps}: a discrete '{cfg.kind}' model has "
+      f"{cfg.depth} layers; leave --solver_steps out"
+    )
 
 
-def discrete_model(model: LanguageModel, num_steps: Optional[int] = None) -> LanguageModel:
+def discrete_model(model: LanguageModel, num_steps: int | None = None) -> LanguageModel:
   """The function that is exported, as a discrete model with plain stored weights:
   an ODE materialised at `num_steps` Euler steps (default: its K, dt folded into the
   output projections); a discrete model's own layers, LoRA merged and out_proj_scale
   folded in. Float32 compute. A one-line UserError when there is no such model."""
   cfg = model.config
   check_exportable(cfg, num_steps)
-  disc = (materialize(model, cfg.depth if num_steps is None else num_steps)
-          if cfg.is_ode else model)
-  cfg = dataclasses.replace(disc.config, lora_rank=0, out_proj_scale=1.0, dtype="float32",
-                            param_dtype="float32", dropout_rate=0.0)
+  disc = materialize(model, cfg.depth if num_steps is None else num_steps) if cfg.is_ode else model
+  cfg = dataclasses.replace(
+    disc.config,
+    lora_rank=0,
+    out_proj_scale=1.0,
+    dtype="float32",
+    param_dtype="float32",
+    dropout_rate=0.0,
+  )
   return disc.with_layers(cfg, disc.layer_weights(jnp.float32))
 
 
@@ -115,10 +124,10 @@ def hf_state_dict(model: LanguageModel) -> dict:
   d = cfg.d_model
   top = _top_level(model)
   layers = {n: np.asarray(w, np.float32) for n, w in model.layer_weights(jnp.float32).items()}
-  linear = lambda w: w.reshape(d, -1).T         # [d, n, h] / [d, f] -> torch [out, in]
-  out_linear = lambda w: w.reshape(-1, d).T     # [n, h, d] / [f, d] -> torch [d, in]
+  linear = lambda w: w.reshape(d, -1).T  # [d, n, h] / [d, f] -> torch [out, in]
+  out_linear = lambda w: w.reshape(-1, d).T  # [n, h, d] / [f, d] -> torch [d, in]
   sd = {}
-  if hf_architecture(cfg) == "GPT2LMHeadModel":   # Conv1D weights are [in, out]
+  if hf_architecture(cfg) == "GPT2LMHeadModel":  # Conv1D weights are [in, out]
     sd["transformer.wte.weight"] = top["embed"]
     sd["transformer.wpe.weight"] = top["pos_embed"]
     sd["transformer.ln_f.weight"] = top["final_norm_scale"]
@@ -129,21 +138,41 @@ def hf_state_dict(model: LanguageModel) -> dict:
       sd[p + "ln_1.weight"], sd[p + "ln_1.bias"] = l["norm1_scale"], l["norm1_shift"]
       sd[p + "ln_2.weight"], sd[p + "ln_2.bias"] = l["norm2_scale"], l["norm2_shift"]
       sd[p + "attn.c_attn.weight"] = np.concatenate(
-          [l[w].reshape(d, d) for w in ("wq", "wk", "wv")], axis=1)
+        [l[w].reshape(d, d) for w in ("wq", "wk", "wv")], axis=1
+      )
       sd[p + "attn.c_attn.bias"] = np.concatenate([l[b].reshape(d) for b in ("bq", "bk", "bv")])
       sd[p + "attn.c_proj.weight"], sd[p + "attn.c_proj.bias"] = l["wo"].reshape(d, d), l["bo"]
       sd[p + "mlp.c_fc.weight"], sd[p + "mlp.c_fc.bias"] = l["w1"], l["b1"]
       sd[p + "mlp.c_proj.weight"], sd[p + "mlp.c_proj.bias"] = l["w2"], l["b2"]
   else:
     llama = hf_architecture(cfg) == "LlamaForCausalLM"
-    names = ({"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
-              "wo": "self_attn.o_proj", "w1": "mlp.gate_proj", "w3": "mlp.up_proj",
-              "w2": "mlp.down_proj", "norm1_scale": "input_layernorm.weight",
-              "norm2_scale": "post_attention_layernorm.weight"} if llama else
-             {"wq": "attn.q_proj", "wk": "attn.k_proj", "wv": "attn.v_proj",
-              "wo": "attn.o_proj", "w1": "mlp.fc1", "w2": "mlp.fc2", "w3": "mlp.fc3",
-              "norm1_scale": "norm1.weight", "norm1_shift": "norm1.bias",
-              "norm2_scale": "norm2.weight", "norm2_shift": "norm2.bias"})
+    names = (
+      {
+        "wq": "self_attn.q_proj",
+        "wk": "self_attn.k_proj",
+        "wv": "self_attn.v_proj",
+        "wo": "self_attn.o_proj",
+        "w1": "mlp.gate_proj",
+        "w3": "mlp.up_proj",
+        "w2": "mlp.down_proj",
+        "norm1_scale": "input_layernorm.weight",
+        "norm2_scale": "post_attention_layernorm.weight",
+      }
+      if llama
+      else {
+        "wq": "attn.q_proj",
+        "wk": "attn.k_proj",
+        "wv": "attn.v_proj",
+        "wo": "attn.o_proj",
+        "w1": "mlp.fc1",
+        "w2": "mlp.fc2",
+        "w3": "mlp.fc3",
+        "norm1_scale": "norm1.weight",
+        "norm1_shift": "norm1.bias",
+        "norm2_scale": "norm2.weight",
+        "norm2_shift": "norm2.bias",
+      }
+    )
     sd["model.embed_tokens.weight"] = top["embed"]
     if "pos_embed" in top:
       sd["model.embed_positions.weight"] = top["pos_embed"]
@@ -157,7 +186,7 @@ def hf_state_dict(model: LanguageModel) -> dict:
           w = out_linear(w)
         elif n.startswith("w"):
           w = linear(w)
-        elif n.startswith("b"):     # biases: [n, h] -> [d]; b1 [f], bo/b2 [d]
+        elif n.startswith("b"):  # biases: [n, h] -> [d]; b1 [f], bo/b2 [d]
           sd[f"model.layers.{i}.{names['w' + n[1:]]}.bias"] = w.reshape(-1)
           continue
         sd[f"model.layers.{i}.{names[n]}" + ("" if n.startswith("norm") else ".weight")] = w
@@ -165,12 +194,13 @@ def hf_state_dict(model: LanguageModel) -> dict:
     sd["lm_head.weight"] = top["head"].T
   if cfg.embed_scale != 1.0:
     if cfg.tie_embeddings and hf_architecture(cfg) != "OdeTransformerForCausalLM":
-      raise UserError(f"model.embed_scale={cfg.embed_scale} with tied embeddings has no "
-                      f"{hf_architecture(cfg)} equivalent; export a model trained with "
-                      "model.embed_scale=1 or untied embeddings")
-    if hf_architecture(cfg) != "OdeTransformerForCausalLM":   # fold it into the tables
-      for name in ("transformer.wte.weight", "transformer.wpe.weight",
-                   "model.embed_tokens.weight"):
+      raise UserError(
+        f"model.embed_scale={cfg.embed_scale} with tied embeddings has no "
+        f"{hf_architecture(cfg)} equivalent; export a model trained with "
+        "model.embed_scale=1 or untied embeddings"
+      )
+    if hf_architecture(cfg) != "OdeTransformerForCausalLM":  # fold it into the tables
+      for name in ("transformer.wte.weight", "transformer.wpe.weight", "model.embed_tokens.weight"):
         if name in sd:
           sd[name] = sd[name] * np.float32(cfg.embed_scale)
   return {k: np.ascontiguousarray(v, np.float32) for k, v in sd.items()}
@@ -179,41 +209,79 @@ def hf_state_dict(model: LanguageModel) -> dict:
 def hf_config(cfg, context: int, dtype: str, special: dict) -> dict:
   """config.json of the exported model (`context`: the trained sequence length)."""
   arch = hf_architecture(cfg)
-  common = {"architectures": [arch], "vocab_size": cfg.vocab_size,
-            "tie_word_embeddings": cfg.tie_embeddings, "dtype": dtype, "use_cache": True,
-            **special}
+  common = {
+    "architectures": [arch],
+    "vocab_size": cfg.vocab_size,
+    "tie_word_embeddings": cfg.tie_embeddings,
+    "dtype": dtype,
+    "use_cache": True,
+    **special,
+  }
   if arch == "GPT2LMHeadModel":
-    return {"model_type": "gpt2", "n_embd": cfg.d_model, "n_layer": cfg.depth,
-            "n_head": cfg.num_heads, "n_inner": cfg.mlp_dim, "n_positions": cfg.max_len,
-            "n_ctx": cfg.max_len, "activation_function": "gelu_new",
-            "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0, "scale_attn_weights": True, **common}
-  layers = {"hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_dim,
-            "num_hidden_layers": cfg.depth, "num_attention_heads": cfg.num_heads,
-            "max_position_embeddings": cfg.max_len if cfg.family == "gpt2" else context}
+    return {
+      "model_type": "gpt2",
+      "n_embd": cfg.d_model,
+      "n_layer": cfg.depth,
+      "n_head": cfg.num_heads,
+      "n_inner": cfg.mlp_dim,
+      "n_positions": cfg.max_len,
+      "n_ctx": cfg.max_len,
+      "activation_function": "gelu_new",
+      "layer_norm_epsilon": cfg.norm_eps,
+      "resid_pdrop": 0.0,
+      "embd_pdrop": 0.0,
+      "attn_pdrop": 0.0,
+      "scale_attn_weights": True,
+      **common,
+    }
+  layers = {
+    "hidden_size": cfg.d_model,
+    "intermediate_size": cfg.mlp_dim,
+    "num_hidden_layers": cfg.depth,
+    "num_attention_heads": cfg.num_heads,
+    "max_position_embeddings": cfg.max_len if cfg.family == "gpt2" else context,
+  }
   if arch == "LlamaForCausalLM":
-    return {"model_type": "llama", **layers, "num_key_value_heads": cfg.num_heads,
-            "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
-            "attention_bias": False, "mlp_bias": False, **common}
+    return {
+      "model_type": "llama",
+      **layers,
+      "num_key_value_heads": cfg.num_heads,
+      "head_dim": cfg.head_dim,
+      "hidden_act": "silu",
+      "rms_norm_eps": cfg.norm_eps,
+      "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+      "attention_bias": False,
+      "mlp_bias": False,
+      **common,
+    }
   from odetransformer.model.blocks import REFERENCE_LLAMA_NORM_EPS  # pylint: disable=g-import-not-at-top
+
   reference = cfg.llama_block == "reference"
-  block_norm = ("layer" if cfg.family == "gpt2" else "rms_shift" if reference else "rms")
+  block_norm = "layer" if cfg.family == "gpt2" else "rms_shift" if reference else "rms"
   module = os.path.splitext(MODELING_FILE)[0]
-  return {"model_type": "odetransformer", **layers, "family": cfg.family,
-          "norm_eps": cfg.norm_eps, "block_norm": block_norm,
-          "block_norm_eps": REFERENCE_LLAMA_NORM_EPS if reference else cfg.norm_eps,
-          "ffn_reads_attn_norm": reference, "rope_base": cfg.rope_base,
-          "embed_scale": cfg.embed_scale,
-          "auto_map": {"AutoConfig": f"{module}.OdeTransformerConfig",
-                       "AutoModelForCausalLM": f"{module}.OdeTransformerForCausalLM"},
-          **common}
+  return {
+    "model_type": "odetransformer",
+    **layers,
+    "family": cfg.family,
+    "norm_eps": cfg.norm_eps,
+    "block_norm": block_norm,
+    "block_norm_eps": REFERENCE_LLAMA_NORM_EPS if reference else cfg.norm_eps,
+    "ffn_reads_attn_norm": reference,
+    "rope_base": cfg.rope_base,
+    "embed_scale": cfg.embed_scale,
+    "auto_map": {
+      "AutoConfig": f"{module}.OdeTransformerConfig",
+      "AutoModelForCausalLM": f"{module}.OdeTransformerForCausalLM",
+    },
+    **common,
+  }
 
 
 def safetensors_files(state: dict, max_bytes: int = SHARD_BYTES) -> dict:
   """{file name: bytes}: model.safetensors, or shards of at most `max_bytes` (a larger
   tensor alone) and model.safetensors.index.json."""
   from safetensors.numpy import save  # pylint: disable=g-import-not-at-top
+
   shards, size = [{}], 0
   for name, x in state.items():
     if size and size + x.nbytes > max_bytes:
@@ -229,8 +297,10 @@ def safetensors_files(state: dict, max_bytes: int = SHARD_BYTES) -> dict:
     fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
     files[fname] = save(shard, metadata=meta)
     weight_map.update({name: fname for name in shard})
-  index = {"metadata": {"total_size": sum(x.nbytes for x in state.values())},
-           "weight_map": weight_map}
+  index = {
+    "metadata": {"total_size": sum(x.nbytes for x in state.values())},
+    "weight_map": weight_map,
+  }
   files["model.safetensors.index.json"] = json.dumps(index, indent=2).encode()
   return files
 
@@ -241,21 +311,28 @@ def safetensors_files(state: dict, max_bytes: int = SHARD_BYTES) -> dict:
 @dataclasses.dataclass
 class Exported:
   out: str
-  model: LanguageModel        # the discrete model whose weights were written (float32)
-  source: LanguageModel       # the run's model
-  num_steps: int              # N
+  model: LanguageModel  # the discrete model whose weights were written (float32)
+  source: LanguageModel  # the run's model
+  num_steps: int  # N
   dtype: str
   step: int
   workdir: str
   architecture: str
-  sp_model: bytes             # the run's SentencePiece model
+  sp_model: bytes  # the run's SentencePiece model
   context: int
 
 
-def export(workdir: str, out: str, *, step: Optional[int] = None,
-           num_steps: Optional[int] = None, dtype: str = "float32",
-           allow_unverified: bool = False, mesh_shape: str = "",
-           overwrite: bool = False) -> Exported:
+def export(
+  workdir: str,
+  out: str,
+  *,
+  step: int | None = None,
+  num_steps: int | None = None,
+  dtype: str = "float32",
+  allow_unverified: bool = False,
+  mesh_shape: str = "",
+  overwrite: bool = False,
+) -> Exported:
   """Writes the Hugging Face directory `out` for checkpoint `step` (default: the
   latest) of run `workdir`, restored sharded on the run's mesh over this process's
   devices (or `mesh_shape`); see the module docstring."""
@@ -263,37 +340,67 @@ def export(workdir: str, out: str, *, step: Optional[int] = None,
     raise UserError(f"--dtype={dtype!r} is unknown; choose one of {sorted(DTYPES)}")
   check_out(out, overwrite)
   if jax.process_count() > 1:
-    raise UserError("export runs as one process (its devices may be several); start it "
-                    "without JAX_COORDINATOR_ADDRESS or a multi-host launcher")
-  loaded = loading.load_model(workdir, step=step, mesh_shape=mesh_shape,
-                              allow_unverified=allow_unverified)
+    raise UserError(
+      "export runs as one process (its devices may be several); start it "
+      "without JAX_COORDINATOR_ADDRESS or a multi-host launcher"
+    )
+  loaded = loading.load_model(
+    workdir, step=step, mesh_shape=mesh_shape, allow_unverified=allow_unverified
+  )
   sp_model = fileio.read_bytes(loading.tokenizer_path(workdir, loaded.config))
-  return export_model(loaded.model, sp_model, out, context=int(loaded.config.seq_len),
-                      num_steps=num_steps, dtype=dtype, workdir=workdir, step=loaded.step,
-                      overwrite=overwrite)
+  return export_model(
+    loaded.model,
+    sp_model,
+    out,
+    context=int(loaded.config.seq_len),
+    num_steps=num_steps,
+    dtype=dtype,
+    workdir=workdir,
+    step=loaded.step,
+    overwrite=overwrite,
+  )
 
 
-def export_model(model: LanguageModel, sp_model: bytes, out: str, *, context: int,
-                 num_steps: Optional[int] = None, dtype: str = "float32",
-                 workdir: str = "", step: int = 0, shard_bytes: int = SHARD_BYTES,
-                 overwrite: bool = False) -> Exported:
+def export_model(
+  model: LanguageModel,
+  sp_model: bytes,
+  out: str,
+  *,
+  context: int,
+  num_steps: int | None = None,
+  dtype: str = "float32",
+  workdir: str = "",
+  step: int = 0,
+  shard_bytes: int = SHARD_BYTES,
+  overwrite: bool = False,
+) -> Exported:
   """Writes `model` (its tokenizer: the SentencePiece `sp_model`; `context`: its
   training sequence length) as the Hugging Face directory `out` (`write_directory`)."""
   check_out(out, overwrite)
-  disc = nnx.jit(discrete_model, static_argnums=1)(model, num_steps)   # not op by op
+  disc = nnx.jit(discrete_model, static_argnums=1)(model, num_steps)  # not op by op
   cfg = disc.config
   state = {k: v.astype(DTYPES[dtype]) for k, v in hf_state_dict(disc).items()}
   files = hf_tokenizer.tokenizer_files(
-      sp_model, cfg.max_len if cfg.family == "gpt2" else context, where=f"of {workdir}")
+    sp_model, cfg.max_len if cfg.family == "gpt2" else context, where=f"of {workdir}"
+  )
   special = hf_tokenizer.special_ids(sp_model)
   files["config.json"] = json.dumps(hf_config(cfg, context, dtype, special), indent=2)
   files["generation_config.json"] = json.dumps(special, indent=2)
   if hf_architecture(cfg) == "OdeTransformerForCausalLM":
     with open(os.path.join(os.path.dirname(__file__), "hf_modeling.py"), encoding="utf-8") as f:
       files[MODELING_FILE] = f.read()
-  exported = Exported(out=out, model=disc, source=model, num_steps=cfg.depth,
-                      dtype=dtype, step=step, workdir=workdir,
-                      architecture=hf_architecture(cfg), sp_model=sp_model, context=context)
+  exported = Exported(
+    out=out,
+    model=disc,
+    source=model,
+    num_steps=cfg.depth,
+    dtype=dtype,
+    step=step,
+    workdir=workdir,
+    architecture=hf_architecture(cfg),
+    sp_model=sp_model,
+    context=context,
+  )
   files["README.md"] = model_card(exported)
   files.update(safetensors_files(state, shard_bytes))
   write_directory(out, files, overwrite=overwrite)
@@ -307,8 +414,10 @@ def check_out(out: str, overwrite: bool) -> None:
   if fileio.exists(out) and not fileio.isdir(out):
     raise UserError(f"--out={out} is a file; pass a directory path")
   if not overwrite and fileio.isdir(out) and fileio.listdir(out):
-    raise UserError(f"--out={out} is not empty; pass a new or empty directory, or "
-                    "--overwrite to replace what it holds")
+    raise UserError(
+      f"--out={out} is not empty; pass a new or empty directory, or "
+      "--overwrite to replace what it holds"
+    )
 
 
 def write_directory(out: str, files: dict, overwrite: bool = False) -> None:
@@ -318,7 +427,7 @@ def write_directory(out: str, files: dict, overwrite: bool = False) -> None:
   `out` is emptied, then written with config.json last, so an interrupted export does
   not load (and a rerun with --overwrite replaces it)."""
   check_out(out, overwrite)
-  names = sorted(files, key=lambda name: name == "config.json")   # config.json last
+  names = sorted(files, key=lambda name: name == "config.json")  # config.json last
 
   def write(directory):
     for name in names:
@@ -335,20 +444,21 @@ def write_directory(out: str, files: dict, overwrite: bool = False) -> None:
     return
   target = os.path.abspath(out)
   parent, name = os.path.split(target)
-  staging, old = (os.path.join(parent, f".{name}.{what}-{os.getpid()}") for what in
-                  ("partial", "old"))
-  for leftover in (staging, old):    # of a killed export that had this process id
+  staging, old = (
+    os.path.join(parent, f".{name}.{what}-{os.getpid()}") for what in ("partial", "old")
+  )
+  for leftover in (staging, old):  # of a killed export that had this process id
     shutil.rmtree(leftover, ignore_errors=True)
   os.makedirs(staging)
   try:
     write(staging)
     if os.path.isdir(target):
-      os.rename(target, old)     # empty, or replaced (--overwrite): deleted below
+      os.rename(target, old)  # empty, or replaced (--overwrite): deleted below
     os.rename(staging, target)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     if os.path.isdir(old) and not os.path.exists(target):
-      os.rename(old, target)     # put back what was there
+      os.rename(old, target)  # put back what was there
     raise
   shutil.rmtree(old, ignore_errors=True)
 
@@ -356,24 +466,33 @@ def write_directory(out: str, files: dict, overwrite: bool = False) -> None:
 def model_card(e: Exported, agreement: str = "") -> str:
   """README.md of the exported directory."""
   source_cfg = e.source.config
-  what = (f"{source_cfg.kind} ODE ({source_cfg.family} family) materialised at "
-          f"N={e.num_steps} Euler steps (trained at K={source_cfg.depth})"
-          if source_cfg.is_ode else
-          f"discrete {source_cfg.kind} model ({source_cfg.family} family), "
-          f"{e.num_steps} layers")
+  what = (
+    f"{source_cfg.kind} ODE ({source_cfg.family} family) materialised at "
+    f"N={e.num_steps} Euler steps (trained at K={source_cfg.depth})"
+    if source_cfg.is_ode
+    else f"discrete {source_cfg.kind} model ({source_cfg.family} family), {e.num_steps} layers"
+  )
   remote = e.architecture == "OdeTransformerForCausalLM"
   trust = ", trust_remote_code=True" if remote else ""
-  return "\n".join([
-      f"# {e.architecture} exported from odetransformer", "",
+  return "\n".join(
+    [
+      f"# {e.architecture} exported from odetransformer",
+      "",
       f"- source run: `{e.workdir}`, checkpoint step {e.step}",
       f"- model: {what}; N = {e.num_steps}",
       f"- weights: {e.dtype}; class `{e.architecture}`"
       + (f" (`{MODELING_FILE}`, shipped here)" if remote else ""),
-      f"- tokenizer: the run's SentencePiece BPE as `tokenizer.json`, the same ids",
+      "- tokenizer: the run's SentencePiece BPE as `tokenizer.json`, the same ids",
       f"- logit agreement: {agreement or 'not measured; run the export with --verify'}",
-      "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+      "",
+      "```python",
+      "from transformers import AutoModelForCausalLM, AutoTokenizer",
       f"model = AutoModelForCausalLM.from_pretrained(DIR{trust})",
-      f"tokenizer = AutoTokenizer.from_pretrained(DIR{trust})", "```", ""])
+      f"tokenizer = AutoTokenizer.from_pretrained(DIR{trust})",
+      "```",
+      "",
+    ]
+  )
 
 
 # --------------------------------------------------------------------------------------
@@ -385,37 +504,52 @@ def main(argv, flag_values=None):
   from absl import flags  # pylint: disable=g-import-not-at-top
 
   from odetransformer.runtime.logs import quiet_tool_logs  # pylint: disable=g-import-not-at-top
+
   f = flags.FLAGS if flag_values is None else flag_values
   quiet_tool_logs(cli=True)
   if f.step is not None and f.step < 0:
-    raise UserError(f"--step={f.step} is not a checkpoint step; pass a step >= 0, or leave "
-                    "--step out for the latest")
+    raise UserError(
+      f"--step={f.step} is not a checkpoint step; pass a step >= 0, or leave "
+      "--step out for the latest"
+    )
   if f.solver_steps is not None and f.solver_steps <= 0:
-    raise UserError(f"--solver_steps={f.solver_steps} is not a step count; pass a positive "
-                    "integer, or leave it out for the training K")
+    raise UserError(
+      f"--solver_steps={f.solver_steps} is not a step count; pass a positive "
+      "integer, or leave it out for the training K"
+    )
   check_out(f.out, f.overwrite)
-  config = loading.load_run_config(f.workdir)   # refusals before loading anything
-  check_exportable(model_config(config, vocab_size=config.data.get("vocab_size")),
-                   f.solver_steps)
+  config = loading.load_run_config(f.workdir)  # refusals before loading anything
+  check_exportable(model_config(config, vocab_size=config.data.get("vocab_size")), f.solver_steps)
   if f.verify:
     try:
       import torch  # pylint: disable=g-import-not-at-top,multiple-imports,unused-import
       import transformers
     except ModuleNotFoundError as e:
-      raise UserError(f"--verify needs {e.name}; pip install -r requirements-export.txt, "
-                      "or export without --verify") from e
+      raise UserError(
+        f"--verify needs {e.name}; pip install -r requirements-export.txt, "
+        "or export without --verify"
+      ) from e
   loading.parse_mesh_shape(f.mesh_shape)
-  e = export(f.workdir, f.out, step=f.step, num_steps=f.solver_steps, dtype=f.dtype,
-             allow_unverified=f.checkpoint_allow_unverified, mesh_shape=f.mesh_shape,
-             overwrite=f.overwrite)
-  print(f"exported step {e.step} of {f.workdir} to {f.out}: {e.architecture}, "
-        f"N={e.num_steps}, {e.dtype}")
+  e = export(
+    f.workdir,
+    f.out,
+    step=f.step,
+    num_steps=f.solver_steps,
+    dtype=f.dtype,
+    allow_unverified=f.checkpoint_allow_unverified,
+    mesh_shape=f.mesh_shape,
+    overwrite=f.overwrite,
+  )
+  print(
+    f"exported step {e.step} of {f.workdir} to {f.out}: {e.architecture}, "
+    f"N={e.num_steps}, {e.dtype}"
+  )
   if f.verify:
     from odetransformer.tools.hf_verify import verify  # pylint: disable=g-import-not-at-top
+
     agreement = verify(e)
     print(f"verify: {agreement.describe()}")
-    fileio.write_text_atomic(fileio.join(f.out, "README.md"),
-                             model_card(e, agreement.describe()))
+    fileio.write_text_atomic(fileio.join(f.out, "README.md"), model_card(e, agreement.describe()))
     if not agreement.ok:
       print("verify FAILED: the export does not reproduce this model", file=sys.stderr)
       sys.exit(1)
@@ -423,20 +557,37 @@ def main(argv, flag_values=None):
 
 def define_flags(flag_values=None):
   from absl import flags  # pylint: disable=g-import-not-at-top
+
   fv = flags.FLAGS if flag_values is None else flag_values
   define = lambda kind, name, default, text: getattr(flags, f"DEFINE_{kind}")(
-      name, default, text, flag_values=fv)
+    name, default, text, flag_values=fv
+  )
   define("string", "workdir", None, "Training run directory (config.json + checkpoints/).")
   define("string", "out", None, "Directory to write the Hugging Face model into.")
   define("integer", "step", None, "Checkpoint step (default: the latest).")
-  define("integer", "solver_steps", None, "Euler steps N an ODE is materialised at "
-         "(default: the training K); discrete models: their own depth.")
-  flags.DEFINE_enum("dtype", "float32", sorted(DTYPES), "Weights' dtype (float32 or "
-                    "bfloat16).", flag_values=fv)
-  define("bool", "overwrite", False, "Replace what --out holds (without it, a non-empty "
-         "--out is refused).")
-  define("bool", "verify", False, "Load the export with transformers (CPU) and compare "
-         "logits and greedy generation with this model; exit 1 if they differ.")
+  define(
+    "integer",
+    "solver_steps",
+    None,
+    "Euler steps N an ODE is materialised at "
+    "(default: the training K); discrete models: their own depth.",
+  )
+  flags.DEFINE_enum(
+    "dtype", "float32", sorted(DTYPES), "Weights' dtype (float32 or bfloat16).", flag_values=fv
+  )
+  define(
+    "bool",
+    "overwrite",
+    False,
+    "Replace what --out holds (without it, a non-empty --out is refused).",
+  )
+  define(
+    "bool",
+    "verify",
+    False,
+    "Load the export with transformers (CPU) and compare "
+    "logits and greedy generation with this model; exit 1 if they differ.",
+  )
   define("bool", "checkpoint_allow_unverified", False, UNVERIFIED_FLAG_HELP)
   define("string", "mesh_shape", "", loading.MESH_SHAPE_HELP)
   define("bool", "verbose", False, "Show the traceback of a user error as well.")
@@ -447,4 +598,5 @@ def define_flags(flag_values=None):
 
 if __name__ == "__main__":
   from odetransformer import errors  # pylint: disable=g-import-not-at-top
+
   errors.run_absl_tool(main, define_flags)

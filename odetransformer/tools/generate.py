@@ -18,10 +18,11 @@ Before the samples it says what to expect of a model of this size and training
 (`what_to_expect`): configs/default.py's model, minutes on a CPU, writes locally
 plausible but incoherent text.
 """
+
+from collections.abc import Sequence
 import functools
 import math
 import time
-from typing import Optional, Sequence
 
 from flax import nnx
 import jax
@@ -53,7 +54,7 @@ def filter_logits(logits_bv, top_k=0, top_p=1.0):
   """
   logits = logits_bv.astype(jnp.promote_types(logits_bv.dtype, jnp.float32))
   vocab = logits.shape[-1]
-  order = jnp.argsort(-logits, axis=-1, stable=True)              # rank r -> token id
+  order = jnp.argsort(-logits, axis=-1, stable=True)  # rank r -> token id
   sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
   rank = jnp.arange(vocab)
   keep = (top_k <= 0) | (rank < top_k)
@@ -85,13 +86,21 @@ class Sampler:
     eos_id: generation of a row stops after it samples this token (None: never).
   """
 
-  def __init__(self, decoder: Decoder, eos_id: Optional[int] = None):
+  def __init__(self, decoder: Decoder, eos_id: int | None = None):
     self.decoder = decoder
     self.eos_id = -1 if eos_id is None else int(eos_id)
 
-  def __call__(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-               rng=None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-               prompt_len: Optional[int] = None):
+  def __call__(
+    self,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    rng=None,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    prompt_len: int | None = None,
+  ):
     """Samples continuations of token prompts.
 
     Args:
@@ -115,29 +124,60 @@ class Sampler:
     cache_len = prompt_len + max_new_tokens
     limit = self.decoder.max_positions()
     if limit is not None and cache_len > limit:
-      raise ValueError(f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) = {cache_len} "
-                       f"exceeds the model's {limit} learned positions (model.max_len)")
+      raise ValueError(
+        f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) = {cache_len} "
+        f"exceeds the model's {limit} learned positions (model.max_len)"
+      )
     tokens = np.full((len(prompts), prompt_len), PAD_ID, np.int32)
     for i, p in enumerate(prompts):
-      tokens[i, :len(p)] = p
+      tokens[i, : len(p)] = p
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     rng = jax.random.key(0) if rng is None else rng
     d = self.decoder
-    args = (tokens, lengths, np.asarray(jax.random.key_data(rng)), np.float32(temperature),
-            np.int32(top_k), np.float32(top_p), np.int32(self.eos_id))
+    args = (
+      tokens,
+      lengths,
+      np.asarray(jax.random.key_data(rng)),
+      np.float32(temperature),
+      np.int32(top_k),
+      np.float32(top_p),
+      np.int32(self.eos_id),
+    )
     mesh = loading.model_mesh(d.params)
-    if mesh is not None:   # a sharded model: the (small) inputs replicated on its mesh
+    if mesh is not None:  # a sharded model: the (small) inputs replicated on its mesh
       replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
       args = tuple(loading.global_array(x, replicated) for x in args)
-    out = _sample_loop(d.step_fn(), d.num_slots, d.config, d.params, *args,
-                       max_new_tokens=int(max_new_tokens), cache_len=cache_len)
+    out = _sample_loop(
+      d.step_fn(),
+      d.num_slots,
+      d.config,
+      d.params,
+      *args,
+      max_new_tokens=int(max_new_tokens),
+      cache_len=cache_len,
+    )
     return loading.to_host(out)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("max_new_tokens",
-                                                                        "cache_len"))
-def _sample_loop(step_fn, num_slots, cfg, params, prompt_bp, lengths_b, rng_data,
-                 temperature, top_k, top_p, eos_id, *, max_new_tokens: int, cache_len: int):
+@functools.partial(
+  jax.jit, static_argnums=(0, 1, 2), static_argnames=("max_new_tokens", "cache_len")
+)
+def _sample_loop(
+  step_fn,
+  num_slots,
+  cfg,
+  params,
+  prompt_bp,
+  lengths_b,
+  rng_data,
+  temperature,
+  top_k,
+  top_p,
+  eos_id,
+  *,
+  max_new_tokens: int,
+  cache_len: int,
+):
   """Prefill, then a while_loop sampling one token per row per iteration.
 
   Compiled once per decoder (`step_fn` is the decoder's own step function, static by
@@ -177,70 +217,90 @@ def _amount(n: float) -> str:
   return f"{n:.0f}"
 
 
-def what_to_expect(num_params: int, steps: int, tokens: Optional[int] = None) -> str:
+def what_to_expect(num_params: int, steps: int, tokens: int | None = None) -> str:
   """One sentence on what samples of a model this size, trained this long, look like."""
   trained = f"{steps:,} steps" + (f" ({_amount(tokens)} tokens)" if tokens else "")
   model = f"a {_amount(num_params)}-parameter model trained for {trained}"
   small = num_params < COHERENT_PARAMS or (tokens or 0) < COHERENT_TOKENS
   if small:
-    return (f"What to expect: {model} writes locally plausible but incoherent text; "
-            "coherent text needs a paper-sized config (e.g. configs/owt_small.py, ~10 B "
-            "tokens) and hours of GPU/TPU time.")
-  return (f"What to expect: {model} is at the paper's scale; its samples are as good as "
-          "its validation perplexity (python -m odetransformer.evaluate) says.")
+    return (
+      f"What to expect: {model} writes locally plausible but incoherent text; "
+      "coherent text needs a paper-sized config (e.g. configs/owt_small.py, ~10 B "
+      "tokens) and hours of GPU/TPU time."
+    )
+  return (
+    f"What to expect: {model} is at the paper's scale; its samples are as good as "
+    "its validation perplexity (python -m odetransformer.evaluate) says."
+  )
 
 
 def strip_after_eos(ids: Sequence[int], eos_id: int) -> list:
   """The ids before the first eos (and its padding)."""
   ids = [int(i) for i in ids]
-  return ids[:ids.index(eos_id)] if eos_id in ids else ids
+  return ids[: ids.index(eos_id)] if eos_id in ids else ids
 
 
 # --------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------
-SEED_RANGE = (-2**63, 2**63)   # what jax.random.key takes
+SEED_RANGE = (-(2**63), 2**63)  # what jax.random.key takes
 
 
 def check_flags(f) -> None:
   """Every flag checked before any work (one-line UserErrors), the run's config.json
   included."""
   if f.max_new_tokens <= 0:
-    raise UserError(f"--max_new_tokens={f.max_new_tokens} must be a positive number; pass "
-                    "how many tokens to sample, e.g. --max_new_tokens=64")
+    raise UserError(
+      f"--max_new_tokens={f.max_new_tokens} must be a positive number; pass "
+      "how many tokens to sample, e.g. --max_new_tokens=64"
+    )
   if f.num_samples <= 0:
-    raise UserError(f"--num_samples={f.num_samples} must be >= 1; pass how many samples "
-                    "to draw, e.g. --num_samples=1")
+    raise UserError(
+      f"--num_samples={f.num_samples} must be >= 1; pass how many samples "
+      "to draw, e.g. --num_samples=1"
+    )
   if not SEED_RANGE[0] <= f.seed < SEED_RANGE[1]:
-    raise UserError(f"--seed={f.seed} is out of range; pass an integer in "
-                    f"[-2**63, 2**63), e.g. --seed=0")
-  if not 0 <= f.temperature < math.inf:   # also refuses nan
-    raise UserError(f"--temperature={f.temperature} must be a finite number >= 0; pass e.g. "
-                    "--temperature=0.8, or 0 for greedy decoding")
+    raise UserError(
+      f"--seed={f.seed} is out of range; pass an integer in [-2**63, 2**63), e.g. --seed=0"
+    )
+  if not 0 <= f.temperature < math.inf:  # also refuses nan
+    raise UserError(
+      f"--temperature={f.temperature} must be a finite number >= 0; pass e.g. "
+      "--temperature=0.8, or 0 for greedy decoding"
+    )
   if f.top_k < 0:
-    raise UserError(f"--top_k={f.top_k} must be >= 0; pass e.g. --top_k=40, or 0 for all "
-                    "tokens")
+    raise UserError(f"--top_k={f.top_k} must be >= 0; pass e.g. --top_k=40, or 0 for all tokens")
   if not 0 < f.top_p <= 1:
-    raise UserError(f"--top_p={f.top_p} must be in (0, 1]; pass e.g. --top_p=0.9, or 1 to "
-                    "turn it off")
+    raise UserError(
+      f"--top_p={f.top_p} must be in (0, 1]; pass e.g. --top_p=0.9, or 1 to turn it off"
+    )
   if f.solver_steps is not None and f.solver_steps <= 0:
-    raise UserError(f"--solver_steps={f.solver_steps} is not a step count; pass a positive "
-                    "integer, or leave it out for the training K")
+    raise UserError(
+      f"--solver_steps={f.solver_steps} is not a step count; pass a positive "
+      "integer, or leave it out for the training K"
+    )
   if f.step is not None and f.step < 0:
-    raise UserError(f"--step={f.step} is not a checkpoint step; pass a step >= 0, or leave "
-                    "--step out for the latest")
+    raise UserError(
+      f"--step={f.step} is not a checkpoint step; pass a step >= 0, or leave "
+      "--step out for the latest"
+    )
   try:
     f.prompt.encode("utf-8")
-  except UnicodeEncodeError as e:   # undecodable argv bytes arrive as lone surrogates
+  except UnicodeEncodeError as e:  # undecodable argv bytes arrive as lone surrogates
     raise UserError("--prompt is not valid UTF-8 text; pass the prompt in UTF-8") from e
   loading.parse_mesh_shape(f.mesh_shape)
   config = loading.load_run_config(f.workdir)
-  cfg = (model_config(config, vocab_size=config.data.get("vocab_size"))
-         if f.solver_steps is not None else None)
+  cfg = (
+    model_config(config, vocab_size=config.data.get("vocab_size"))
+    if f.solver_steps is not None
+    else None
+  )
   if cfg is not None and not cfg.is_ode and f.solver_steps != cfg.depth:
-    raise UserError(f"--solver_steps={f.solver_steps}: this run is a discrete {cfg.kind!r} "
-                    f"model of {cfg.depth} layers, which runs only at that depth; leave "
-                    "--solver_steps out")
+    raise UserError(
+      f"--solver_steps={f.solver_steps}: this run is a discrete {cfg.kind!r} "
+      f"model of {cfg.depth} layers, which runs only at that depth; leave "
+      "--solver_steps out"
+    )
 
 
 def main(argv, flag_values=None):
@@ -256,30 +316,44 @@ def main(argv, flag_values=None):
   from odetransformer.runtime import host  # pylint: disable=g-import-not-at-top
   from odetransformer.runtime.logs import quiet_tool_logs  # pylint: disable=g-import-not-at-top
   from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
+
   flags_ = flags.FLAGS if flag_values is None else flag_values
   quiet_tool_logs(cli=True)
   # Every mistake in the flags is a UserError: one line and exit 2 (errors.run_cli).
   check_flags(flags_)
   host.initialize_distributed()
-  loaded = load_model(flags_.workdir, step=flags_.step, mesh_shape=flags_.mesh_shape,
-                      allow_unverified=flags_.checkpoint_allow_unverified)
-  print_ = print if jax.process_index() == 0 else lambda *_: None   # process 0 reports
+  loaded = load_model(
+    flags_.workdir,
+    step=flags_.step,
+    mesh_shape=flags_.mesh_shape,
+    allow_unverified=flags_.checkpoint_allow_unverified,
+  )
+  print_ = print if jax.process_index() == 0 else lambda *_: None  # process 0 reports
   sp = loading.load_tokenizer(flags_.workdir, loaded.config)
   cfg = loaded.model_config
   t0 = time.perf_counter()
   try:
     decoder = Decoder(loaded.model, flags_.solver_steps)
   except ValueError as e:
-    raise UserError(f"--solver_steps={flags_.solver_steps} cannot decode this model ({e}); "
-                    "pass another step count, or leave --solver_steps out") from e
-  how = (f"materialised at N={decoder.num_steps} layers" if cfg.is_ode and cfg.solver == "euler"
-         else f"{cfg.solver} solver at N={decoder.num_steps} steps" if cfg.is_ode
-         else f"{decoder.num_steps} layers")
-  print_(f"checkpoint step {loaded.step} of {flags_.workdir}: {cfg.kind}/{cfg.family}, "
-        f"trained at K={cfg.depth}; decoding {how} ({time.perf_counter() - t0:.1f}s)")
+    raise UserError(
+      f"--solver_steps={flags_.solver_steps} cannot decode this model ({e}); "
+      "pass another step count, or leave --solver_steps out"
+    ) from e
+  how = (
+    f"materialised at N={decoder.num_steps} layers"
+    if cfg.is_ode and cfg.solver == "euler"
+    else f"{cfg.solver} solver at N={decoder.num_steps} steps"
+    if cfg.is_ode
+    else f"{decoder.num_steps} layers"
+  )
+  print_(
+    f"checkpoint step {loaded.step} of {flags_.workdir}: {cfg.kind}/{cfg.family}, "
+    f"trained at K={cfg.depth}; decoding {how} ({time.perf_counter() - t0:.1f}s)"
+  )
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(loaded.model, nnx.Param)))
-  tokens = (loaded.step * loaded.config.get("global_batch_size", 0)
-            * loaded.config.get("seq_len", 0)) or None
+  tokens = (
+    loaded.step * loaded.config.get("global_batch_size", 0) * loaded.config.get("seq_len", 0)
+  ) or None
   print_(what_to_expect(num_params, loaded.step, tokens))
 
   prompt_ids = sp.encode(flags_.prompt) if flags_.prompt else []
@@ -289,15 +363,21 @@ def main(argv, flag_values=None):
   limit = decoder.max_positions()
   if limit is not None and len(prompt_ids) + max_new > limit:
     if len(prompt_ids) >= limit:
-      raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model embeds at most "
-                      f"{limit} positions; shorten --prompt")
+      raise UserError(
+        f"the prompt has {len(prompt_ids)} tokens; the model embeds at most "
+        f"{limit} positions; shorten --prompt"
+      )
     max_new = limit - len(prompt_ids)
     print_(f"note: max_new_tokens lowered to {max_new} (model.max_len={limit})")
 
   sampler = Sampler(decoder, eos_id=sp.eos_id())
   prompts = [prompt_ids] * flags_.num_samples
-  kwargs = dict(rng=jax.random.key(flags_.seed), temperature=flags_.temperature,
-                top_k=flags_.top_k, top_p=flags_.top_p)
+  kwargs = dict(
+    rng=jax.random.key(flags_.seed),
+    temperature=flags_.temperature,
+    top_k=flags_.top_k,
+    top_p=flags_.top_p,
+  )
   t0 = time.perf_counter()
   out = sampler(prompts, max_new, **kwargs)
   first = time.perf_counter() - t0
@@ -310,16 +390,20 @@ def main(argv, flag_values=None):
     print_(f"--- sample {i} ".ljust(60, "-") if flags_.num_samples > 1 else "-" * 60)
     print_(flags_.prompt + text)
   print_("-" * 60)
-  print_(f"{n_new} new tokens in {again:.2f}s ({n_new / max(again, 1e-9):.1f} tokens/s; "
-        f"first call incl. compilation {first:.1f}s)")
+  print_(
+    f"{n_new} new tokens in {again:.2f}s ({n_new / max(again, 1e-9):.1f} tokens/s; "
+    f"first call incl. compilation {first:.1f}s)"
+  )
 
 
 def define_flags(flag_values=None):
   """Defines this command's flags in `flag_values` (default: absl's global FLAGS)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
+
   fv = flags.FLAGS if flag_values is None else flag_values
   define = lambda kind, name, default, text: getattr(flags, f"DEFINE_{kind}")(
-      name, default, text, flag_values=fv)
+    name, default, text, flag_values=fv
+  )
   define("string", "workdir", None, "Training run directory (config.json + checkpoints/).")
   define("string", "prompt", "", "Text to continue ('' = start a new document).")
   define("integer", "solver_steps", None, "Solver steps N (ODE kinds; default: the training K).")
@@ -336,4 +420,5 @@ def define_flags(flag_values=None):
 
 if __name__ == "__main__":
   from odetransformer import errors  # pylint: disable=g-import-not-at-top
+
   errors.run_absl_tool(main, define_flags)

@@ -13,6 +13,7 @@ block, whose time-dependent shift is a constant per layer once materialised) wit
 `block_norm_eps`; `ffn_reads_attn_norm` (the FFN normalises N1(x) instead of x);
 `embed_scale` on the input embeddings.
 """
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -68,8 +69,9 @@ class Norm(nn.Module):
 def rope(x, positions, base):
   """Rotary embedding (rotate-half) of x [b, heads, t, head_dim] at positions [b, t]."""
   half = x.shape[-1] // 2
-  inv_freq = 1.0 / (base ** (torch.arange(0, 2 * half, 2, dtype=torch.float32,
-                                          device=x.device) / (2 * half)))
+  inv_freq = 1.0 / (
+    base ** (torch.arange(0, 2 * half, 2, dtype=torch.float32, device=x.device) / (2 * half))
+  )
   angle = positions.float()[:, None, :, None] * inv_freq
   cos, sin = angle.cos(), angle.sin()
   x1, x2 = x.float()[..., :half], x.float()[..., half:]
@@ -77,7 +79,6 @@ def rope(x, positions, base):
 
 
 class Attention(nn.Module):
-
   def __init__(self, config, layer_idx):
     super().__init__()
     d, bias = config.hidden_size, config.family == "gpt2"
@@ -101,7 +102,6 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-
   def __init__(self, config):
     super().__init__()
     d, f, gpt = config.hidden_size, config.intermediate_size, config.family == "gpt2"
@@ -141,20 +141,27 @@ class OdeTransformerPreTrainedModel(PreTrainedModel):
 
 
 class OdeTransformerModel(OdeTransformerPreTrainedModel):
-
   def __init__(self, config):
     super().__init__(config)
     self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
     if config.family == "gpt2":
       self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-    self.layers = nn.ModuleList(ParallelLayer(config, i)
-                                for i in range(config.num_hidden_layers))
-    self.norm = Norm(config.hidden_size, "layer" if config.family == "gpt2" else "rms",
-                     config.norm_eps)
+    self.layers = nn.ModuleList(ParallelLayer(config, i) for i in range(config.num_hidden_layers))
+    self.norm = Norm(
+      config.hidden_size, "layer" if config.family == "gpt2" else "rms", config.norm_eps
+    )
     self.post_init()
 
-  def forward(self, input_ids=None, attention_mask=None, position_ids=None,
-              past_key_values=None, inputs_embeds=None, use_cache=None, **kwargs):
+  def forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    inputs_embeds=None,
+    use_cache=None,
+    **kwargs,
+  ):
     x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
     b, t = x.shape[:2]
     use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -172,7 +179,7 @@ class OdeTransformerModel(OdeTransformerPreTrainedModel):
     queries = torch.arange(t, device=x.device)[:, None] + past
     mask = (keys[None, :] <= queries)[None, None]
     if attention_mask is not None:
-      mask = mask & attention_mask[:, None, None, -(past + t):].bool()
+      mask = mask & attention_mask[:, None, None, -(past + t) :].bool()
     mask = mask | (keys[None, :] == queries)[None, None]
     for layer in self.layers:
       x = layer(x, position_ids, mask, past_key_values if use_cache else None)
@@ -188,15 +195,26 @@ class OdeTransformerForCausalLM(OdeTransformerPreTrainedModel, GenerationMixin):
     self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
     self.post_init()
 
-  def forward(self, input_ids=None, attention_mask=None, position_ids=None,
-              past_key_values=None, inputs_embeds=None, labels=None, use_cache=None,
-              logits_to_keep=0, **kwargs):
-    hidden, cache = self.model(input_ids, attention_mask, position_ids, past_key_values,
-                               inputs_embeds, use_cache)
+  def forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    inputs_embeds=None,
+    labels=None,
+    use_cache=None,
+    logits_to_keep=0,
+    **kwargs,
+  ):
+    hidden, cache = self.model(
+      input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache
+    )
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     logits = self.lm_head(hidden[:, keep])
     loss = None
     if labels is not None:
-      loss = self.loss_function(logits=logits, labels=labels,
-                                vocab_size=self.config.vocab_size, **kwargs)
+      loss = self.loss_function(
+        logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs
+      )
     return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)

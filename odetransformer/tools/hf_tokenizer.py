@@ -14,13 +14,14 @@ token).
 Only what `input_pipeline.tokenizer.train` makes is converted (BPE, identity
 normalisation, no whitespace squeezing); another model is a one-line UserError.
 """
+
 import json
 
 from sentencepiece import sentencepiece_model_pb2
 
 from odetransformer.errors import UserError
 
-SPACE = "\u2581"   # '▁', SentencePiece's whitespace
+SPACE = "\u2581"  # '▁', SentencePiece's whitespace
 _PIECE = sentencepiece_model_pb2.ModelProto.SentencePiece
 
 
@@ -36,17 +37,21 @@ def _check(proto, where: str) -> None:
   if not norm.escape_whitespaces or trainer.treat_whitespace_as_suffix:
     problems.append("whitespace escaped as a '▁' prefix")
   if problems:
-    raise UserError(f"the tokenizer {where} cannot be exported as a Hugging Face tokenizer "
-                    f"with the same ids: export needs {', '.join(problems)}, as "
-                    "input_pipeline.tokenizer trains them; train the run's tokenizer that way")
+    raise UserError(
+      f"the tokenizer {where} cannot be exported as a Hugging Face tokenizer "
+      f"with the same ids: export needs {', '.join(problems)}, as "
+      "input_pipeline.tokenizer trains them; train the run's tokenizer that way"
+    )
 
 
 def special_ids(model_proto: bytes) -> dict:
   """{'bos_token_id': .., 'eos_token_id': .., 'pad_token_id': ..} of a SentencePiece
   model (None where it has none); bos is eos (module docstring)."""
   trainer = sentencepiece_model_pb2.ModelProto.FromString(model_proto).trainer_spec
-  return {f"{k}_token_id": (i if i >= 0 else None) for k, i in
-          (("bos", trainer.eos_id), ("eos", trainer.eos_id), ("pad", trainer.pad_id))}
+  return {
+    f"{k}_token_id": (i if i >= 0 else None)
+    for k, i in (("bos", trainer.eos_id), ("eos", trainer.eos_id), ("pad", trainer.pad_id))
+  }
 
 
 def tokenizer_files(model_proto: bytes, model_max_length: int, where: str = "") -> dict:
@@ -70,38 +75,63 @@ def tokenizer_files(model_proto: bytes, model_max_length: int, where: str = "") 
   merges.sort()
 
   def token(i):
-    return {"id": i, "content": pieces[i].piece, "single_word": False, "lstrip": False,
-            "rstrip": False, "normalized": False, "special": True}
+    return {
+      "id": i,
+      "content": pieces[i].piece,
+      "single_word": False,
+      "lstrip": False,
+      "rstrip": False,
+      "normalized": False,
+      "special": True,
+    }
 
   norm = proto.normalizer_spec
-  normalizers = ([{"type": "Prepend", "prepend": SPACE}] if norm.add_dummy_prefix else [])
+  normalizers = [{"type": "Prepend", "prepend": SPACE}] if norm.add_dummy_prefix else []
   normalizers.append({"type": "Replace", "pattern": {"String": " "}, "content": SPACE})
-  decoders = [{"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
-              {"type": "ByteFallback"}, {"type": "Fuse"}]
+  decoders = [
+    {"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
+    {"type": "ByteFallback"},
+    {"type": "Fuse"},
+  ]
   if norm.add_dummy_prefix:
     decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
   trainer = proto.trainer_spec
   unk = pieces[trainer.unk_id].piece
   tokenizer = {
-      "version": "1.0", "truncation": None, "padding": None,
-      "added_tokens": [token(i) for i in special],
-      "normalizer": {"type": "Sequence", "normalizers": normalizers},
-      "pre_tokenizer": None, "post_processor": None,
-      "decoder": {"type": "Sequence", "decoders": decoders},
-      "model": {"type": "BPE", "dropout": None, "unk_token": unk,
-                "continuing_subword_prefix": None, "end_of_word_suffix": None,
-                "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
-                "vocab": vocab, "merges": [[m[4], m[5]] for m in merges]}}
-  config = {
-      "tokenizer_class": "PreTrainedTokenizerFast",
-      "model_max_length": model_max_length,
-      "clean_up_tokenization_spaces": False,
-      "split_special_tokens": True,
-      "add_bos_token": False, "add_eos_token": False,
-      "pad_token": pieces[trainer.pad_id].piece if trainer.pad_id >= 0 else None,
+    "version": "1.0",
+    "truncation": None,
+    "padding": None,
+    "added_tokens": [token(i) for i in special],
+    "normalizer": {"type": "Sequence", "normalizers": normalizers},
+    "pre_tokenizer": None,
+    "post_processor": None,
+    "decoder": {"type": "Sequence", "decoders": decoders},
+    "model": {
+      "type": "BPE",
+      "dropout": None,
       "unk_token": unk,
-      "bos_token": pieces[trainer.eos_id].piece if trainer.eos_id >= 0 else None,
-      "eos_token": pieces[trainer.eos_id].piece if trainer.eos_id >= 0 else None,
+      "continuing_subword_prefix": None,
+      "end_of_word_suffix": None,
+      "fuse_unk": True,
+      "byte_fallback": True,
+      "ignore_merges": False,
+      "vocab": vocab,
+      "merges": [[m[4], m[5]] for m in merges],
+    },
   }
-  return {"tokenizer.json": json.dumps(tokenizer, ensure_ascii=False),
-          "tokenizer_config.json": json.dumps(config, indent=2)}
+  config = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "model_max_length": model_max_length,
+    "clean_up_tokenization_spaces": False,
+    "split_special_tokens": True,
+    "add_bos_token": False,
+    "add_eos_token": False,
+    "pad_token": pieces[trainer.pad_id].piece if trainer.pad_id >= 0 else None,
+    "unk_token": unk,
+    "bos_token": pieces[trainer.eos_id].piece if trainer.eos_id >= 0 else None,
+    "eos_token": pieces[trainer.eos_id].piece if trainer.eos_id >= 0 else None,
+  }
+  return {
+    "tokenizer.json": json.dumps(tokenizer, ensure_ascii=False),
+    "tokenizer_config.json": json.dumps(config, indent=2),
+  }

@@ -17,6 +17,7 @@ every process runs the harness on the same requests, the model sharded over all 
 them (model_args mesh_shape=1;-1;1 or the run's mesh); only process 0 prints and
 writes (`--output_path`, `--log_samples` are dropped on the others).
 """
+
 import multiprocessing
 import os
 import sys
@@ -25,8 +26,14 @@ from odetransformer import errors
 from odetransformer.runtime import host
 
 # Harness options that write results; only process 0 keeps them (flag -> takes a value).
-_WRITING_OPTIONS = {"--output_path": True, "-o": True, "--log_samples": False, "-s": False,
-                    "--wandb_args": True, "--hf_hub_log_args": True}
+_WRITING_OPTIONS = {
+  "--output_path": True,
+  "-o": True,
+  "--log_samples": False,
+  "-s": False,
+  "--wandb_args": True,
+  "--hf_hub_log_args": True,
+}
 
 
 def without_writing_options(argv: list) -> list:
@@ -51,9 +58,10 @@ def main() -> None:
     multiprocessing.set_start_method("spawn")
   except RuntimeError:  # already set by the caller
     pass
-  if host.initialize_distributed():   # before anything touches a device
+  if host.initialize_distributed():  # before anything touches a device
     import jax  # pylint: disable=g-import-not-at-top
-    if jax.process_index() != 0:   # same work, no output: process 0 reports
+
+    if jax.process_index() != 0:  # same work, no output: process 0 reports
       sys.argv = without_writing_options(sys.argv)
       sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
   try:
@@ -62,8 +70,9 @@ def main() -> None:
     from odetransformer.tools import lm_eval_model  # pylint: disable=g-import-not-at-top,unused-import
   except ModuleNotFoundError as e:
     if e.name and e.name.split(".")[0] == "lm_eval":
-      raise errors.UserError("lm-evaluation-harness is not installed; fix: "
-                             "pip install -r requirements-eval.txt") from e
+      raise errors.UserError(
+        "lm-evaluation-harness is not installed; fix: pip install -r requirements-eval.txt"
+      ) from e
     raise
   # The harness parses sys.argv itself and knows no --verbose: take ours out first.
   sys.argv = [a for a in sys.argv if a not in ("--verbose", "--noverbose")]

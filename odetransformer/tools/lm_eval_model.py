@@ -29,9 +29,9 @@ max_length] batches (padded rows and positions carry weight 0), so the jitted sc
 compiles once. Generation uses the KV-cache decoder (`decode.Decoder`) with a fixed
 prompt length, so it compiles once per `max_gen_toks`.
 """
+
 import functools
 import logging
-from typing import Optional
 
 from flax import nnx
 import jax
@@ -60,15 +60,30 @@ def _score(graphdef, num_steps, rules, state, batch):
 class ODETransformerLM(TemplateLM):
   """A trained odetransformer checkpoint (any kind) as an lm_eval `TemplateLM`."""
 
-  def __init__(self, workdir: Optional[str] = None, solver_steps=None, step=None,
-               batch_size=DEFAULT_BATCH_SIZE, max_length=None, max_gen_toks=256, seed=0,
-               device=None, max_batch_size=None, mesh_shape="", *, model=None, tokenizer=None,
-               **kwargs):
+  def __init__(
+    self,
+    workdir: str | None = None,
+    solver_steps=None,
+    step=None,
+    batch_size=DEFAULT_BATCH_SIZE,
+    max_length=None,
+    max_gen_toks=256,
+    seed=0,
+    device=None,
+    max_batch_size=None,
+    mesh_shape="",
+    *,
+    model=None,
+    tokenizer=None,
+    **kwargs,
+  ):
     super().__init__()
     del device, max_batch_size  # JAX places the computation; no adaptive batch size
-    if "num_steps" in kwargs:   # its name before solver_steps, for one release
-      _log.warning("odetransformer: model_args num_steps is deprecated and will be "
-                   "removed in the next release: use solver_steps")
+    if "num_steps" in kwargs:  # its name before solver_steps, for one release
+      _log.warning(
+        "odetransformer: model_args num_steps is deprecated and will be "
+        "removed in the next release: use solver_steps"
+      )
       solver_steps = kwargs.pop("num_steps")
     if kwargs:
       _log.warning("odetransformer: ignoring unknown model_args %s", sorted(kwargs))
@@ -78,9 +93,13 @@ class ODETransformerLM(TemplateLM):
         raise ValueError("odetransformer needs model_args workdir=<training run directory>")
       from odetransformer.runtime.logs import quiet_tool_logs  # pylint: disable=g-import-not-at-top
       from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
+
       quiet_tool_logs()
-      loaded = load_model(str(workdir), step=None if step in (None, "") else int(step),
-                          mesh_shape=str(mesh_shape or "").replace(";", ","))
+      loaded = load_model(
+        str(workdir),
+        step=None if step in (None, "") else int(step),
+        mesh_shape=str(mesh_shape or "").replace(";", ","),
+      )
       model, rules = loaded.model, loaded.rules
       tokenizer = loading.load_tokenizer(str(workdir), loaded.config)
       default_len = int(loaded.config.seq_len)
@@ -92,11 +111,14 @@ class ODETransformerLM(TemplateLM):
     self.model = model
     self.tokenizer_sp = tokenizer
     self.num_steps = model.resolve_num_steps(
-        None if solver_steps in (None, "") else int(solver_steps))
+      None if solver_steps in (None, "") else int(solver_steps)
+    )
     self._max_length = int(max_length) if max_length not in (None, "") else default_len
     if cfg.family == "gpt2" and self._max_length > cfg.max_len:
-      raise ValueError(f"max_length={self._max_length} exceeds the model's {cfg.max_len} "
-                       "learned positions (model.max_len)")
+      raise ValueError(
+        f"max_length={self._max_length} exceeds the model's {cfg.max_len} "
+        "learned positions (model.max_len)"
+      )
     if isinstance(batch_size, str) and not batch_size.strip().isdigit():
       if not batch_size.startswith("auto"):
         raise ValueError(f"batch_size={batch_size!r}: expected an integer or 'auto'")
@@ -137,7 +159,7 @@ class ODETransformerLM(TemplateLM):
     length = self.max_length
     results = []
     for start in range(0, len(pairs), self.batch_size):
-      chunk = pairs[start:start + self.batch_size]
+      chunk = pairs[start : start + self.batch_size]
       inputs = np.zeros((self.batch_size, length), np.int32)
       targets = np.zeros((self.batch_size, length), np.int32)
       weights = np.zeros((self.batch_size, length), np.float32)
@@ -145,15 +167,16 @@ class ODETransformerLM(TemplateLM):
         if not cont:
           continue
         if len(cont) > length:
-          raise ValueError(f"a continuation of {len(cont)} tokens does not fit in "
-                           f"max_length={length}")
+          raise ValueError(
+            f"a continuation of {len(cont)} tokens does not fit in max_length={length}"
+          )
         if not ctx:
           raise ValueError("an empty context: lm_eval passes the prefix token instead")
-        full = (list(ctx) + list(cont))[-(length + 1):]
+        full = (list(ctx) + list(cont))[-(length + 1) :]
         n = len(full) - 1
         inputs[i, :n] = full[:-1]
         targets[i, :n] = full[1:]
-        weights[i, n - len(cont):n] = 1.0
+        weights[i, n - len(cont) : n] = 1.0
       logp, greedy = self._score_rows(inputs, targets, weights)
       results.extend((float(logp[i]), bool(greedy[i])) for i in range(len(chunk)))
     return results
@@ -168,14 +191,17 @@ class ODETransformerLM(TemplateLM):
     batch = evaluation.global_batch_from_full(batch, self._mesh, self._rules)
     with evaluation.mesh_context(self._mesh, self._rules):
       out = self._scorer(self._state, batch)
-    return tuple(loading.to_host(x)[:len(inputs)] for x in out)
+    return tuple(loading.to_host(x)[: len(inputs)] for x in out)
 
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
     pairs = [(ctx, cont) for _, ctx, cont in requests]
     results = []
-    for start in tqdm(range(0, len(pairs), self.batch_size), disable=disable_tqdm,
-                      desc="odetransformer loglikelihood"):
-      results.extend(self.score_token_pairs(pairs[start:start + self.batch_size]))
+    for start in tqdm(
+      range(0, len(pairs), self.batch_size),
+      disable=disable_tqdm,
+      desc="odetransformer loglikelihood",
+    ):
+      results.extend(self.score_token_pairs(pairs[start : start + self.batch_size]))
     for (key, _, _), answer in zip(requests, results):
       if key is not None and key[0] is not None:
         self.cache_hook.add_partial("loglikelihood", key, answer)
@@ -186,9 +212,15 @@ class ODETransformerLM(TemplateLM):
     max_length tokens (the first token conditioned on the prefix token, eos)."""
     windows, owner = [], []
     for i, (string,) in enumerate(req.args for req in requests):
-      for ctx, cont in map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
-          token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-          max_seq_len=self.max_length, context_len=1)):
+      for ctx, cont in map(
+        lm_utils.make_disjoint_window,
+        lm_utils.get_rolling_token_windows(
+          token_list=self.tok_encode(string),
+          prefix_token=self.prefix_token_id,
+          max_seq_len=self.max_length,
+          context_len=1,
+        ),
+      ):
         windows.append((None, ctx, cont))
         owner.append(i)
     scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
@@ -203,9 +235,11 @@ class ODETransformerLM(TemplateLM):
   def generate_until(self, requests, disable_tqdm: bool = False):
     """Greedy (or sampled, with do_sample) continuations, cut at the first stop string."""
     from lm_eval.models.utils import normalize_gen_kwargs  # pylint: disable=g-import-not-at-top
+
     if self._sampler is None:
-      self._sampler = Sampler(Decoder(self.model, self.num_steps),
-                              eos_id=self.tokenizer_sp.eos_id())
+      self._sampler = Sampler(
+        Decoder(self.model, self.num_steps), eos_id=self.tokenizer_sp.eos_id()
+      )
     default_gen = min(self.max_gen_toks, max(1, (3 * self.max_length) // 4))
     groups = {}
     for idx, req in enumerate(requests):
@@ -219,20 +253,27 @@ class ODETransformerLM(TemplateLM):
       until = [until] if isinstance(until, str) else list(until)
       max_new = int(kwargs.pop("max_gen_toks"))
       if max_new >= self.max_length:
-        raise ValueError(f"max_gen_toks={max_new} leaves no room for a prompt in "
-                         f"max_length={self.max_length}")
+        raise ValueError(
+          f"max_gen_toks={max_new} leaves no room for a prompt in max_length={self.max_length}"
+        )
       temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
       prompt_len = self.max_length - max_new
       for start in range(0, len(items), self.batch_size):
-        chunk = items[start:start + self.batch_size]
-        prompts = [(self.tok_encode(c) or [self.prefix_token_id])[-prompt_len:]
-                   for _, c, _ in chunk]
+        chunk = items[start : start + self.batch_size]
+        prompts = [
+          (self.tok_encode(c) or [self.prefix_token_id])[-prompt_len:] for _, c, _ in chunk
+        ]
         prompts += [prompts[0]] * (self.batch_size - len(prompts))  # fixed batch shape
         rng = jax.random.fold_in(jax.random.key(self.seed), batch_no * 100003 + start)
-        tokens = self._sampler(prompts, max_new, rng=rng, temperature=temperature,
-                               top_k=int(kwargs.get("top_k", 0) or 0),
-                               top_p=float(kwargs.get("top_p", 1.0) or 1.0),
-                               prompt_len=prompt_len)
+        tokens = self._sampler(
+          prompts,
+          max_new,
+          rng=rng,
+          temperature=temperature,
+          top_k=int(kwargs.get("top_k", 0) or 0),
+          top_p=float(kwargs.get("top_p", 1.0) or 1.0),
+          prompt_len=prompt_len,
+        )
         for row, (idx, context, gen_kwargs) in zip(tokens, chunk):
           text = self.tok_decode(strip_after_eos(row, self.eot_token_id))
           for stop in until:

@@ -33,6 +33,7 @@ treat even the compiled numbers as approximate (roughly ±20 %, not measured her
 
 `--json=PATH` also writes the numbers as JSON (used by the tests).
 """
+
 import os
 import re
 import sys
@@ -48,16 +49,19 @@ def _force_host_device_count(argv) -> None:
       num = argv[i + 1]
   if num is None or not num.isdigit():
     return
-  flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                 os.environ.get("XLA_FLAGS", "")).strip()
+  flags = re.sub(
+    r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
+  ).strip()
   os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={num}".strip()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")   # fake devices are CPU devices
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # fake devices are CPU devices
 
 
 if __name__ == "__main__":
-  if "jax" in sys.modules:   # cannot happen with `python -m`; guard against misuse
-    print("warning: jax was imported before odetransformer.tools.memory; --num_devices may "
-          "be ignored", file=sys.stderr)
+  if "jax" in sys.modules:  # cannot happen with `python -m`; guard against misuse
+    print(
+      "warning: jax was imported before odetransformer.tools.memory; --num_devices may be ignored",
+      file=sys.stderr,
+    )
   _force_host_device_count(sys.argv)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -65,7 +69,6 @@ import dataclasses
 import json
 import math
 import time
-from typing import Optional
 
 from flax import nnx
 import jax
@@ -73,37 +76,36 @@ import jax.numpy as jnp
 import numpy as np
 
 from odetransformer import errors
-from odetransformer.model import blocks
+from odetransformer.model import blocks, hypernet, solvers
 from odetransformer.model import config as config_lib
-from odetransformer.model import hypernet, solvers
 from odetransformer.model import transformer as model_lib
-from odetransformer.train import loop
+from odetransformer.train import loop, steps
 from odetransformer.train import optimizer as optimizer_lib
 from odetransformer.train import sharding as sharding_lib
-from odetransformer.train import steps
 
-GIB = 1024 ** 3
+GIB = 1024**3
 DEFAULT_COMPILE_MAX_PARAMS = 50_000_000
 
 
 @dataclasses.dataclass
 class MemoryReport:
   """Per-device bytes (the largest shard over all devices of each array)."""
+
   num_devices: int
   mesh_shape: dict
   num_params: int
-  param_bytes: int           # nnx.Param leaves of the model
-  other_model_bytes: int     # non-Param model state (RNG counters, ...)
-  opt_state_bytes: int       # Adam mu/nu, step counters
-  grad_bytes: int            # analytic: one float32 copy of the params' shards
-  activation_bytes: int      # analytic: the batch + the peak temporaries but the gradients;
-                             # compiled: XLA temp bytes
+  param_bytes: int  # nnx.Param leaves of the model
+  other_model_bytes: int  # non-Param model state (RNG counters, ...)
+  opt_state_bytes: int  # Adam mu/nu, step counters
+  grad_bytes: int  # analytic: one float32 copy of the params' shards
+  activation_bytes: int  # analytic: the batch + the peak temporaries but the gradients;
+  # compiled: XLA temp bytes
   compiled: bool
   compile_seconds: float = 0.0
-  xla: Optional[dict] = None  # compiled: memory_analysis() fields
+  xla: dict | None = None  # compiled: memory_analysis() fields
   device_memory_gib: float = 80.0
-  temporaries: Optional[dict] = None   # analytic estimate by kind (`temporaries_estimate`)
-  eval_xla: Optional[dict] = None      # compiled: the eval step's memory_analysis() fields
+  temporaries: dict | None = None  # analytic estimate by kind (`temporaries_estimate`)
+  eval_xla: dict | None = None  # compiled: the eval step's memory_analysis() fields
 
   @property
   def state_bytes(self) -> int:
@@ -116,7 +118,7 @@ class MemoryReport:
     return self.state_bytes + self.grad_bytes + self.activation_bytes
 
   @property
-  def eval_bytes(self) -> Optional[int]:
+  def eval_bytes(self) -> int | None:
     """The compiled eval step's peak (state, batch, temporaries), or None."""
     return _peak(self.eval_xla) if self.eval_xla else None
 
@@ -126,13 +128,22 @@ class MemoryReport:
 
   def to_dict(self) -> dict:
     d = dataclasses.asdict(self)
-    d.update(state_bytes=self.state_bytes, total_bytes=self.total_bytes, fits=self.fits,
-             eval_bytes=self.eval_bytes)
+    d.update(
+      state_bytes=self.state_bytes,
+      total_bytes=self.total_bytes,
+      fits=self.fits,
+      eval_bytes=self.eval_bytes,
+    )
     return d
 
 
-_XLA_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-               "temp_size_in_bytes", "generated_code_size_in_bytes")
+_XLA_FIELDS = (
+  "argument_size_in_bytes",
+  "output_size_in_bytes",
+  "alias_size_in_bytes",
+  "temp_size_in_bytes",
+  "generated_code_size_in_bytes",
+)
 
 
 def _xla_stats(compiled) -> dict:
@@ -144,9 +155,13 @@ def _peak(x: dict) -> int:
   """A compiled step's per-device peak from its memory_analysis() fields: arguments (the
   state + batch) live across the step; outputs alias a donated state; temporaries cover
   gradients and activations."""
-  return (x["argument_size_in_bytes"] + x["output_size_in_bytes"]
-          - x["alias_size_in_bytes"] + x["temp_size_in_bytes"]
-          + x["generated_code_size_in_bytes"])
+  return (
+    x["argument_size_in_bytes"]
+    + x["output_size_in_bytes"]
+    - x["alias_size_in_bytes"]
+    + x["temp_size_in_bytes"]
+    + x["generated_code_size_in_bytes"]
+  )
 
 
 def _per_device_bytes(tree) -> int:
@@ -198,8 +213,7 @@ def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
   tp_heads = _axis_size(mesh, act, "heads")
   tp_mlp = _axis_size(mesh, act, "mlp")
   tp_vocab = _axis_size(mesh, act, "vocab")
-  t, d, f, v, n = (config.seq_len, cfg.d_model, cfg.mlp_dim, cfg.vocab_size,
-                   cfg.num_heads)
+  t, d, f, v, n = (config.seq_len, cfg.d_model, cfg.mlp_dim, cfg.vocab_size, cfg.num_heads)
   cb = np.dtype(cfg.dtype).itemsize
   evals = cfg.depth * (solvers.num_evals(cfg.solver) if cfg.is_ode else 1)
   tokens = b * t
@@ -207,13 +221,14 @@ def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
   def shard_elements(tree):
     return sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(tree))
 
-  out = {"gradients": shard_elements(params) * 4, "hypernetwork gradients": 0,
-         "generated W(t)": 0}
+  out = {"gradients": shard_elements(params) * 4, "hypernetwork gradients": 0, "generated W(t)": 0}
   if cfg.kind == "diffeqformer":
     projections = params.filter(hypernet.Projection)
     out["hypernetwork gradients"] = shard_elements(projections) * 4
-    w_t = sum(math.prod(x.sharding.shard_shape(x.shape)) // x.shape[-1]
-              for x in jax.tree.leaves(projections))
+    w_t = sum(
+      math.prod(x.sharding.shard_shape(x.shape)) // x.shape[-1]
+      for x in jax.tree.leaves(projections)
+    )
     out["generated W(t)"] = evals * w_t * (cb + 4)
 
   # Per solver evaluation / layer: matmul outputs (q, k, v, attention, one d-wide
@@ -221,41 +236,50 @@ def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
   glu = 2 if cfg.family == "llama" else 1
   matmul_outs = tokens * (4 * d // tp_heads + d + glu * f // tp_mlp)
   scores = b * (n // tp_heads) * t * t
-  elementwise = tokens * (2 * d + glu * f // tp_mlp) + scores   # norms, activations, softmax
+  elementwise = tokens * (2 * d + glu * f // tp_mlp) + scores  # norms, activations, softmax
   per_eval = 0
   if cfg.remat_policy != "full":
     per_eval += matmul_outs + scores
   if cfg.remat_policy == "none":
     per_eval += elementwise
-  sb = np.dtype(model_lib.state_dtype(cfg)).itemsize      # the residual input: the state
+  sb = np.dtype(model_lib.state_dtype(cfg)).itemsize  # the residual input: the state
   out["saved activations"] = evals * (tokens * d * sb + per_eval * cb)
 
   def gathered(shape, names):
     """Elements of a weight used gathered over fsdp (split by the activation rules)."""
-    return math.prod(shape) // math.prod(_axis_size(mesh, act, nm) if nm else 1
-                                         for nm in names)
+    return math.prod(shape) // math.prod(_axis_size(mesh, act, nm) if nm else 1 for nm in names)
+
   emb = gathered((v, d), ("vocab", "embed"))
   if cfg.family == "gpt2":
     emb += gathered((cfg.max_len, d), ("length", "embed"))
   head = 0 if cfg.tie_embeddings else gathered((d, v), ("embed", "vocab"))
   logit_bytes = 8 + (2 * cb if cb < 4 else 0)
   out["head"] = tokens * (v // tp_vocab) * logit_bytes + (emb + head) * (cb + 4)
-  layer = sum(gathered(spec.shape, spec.axes)
-              for spec in blocks.layer_param_specs(cfg).values())
+  layer = sum(gathered(spec.shape, spec.axes) for spec in blocks.layer_param_specs(cfg).values())
   recomputed = (matmul_outs + elementwise) if cfg.remat_policy != "none" else 0
   out["layer"] = layer * (2 * cb + 4) + recomputed * cb
   out["embedding"] = emb * 4
   phase = max(out["head"], out["layer"], out["embedding"])
-  out["backward pass"] = (out["gradients"] - out["hypernetwork gradients"]
-                          + out["generated W(t)"] + out["saved activations"] + phase)
+  out["backward pass"] = (
+    out["gradients"]
+    - out["hypernetwork gradients"]
+    + out["generated W(t)"]
+    + out["saved activations"]
+    + phase
+  )
   out["after the scan"] = out["gradients"] + phase
   out["peak"] = max(out["backward pass"], out["after the scan"])
   return {k: int(x) for k, x in out.items()}
 
 
-def memory_report(config, *, compile_step: Optional[bool] = None,
-                  compile_max_params: int = DEFAULT_COMPILE_MAX_PARAMS,
-                  device_memory_gib: float = 80.0, devices=None) -> MemoryReport:
+def memory_report(
+  config,
+  *,
+  compile_step: bool | None = None,
+  compile_max_params: int = DEFAULT_COMPILE_MAX_PARAMS,
+  device_memory_gib: float = 80.0,
+  devices=None,
+) -> MemoryReport:
   """Per-device memory of training `config` on `devices` (default: all of jax.devices()).
 
   Args:
@@ -285,11 +309,18 @@ def memory_report(config, *, compile_step: Optional[bool] = None,
   batch_shards = sharding_lib.num_batch_shards(mesh, rules)
   batch_bytes = 5 * (config.global_batch_size // batch_shards) * config.seq_len * 4
   report = MemoryReport(
-      num_devices=len(devices), mesh_shape=dict(mesh.shape), num_params=num_params,
-      param_bytes=param_bytes, other_model_bytes=model_bytes - param_bytes,
-      opt_state_bytes=_per_device_bytes(abs_opt), grad_bytes=temporaries["gradients"],
-      activation_bytes=batch_bytes + temporaries["peak"] - temporaries["gradients"],
-      compiled=False, device_memory_gib=device_memory_gib, temporaries=temporaries)
+    num_devices=len(devices),
+    mesh_shape=dict(mesh.shape),
+    num_params=num_params,
+    param_bytes=param_bytes,
+    other_model_bytes=model_bytes - param_bytes,
+    opt_state_bytes=_per_device_bytes(abs_opt),
+    grad_bytes=temporaries["gradients"],
+    activation_bytes=batch_bytes + temporaries["peak"] - temporaries["gradients"],
+    compiled=False,
+    device_memory_gib=device_memory_gib,
+    temporaries=temporaries,
+  )
 
   if compile_step is None:
     compile_step = num_params < compile_max_params
@@ -310,8 +341,13 @@ def abstract_batch(config, mesh, rules, batch_size=None) -> dict:
   ShapeDtypeStructs in the batch sharding (no data)."""
   batch_sharding = sharding_lib.batch_sharding(mesh, rules)
   shape = (batch_size or config.global_batch_size, config.seq_len)
-  dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32,
-            "positions": jnp.int32, "weights": jnp.float32}
+  dtypes = {
+    "inputs": jnp.int32,
+    "targets": jnp.int32,
+    "segment_ids": jnp.int32,
+    "positions": jnp.int32,
+    "weights": jnp.float32,
+  }
   return {k: jax.ShapeDtypeStruct(shape, d, sharding=batch_sharding) for k, d in dtypes.items()}
 
 
@@ -319,9 +355,13 @@ def compile_train_step(config, cfg, ts, mesh, rules):
   """The real train step (`steps.make_train_step`) compiled for `mesh` on abstract inputs
   (`ts.abstract`, `abstract_batch`): nothing is allocated."""
   schedule = optimizer_lib.learning_rate_schedule(config.optim, config.num_train_steps)
-  step = steps.make_train_step(ts, schedule, rules,
-                               grad_accum_steps=int(config.optim.grad_accum_steps),
-                               use_dropout=cfg.dropout_rate > 0)
+  step = steps.make_train_step(
+    ts,
+    schedule,
+    rules,
+    grad_accum_steps=int(config.optim.grad_accum_steps),
+    use_dropout=cfg.dropout_rate > 0,
+  )
   rng = jax.eval_shape(lambda: jax.random.key(0))
   return _compile(step, mesh, rules, ts.abstract, abstract_batch(config, mesh, rules), rng)
 
@@ -345,66 +385,85 @@ def _compile(step, mesh, rules, *abstract_args):
 def format_report(r: MemoryReport) -> str:
   def gib(n):
     return f"{n / GIB:9.3f} GiB" if n >= GIB / 10 else f"{n / 2**20:9.3f} MiB"
+
   lines = [
-      f"mesh {r.mesh_shape} on {r.num_devices} devices; {r.num_params:,} parameters",
-      f"per device ({'compiled train step' if r.compiled else 'analytic'}):",
-      f"  parameters          {gib(r.param_bytes)}",
-      f"  other model state   {gib(r.other_model_bytes)}",
-      f"  optimizer state     {gib(r.opt_state_bytes)}",
+    f"mesh {r.mesh_shape} on {r.num_devices} devices; {r.num_params:,} parameters",
+    f"per device ({'compiled train step' if r.compiled else 'analytic'}):",
+    f"  parameters          {gib(r.param_bytes)}",
+    f"  other model state   {gib(r.other_model_bytes)}",
+    f"  optimizer state     {gib(r.opt_state_bytes)}",
   ]
   if r.compiled:
     x = r.xla
     lines += [
-        f"  XLA arguments       {gib(x['argument_size_in_bytes'])}  (state + batch)",
-        f"  XLA outputs         {gib(x['output_size_in_bytes'])}  "
-        f"({x['alias_size_in_bytes'] / GIB:.3f} GiB aliased to donated arguments)",
-        f"  XLA temporaries     {gib(x['temp_size_in_bytes'])}  (gradients, activations)",
-        f"  XLA code            {gib(x['generated_code_size_in_bytes'])}",
-        f"  compile time        {r.compile_seconds:9.1f} s",
+      f"  XLA arguments       {gib(x['argument_size_in_bytes'])}  (state + batch)",
+      f"  XLA outputs         {gib(x['output_size_in_bytes'])}  "
+      f"({x['alias_size_in_bytes'] / GIB:.3f} GiB aliased to donated arguments)",
+      f"  XLA temporaries     {gib(x['temp_size_in_bytes'])}  (gradients, activations)",
+      f"  XLA code            {gib(x['generated_code_size_in_bytes'])}",
+      f"  compile time        {r.compile_seconds:9.1f} s",
     ]
     if r.eval_xla:
-      lines.append(f"  eval step peak      {gib(r.eval_bytes)}  (state + eval batch + "
-                   f"{r.eval_xla['temp_size_in_bytes'] / 2**20:.3f} MiB temporaries; "
-                   f"the train step's: {r.total_bytes / 2**20:.3f} MiB)")
+      lines.append(
+        f"  eval step peak      {gib(r.eval_bytes)}  (state + eval batch + "
+        f"{r.eval_xla['temp_size_in_bytes'] / 2**20:.3f} MiB temporaries; "
+        f"the train step's: {r.total_bytes / 2**20:.3f} MiB)"
+      )
   else:
     lines += [
-        f"  gradients (f32)     {gib(r.grad_bytes)}",
+      f"  gradients (f32)     {gib(r.grad_bytes)}",
     ]
     tmp = r.temporaries or {}
-    names = ("hypernetwork gradients", "generated W(t)", "saved activations", "head",
-             "layer", "embedding")
+    names = (
+      "hypernetwork gradients",
+      "generated W(t)",
+      "saved activations",
+      "head",
+      "layer",
+      "embedding",
+    )
     lines += [f"  {name:19s} {gib(tmp[name])}  (estimate)" for name in names if tmp.get(name)]
     if tmp:
-      lines.append(f"  peak temporaries    {gib(tmp['peak'])}  (the larger of the backward "
-                   f"pass, {tmp['backward pass'] / GIB:.3f} GiB, and after the scan, "
-                   f"{tmp['after the scan'] / GIB:.3f} GiB: gradients, one phase of head / "
-                   "layer / embedding, and during the backward pass the saved activations)")
+      lines.append(
+        f"  peak temporaries    {gib(tmp['peak'])}  (the larger of the backward "
+        f"pass, {tmp['backward pass'] / GIB:.3f} GiB, and after the scan, "
+        f"{tmp['after the scan'] / GIB:.3f} GiB: gradients, one phase of head / "
+        "layer / embedding, and during the backward pass the saved activations)"
+      )
   verdict = "FITS" if r.fits else "DOES NOT FIT"
-  lines.append(f"  total               {gib(r.total_bytes)}  of {r.device_memory_gib:g} GiB "
-               f"per device: {verdict} ({100 * r.total_bytes / (r.device_memory_gib * GIB):.0f}%)")
+  lines.append(
+    f"  total               {gib(r.total_bytes)}  of {r.device_memory_gib:g} GiB "
+    f"per device: {verdict} ({100 * r.total_bytes / (r.device_memory_gib * GIB):.0f}%)"
+  )
   if not r.fits:
-    lines.append("  hint: more fsdp shards (config.mesh.shape), tensor parallelism for wide "
-                 "models, model.remat_policy=full, a smaller global_batch_size per device or "
-                 "optim.grad_accum_steps > 1")
+    lines.append(
+      "  hint: more fsdp shards (config.mesh.shape), tensor parallelism for wide "
+      "models, model.remat_policy=full, a smaller global_batch_size per device or "
+      "optim.grad_accum_steps > 1"
+    )
   return "\n".join(lines)
 
 
 def main(argv):
   """A bad flag or config is a UserError: one line and exit 2 (`errors.run_cli`)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
+
   flag_values = flags.FLAGS
   if len(argv) > 1:
-    raise errors.UserError(f"unexpected arguments {argv[1:]}; flags take the form "
-                           "--name=value")
+    raise errors.UserError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
   if flag_values.num_devices and jax.device_count() != flag_values.num_devices:
     raise errors.UserError(
-        f"asked for {flag_values.num_devices} devices but jax has {jax.device_count()} "
-        f"({jax.devices()[0].platform}); run as `python -m odetransformer.memory` so "
-        "XLA_FLAGS is set before jax loads")
+      f"asked for {flag_values.num_devices} devices but jax has {jax.device_count()} "
+      f"({jax.devices()[0].platform}); run as `python -m odetransformer.memory` so "
+      "XLA_FLAGS is set before jax loads"
+    )
   config = errors.load_config_flag(flags.FLAGS["config"])
-  report = memory_report(config, compile_step=flag_values.compile,
-                         compile_max_params=flag_values.compile_max_params,
-                         device_memory_gib=flag_values.device_memory_gib)
+  report = memory_report(
+    config,
+    compile_step=flag_values.compile,
+    compile_max_params=flag_values.compile_max_params,
+    device_memory_gib=flag_values.device_memory_gib,
+  )
   print(format_report(report))
   if flag_values.json:
     with open(flag_values.json, "w") as f:
@@ -414,14 +473,23 @@ def main(argv):
 def _define_flags():
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py).",
-                                  lock_config=True)
+
+  config_flags.DEFINE_config_file(
+    "config", None, "Training config file (configs/*.py).", lock_config=True
+  )
   flags.DEFINE_integer("num_devices", 0, "Fake CPU devices to plan for (0 = the real ones).")
   flags.DEFINE_float("device_memory_gib", 80.0, "Memory per device (H100: 80).")
-  flags.DEFINE_bool("compile", None, "Compile the train step (default: only below "
-                    "--compile_max_params parameters); --nocompile = analytic only.")
-  flags.DEFINE_integer("compile_max_params", DEFAULT_COMPILE_MAX_PARAMS,
-                       "Auto mode compiles only models smaller than this.")
+  flags.DEFINE_bool(
+    "compile",
+    None,
+    "Compile the train step (default: only below "
+    "--compile_max_params parameters); --nocompile = analytic only.",
+  )
+  flags.DEFINE_integer(
+    "compile_max_params",
+    DEFAULT_COMPILE_MAX_PARAMS,
+    "Auto mode compiles only models smaller than this.",
+  )
   flags.DEFINE_string("json", "", "Also write the report as JSON to this path.")
   flags.DEFINE_bool("verbose", False, "Show the traceback of a user error as well.")
   flags.mark_flags_as_required(["config"])

@@ -7,8 +7,8 @@ running out of memory (anywhere in the exception's chain) becomes a `UserError`,
 the run ends with `error: out of memory ...` and exit 2 instead of a traceback. Nothing
 is written on the way out: the newest checkpoint stays the newest.
 """
+
 import re
-from typing import Optional
 
 import jax
 
@@ -16,11 +16,14 @@ from odetransformer import errors
 from odetransformer.tools import memory
 
 GIB = 1 << 30
-_BYTES = (re.compile(r"allocat\w* (\d+) bytes"), re.compile(r"\((\d+)B\)"),
-          re.compile(r"(\d+) bytes"))
+_BYTES = (
+  re.compile(r"allocat\w* (\d+) bytes"),
+  re.compile(r"\((\d+)B\)"),
+  re.compile(r"(\d+) bytes"),
+)
 
 
-def find_out_of_memory(e: BaseException) -> Optional[BaseException]:
+def find_out_of_memory(e: BaseException) -> BaseException | None:
   """XLA's out-of-memory error in `e`'s chain (causes and contexts), or None."""
   seen = set()
   while e is not None and id(e) not in seen:
@@ -28,13 +31,14 @@ def find_out_of_memory(e: BaseException) -> Optional[BaseException]:
     # RESOURCE_EXHAUSTED from an allocator; XLA:CPU's dispatch says INTERNAL: ... Out of
     # memory allocating N bytes.
     if isinstance(e, jax.errors.JaxRuntimeError) and (
-        "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()):
+      "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
+    ):
       return e
     e = e.__cause__ or e.__context__
   return None
 
 
-def requested_bytes(message: str) -> Optional[int]:
+def requested_bytes(message: str) -> int | None:
   """The size of the allocation that failed, from XLA's message (None if it names none)."""
   for pattern in _BYTES:
     found = pattern.search(message)
@@ -47,11 +51,12 @@ def _gib(n) -> str:
   return f"{n / GIB:,.1f} GiB"
 
 
-def _planned_bytes(config, device_memory_gib: float) -> Optional[int]:
+def _planned_bytes(config, device_memory_gib: float) -> int | None:
   """The analytic planner's per-device total for `config`, or None where it cannot say."""
   try:
-    return memory.memory_report(config, compile_step=False,
-                                device_memory_gib=device_memory_gib).total_bytes
+    return memory.memory_report(
+      config, compile_step=False, device_memory_gib=device_memory_gib
+    ).total_bytes
   except Exception:  # pylint: disable=broad-except  (the line is worth more than the plan)
     return None
 
@@ -59,17 +64,19 @@ def _planned_bytes(config, device_memory_gib: float) -> Optional[int]:
 def advice(config) -> str:
   """What to change, in the order that costs the run least."""
   model, optim = config.model, config.optim
-  steps = [f"--config.model.remat_policy=full (now {model.remat_policy!r})"
-           if model.get("remat_policy", "full") != "full" else None,
-           f"--config.optim.grad_accum_steps={2 * int(optim.grad_accum_steps)} (the same "
-           f"global batch in {2 * int(optim.grad_accum_steps)} passes) or a smaller "
-           f"--config.global_batch_size (now {config.global_batch_size})",
-           "more devices in --config.mesh.shape (FSDP shards the parameters and AdamW state)"]
+  steps = [
+    f"--config.model.remat_policy=full (now {model.remat_policy!r})"
+    if model.get("remat_policy", "full") != "full"
+    else None,
+    f"--config.optim.grad_accum_steps={2 * int(optim.grad_accum_steps)} (the same "
+    f"global batch in {2 * int(optim.grad_accum_steps)} passes) or a smaller "
+    f"--config.global_batch_size (now {config.global_batch_size})",
+    "more devices in --config.mesh.shape (FSDP shards the parameters and AdamW state)",
+  ]
   return "lower it with " + ", or ".join(s for s in steps if s)
 
 
-def out_of_memory_error(e: BaseException, config,
-                        device=None) -> Optional[errors.UserError]:
+def out_of_memory_error(e: BaseException, config, device=None) -> errors.UserError | None:
   """`e` as a one-line UserError when it is XLA running out of memory, else None."""
   oom = find_out_of_memory(e)
   if oom is None:
@@ -78,18 +85,25 @@ def out_of_memory_error(e: BaseException, config,
   stats = device.memory_stats() or {}
   limit = stats.get("bytes_limit")
   requested = requested_bytes(str(oom))
-  what = (f"XLA could not allocate {_gib(requested)}" if requested is not None
-          else "XLA could not allocate a buffer")
+  what = (
+    f"XLA could not allocate {_gib(requested)}"
+    if requested is not None
+    else "XLA could not allocate a buffer"
+  )
   if limit:
-    where = (f"with {_gib(stats.get('bytes_in_use', 0))} of the device's {_gib(limit)} in "
-             "use")
+    where = f"with {_gib(stats.get('bytes_in_use', 0))} of the device's {_gib(limit)} in use"
   else:
     where = "(the device reports no memory limit: host memory)"
   planned = _planned_bytes(config, limit / GIB if limit else 80.0)
-  plan = (f"the planner estimates {_gib(planned)} per device for this config "
-          "(python -m odetransformer.memory --config=...)" if planned is not None
-          else "python -m odetransformer.memory --config=... plans it")
-  name = (device.platform if device.device_kind == device.platform
-          else f"{device.device_kind} ({device.platform})")
-  return errors.UserError(f"out of memory on {name}: {what} {where}; {plan}; "
-                          f"{advice(config)}")
+  plan = (
+    f"the planner estimates {_gib(planned)} per device for this config "
+    "(python -m odetransformer.memory --config=...)"
+    if planned is not None
+    else "python -m odetransformer.memory --config=... plans it"
+  )
+  name = (
+    device.platform
+    if device.device_kind == device.platform
+    else f"{device.device_kind} ({device.platform})"
+  )
+  return errors.UserError(f"out of memory on {name}: {what} {where}; {plan}; {advice(config)}")

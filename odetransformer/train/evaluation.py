@@ -13,6 +13,7 @@ odetransformer.evaluate`, the lm-eval adapter and the benchmarks that score a ru
   here, sums per batch in float64 on the host (`evaluate_model`) over the whole split
   (`eval_data`), at any N.
 """
+
 from collections.abc import Callable, Iterable, Iterator, Sequence
 import contextlib
 import dataclasses
@@ -33,14 +34,13 @@ from odetransformer.train.losses import token_scores
 
 # The keys of a batch the model reads; `weights` defaults to ones.
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
-LOCAL_DATA_PREFIX = "local:"   # `eval_data(data=...)`: text files instead of a source
+LOCAL_DATA_PREFIX = "local:"  # `eval_data(data=...)`: text files instead of a source
 
 
 # --------------------------------------------------------------------------------------
 # The scorer
 # --------------------------------------------------------------------------------------
-def score_rows(model: LanguageModel, batch: dict, rules=None,
-               num_steps: int | None = None) -> dict:
+def score_rows(model: LanguageModel, batch: dict, rules=None, num_steps: int | None = None) -> dict:
   """`losses.token_scores` per row of `batch` under the model's deterministic forward
   pass at `num_steps` solver steps (None: the training K; discrete models: their depth).
 
@@ -48,14 +48,19 @@ def score_rows(model: LanguageModel, batch: dict, rules=None,
   (DiffEqFormer's W(t)) are sharded as their parameters are, not held whole by every
   device. Trace it under the activation rules (`mesh_context`).
   """
-  logits = model(batch["inputs"], segment_ids_bl=batch.get("segment_ids"),
-                 positions_bl=batch.get("positions"), num_steps=num_steps,
-                 param_rules=rules)
+  logits = model(
+    batch["inputs"],
+    segment_ids_bl=batch.get("segment_ids"),
+    positions_bl=batch.get("positions"),
+    num_steps=num_steps,
+    param_rules=rules,
+  )
   return token_scores(logits, batch["targets"], batch.get("weights"))
 
 
-def score_sums(model: LanguageModel, batch: dict, rules=None,
-               num_steps: int | None = None) -> tuple:
+def score_sums(
+  model: LanguageModel, batch: dict, rules=None, num_steps: int | None = None
+) -> tuple:
   """(Σ weighted target NLL, Σ weights, Σ weighted argmax hits) of `score_rows`."""
   scores = score_rows(model, batch, rules, num_steps)
   return tuple(jnp.sum(scores[k]) for k in ("nll", "weight", "correct"))
@@ -68,7 +73,7 @@ def host_batch(batch, rows: int | None = None) -> dict:
   """The model's keys of `batch` as numpy (weights: ones where absent), padded to `rows`
   rows with weight-0 rows (a short last batch; a padded row scores nothing)."""
   out = {key: np.asarray(batch[key]) for key in BATCH_KEYS if key in batch}
-  if "weights" not in out:   # before padding: the padded rows get weight 0
+  if "weights" not in out:  # before padding: the padded rows get weight 0
     out["weights"] = np.ones(out["targets"].shape, np.float32)
   have = out["targets"].shape[0]
   if rows is not None and have < rows:
@@ -106,11 +111,12 @@ def mesh_context(mesh, rules):
 @dataclasses.dataclass
 class Result:
   """Perplexity of one model at one step count."""
+
   num_steps: int
   num_tokens: int
-  loss: float          # mean NLL per token (nats)
+  loss: float  # mean NLL per token (nats)
   perplexity: float
-  accuracy: float      # next-token argmax accuracy
+  accuracy: float  # next-token argmax accuracy
   seconds: float
 
 
@@ -118,8 +124,9 @@ def _sums(graphdef, num_steps, rules, state, batch):
   return score_sums(nnx.merge(graphdef, state), batch, rules, num_steps)
 
 
-def evaluate_model(model: LanguageModel, batches: Iterable[dict],
-                   num_steps: int | None = None, rules=None) -> Result:
+def evaluate_model(
+  model: LanguageModel, batches: Iterable[dict], num_steps: int | None = None, rules=None
+) -> Result:
   """Token-weighted NLL over `batches` (dicts with inputs, targets and optionally
   weights, segment_ids, positions), summed per batch in float64 on the host.
 
@@ -142,23 +149,39 @@ def evaluate_model(model: LanguageModel, batches: Iterable[dict],
       s_nll, s_w, s_c = jax.device_get(score(state, batch))
     nll, count, correct = nll + float(s_nll), count + float(s_w), correct + float(s_c)
   if count == 0:
-    raise UserError("the evaluation data holds no scored tokens; evaluate on a split "
-                    "with at least seq_len + 1 tokens of text")
+    raise UserError(
+      "the evaluation data holds no scored tokens; evaluate on a split "
+      "with at least seq_len + 1 tokens of text"
+    )
   loss = nll / count
-  return Result(num_steps=k, num_tokens=int(round(count)), loss=loss,
-                perplexity=math.exp(min(loss, 700.0)), accuracy=correct / count,
-                seconds=time.perf_counter() - t0)
+  return Result(
+    num_steps=k,
+    num_tokens=int(round(count)),
+    loss=loss,
+    perplexity=math.exp(min(loss, 700.0)),
+    accuracy=correct / count,
+    seconds=time.perf_counter() - t0,
+  )
 
 
 @dataclasses.dataclass
 class EvalData:
-  batches: Callable[[], Iterator[dict]]   # a fresh pass over the split per call
+  batches: Callable[[], Iterator[dict]]  # a fresh pass over the split per call
   description: str
 
 
-def eval_data(workdir: str, config: ml_collections.ConfigDict, *, data: str = "",
-              split: str = "", data_dir: str = "", seq_len: int = 0, batch_size: int = 0,
-              max_batches: int = 0, tokenizer_path: str = "") -> EvalData:
+def eval_data(
+  workdir: str,
+  config: ml_collections.ConfigDict,
+  *,
+  data: str = "",
+  split: str = "",
+  data_dir: str = "",
+  seq_len: int = 0,
+  batch_size: int = 0,
+  max_batches: int = 0,
+  tokenizer_path: str = "",
+) -> EvalData:
   """The eval pass of the run's data config (every token of the split a target once,
   the last batch padded and masked), with the given overrides.
 
@@ -173,39 +196,56 @@ def eval_data(workdir: str, config: ml_collections.ConfigDict, *, data: str = ""
     tokenizer_path: the run's tokenizer ('' = `loading.tokenizer_path`).
   """
   import input_pipeline  # pylint: disable=g-import-not-at-top
+
   d = ml_collections.ConfigDict(config.data.to_dict())
   d.tokenizer_path = tokenizer_path or loading.tokenizer_path(workdir, config)
   if data.startswith(LOCAL_DATA_PREFIX):
-    globs = data[len(LOCAL_DATA_PREFIX):]
+    globs = data[len(LOCAL_DATA_PREFIX) :]
     d.source, d.eval_files, d.train_files = "local", globs, globs  # train: unused, must exist
   elif data:
     d.source = data
   if split:
     if d.source in ("embedded", "local"):
-      raise UserError(f"--split applies to TFDS-style sources, not {d.source!r}; "
-                      "evaluate other text with --data=local:<glob>")
+      raise UserError(
+        f"--split applies to TFDS-style sources, not {d.source!r}; "
+        "evaluate other text with --data=local:<glob>"
+      )
     d.eval_split = split
   if data_dir:
     d.data_dir = data_dir
   d.eval_max_batches = int(max_batches)
   seq_len = int(seq_len or config.seq_len)
   batch_size = int(batch_size or config.eval_batch_size)
-  ds = input_pipeline.create_datasets(d, seq_len=seq_len, global_batch_size=batch_size,
-                                      eval_batch_size=batch_size, seed=int(config.seed),
-                                      workdir=workdir, process_index=0, process_count=1)
+  ds = input_pipeline.create_datasets(
+    d,
+    seq_len=seq_len,
+    global_batch_size=batch_size,
+    eval_batch_size=batch_size,
+    seed=int(config.seed),
+    workdir=workdir,
+    process_index=0,
+    process_count=1,
+  )
   if d.source == "local":
     where = f"files {d.eval_files}"
   elif d.source == "embedded":
     where = "validation files"
   else:
     where = f"split {d.eval_split!r}" if d.eval_split else "validation/test split"
-  return EvalData(batches=ds.eval_batches,
-                  description=f"{d.source} ({where}), rows of {seq_len} tokens, "
-                              f"batches of {batch_size}")
+  return EvalData(
+    batches=ds.eval_batches,
+    description=f"{d.source} ({where}), rows of {seq_len} tokens, batches of {batch_size}",
+  )
 
 
-def evaluate(workdir: str, num_steps: Sequence[int | None] = (None,), *, step=None,
-             mesh_shape: str = "", **data_kwargs) -> list:
+def evaluate(
+  workdir: str,
+  num_steps: Sequence[int | None] = (None,),
+  *,
+  step=None,
+  mesh_shape: str = "",
+  **data_kwargs,
+) -> list:
   """Loads the checkpoint (on the run's mesh, or `mesh_shape`) and returns a `Result` per
   entry of `num_steps` over `eval_data(workdir, config, **data_kwargs)`."""
   loaded = loading.load_model(workdir, step=step, mesh_shape=mesh_shape)

@@ -19,6 +19,7 @@ The fine-tuning run is an ordinary run: its model config (derived here) is saved
 its checkpoints, so it resumes, evaluates and generates like any other. Only its first
 start reads `init_from`. The tokenizer is the pre-training run's.
 """
+
 import dataclasses
 
 from flax import nnx
@@ -37,7 +38,7 @@ from odetransformer.train.checkpoint.paths import CONFIG_FILE
 
 METHODS = ("continuous", "full", "lora")
 LORA_INITS = ("zero_b", "small")
-SMALL_LORA_STD = 1e-6       # the authors' lora.py: both factors 1e-6·N(0, 1)
+SMALL_LORA_STD = 1e-6  # the authors' lora.py: both factors 1e-6·N(0, 1)
 # Fields that must agree with the pre-trained model (the weights are reused); the time
 # fields only where the pre-trained model has hypernetworks.
 _SHAPE_FIELDS = ("family", "d_model", "num_heads", "mlp_dim", "tie_embeddings", "max_len")
@@ -52,8 +53,10 @@ def pretrained_config(config):
   """(pre-training run ConfigDict, its ModelConfig)."""
   src = config.init_from
   if not src or not fileio.exists(fileio.join(src, CONFIG_FILE)):
-    raise FinetuneError(f"init_from={src!r} is not a training workdir "
-                        f"({CONFIG_FILE} missing); point it at a main.py run")
+    raise FinetuneError(
+      f"init_from={src!r} is not a training workdir "
+      f"({CONFIG_FILE} missing); point it at a main.py run"
+    )
   pre = load_config(src)
   return pre, model_config(pre, vocab_size=pre.data.vocab_size)
 
@@ -66,46 +69,60 @@ def finetune_model_config(config) -> ModelConfig:
   if method not in METHODS:
     raise FinetuneError(f"finetune.method={method!r} is unknown; choose one of {list(METHODS)}")
   if ft.get("lora_init", "zero_b") not in LORA_INITS:
-    raise FinetuneError(f"finetune.lora_init={ft.lora_init!r} is unknown; choose one of "
-                        f"{list(LORA_INITS)}")
+    raise FinetuneError(
+      f"finetune.lora_init={ft.lora_init!r} is unknown; choose one of {list(LORA_INITS)}"
+    )
   fields = _SHAPE_FIELDS + (_TIME_FIELDS if pre.kind == "diffeqformer" else ())
   for field in fields:
     if field in config.model and config.model[field] != getattr(pre, field):
       raise FinetuneError(
-          f"model.{field}={config.model[field]!r} differs from the pre-trained model's "
-          f"{getattr(pre, field)!r} (init_from={config.init_from}); remove the override")
+        f"model.{field}={config.model[field]!r} differs from the pre-trained model's "
+        f"{getattr(pre, field)!r} (init_from={config.init_from}); remove the override"
+      )
   n = int(ft.solver_steps or 0) or pre.depth
   if n <= 0:
-    raise FinetuneError(f"finetune.solver_steps={n} must be positive; set it to the N to "
-                        "fine-tune at, or leave it unset for the pre-trained K")
-  keep = dict(dropout_rate=float(config.model.get("dropout_rate", pre.dropout_rate)),
-              remat_policy=config.model.get("remat_policy", pre.remat_policy),
-              dtype=config.model.get("dtype", pre.dtype))
+    raise FinetuneError(
+      f"finetune.solver_steps={n} must be positive; set it to the N to "
+      "fine-tune at, or leave it unset for the pre-trained K"
+    )
+  keep = dict(
+    dropout_rate=float(config.model.get("dropout_rate", pre.dropout_rate)),
+    remat_policy=config.model.get("remat_policy", pre.remat_policy),
+    dtype=config.model.get("dtype", pre.dtype),
+  )
   if method == "continuous":
     if not pre.is_ode:
-      raise FinetuneError(f"finetune.method='continuous' needs an ODE model; the "
-                          f"pre-trained model is kind={pre.kind!r}; use "
-                          "finetune.method='full' or 'lora'")
+      raise FinetuneError(
+        f"finetune.method='continuous' needs an ODE model; the "
+        f"pre-trained model is kind={pre.kind!r}; use "
+        "finetune.method='full' or 'lora'"
+      )
     return dataclasses.replace(pre, solver_steps=n, num_layers=n, **keep)
   if pre.is_ode and pre.solver != "euler":
-    raise FinetuneError(f"finetune.method={method!r} materialises N Euler layers, a "
-                        f"different function from this {pre.solver!r}-solved model; use "
-                        "finetune.method='continuous'")
+    raise FinetuneError(
+      f"finetune.method={method!r} materialises N Euler layers, a "
+      f"different function from this {pre.solver!r}-solved model; use "
+      "finetune.method='continuous'"
+    )
   if pre.is_ode:
-    disc = dataclasses.replace(pre, kind="parallel", num_layers=n, out_proj_scale=1.0 / n,
-                               **keep)
+    disc = dataclasses.replace(pre, kind="parallel", num_layers=n, out_proj_scale=1.0 / n, **keep)
   else:
     if n != pre.depth:
-      raise FinetuneError(f"finetune.solver_steps={n}: the pre-trained model is a discrete "
-                          f"{pre.kind!r} model of {pre.depth} layers; leave "
-                          "finetune.solver_steps unset, or fine-tune an ODE run")
+      raise FinetuneError(
+        f"finetune.solver_steps={n}: the pre-trained model is a discrete "
+        f"{pre.kind!r} model of {pre.depth} layers; leave "
+        "finetune.solver_steps unset, or fine-tune an ODE run"
+      )
     disc = dataclasses.replace(pre, **keep)
   if method == "full":
     return disc
   return dataclasses.replace(
-      disc, lora_rank=int(ft.lora_rank), lora_alpha=float(ft.lora_alpha),
-      lora_targets=tuple(t.strip() for t in str(ft.targets).split(",") if t.strip()),
-      lora_train_embeddings=bool(ft.get("train_embeddings", False)))
+    disc,
+    lora_rank=int(ft.lora_rank),
+    lora_alpha=float(ft.lora_alpha),
+    lora_targets=tuple(t.strip() for t in str(ft.targets).split(",") if t.strip()),
+    lora_train_embeddings=bool(ft.get("train_embeddings", False)),
+  )
 
 
 def prepare_config(config):
@@ -125,12 +142,17 @@ def prepare_config(config):
       del config.model[cfg.unused_depth_field]
     tokenizer = fileio.join(config.init_from, loading.TOKENIZER_FILE)
     if not config.data.get("tokenizer_path"):
-      config.data.tokenizer_path = (fileio.local_copy(tokenizer) if fileio.exists(tokenizer)
-                                    else pre.data.get("tokenizer_path", ""))
+      config.data.tokenizer_path = (
+        fileio.local_copy(tokenizer)
+        if fileio.exists(tokenizer)
+        else pre.data.get("tokenizer_path", "")
+      )
     if int(config.data.vocab_size) != int(pre.data.vocab_size):
-      raise FinetuneError(f"data.vocab_size={config.data.vocab_size} differs from the "
-                          f"pre-trained run's {pre.data.vocab_size}; remove the override (the "
-                          "pre-trained run's tokenizer is reused)")
+      raise FinetuneError(
+        f"data.vocab_size={config.data.vocab_size} differs from the "
+        f"pre-trained run's {pre.data.vocab_size}; remove the override (the "
+        "pre-trained run's tokenizer is reused)"
+      )
   return config
 
 
@@ -142,15 +164,23 @@ def initial_model_state(config, cfg: ModelConfig, mesh=None) -> nnx.State:
   (LoRA factors with 'zero_b') keep the new model's initialisation.
   """
   rules = sharding.logical_axis_rules(config.get("mesh"))
-  loaded = loading.load_model(config.init_from, mesh=mesh, rules=rules, allow_unverified=bool(
-      config.get("checkpoint_allow_unverified", False)))
+  loaded = loading.load_model(
+    config.init_from,
+    mesh=mesh,
+    rules=rules,
+    allow_unverified=bool(config.get("checkpoint_allow_unverified", False)),
+  )
   model = loaded.model
   if config.finetune.method != "continuous" and model.config.is_ode:
     model = materialize(model, cfg.depth, fold_dt=False)
   state = nnx.state(model)
   if cfg.lora_rank and config.finetune.get("lora_init", "zero_b") == "small":
-    state = nnx.State({**nnx.to_pure_dict(state), "stack": {
-        **nnx.to_pure_dict(state)["stack"], "lora": small_lora_factors(cfg, config.seed)}})
+    state = nnx.State(
+      {
+        **nnx.to_pure_dict(state),
+        "stack": {**nnx.to_pure_dict(state)["stack"], "lora": small_lora_factors(cfg, config.seed)},
+      }
+    )
   return state
 
 
@@ -167,31 +197,37 @@ def place_initial_weights(config, cfg: ModelConfig, model_state: nnx.State) -> t
   """
   target = nnx.to_pure_dict(model_state)
   source = nnx.to_pure_dict(initial_model_state(config, cfg, loading.model_mesh(target)))
-  pairs = []              # (container, key, source value, target leaf)
+  pairs = []  # (container, key, source value, target leaf)
 
   def match(dst, src, path):
     for key, value in src.items():
       where = f"{path}/{key}"
       if key not in dst:
-        raise FinetuneError(f"init_from weight {where} has no place in this model; point "
-                            "init_from at a run of this model's shape")
+        raise FinetuneError(
+          f"init_from weight {where} has no place in this model; point "
+          "init_from at a run of this model's shape"
+        )
       if isinstance(value, dict):
         match(dst[key], value, where)
         continue
       if tuple(value.shape) != tuple(dst[key].shape):
-        raise FinetuneError(f"init_from weight {where} has shape {tuple(value.shape)}, "
-                            f"this model {tuple(dst[key].shape)}; point init_from at a run "
-                            "of this model's shape")
+        raise FinetuneError(
+          f"init_from weight {where} has shape {tuple(value.shape)}, "
+          f"this model {tuple(dst[key].shape)}; point init_from at a run "
+          "of this model's shape"
+        )
       pairs.append((dst, key, value, dst[key]))
+
   match(target, source, "")
-  on_mesh, on_host = [], []   # restored arrays / host values (fresh LoRA factors)
+  on_mesh, on_host = [], []  # restored arrays / host values (fresh LoRA factors)
   for p in pairs:
     same = isinstance(p[2], jax.Array) and p[2].sharding.device_set == p[3].sharding.device_set
     (on_mesh if same else on_host).append(p)
-  if on_mesh:   # one program moves every restored array into its place
-    moved = jax.jit(lambda vs: [v.astype(t.dtype) for v, (_, _, _, t) in zip(vs, on_mesh)],
-                    out_shardings=[t.sharding for _, _, _, t in on_mesh])(
-                        [v for _, _, v, _ in on_mesh])
+  if on_mesh:  # one program moves every restored array into its place
+    moved = jax.jit(
+      lambda vs: [v.astype(t.dtype) for v, (_, _, _, t) in zip(vs, on_mesh)],
+      out_shardings=[t.sharding for _, _, _, t in on_mesh],
+    )([v for _, _, v, _ in on_mesh])
     for (dst, key, _, _), value in zip(on_mesh, moved):
       dst[key] = value
   for dst, key, value, old in on_host:
@@ -214,6 +250,8 @@ def small_lora_factors(cfg: ModelConfig, seed: int) -> dict:
   for i, name in enumerate(cfg.lora_targets):
     a_shape, b_shape = lora.factor_shapes(specs[name], cfg.lora_rank, cfg.depth)
     ka, kb = jax.random.split(jax.random.fold_in(key, i))
-    out[name] = {"a": SMALL_LORA_STD * jax.random.normal(ka, a_shape, dtype),
-                 "b": SMALL_LORA_STD * jax.random.normal(kb, b_shape, dtype)}
+    out[name] = {
+      "a": SMALL_LORA_STD * jax.random.normal(ka, a_shape, dtype),
+      "b": SMALL_LORA_STD * jax.random.normal(kb, b_shape, dtype),
+    }
   return out

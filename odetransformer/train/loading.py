@@ -10,6 +10,7 @@ devices at hand (trained on 256 chips, evaluated on 8) is loaded fully sharded
 (fsdp over all devices) with a warning. Multi-process tools call
 `host.initialize_distributed()` first, as main.py does.
 """
+
 import dataclasses
 
 from absl import flags, logging
@@ -29,18 +30,20 @@ from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 from odetransformer.train.checkpoint.paths import CONFIG_FILE, TOKENIZER_FILE
 from odetransformer.train.checkpoint.restore import restore_model_state
 
-MESH_SHAPE_HELP = ("Device mesh (data,fsdp,tensor) to load the model on, e.g. 1,-1,1 "
-                   "(-1 = the remaining devices); '' = the run's config.mesh.shape.")
+MESH_SHAPE_HELP = (
+  "Device mesh (data,fsdp,tensor) to load the model on, e.g. 1,-1,1 "
+  "(-1 = the remaining devices); '' = the run's config.mesh.shape."
+)
 
 
 @dataclasses.dataclass
 class Loaded:
   model: LanguageModel
   model_config: ModelConfig
-  config: object          # the run's ml_collections.ConfigDict
+  config: object  # the run's ml_collections.ConfigDict
   step: int
-  mesh: jax.sharding.Mesh | None = None   # the model's arrays live on it
-  rules: tuple = ()                          # the logical-axis rules they follow
+  mesh: jax.sharding.Mesh | None = None  # the model's arrays live on it
+  rules: tuple = ()  # the logical-axis rules they follow
 
 
 def define_load_flags(define, flag_values) -> None:
@@ -64,9 +67,11 @@ def parse_mesh_shape(text: str) -> tuple:
   except ValueError:
     shape = ()
   if len(shape) != len(sharding.MESH_AXES) or any(s == 0 or s < -1 for s in shape):
-    raise UserError(f"--mesh_shape={text!r}: expected {len(sharding.MESH_AXES)} comma-separated "
-                    f"sizes for {sharding.MESH_AXES}, each positive or -1 (the rest), "
-                    "e.g. --mesh_shape=1,-1,1")
+    raise UserError(
+      f"--mesh_shape={text!r}: expected {len(sharding.MESH_AXES)} comma-separated "
+      f"sizes for {sharding.MESH_AXES}, each positive or -1 (the rest), "
+      "e.g. --mesh_shape=1,-1,1"
+    )
   return shape
 
 
@@ -87,9 +92,14 @@ def run_mesh(config, mesh_shape: str = "", devices=None) -> jax.sharding.Mesh:
   try:
     return sharding.make_mesh(ml_collections.ConfigDict({"shape": run_shape}), devices)
   except sharding.MeshError as e:
-    logging.warning("the run's mesh.shape=%s does not fit these %d devices (%s): loading "
-                    "fully sharded, mesh (1, %d, 1); choose with --mesh_shape",
-                    run_shape, len(devices), e, len(devices))
+    logging.warning(
+      "the run's mesh.shape=%s does not fit these %d devices (%s): loading "
+      "fully sharded, mesh (1, %d, 1); choose with --mesh_shape",
+      run_shape,
+      len(devices),
+      e,
+      len(devices),
+    )
     return sharding.make_mesh(ml_collections.ConfigDict({"shape": (1, -1, 1)}), devices)
 
 
@@ -100,16 +110,27 @@ def load_run_config(workdir: str):
   try:
     return load_config(workdir)
   except (FileNotFoundError, NotADirectoryError) as e:
-    raise UserError(f"{workdir} holds no training run ({CONFIG_FILE} "
-                    "missing, no checkpoint); pass the --workdir of a main.py run") from e
+    raise UserError(
+      f"{workdir} holds no training run ({CONFIG_FILE} "
+      "missing, no checkpoint); pass the --workdir of a main.py run"
+    ) from e
   except (OSError, ValueError) as e:
-    raise UserError(f"{fileio.join(workdir, CONFIG_FILE)} is unreadable "
-                    f"({type(e).__name__}: {e}); it describes the run's checkpoints: "
-                    "restore it, or resume the run with main.py to rewrite it") from e
+    raise UserError(
+      f"{fileio.join(workdir, CONFIG_FILE)} is unreadable "
+      f"({type(e).__name__}: {e}); it describes the run's checkpoints: "
+      "restore it, or resume the run with main.py to rewrite it"
+    ) from e
 
 
-def load_model(workdir: str, step: int | None = None, mesh=None, *, mesh_shape: str = "",
-               rules=None, allow_unverified: bool = False) -> Loaded:
+def load_model(
+  workdir: str,
+  step: int | None = None,
+  mesh=None,
+  *,
+  mesh_shape: str = "",
+  rules=None,
+  allow_unverified: bool = False,
+) -> Loaded:
   """The model of the latest (or given) checkpoint in `workdir` that restores.
 
   Restored sharded on `mesh` (default: `run_mesh(config, mesh_shape)`) under `rules`
@@ -128,8 +149,14 @@ def load_model(workdir: str, step: int | None = None, mesh=None, *, mesh_shape: 
   with nnx.logical_axis_rules(rules):
     graphdef, abstract = nnx.get_abstract_model(lambda: create_model(cfg), mesh)
   state, restored_step = restore_model_state(workdir, abstract, step, allow_unverified)
-  return Loaded(model=nnx.merge(graphdef, state), model_config=cfg, config=config,
-                step=int(restored_step), mesh=mesh, rules=tuple(rules))
+  return Loaded(
+    model=nnx.merge(graphdef, state),
+    model_config=cfg,
+    config=config,
+    step=int(restored_step),
+    mesh=mesh,
+    rules=tuple(rules),
+  )
 
 
 def model_mesh(tree) -> jax.sharding.Mesh | None:
@@ -172,11 +199,23 @@ def tokenizer_path(workdir: str, config=None) -> str:
   if config.data.get("tokenizer_path") and fileio.exists(config.data.tokenizer_path):
     return fileio.local_copy(config.data.tokenizer_path)
   import input_pipeline  # lazy: grain and tensorflow_datasets (~2 s), only for this fallback
+
   ds = input_pipeline.create_datasets(
-      config.data, seq_len=int(config.seq_len), global_batch_size=1, eval_batch_size=1,
-      seed=int(config.seed), workdir=workdir, process_index=0, process_count=1)
-  logging.warning("%s has no %s: using the tokenizer its data config caches (%s)",
-                  workdir, TOKENIZER_FILE, ds.tokenizer_path)
+    config.data,
+    seq_len=int(config.seq_len),
+    global_batch_size=1,
+    eval_batch_size=1,
+    seed=int(config.seed),
+    workdir=workdir,
+    process_index=0,
+    process_count=1,
+  )
+  logging.warning(
+    "%s has no %s: using the tokenizer its data config caches (%s)",
+    workdir,
+    TOKENIZER_FILE,
+    ds.tokenizer_path,
+  )
   return ds.tokenizer_path
 
 
@@ -184,5 +223,6 @@ def load_tokenizer(workdir: str, config=None):
   """The run's SentencePiece processor (pad=0, unk=1, bos=2, eos=3)."""
   # lazy: input_pipeline imports grain and tfds (~2 s), which model-only tools never need
   from input_pipeline import tokenizer as tokenizer_lib
+
   config = load_config(workdir) if config is None else config
   return tokenizer_lib.load(tokenizer_path(workdir, config), int(config.data.vocab_size))

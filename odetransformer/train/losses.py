@@ -5,6 +5,7 @@ rows — negative log-likelihood, target count, argmax hits — for the train lo
 evaluation (pre-training and fine-tuning), `odetransformer.tools.evaluate` and the lm-eval
 adapter alike, so they all measure the same thing.
 """
+
 import jax
 import jax.numpy as jnp
 
@@ -34,5 +35,9 @@ def token_scores(logits_blv, targets_bl, weights_bl=None) -> dict:
   nll = _nll(logits_blv, targets_bl)
   w = _weights(weights_bl, nll)
   hit = jnp.argmax(logits_blv, axis=-1) == targets_bl
-  return {"nll": jnp.sum(nll * w, -1), "weight": jnp.sum(w, -1),
-          "correct": jnp.sum(hit * w, -1), "greedy": jnp.all(hit | (w == 0), -1)}
+  return {
+    "nll": jnp.sum(nll * w, -1),
+    "weight": jnp.sum(w, -1),
+    "correct": jnp.sum(hit * w, -1),
+    "greedy": jnp.all(hit | (w == 0), -1),
+  }

@@ -9,6 +9,7 @@ event file is written through `odetransformer.runtime.fileio` (`_ObjectEventFile
 Metrics are averaged over the interval since the last write and then reset (not since
 step 0): the loss is a token-weighted mean (sum of losses / sum of target weights).
 """
+
 from collections.abc import Mapping
 import functools
 import math
@@ -36,6 +37,7 @@ class TokenAverage(clu_metrics.Average):
   Subclasses pick their output keys with `sum_key` / `weight_key`; the train step
   hands the sums over, so the mean over an interval is exact whatever the padding.
   """
+
   sum_key = "loss_sum"
   weight_key = "weight_sum"
 
@@ -59,6 +61,7 @@ class TokenAccuracy(TokenAverage):
 @flax.struct.dataclass
 class AppliedStepAverage(TokenAverage):
   """Mean over the steps whose update was applied (a skipped step has weight 0)."""
+
   sum_key = "grad_norm"
   weight_key = "applied"
 
@@ -66,6 +69,7 @@ class AppliedStepAverage(TokenAverage):
 @flax.struct.dataclass
 class SkippedSteps(clu_metrics.Metric):
   """How many steps were skipped for a non-finite loss or gradient (a sum, not a mean)."""
+
   total: jnp.ndarray
 
   @classmethod
@@ -87,6 +91,7 @@ class TrainMetrics(clu_metrics.Collection):
   clipping), learning_rate and applied (1.0, or 0.0 for a skipped step, whose loss,
   weights and gradient norm are then passed as 0).
   """
+
   loss: TokenLoss
   grad_norm: AppliedStepAverage
   learning_rate: clu_metrics.LastValue.from_output("learning_rate")
@@ -133,7 +138,7 @@ class _ObjectEventFiles:
     return _ObjectEventFile(path)
 
   def directory_check(self, path):
-    pass      # an object store has no directories to create
+    pass  # an object store has no directories to create
 
 
 def _import_tensorboardx():
@@ -144,12 +149,13 @@ def _import_tensorboardx():
   torch (the export extra, a GPU image), for event files that hold only floats and text.
   """
   if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
-    sys.modules["torch"] = None       # `import torch` raises ImportError meanwhile
+    sys.modules["torch"] = None  # `import torch` raises ImportError meanwhile
     try:
       import tensorboardX  # lazy, with torch blocked: the point of this function
     finally:
       del sys.modules["torch"]
   import tensorboardX.record_writer  # noqa: F401  lazy (above); callers use .record_writer
+
   return sys.modules["tensorboardX"]
 
 
@@ -163,8 +169,9 @@ class MetricWriter:
     if self.enabled:
       tensorboardx = _import_tensorboardx()
       if not fileio.is_local(logdir):
-        tensorboardx.record_writer.register_writer_factory(logdir.split("://")[0],
-                                                           _ObjectEventFiles())
+        tensorboardx.record_writer.register_writer_factory(
+          logdir.split("://")[0], _ObjectEventFiles()
+        )
       self._writer = tensorboardx.SummaryWriter(logdir=logdir, flush_secs=30)
 
   def write_scalars(self, step: int, scalars: Mapping[str, float], prefix: str = ""):
@@ -193,22 +200,35 @@ class MetricWriter:
 # '<platform> <device_kind>' are matched in order. A CPU's peak is measured instead
 # (`measured_matmul_flops`): no table entry could fit every host.
 _PEAK_FLOPS = (
-    ("TPU v6 lite", 918e12), ("TPU v6e", 918e12), ("TPU v5 lite", 197e12),
-    ("TPU v5e", 197e12), ("TPU v5p", 459e12), ("TPU v5", 459e12), ("TPU v4", 275e12),
-    ("TPU v3", 123e12), ("H200", 989e12), ("H100", 989e12), ("A100", 312e12),
-    ("B200", 2250e12), ("L40S", 362e12), ("L4", 121e12), ("A10G", 70e12),
+  ("TPU v6 lite", 918e12),
+  ("TPU v6e", 918e12),
+  ("TPU v5 lite", 197e12),
+  ("TPU v5e", 197e12),
+  ("TPU v5p", 459e12),
+  ("TPU v5", 459e12),
+  ("TPU v4", 275e12),
+  ("TPU v3", 123e12),
+  ("H200", 989e12),
+  ("H100", 989e12),
+  ("A100", 312e12),
+  ("B200", 2250e12),
+  ("L40S", 362e12),
+  ("L4", 121e12),
+  ("A10G", 70e12),
 )
 
 
 class PeakFlops(NamedTuple):
   """The MFU denominator of one device and where it came from (for the log)."""
-  flops: float   # FLOP/s; 0.0 = unknown (MFU is not reported)
+
+  flops: float  # FLOP/s; 0.0 = unknown (MFU is not reported)
   source: str
 
 
 @functools.cache
-def measured_matmul_flops(device: jax.Device, dtype: str = "float32", n: int = 1024,
-                          reps: int = 3) -> float:
+def measured_matmul_flops(
+  device: jax.Device, dtype: str = "float32", n: int = 1024, reps: int = 3
+) -> float:
   """FLOP/s of the fastest of `reps` n×n `dtype` matmuls on `device` (after one call
   that compiles), measured once per process and device: a fraction of a second. Runs
   on a mesh of `device` alone, whatever mesh the caller has set (a training run's)."""
@@ -221,11 +241,12 @@ def measured_matmul_flops(device: jax.Device, dtype: str = "float32", n: int = 1
       start = time.perf_counter()
       matmul(x).block_until_ready()
       best = min(best, time.perf_counter() - start)
-  return 2 * n ** 3 / best
+  return 2 * n**3 / best
 
 
-def device_peak_flops(device: jax.Device | None = None, override: float = 0.0,
-                      dtype: str = "float32") -> PeakFlops:
+def device_peak_flops(
+  device: jax.Device | None = None, override: float = 0.0, dtype: str = "float32"
+) -> PeakFlops:
   """The peak FLOP/s of one device that MFU divides by, for training and benchmarks alike.
 
   `override` > 0 (`--config.peak_flops_per_device`) wins; an accelerator's comes from
@@ -237,16 +258,18 @@ def device_peak_flops(device: jax.Device | None = None, override: float = 0.0,
     return PeakFlops(float(override), "--config.peak_flops_per_device")
   device = device or jax.local_devices()[0]
   if device.platform == "cpu":
-    dtype = jax.dtypes.canonicalize_dtype(dtype).name   # float64 only under x64
-    return PeakFlops(measured_matmul_flops(device, dtype),
-                     f"measured: fastest of 3 {dtype} 1024x1024 matmuls on this host, "
-                     "once per process")
+    dtype = jax.dtypes.canonicalize_dtype(dtype).name  # float64 only under x64
+    return PeakFlops(
+      measured_matmul_flops(device, dtype),
+      f"measured: fastest of 3 {dtype} 1024x1024 matmuls on this host, once per process",
+    )
   kind = f"{device.platform} {device.device_kind}"
   for key, value in _PEAK_FLOPS:
     if key.lower() in kind.lower():
       return PeakFlops(value, f"{device.device_kind}: bf16 dense peak")
-  return PeakFlops(0.0, f"unknown device kind {device.device_kind!r}: no MFU; set "
-                        "--config.peak_flops_per_device")
+  return PeakFlops(
+    0.0, f"unknown device kind {device.device_kind!r}: no MFU; set --config.peak_flops_per_device"
+  )
 
 
 def format_duration(seconds: float) -> str:
@@ -269,8 +292,14 @@ class Progress:
     peak_flops: peak FLOP/s of all devices together (0 disables MFU).
   """
 
-  def __init__(self, num_train_steps: int, start_step: int, tokens_per_step: int,
-               flops_per_token: float, peak_flops: float):
+  def __init__(
+    self,
+    num_train_steps: int,
+    start_step: int,
+    tokens_per_step: int,
+    flops_per_token: float,
+    peak_flops: float,
+  ):
     self.num_train_steps = num_train_steps
     self.tokens_per_step = tokens_per_step
     self.flops_per_token = flops_per_token
@@ -316,7 +345,7 @@ class ProfileWindow:
 
   def __init__(self, start: int = -1, stop: int = -1, logdir: str = ""):
     self.start, self.stop, self.logdir = start, stop, logdir
-    self._local = ""          # where the trace is written (a copy is uploaded)
+    self._local = ""  # where the trace is written (a copy is uploaded)
 
   @classmethod
   def parse(cls, spec: str, logdir: str = "") -> "ProfileWindow":
@@ -329,8 +358,10 @@ class ProfileWindow:
     except ValueError:
       start = stop = -1
     if not 0 <= start < stop:
-      raise ConfigError(f"profile_steps={spec!r} must be 'a,b' with 0 <= a < b (trace the "
-                        "steps after step a up to step b), or '' for no trace")
+      raise ConfigError(
+        f"profile_steps={spec!r} must be 'a,b' with 0 <= a < b (trace the "
+        "steps after step a up to step b), or '' for no trace"
+      )
     return cls(start, stop, logdir)
 
   def before(self, step: int):
@@ -354,14 +385,14 @@ class ProfileWindow:
 
 
 _TRAIN_FIELDS = (
-    ("loss", lambda v: f"loss {v:.4f}"),
-    ("perplexity", lambda v: f"ppl {v:.2f}"),
-    ("learning_rate", lambda v: f"lr {v:.3e}"),
-    ("grad_norm", lambda v: f"grad_norm {v:.3f}"),
-    ("skipped_steps", lambda v: f"skipped {int(v)} non-finite steps"),
-    ("tokens_per_sec", lambda v: f"tok/s {v:,.0f}"),
-    ("mfu", lambda v: f"MFU {100 * v:.1f}%"),
-    ("eta_s", lambda v: f"ETA {format_duration(v)}"),
+  ("loss", lambda v: f"loss {v:.4f}"),
+  ("perplexity", lambda v: f"ppl {v:.2f}"),
+  ("learning_rate", lambda v: f"lr {v:.3e}"),
+  ("grad_norm", lambda v: f"grad_norm {v:.3f}"),
+  ("skipped_steps", lambda v: f"skipped {int(v)} non-finite steps"),
+  ("tokens_per_sec", lambda v: f"tok/s {v:,.0f}"),
+  ("mfu", lambda v: f"MFU {100 * v:.1f}%"),
+  ("eta_s", lambda v: f"ETA {format_duration(v)}"),
 )
 
 
@@ -369,8 +400,11 @@ def train_log_line(step: int, num_train_steps: int, scalars: Mapping[str, float]
   """One human line: step, loss, perplexity, lr, grad norm, tokens/s, MFU, ETA (and the
   steps skipped since the last line, when there were any)."""
   parts = [f"step {step}/{num_train_steps}"]
-  parts += [show(scalars[key]) for key, show in _TRAIN_FIELDS
-            if key in scalars and (key != "skipped_steps" or scalars[key])]
+  parts += [
+    show(scalars[key])
+    for key, show in _TRAIN_FIELDS
+    if key in scalars and (key != "skipped_steps" or scalars[key])
+  ]
   return " | ".join(parts)
 
 
@@ -398,6 +432,7 @@ def read_scalars(logdir: str) -> dict:
   """
   _import_tensorboardx()
   from tensorboardX.proto import event_pb2  # lazy: tensorboardX without torch (above)
+
   out = {}
   for name in fileio.listdir(logdir):
     if not name.startswith("events.out.tfevents."):
@@ -405,8 +440,8 @@ def read_scalars(logdir: str) -> dict:
     data = fileio.read_bytes(fileio.join(logdir, name))
     pos = 0
     while pos + 12 <= len(data):
-      (length,) = struct.unpack("<Q", data[pos:pos + 8])
-      payload = data[pos + 12:pos + 12 + length]
+      (length,) = struct.unpack("<Q", data[pos : pos + 8])
+      payload = data[pos + 12 : pos + 12 + length]
       pos += 12 + length + 4
       event = event_pb2.Event.FromString(payload)
       for value in event.summary.value:

@@ -13,6 +13,7 @@ applies to one of two groups, chosen by `optim.weight_decay_on`:
     baselines do.
   * 'auto' (default): 'embeddings' for ODE kinds, 'matrices' for discrete ones.
 """
+
 import functools
 import math
 
@@ -39,7 +40,7 @@ def learning_rate_schedule(optim_config, num_train_steps: int):
 
   def schedule(step):
     step = jnp.asarray(step, jnp.float32)
-    warm = peak * (step + 1.0) / warmup       # reaches the peak at step warmup-1
+    warm = peak * (step + 1.0) / warmup  # reaches the peak at step warmup-1
     if kind == "constant":
       after = jnp.asarray(peak, jnp.float32)
     else:
@@ -63,8 +64,10 @@ def is_decayed(path) -> bool:
   not a norm, bias or LoRA adapter."""
   parts = [str(getattr(p, "key", p)) for p in path]
   for part in parts:
-    if any(part == n or part.startswith(n + "_") or (n == "norm" and "norm" in part)
-           for n in NO_DECAY_NAMES):
+    if any(
+      part == n or part.startswith(n + "_") or (n == "norm" and "norm" in part)
+      for n in NO_DECAY_NAMES
+    ):
       return False
   return True
 
@@ -72,15 +75,18 @@ def is_decayed(path) -> bool:
 def weight_decay_mask(params, on: str = "matrices"):
   """Tree of bools (True = decayed) matching `params`: the group `on` ('embeddings' or
   'matrices', see the module docstring)."""
+
   def decide(path, x):
     if on == "embeddings":
       return str(getattr(path[0], "key", path[0])) in EMBEDDINGS
     return bool(is_decayed(path)) and getattr(x, "ndim", 0) >= 2
+
   return jax.tree_util.tree_map_with_path(decide, params)
 
 
-def create_optimizer(optim_config, num_train_steps: int, *,
-                     ode: bool = False) -> optax.GradientTransformation:
+def create_optimizer(
+  optim_config, num_train_steps: int, *, ode: bool = False
+) -> optax.GradientTransformation:
   """The optax transformation: clip by global norm, then AdamW with the schedule.
 
   `ode` says whether the model is an ODE kind; it resolves `weight_decay_on='auto'`.
@@ -88,19 +94,21 @@ def create_optimizer(optim_config, num_train_steps: int, *,
   if optim_config.name != "adamw":
     raise OptimConfigError(f"optim.name={optim_config.name!r} is unknown; only 'adamw'")
   for key in ("b1", "b2"):
-    if not 0.0 <= float(optim_config[key]) < 1.0:   # also refuses nan
+    if not 0.0 <= float(optim_config[key]) < 1.0:  # also refuses nan
       raise OptimConfigError(f"optim.{key}={optim_config[key]} must be in [0, 1)")
   if not 0 < float(optim_config.learning_rate) < math.inf:
-    raise OptimConfigError(f"optim.learning_rate={optim_config.learning_rate} must be a "
-                           "finite number > 0, e.g. 3e-4")
+    raise OptimConfigError(
+      f"optim.learning_rate={optim_config.learning_rate} must be a finite number > 0, e.g. 3e-4"
+    )
   for key in ("eps", "weight_decay", "grad_clip_norm", "warmup_frac", "min_lr_ratio"):
     value = optim_config.get(key)
     if value is not None and not 0 <= float(value) < math.inf:
       raise OptimConfigError(f"optim.{key}={value} must be a finite number >= 0")
   on = optim_config.get("weight_decay_on", "auto")
   if on not in DECAY_GROUPS:
-    raise OptimConfigError(f"optim.weight_decay_on={on!r} is unknown; choose one of "
-                           f"{list(DECAY_GROUPS)}")
+    raise OptimConfigError(
+      f"optim.weight_decay_on={on!r} is unknown; choose one of {list(DECAY_GROUPS)}"
+    )
   if on == "auto":
     on = "embeddings" if ode else "matrices"
   schedule = learning_rate_schedule(optim_config, num_train_steps)
@@ -108,12 +116,14 @@ def create_optimizer(optim_config, num_train_steps: int, *,
   if float(optim_config.grad_clip_norm) > 0:
     # Clips the gradient the train step hands over: under accumulation, the sum.
     parts.append(optax.clip_by_global_norm(float(optim_config.grad_clip_norm)))
-  parts.append(optax.adamw(
+  parts.append(
+    optax.adamw(
       learning_rate=schedule,
       b1=float(optim_config.b1),
       b2=float(optim_config.b2),
       eps=float(optim_config.eps),
       weight_decay=float(optim_config.weight_decay),
       mask=functools.partial(weight_decay_mask, on=on),
-  ))
+    )
+  )
   return optax.chain(*parts)

@@ -8,10 +8,11 @@ Each check raises a one-line `UserError` (main.py: `error:` line, exit 2), in th
 is the one reported. `check_config` (the settings that must fit together and with the
 mesh) is here too; `tools/memory.py` calls it through `loop.check_config`.
 """
+
 from collections.abc import Callable
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import ml_collections
@@ -24,8 +25,12 @@ from odetransformer.train import finetune
 from odetransformer.train import metrics as metrics_lib
 from odetransformer.train import optimizer as optimizer_lib
 from odetransformer.train import sharding as sharding_lib
-from odetransformer.train.checkpoint.fingerprint import (check_resumable, check_tokenizer,
-                                                         save_config, save_tokenizer)
+from odetransformer.train.checkpoint.fingerprint import (
+  check_resumable,
+  check_tokenizer,
+  save_config,
+  save_tokenizer,
+)
 from odetransformer.train.checkpoint.manager import validate_options
 
 
@@ -43,21 +48,30 @@ def check_config(config, mesh, rules):
     raise ConfigError(f"optim.grad_accum_steps={accum} must be >= 1")
   if config.global_batch_size % (shards * accum):
     raise ConfigError(
-        f"global_batch_size={config.global_batch_size} must be a multiple of the batch "
-        f"shards ({shards}) × optim.grad_accum_steps ({accum})")
+      f"global_batch_size={config.global_batch_size} must be a multiple of the batch "
+      f"shards ({shards}) × optim.grad_accum_steps ({accum})"
+    )
   if shards % jax.process_count():
-    raise ConfigError(f"the batch is split {shards} ways (mesh data × fsdp) but there are "
-                      f"{jax.process_count()} processes; make data × fsdp a multiple of the "
-                      "process count (keep 'tensor' within a host)")
+    raise ConfigError(
+      f"the batch is split {shards} ways (mesh data × fsdp) but there are "
+      f"{jax.process_count()} processes; make data × fsdp a multiple of the "
+      "process count (keep 'tensor' within a host)"
+    )
   if config.global_batch_size % jax.process_count():
-    raise ConfigError(f"global_batch_size={config.global_batch_size} must be a multiple of "
-                      f"the {jax.process_count()} processes")
+    raise ConfigError(
+      f"global_batch_size={config.global_batch_size} must be a multiple of "
+      f"the {jax.process_count()} processes"
+    )
   if config.eval_batch_size % shards or config.eval_batch_size % jax.process_count():
-    raise ConfigError(f"eval_batch_size={config.eval_batch_size} must be a multiple of the "
-                      f"batch shards ({shards}) and processes ({jax.process_count()})")
+    raise ConfigError(
+      f"eval_batch_size={config.eval_batch_size} must be a multiple of the "
+      f"batch shards ({shards}) and processes ({jax.process_count()})"
+    )
   if int(config.optim.get("skip_nonfinite_steps", 0)) < 0:
-    raise ConfigError(f"optim.skip_nonfinite_steps={config.optim.skip_nonfinite_steps} must "
-                      "be >= 0 (0 = stop at the first non-finite step)")
+    raise ConfigError(
+      f"optim.skip_nonfinite_steps={config.optim.skip_nonfinite_steps} must "
+      "be >= 0 (0 = stop at the first non-finite step)"
+    )
   if config.model.family == "gpt2" and config.seq_len > config.model.max_len:
     raise ConfigError(f"seq_len={config.seq_len} exceeds model.max_len={config.model.max_len}")
   metrics_lib.ProfileWindow.parse(config.get("profile_steps", ""))
@@ -81,6 +95,7 @@ class Run:
       config may resume; None when `workdir` holds none: the run starts from
       `init_from`, or from scratch.
   """
+
   config: ml_collections.ConfigDict
   workdir: str
   mesh: jax.sharding.Mesh
@@ -88,7 +103,7 @@ class Run:
   model: ModelConfig
   tx: optax.GradientTransformation
   schedule: Callable[[Any], Any]
-  resume_from: Optional[dict]
+  resume_from: dict | None
 
 
 def check_run(config: ml_collections.ConfigDict, workdir) -> Run:
@@ -115,7 +130,7 @@ def check_run(config: ml_collections.ConfigDict, workdir) -> Run:
   `input_pipeline.create_datasets`, and `record_run` compares its tokenizer and
   content with the checkpoints'.
   """
-  config = migrate_config(config)   # old key names and values -> new, with a warning
+  config = migrate_config(config)  # old key names and values -> new, with a warning
   workdir = os.fspath(workdir)
   paths = {"--workdir": workdir, "--config.init_from": config.get("init_from")}
   for key in ("tokenizer_path", "cache_dir", "data_dir"):
@@ -131,7 +146,7 @@ def check_run(config: ml_collections.ConfigDict, workdir) -> Run:
   except sharding_lib.MeshError as e:
     raise ConfigError(str(e)) from e
   check_config(config, mesh, rules)
-  model = model_config(config)   # before the data is prepared: a bad model fails fast
+  model = model_config(config)  # before the data is prepared: a bad model fails fast
   try:
     tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps, ode=model.is_ode)
     schedule = optimizer_lib.learning_rate_schedule(config.optim, config.num_train_steps)
@@ -139,8 +154,16 @@ def check_run(config: ml_collections.ConfigDict, workdir) -> Run:
     raise ConfigError(str(e)) from e
   validate_options(config)
   resume_from = check_resumable(config, workdir)
-  return Run(config=config, workdir=workdir, mesh=mesh, rules=rules, model=model, tx=tx,
-             schedule=schedule, resume_from=resume_from)
+  return Run(
+    config=config,
+    workdir=workdir,
+    mesh=mesh,
+    rules=rules,
+    model=model,
+    tx=tx,
+    schedule=schedule,
+    resume_from=resume_from,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +176,7 @@ class RunRecord:
       hold it: `model.vocab_size` the tokenizer's, `data.tokenizer_path` the file used.
     fingerprint: What this run's checkpoints record they depend on (fingerprint.py).
   """
+
   model: ModelConfig
   saved_config: ml_collections.ConfigDict
   fingerprint: dict
@@ -167,13 +191,14 @@ def record_run(run: Run, ds) -> RunRecord:
   """
   config, workdir = run.config, run.workdir
   tokenizer = getattr(ds, "tokenizer_path", "")
-  fingerprint = check_tokenizer(config, tokenizer, workdir, run.resume_from,
-                                getattr(ds, "content_hash", None))
-  model = model_config(config, ds.vocab_size)    # vocab_size: the tokenizer's
+  fingerprint = check_tokenizer(
+    config, tokenizer, workdir, run.resume_from, getattr(ds, "content_hash", None)
+  )
+  model = model_config(config, ds.vocab_size)  # vocab_size: the tokenizer's
   saved_config = ml_collections.ConfigDict(config.to_dict())
   saved_config.model.vocab_size = model.vocab_size
   if not saved_config.data.get("tokenizer_path") and tokenizer:
-    saved_config.data.tokenizer_path = tokenizer   # for tools, beside tokenizer.model
+    saved_config.data.tokenizer_path = tokenizer  # for tools, beside tokenizer.model
   fileio.makedirs(workdir)
   save_tokenizer(tokenizer, workdir)
   save_config(saved_config, workdir)

@@ -11,6 +11,7 @@ is split over (MaxText's `logical_axis_rules`). The mesh has three axes:
 Axes are `AxisType.Auto` (GSPMD style): jax 0.10 defaults to Explicit, which breaks the
 embedding gather in a pjit-style step.
 """
+
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -24,15 +25,15 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical name -> mesh axis (a name, a tuple of names, or None = replicated).
 DEFAULT_RULES = (
-    ("batch", ("data", "fsdp")),
-    ("length", None),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv", None),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    ("time_embed", None),
-    ("layers", None),
+  ("batch", ("data", "fsdp")),
+  ("length", None),
+  ("embed", "fsdp"),
+  ("heads", "tensor"),
+  ("kv", None),
+  ("mlp", "tensor"),
+  ("vocab", "tensor"),
+  ("time_embed", None),
+  ("layers", None),
 )
 
 
@@ -55,8 +56,10 @@ def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple:
       raise MeshError(f"mesh.shape={shape} does not divide the {num_devices} devices")
     shape = tuple(num_devices // known if s == -1 else s for s in shape)
   if int(np.prod(shape)) != num_devices:
-    raise MeshError(f"mesh.shape={shape} needs {int(np.prod(shape))} devices, "
-                    f"but there are {num_devices}; use -1 for 'the rest'")
+    raise MeshError(
+      f"mesh.shape={shape} needs {int(np.prod(shape))} devices, "
+      f"but there are {num_devices}; use -1 for 'the rest'"
+    )
   return shape
 
 
@@ -64,8 +67,9 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> jax.s
   """The ('data', 'fsdp', 'tensor') mesh from `config.mesh.shape`, with Auto axes."""
   devices = list(jax.devices() if devices is None else devices)
   shape = resolve_mesh_shape(mesh_config.shape, len(devices))
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
-                       devices=devices)
+  return jax.make_mesh(
+    shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices
+  )
 
 
 def _as_mesh_axes(value):
@@ -86,10 +90,12 @@ def _as_mesh_axes(value):
 
 def rules_to_config(rules=DEFAULT_RULES) -> dict:
   """Rules as the `mesh.rules` config dict: name -> 'axis' / 'a,b' / '' (replicated)."""
+
   def fmt(target):
     if target is None:
       return ""
     return target if isinstance(target, str) else ",".join(target)
+
   return {name: fmt(target) for name, target in rules}
 
 
@@ -114,8 +120,9 @@ def logical_axis_rules(mesh_config=None) -> tuple:
     targets = (target,) if isinstance(target, str) else (target or ())
     bad = [t for t in targets if t not in MESH_AXES]
     if bad:
-      raise MeshError(f"mesh.rules[{name!r}]={target!r} names unknown mesh axes {bad}; "
-                      f"valid: {list(MESH_AXES)}")
+      raise MeshError(
+        f"mesh.rules[{name!r}]={target!r} names unknown mesh axes {bad}; valid: {list(MESH_AXES)}"
+      )
   return tuple(rules.items())
 
 
@@ -136,8 +143,9 @@ def activation_rules(rules) -> tuple:
   out = []
   for name, target in rules:
     if name != "batch" and target is not None:
-      targets = tuple(t for t in ((target,) if isinstance(target, str) else target)
-                      if t not in taken)
+      targets = tuple(
+        t for t in ((target,) if isinstance(target, str) else target) if t not in taken
+      )
       target = None if not targets else (targets[0] if len(targets) == 1 else targets)
     out.append((name, target))
   return tuple(out)
@@ -167,18 +175,22 @@ def num_batch_shards(mesh: jax.sharding.Mesh, rules) -> int:
   return mesh_axis_size(mesh, dict(rules)["batch"])
 
 
-def global_batch_from_local(local_batch: Mapping[str, np.ndarray],
-                            sharding: NamedSharding,
-                            global_batch_size: int | None = None) -> dict:
+def global_batch_from_local(
+  local_batch: Mapping[str, np.ndarray],
+  sharding: NamedSharding,
+  global_batch_size: int | None = None,
+) -> dict:
   """Global jax.Arrays from this process's slice of the batch (multi-host safe).
 
   With `global_batch_size` the global shape is stated, so jax rejects process-local
   data that does not tile it instead of silently building a smaller "global" batch.
   """
+
   def make(v):
     v = np.asarray(v)
     shape = None if global_batch_size is None else (int(global_batch_size),) + v.shape[1:]
     return jax.make_array_from_process_local_data(sharding, v, global_shape=shape)
+
   return {k: make(v) for k, v in local_batch.items()}
 
 

@@ -14,9 +14,11 @@ exactly those — created, restored or stepped — and they never drift (unannot
 would otherwise get whatever the compiler picks; XLA would also drop size-1 mesh axes:
 equivalent shardings, but another program to compile for each form).
 """
+
+from collections.abc import Callable, Iterable
 import dataclasses
 import functools
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 from flax import nnx
 import jax
@@ -41,9 +43,10 @@ TrainState = nnx.State
 @dataclasses.dataclass
 class StateLayout:
   """How a TrainState is built and sharded, allocating nothing."""
-  graphdef: Any              # nnx.GraphDef of {"model": …, "optimizer": …}
-  abstract: TrainState       # ShapeDtypeStructs with concrete shardings
-  shardings: TrainState      # the NamedSharding of every leaf (a jit's out_shardings)
+
+  graphdef: Any  # nnx.GraphDef of {"model": …, "optimizer": …}
+  abstract: TrainState  # ShapeDtypeStructs with concrete shardings
+  shardings: TrainState  # the NamedSharding of every leaf (a jit's out_shardings)
 
   def assemble(self, model_state: nnx.State, opt_state: nnx.State) -> TrainState:
     """A TrainState of these parts with the exact pytree structure of a created one.
@@ -65,6 +68,7 @@ def _init_fn(cfg: ModelConfig, tx, seed: int):
   def init_fn():
     model = create_model(cfg, seed=seed)
     return {"model": model, "optimizer": nnx.Optimizer(model, tx, wrt=nnx.Param)}
+
   return init_fn
 
 
@@ -74,8 +78,9 @@ def state_layout(cfg: ModelConfig, tx, seed: int, mesh) -> StateLayout:
   Must run under `nnx.logical_axis_rules(rules)`.
   """
   graphdef, abstract = nnx.get_abstract_model(_init_fn(cfg, tx, seed), mesh)
-  return StateLayout(graphdef=graphdef, abstract=abstract,
-                     shardings=jax.tree.map(lambda a: a.sharding, abstract))
+  return StateLayout(
+    graphdef=graphdef, abstract=abstract, shardings=jax.tree.map(lambda a: a.sharding, abstract)
+  )
 
 
 def create_train_state(layout: StateLayout, cfg: ModelConfig, tx, seed: int, mesh):
@@ -105,14 +110,16 @@ def init_train_state(cfg: ModelConfig, tx, seed: int, mesh):
 # --------------------------------------------------------------------------------------
 def _with_rules(rules, fn):
   """`fn` called under `nnx.logical_axis_rules(rules)` (which applies when it traces)."""
+
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     with nnx.logical_axis_rules(rules):
       return fn(*args, **kwargs)
+
   return wrapped
 
 
-_GRID_STREAM = 0x71D   # folded into a step's rng for its time grid (apart from dropout's)
+_GRID_STREAM = 0x71D  # folded into a step's rng for its time grid (apart from dropout's)
 
 
 def _logits(model, batch, rules, dropout_rng=None, time_grid=None):
@@ -123,23 +130,37 @@ def _logits(model, batch, rules, dropout_rng=None, time_grid=None):
   parameter `rules` (the model's `param_rules`): every step that runs the model passes
   them (train and eval alike); otherwise each device would hold all K×S generated
   weights whole."""
-  return model(batch["inputs"], segment_ids_bl=batch.get("segment_ids"),
-               positions_bl=batch.get("positions"), deterministic=dropout_rng is None,
-               dropout_rng=dropout_rng, time_grid=time_grid, param_rules=rules)
+  return model(
+    batch["inputs"],
+    segment_ids_bl=batch.get("segment_ids"),
+    positions_bl=batch.get("positions"),
+    deterministic=dropout_rng is None,
+    dropout_rng=dropout_rng,
+    time_grid=time_grid,
+    param_rules=rules,
+  )
 
 
 def _microbatches(batch, num: int, batch_spec):
   """[B, …] -> [num, B/num, …], microbatch j = rows j, j+num, … (balanced over shards)."""
+
   def split(x):
     y = x.reshape((x.shape[0] // num, num) + x.shape[1:]).swapaxes(0, 1)
     spec = jax.sharding.PartitionSpec(None, *batch_spec)
     return jax.lax.with_sharding_constraint(y, spec)
+
   return jax.tree.map(split, batch)
 
 
-def make_train_step(layout: StateLayout, schedule: Callable, rules, *,
-                    grad_accum_steps: int = 1, use_dropout: bool = False,
-                    skip_nonfinite: bool = False) -> Callable:
+def make_train_step(
+  layout: StateLayout,
+  schedule: Callable,
+  rules,
+  *,
+  grad_accum_steps: int = 1,
+  use_dropout: bool = False,
+  skip_nonfinite: bool = False,
+) -> Callable:
   """The jitted step: (state, batch, rng) -> (state, TrainMetrics); state donated.
 
   `rules` are the (parameter) logical-axis rules; the step is traced under the
@@ -171,7 +192,7 @@ def make_train_step(layout: StateLayout, schedule: Callable, rules, *,
 
   def apply_update(state, grads):
     model, optimizer = layout.merge(state)
-    optimizer.update(model, grads)   # clips by the global norm first (create_optimizer)
+    optimizer.update(model, grads)  # clips by the global norm first (create_optimizer)
     return nnx.state({"model": model, "optimizer": optimizer})
 
   def train_step(state, batch, rng):
@@ -192,13 +213,13 @@ def make_train_step(layout: StateLayout, schedule: Callable, rules, *,
       def body(carry, xs):
         g_acc, l_acc = carry
         mb, j = xs
-        (_, l), g = grad_fn(params, rest, graphdef, mb, jax.random.fold_in(rng, j),
-                            denominator)
+        (_, l), g = grad_fn(params, rest, graphdef, mb, jax.random.fold_in(rng, j), denominator)
         return (jax.tree.map(jnp.add, g_acc, g), l_acc + l), None
 
       zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
       (grads, loss_sum), _ = jax.lax.scan(
-          body, (zeros, jnp.float32(0)), (micro, jnp.arange(grad_accum_steps)))
+        body, (zeros, jnp.float32(0)), (micro, jnp.arange(grad_accum_steps))
+      )
     # The norm of the whole (accumulated) gradient: the one the optimizer's clipping
     # takes too. Neither the updates nor the new parameters are reduced to norms here:
     # each would be one more pass over every parameter per step (the updates would also
@@ -210,27 +231,35 @@ def make_train_step(layout: StateLayout, schedule: Callable, rules, *,
     if skip_nonfinite:
       ok = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
       new_state = jax.lax.cond(ok, apply_update, lambda state, _: state, state, grads)
-      loss_sum, weight_sum, grad_norm = (jnp.where(ok, x, 0.0)
-                                         for x in (loss_sum, weight_sum, grad_norm))
+      loss_sum, weight_sum, grad_norm = (
+        jnp.where(ok, x, 0.0) for x in (loss_sum, weight_sum, grad_norm)
+      )
       applied = ok.astype(jnp.float32)
     else:
       new_state = apply_update(state, grads)
     out = metrics_lib.TrainMetrics.single_from_model_output(
-        loss_sum=loss_sum, weight_sum=weight_sum, grad_norm=grad_norm, learning_rate=lr,
-        applied=applied)
+      loss_sum=loss_sum,
+      weight_sum=weight_sum,
+      grad_norm=grad_norm,
+      learning_rate=lr,
+      applied=applied,
+    )
     return new_state, out
 
-  return _with_rules(sharding_lib.activation_rules(rules),
-                    jax.jit(train_step, donate_argnums=(0,),
-                            out_shardings=(layout.shardings, None)))
+  return _with_rules(
+    sharding_lib.activation_rules(rules),
+    jax.jit(train_step, donate_argnums=(0,), out_shardings=(layout.shardings, None)),
+  )
 
 
 def make_param_norm(layout: StateLayout) -> Callable:
   """The jitted global L2 norm of the model's parameters in a TrainState."""
+
   @jax.jit
   def param_norm(state):
     model, _ = layout.merge(state)
     return optax.global_norm(nnx.state(model, nnx.Param))
+
   return param_norm
 
 
@@ -245,24 +274,30 @@ def make_eval_step(layout: StateLayout, rules) -> Callable:
     model, _ = layout.merge(state)
     nll, weight, correct = evaluation.score_sums(model, batch, rules)
     return metrics_lib.EvalMetrics.single_from_model_output(
-        loss_sum=nll, weight_sum=weight, correct_sum=correct)
+      loss_sum=nll, weight_sum=weight, correct_sum=correct
+    )
 
-  return _with_rules(sharding_lib.activation_rules(rules),
-                    jax.jit(eval_step))
+  return _with_rules(sharding_lib.activation_rules(rules), jax.jit(eval_step))
 
 
 # --------------------------------------------------------------------------------------
 # Batches: each process its own rows
 # --------------------------------------------------------------------------------------
-def local_batch(batch, local_batch_size: Optional[int] = None) -> dict:
+def local_batch(batch, local_batch_size: int | None = None) -> dict:
   """This process's rows of a train or eval batch as the model's numpy arrays
   (`evaluation.host_batch`): a short last eval batch padded to `local_batch_size` rows
   of weight 0. `sharding.global_batch_from_local` makes them one global batch."""
   return evaluation.host_batch(batch, local_batch_size)
 
 
-def evaluate(eval_step, state, batches: Iterable, batch_sharding, local_batch_size: int,
-             num_eval_steps: int = -1) -> dict:
+def evaluate(
+  eval_step,
+  state,
+  batches: Iterable,
+  batch_sharding,
+  local_batch_size: int,
+  num_eval_steps: int = -1,
+) -> dict:
   """The train loop's evaluation: token-weighted loss, perplexity and accuracy over at
   most `num_eval_steps` of `batches` (this process's rows of each), summed on device.
 
@@ -274,8 +309,8 @@ def evaluate(eval_step, state, batches: Iterable, batch_sharding, local_batch_si
     if 0 <= num_eval_steps <= i:
       break
     gbatch = sharding_lib.global_batch_from_local(
-        local_batch(batch, local_batch_size), batch_sharding,
-        local_batch_size * jax.process_count())
+      local_batch(batch, local_batch_size), batch_sharding, local_batch_size * jax.process_count()
+    )
     m = eval_step(state, gbatch)
     merged = m if merged is None else merged.merge(m)
   if merged is None:

@@ -7,6 +7,7 @@ seed — so that a resume with other settings is refused before anything is writ
 (`check_resumable`, `check_tokenizer`); `resume_with_changes` accepts the latter
 knowingly. Also the run's `config.json` and the copy of its tokenizer in the workdir.
 """
+
 import json
 
 from absl import logging
@@ -29,24 +30,33 @@ from odetransformer.train.checkpoint.paths import (
 # data.vocab_size).
 RESUMABLE_MODEL_FIELDS = ("vocab_size", "remat_policy", "dtype", "state_dtype", "attention_impl")
 # The data settings that decide what the run trains on and with which tokenizer.
-FINGERPRINT_DATA_FIELDS = ("source", "train_split", "train_files", "text_key", "vocab_size",
-                           "tokenizer_sample_bytes")
+FINGERPRINT_DATA_FIELDS = (
+  "source",
+  "train_split",
+  "train_files",
+  "text_key",
+  "vocab_size",
+  "tokenizer_sample_bytes",
+)
 
 
 # What makes a resume continue the run exactly: the batch shape and the seed.
 RESUME_FIELDS = ("global_batch_size", "seq_len", "seed")
 # Differences that `resume_with_changes` cannot accept: the arrays would mean something
 # else (another model, vocabulary or tokenizer).
-ARRAY_MEANING_DIFFS = ("model.", "data.vocab_size ", "data.tokenizer_sample_bytes ",
-                       "tokenizer file ")
+ARRAY_MEANING_DIFFS = (
+  "model.",
+  "data.vocab_size ",
+  "data.tokenizer_sample_bytes ",
+  "tokenizer file ",
+)
 
 
 def file_sha256(path: str) -> str:
   return fileio.sha256(path)
 
 
-def fingerprint(config, tokenizer_sha256: str | None = None,
-                data_hash: str | None = None) -> dict:
+def fingerprint(config, tokenizer_sha256: str | None = None, data_hash: str | None = None) -> dict:
   """What a run's checkpoints depend on, as plain JSON values.
 
   The model config (less `RESUMABLE_MODEL_FIELDS`), the data source and split and the
@@ -58,8 +68,13 @@ def fingerprint(config, tokenizer_sha256: str | None = None,
   model = {k: v for k, v in plain.get("model", {}).items() if k not in RESUMABLE_MODEL_FIELDS}
   data = {k: plain.get("data", {}).get(k) for k in FINGERPRINT_DATA_FIELDS}
   resume = {k: plain.get(k) for k in RESUME_FIELDS}
-  return {"model": model, "data": data, "resume": resume,
-          "tokenizer_sha256": tokenizer_sha256, "data_content_hash": data_hash}
+  return {
+    "model": model,
+    "data": data,
+    "resume": resume,
+    "tokenizer_sha256": tokenizer_sha256,
+    "data_content_hash": data_hash,
+  }
 
 
 def fingerprint_diffs(old: dict, new: dict) -> list:
@@ -73,7 +88,7 @@ def fingerprint_diffs(old: dict, new: dict) -> list:
   diffs = []
   for section in ("model", "data", "resume"):
     a, b = old.get(section) or {}, new.get(section) or {}
-    if section == "model":   # a run written before a rename compares under the new names
+    if section == "model":  # a run written before a rename compares under the new names
       a, b = migrate_model_fields(a, warn=False), migrate_model_fields(b, warn=False)
     for key in sorted(set(a) & set(b)):
       if section == "model" and key in RESUMABLE_MODEL_FIELDS:
@@ -128,13 +143,19 @@ def check_resumable(config, workdir: str) -> dict | None:
   if found is None:
     return None
   step, stored = found
-  _refuse_if_different(config, workdir, step, stored,
-                       fingerprint(config, tokenizer_sha256(config.data.get("tokenizer_path"))))
+  _refuse_if_different(
+    config,
+    workdir,
+    step,
+    stored,
+    fingerprint(config, tokenizer_sha256(config.data.get("tokenizer_path"))),
+  )
   return stored
 
 
-def check_tokenizer(config, tokenizer_path: str, workdir: str, stored: dict | None,
-                    data_hash: str | None = None) -> dict:
+def check_tokenizer(
+  config, tokenizer_path: str, workdir: str, stored: dict | None, data_hash: str | None = None
+) -> dict:
   """The run's fingerprint, with its tokenizer's hash and its training data's content
   hash (`Datasets.content_hash`); ConfigError when a resumed run's tokenizer file or
   data differ from the checkpoints' (before the tokenizer is copied into the workdir).
@@ -143,8 +164,10 @@ def check_tokenizer(config, tokenizer_path: str, workdir: str, stored: dict | No
   if stored is not None:
     diffs = _refuse_if_different(config, workdir, finalized_steps(workdir)[-1], stored, new)
     if diffs:
-      logging.warning("resuming with changes (resume_with_changes=true): %s; the run no "
-                      "longer continues exactly", "; ".join(diffs))
+      logging.warning(
+        "resuming with changes (resume_with_changes=true): %s; the run no longer continues exactly",
+        "; ".join(diffs),
+      )
   return new
 
 
@@ -156,15 +179,17 @@ def _refuse_if_different(config, workdir: str, step: int, stored: dict, new: dic
     return []
   if any(d.startswith(ARRAY_MEANING_DIFFS) for d in diffs):
     raise ConfigError(
-        f"{workdir} holds checkpoints (step {step}) of a different model, data or "
-        f"tokenizer ({'; '.join(diffs)}); resume with the same settings, start a new "
-        "--workdir, or fine-tune from this run with --config.init_from")
+      f"{workdir} holds checkpoints (step {step}) of a different model, data or "
+      f"tokenizer ({'; '.join(diffs)}); resume with the same settings, start a new "
+      "--workdir, or fine-tune from this run with --config.init_from"
+    )
   if not config.get("resume_with_changes", False):
     raise ConfigError(
-        f"{workdir} holds checkpoints (step {step}) trained on other data or batch "
-        f"settings ({'; '.join(diffs)}); resume with the same settings, pass "
-        "--config.resume_with_changes=true to continue from them anyway (no longer an "
-        "exact resume), or start a new --workdir")
+      f"{workdir} holds checkpoints (step {step}) trained on other data or batch "
+      f"settings ({'; '.join(diffs)}); resume with the same settings, pass "
+      "--config.resume_with_changes=true to continue from them anyway (no longer an "
+      "exact resume), or start a new --workdir"
+    )
   return diffs
 
 
@@ -174,7 +199,7 @@ def save_tokenizer(src: str, workdir: str):
   if jax.process_index() != 0 or not src or fileio.same_file(src, path):
     return
   if fileio.isfile(path) and fileio.sha256(path) == fileio.sha256(src):
-    return                 # a resumed run's own tokenizer: left as it is
+    return  # a resumed run's own tokenizer: left as it is
   fileio.copy(src, path)
 
 
@@ -183,8 +208,9 @@ def save_config(config, workdir: str):
   if jax.process_index() != 0:
     return
   fileio.makedirs(workdir)
-  fileio.write_text_atomic(fileio.join(workdir, CONFIG_FILE),
-                           config.to_json_best_effort(indent=2, sort_keys=True))
+  fileio.write_text_atomic(
+    fileio.join(workdir, CONFIG_FILE), config.to_json_best_effort(indent=2, sort_keys=True)
+  )
 
 
 def load_config(workdir: str):
@@ -199,8 +225,6 @@ def load_config(workdir: str):
     for step in reversed(finalized_steps(workdir)):
       meta = read_json(fileio.join(checkpoint_dir(workdir), str(step), "meta", "metadata"))
       if isinstance((meta or {}).get("config"), dict):
-        logging.warning("%s is missing: using the config recorded in checkpoint %d",
-                        path, step)
+        logging.warning("%s is missing: using the config recorded in checkpoint %d", path, step)
         return migrate_config(ml_collections.ConfigDict(meta["config"]), warn=False)
-  return migrate_config(ml_collections.ConfigDict(json.loads(fileio.read_text(path))),
-                        warn=False)
+  return migrate_config(ml_collections.ConfigDict(json.loads(fileio.read_text(path))), warn=False)

@@ -14,6 +14,7 @@ unless `checkpoint_allow_unverified` is set.
 The save and restore arguments here (`ArraysSave`, `JsonSave`, ...) route each item to
 the handlers that write and check these records (`integrity_item_handlers`).
 """
+
 import json
 
 import orbax.checkpoint as ocp
@@ -22,7 +23,7 @@ from orbax.checkpoint._src.serialization import tensorstore_utils
 from odetransformer.runtime import fileio
 from odetransformer.train.checkpoint.paths import CheckpointError
 
-INTEGRITY_FILE = "integrity.json"    # in each item of a checkpoint
+INTEGRITY_FILE = "integrity.json"  # in each item of a checkpoint
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -34,11 +35,13 @@ class UnverifiedCheckpointError(CheckpointError):
 
 
 UNVERIFIED_HINT = (
-    "its files cannot be checked; restore it unchecked with "
-    "--config.checkpoint_allow_unverified=true (main.py; the tools: "
-    "--checkpoint_allow_unverified), or delete it to use the previous one")
-UNVERIFIED_FLAG_HELP = ("Restore a checkpoint without its integrity record (one written by "
-                        "an older version) unchecked.")
+  "its files cannot be checked; restore it unchecked with "
+  "--config.checkpoint_allow_unverified=true (main.py; the tools: "
+  "--checkpoint_allow_unverified), or delete it to use the previous one"
+)
+UNVERIFIED_FLAG_HELP = (
+  "Restore a checkpoint without its integrity record (one written by an older version) unchecked."
+)
 
 
 def _build_zarr3_metadata_with_crc32c(*args, **kwargs):
@@ -94,10 +97,14 @@ def write_integrity_record(item_dir, chunk_checksums: bool):
   temporary directory; on object stores, commit_success.txt).
   """
   files = [rel for rel in files_under(item_dir) if not (chunk_checksums and _chunk_file(rel))]
-  record = {"version": 1, "chunks": "crc32c" if chunk_checksums else None,
-            "sha256": {rel: fileio.sha256(fileio.join(item_dir, rel)) for rel in files}}
-  fileio.write_text_atomic(fileio.join(item_dir, INTEGRITY_FILE),
-                           json.dumps(record, indent=0, sort_keys=True))
+  record = {
+    "version": 1,
+    "chunks": "crc32c" if chunk_checksums else None,
+    "sha256": {rel: fileio.sha256(fileio.join(item_dir, rel)) for rel in files},
+  }
+  fileio.write_text_atomic(
+    fileio.join(item_dir, INTEGRITY_FILE), json.dumps(record, indent=0, sort_keys=True)
+  )
 
 
 def verify_integrity_record(item_dir):
@@ -128,7 +135,8 @@ def verify_integrity_record(item_dir):
       raise CorruptCheckpointError(f"{full} is missing") from e
     if actual != expected:
       raise CorruptCheckpointError(
-          f"{full} is corrupt: its sha256 differs from the one recorded when it was saved")
+        f"{full} is corrupt: its sha256 differs from the one recorded when it was saved"
+      )
 
 
 class _IntegrityPyTreeHandler(ocp.PyTreeCheckpointHandler):
@@ -139,7 +147,7 @@ class _IntegrityPyTreeHandler(ocp.PyTreeCheckpointHandler):
     super().__init__(use_zarr3=True)
 
   def finalize(self, directory):
-    super().finalize(directory)           # merges the processes' OCDBT manifests
+    super().finalize(directory)  # merges the processes' OCDBT manifests
     write_integrity_record(directory, chunk_checksums=True)
 
 
@@ -155,16 +163,18 @@ def _routed_to(handler_cls, args_cls, name: str, **save_or_restore):
   """A subclass of orbax's `args_cls` that routes an item to `handler_cls` (orbax finds
   an item's handler by the type of its arguments)."""
   return ocp.args.register_with_handler(handler_cls, **save_or_restore)(
-      type(name, (args_cls,), {"__module__": __name__}))
+    type(name, (args_cls,), {"__module__": __name__})
+  )
 
 
-ArraysSave = _routed_to(_IntegrityPyTreeHandler, ocp.args.PyTreeSave, "ArraysSave",
-                        for_save=True)
-ArraysRestore = _routed_to(_IntegrityPyTreeHandler, ocp.args.PyTreeRestore, "ArraysRestore",
-                           for_restore=True)
+ArraysSave = _routed_to(_IntegrityPyTreeHandler, ocp.args.PyTreeSave, "ArraysSave", for_save=True)
+ArraysRestore = _routed_to(
+  _IntegrityPyTreeHandler, ocp.args.PyTreeRestore, "ArraysRestore", for_restore=True
+)
 JsonSave = _routed_to(_IntegrityJsonHandler, ocp.args.JsonSave, "JsonSave", for_save=True)
-JsonRestore = _routed_to(_IntegrityJsonHandler, ocp.args.JsonRestore, "JsonRestore",
-                         for_restore=True)
+JsonRestore = _routed_to(
+  _IntegrityJsonHandler, ocp.args.JsonRestore, "JsonRestore", for_restore=True
+)
 
 
 ARRAY_ITEMS, JSON_ITEMS = ("model", "opt"), ("meta", "data")

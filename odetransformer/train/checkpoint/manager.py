@@ -25,6 +25,7 @@ is used; when none restores, `CheckpointError` stops the run and nothing is move
 overwritten. A save that fails (disk full, directory gone) is a one-line CheckpointError
 too.
 """
+
 import json
 import os
 import signal
@@ -58,8 +59,10 @@ def validate_options(config):
   """UserError for checkpoint settings that would lose work (checked before any write)."""
   keep = config.get("checkpoint_max_to_keep", 3)
   if keep is not None and (not isinstance(keep, int) or keep < 1):
-    raise UserError(f"checkpoint_max_to_keep={keep!r} would keep no checkpoint (not even "
-                    "the final one); use a positive count, e.g. 3")
+    raise UserError(
+      f"checkpoint_max_to_keep={keep!r} would keep no checkpoint (not even "
+      "the final one); use a positive count, e.g. 3"
+    )
 
 
 def _owner_path(workdir: str, step: int) -> str:
@@ -81,11 +84,18 @@ class Checkpointer:
   `allow_unverified` (set by the caller): restore checkpoints without their integrity
   record (`restore_newest`).
   """
+
   allow_unverified = False
 
-  def __init__(self, workdir: str, *, max_to_keep: int = 3, async_save: bool = True,
-               fingerprint: dict | None = None,
-               lock: workdir_lock.WorkdirLock | None = None):
+  def __init__(
+    self,
+    workdir: str,
+    *,
+    max_to_keep: int = 3,
+    async_save: bool = True,
+    fingerprint: dict | None = None,
+    lock: workdir_lock.WorkdirLock | None = None,
+  ):
     self.workdir = os.fspath(workdir)
     self.directory = checkpoint_dir(workdir)
     self.fingerprint = fingerprint
@@ -95,12 +105,14 @@ class Checkpointer:
     # Not orbax's cleanup_tmp_directories: it deletes every temporary directory, those of
     # a run still writing into this workdir too.
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
-    self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_handlers=integrity.integrity_item_handlers())
+      max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save
+    )
+    self._manager = ocp.CheckpointManager(
+      self.directory, options=options, item_handlers=integrity.integrity_item_handlers()
+    )
     self._preempted = threading.Event()
     self._old_handlers = {}
-    self._pending_step = None     # the step of a save that may still be in flight
+    self._pending_step = None  # the step of a save that may still be in flight
 
   # -- ownership of the workdir's saves --------------------------------------------------
   def _holds_lock(self) -> bool:
@@ -113,19 +125,25 @@ class Checkpointer:
       previous = self.lock.previous or {}
       unfinished = unfinished_steps(self.workdir)
       for name in fileio.listdir(fileio.join(self.workdir, OWNERS_DIR)):
-        if name.split(".")[0] not in {str(s) for s, _ in unfinished}:   # of complete saves
+        if name.split(".")[0] not in {str(s) for s, _ in unfinished}:  # of complete saves
           fileio.remove(fileio.join(self.workdir, OWNERS_DIR, name))
       for step, path in unfinished:
         owner = read_json(_owner_path(self.workdir, step))
-        if owner and (workdir_lock.pid_gone(owner) or (
-            previous.get("gone") and previous.get("run") == owner.get("run"))):
+        if owner and (
+          workdir_lock.pid_gone(owner)
+          or (previous.get("gone") and previous.get("run") == owner.get("run"))
+        ):
           fileio.rmtree(path)
           logging.info("deleted %s, an unfinished save of a run that has ended", path)
           continue
-        writer = (f"of PID {owner.get('pid')} on host {owner.get('host')}, which may still "
-                  "be running" if owner else "of a run that recorded no owner")
-        logging.warning("left %s, an unfinished save %s; delete it once no run writes "
-                        "this workdir", path, writer)
+        writer = (
+          f"of PID {owner.get('pid')} on host {owner.get('host')}, which may still be running"
+          if owner
+          else "of a run that recorded no owner"
+        )
+        logging.warning(
+          "left %s, an unfinished save %s; delete it once no run writes this workdir", path, writer
+        )
     multihost.sync("odetransformer_remove_dead_saves")
 
   def claim_step(self, step: int):
@@ -156,17 +174,26 @@ class Checkpointer:
     """
     if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
       return
+
     def handler(signum, frame):
       name = signal.Signals(signum).name
       if signum == signal.SIGINT and self._preempted.is_set():
-        print(f"{name} again: exiting now without saving; the newest complete checkpoint "
-              f"in {self.directory} is kept", file=sys.stderr, flush=True)
+        print(
+          f"{name} again: exiting now without saving; the newest complete checkpoint "
+          f"in {self.directory} is kept",
+          file=sys.stderr,
+          flush=True,
+        )
         os._exit(130)
       # Set before logging: a second SIGINT can run this handler again as soon as the
       # line is out, and must then find the first one seen.
       self._preempted.set()
-      logging.warning("%s received: saving a checkpoint and stopping%s.", name,
-                      " (Ctrl-C again to exit at once)" if signum == signal.SIGINT else "")
+      logging.warning(
+        "%s received: saving a checkpoint and stopping%s.",
+        name,
+        " (Ctrl-C again to exit at once)" if signum == signal.SIGINT else "",
+      )
+
     for sig in (signal.SIGTERM, signal.SIGINT):
       self._old_handlers[sig] = signal.signal(sig, handler)
 
@@ -187,8 +214,9 @@ class Checkpointer:
   def all_steps(self) -> list:
     return list(self._manager.all_steps())
 
-  def save(self, step: int, model, optimizer, *, meta: dict, data_state: Any,
-           force: bool = False) -> bool:
+  def save(
+    self, step: int, model, optimizer, *, meta: dict, data_state: Any, force: bool = False
+  ) -> bool:
     """Starts an (async) save of everything needed to resume at `step`.
 
     `model` and `optimizer` are modules or their `nnx.State`s. `data_state` is this
@@ -201,12 +229,12 @@ class Checkpointer:
     if self.fingerprint is not None:
       meta["fingerprint"] = self.fingerprint
     args = ocp.args.Composite(
-        model=integrity.ArraysSave(nnx.to_pure_dict(_as_state(model))),
-        opt=integrity.ArraysSave(nnx.to_pure_dict(_as_state(optimizer))),
-        meta=integrity.JsonSave(meta),
-        data=integrity.JsonSave(data),
+      model=integrity.ArraysSave(nnx.to_pure_dict(_as_state(model))),
+      opt=integrity.ArraysSave(nnx.to_pure_dict(_as_state(optimizer))),
+      meta=integrity.JsonSave(meta),
+      data=integrity.JsonSave(data),
     )
-    self.wait_until_finished()    # orbax waits for the previous save anyway
+    self.wait_until_finished()  # orbax waits for the previous save anyway
     try:
       saved = bool(self._manager.save(int(step), args=args, force=force))
     except Exception as e:
@@ -217,12 +245,12 @@ class Checkpointer:
 
   def _save_error(self, step: int, e: BaseException) -> CheckpointError:
     kept = [s for s in finalized_steps(self.workdir) if s != step]
-    resume = (f"it resumes from step {kept[-1]}" if kept
-              else "no checkpoint was written yet")
+    resume = f"it resumes from step {kept[-1]}" if kept else "no checkpoint was written yet"
     return CheckpointError(
-        f"saving the checkpoint of step {step} in {self.directory} failed "
-        f"({error_line(e)}); free disk space or restore the directory, then run the same "
-        f"command again ({resume})")
+      f"saving the checkpoint of step {step} in {self.directory} failed "
+      f"({error_line(e)}); free disk space or restore the directory, then run the same "
+      f"command again ({resume})"
+    )
 
   def restore(self, step: int, abstract_model_state, abstract_opt_state):
     """Restores one step into abstract states (from `nnx.get_abstract_model`).
@@ -232,8 +260,13 @@ class Checkpointer:
       `nnx.update` with, the meta dict, and this process's iterator state.
     """
     step, (model_state, opt_state, meta, data) = restore_newest(
-        self._manager, self.directory, [int(step)], abstract_model_state, abstract_opt_state,
-        allow_unverified=self.allow_unverified)
+      self._manager,
+      self.directory,
+      [int(step)],
+      abstract_model_state,
+      abstract_opt_state,
+      allow_unverified=self.allow_unverified,
+    )
     return model_state, opt_state, meta, _this_process_data(data)
 
   def restore_latest(self, abstract_model_state, abstract_opt_state):
@@ -250,9 +283,14 @@ class Checkpointer:
     steps = sorted(self.all_steps(), reverse=True)
     if not steps:
       return None
-    step, restored = restore_newest(self._manager, self.directory, steps,
-                                    abstract_model_state, abstract_opt_state,
-                                    allow_unverified=self.allow_unverified)
+    step, restored = restore_newest(
+      self._manager,
+      self.directory,
+      steps,
+      abstract_model_state,
+      abstract_opt_state,
+      allow_unverified=self.allow_unverified,
+    )
     failed = [s for s in steps if s > step]
     if failed:
       self.set_aside(failed)
@@ -288,7 +326,7 @@ class Checkpointer:
       try:
         self._manager.close()
       except Exception:
-        pass   # the save's own error (above) is the one to report
+        pass  # the save's own error (above) is the one to report
 
 
 def _this_process_data(data):

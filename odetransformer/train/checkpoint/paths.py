@@ -10,6 +10,7 @@ A local step is complete once orbax renamed its temporary directory
 (`<step>.orbax-checkpoint-tmp-<ts>`) to `<step>`; on an object store, where there is no
 rename, once `<step>/` holds `commit_success.txt`.
 """
+
 import json
 import re
 
@@ -19,10 +20,10 @@ from odetransformer.runtime import fileio
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
 CONFIG_FILE = "config.json"
-TOKENIZER_FILE = "tokenizer.model"   # the run's tokenizer, copied into its workdir
-OWNERS_DIR = ".save_owners"          # <step>.json: the run that writes that step
-COMMIT_FILE = "commit_success.txt"   # orbax's mark of a complete step on object stores
-_TMP_STEP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")   # a local step being written
+TOKENIZER_FILE = "tokenizer.model"  # the run's tokenizer, copied into its workdir
+OWNERS_DIR = ".save_owners"  # <step>.json: the run that writes that step
+COMMIT_FILE = "commit_success.txt"  # orbax's mark of a complete step on object stores
+_TMP_STEP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")  # a local step being written
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -47,8 +48,11 @@ def unfinished_steps(workdir: str) -> list:
   if fileio.is_local(directory):
     found = [(int(m.group(1)), n) for n in names for m in [_TMP_STEP.match(n)] if m]
   else:
-    found = [(int(n), n) for n in names if n.isdigit()
-             and not fileio.exists(fileio.join(directory, n, COMMIT_FILE))]
+    found = [
+      (int(n), n)
+      for n in names
+      if n.isdigit() and not fileio.exists(fileio.join(directory, n, COMMIT_FILE))
+    ]
   return sorted((step, fileio.join(directory, name)) for step, name in found)
 
 

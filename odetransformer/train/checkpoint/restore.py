@@ -10,6 +10,7 @@ unreadable one is skipped for the previous one; a reader (evaluation, generation
 step is deleted while it reads (the writer's `max_to_keep` rotation) moves to the newest
 committed step. Every process reads its part and they agree on the verdict.
 """
+
 import json
 import time
 
@@ -30,10 +31,11 @@ from odetransformer.train.checkpoint.paths import (
 
 # Array layouts that changed in the code (not the config) and what to do about them.
 SHAPE_CHANGE_HINT = (
-    "its arrays' shapes differ from this model's under the same config: it was written "
-    "by an odetransformer whose arrays were laid out differently (before 2026-11-22 the "
-    "hypernetworks' P was stored [d_t, *weight axes], now [*weight axes, d_t]); use "
-    "it with that version, or start a new --workdir")
+  "its arrays' shapes differ from this model's under the same config: it was written "
+  "by an odetransformer whose arrays were laid out differently (before 2026-11-22 the "
+  "hypernetworks' P was stored [d_t, *weight axes], now [*weight axes, d_t]); use "
+  "it with that version, or start a new --workdir"
+)
 
 
 class LayoutMismatchError(CheckpointError, ValueError):
@@ -50,31 +52,38 @@ def _check_stored_shapes(directory, step: int, item: str, target):
   corrupt checkpoint) is left for the restore to report.
   """
   try:
-    metadata = ocp.PyTreeCheckpointHandler().metadata(
-        epath.Path(directory) / str(int(step)) / item)
+    metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(directory) / str(int(step)) / item)
   except Exception:
     return
   leaves = jax.tree_util.tree_flatten_with_path(getattr(metadata, "tree", metadata))[0]
-  stored = {jax.tree_util.keystr(path): tuple(m.shape) for path, m in leaves
-            if getattr(m, "shape", None) is not None}
+  stored = {
+    jax.tree_util.keystr(path): tuple(m.shape)
+    for path, m in leaves
+    if getattr(m, "shape", None) is not None
+  }
   for path, x in jax.tree_util.tree_flatten_with_path(target)[0]:
     key = jax.tree_util.keystr(path)
     if key in stored and tuple(x.shape) != stored[key]:
-      raise LayoutMismatchError(f"{item}{key}: requested shape {tuple(x.shape)} is not "
-                                f"compatible with the stored shape {stored[key]}")
+      raise LayoutMismatchError(
+        f"{item}{key}: requested shape {tuple(x.shape)} is not "
+        f"compatible with the stored shape {stored[key]}"
+      )
 
 
 def _fill(abstract_state, pure_dict):
   """An nnx.State shaped like `abstract_state` holding the restored arrays."""
-  state = jax.tree.map(lambda x: x, abstract_state)   # do not mutate the caller's copy
+  state = jax.tree.map(lambda x: x, abstract_state)  # do not mutate the caller's copy
   nnx.replace_by_pure_dict(state, pure_dict)
   return state
 
 
 def _restore_args(targets: dict, json_items: tuple) -> dict:
-  args = {item: integrity.ArraysRestore(
-      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
-          for item, target in targets.items()}
+  args = {
+    item: integrity.ArraysRestore(
+      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+    )
+    for item, target in targets.items()
+  }
   args.update({item: integrity.JsonRestore() for item in json_items})
   return args
 
@@ -86,20 +95,21 @@ def _in_chain(e: BaseException | None, found) -> BaseException | None:
   return e
 
 
-def _corrupt_chunk(step_dir: str,
-                   e: BaseException) -> integrity.CorruptCheckpointError | None:
+def _corrupt_chunk(step_dir: str, e: BaseException) -> integrity.CorruptCheckpointError | None:
   """The CorruptCheckpointError for tensorstore's checksum failure `e` (None: another
   error)."""
   e = _in_chain(e, lambda x: "Digest mismatch" in str(x))
   if e is None:
     return None
   return integrity.CorruptCheckpointError(
-      f"{step_dir} is corrupt: an array chunk's crc32c differs from the one written when "
-      f"it was saved ({error_line(e)[:200]})")
+    f"{step_dir} is corrupt: an array chunk's crc32c differs from the one written when "
+    f"it was saved ({error_line(e)[:200]})"
+  )
 
 
-def _read_step(manager, directory: str, step: int, targets: dict, json_items: tuple,
-               allow_unverified: bool) -> dict:
+def _read_step(
+  manager, directory: str, step: int, targets: dict, json_items: tuple, allow_unverified: bool
+) -> dict:
   """This process's read of one step: the integrity records of the items it reads,
   then the items (tensorstore checks each chunk's crc32c as it reads)."""
   step_dir = fileio.join(directory, str(step))
@@ -110,9 +120,11 @@ def _read_step(manager, directory: str, step: int, targets: dict, json_items: tu
     except integrity.UnverifiedCheckpointError:
       unverified.append(item)
   if unverified:
-    what = (f"the checkpoint of step {step} in {directory} has no integrity record "
-            f"({', '.join(unverified)}: written by an older odetransformer, or its "
-            f"{integrity.INTEGRITY_FILE} was deleted)")
+    what = (
+      f"the checkpoint of step {step} in {directory} has no integrity record "
+      f"({', '.join(unverified)}: written by an older odetransformer, or its "
+      f"{integrity.INTEGRITY_FILE} was deleted)"
+    )
     if not allow_unverified:
       raise integrity.UnverifiedCheckpointError(f"{what}: {integrity.UNVERIFIED_HINT}")
     logging.warning("%s: restoring it unchecked (checkpoint_allow_unverified)", what)
@@ -129,8 +141,13 @@ def _vanished(step_dir: str, e: BaseException) -> bool:
   """True when `step_dir` is gone: deleted while being read (a writer's max_to_keep
   rotation). A file missing from a directory still there waits a few seconds for the
   deletion to finish."""
-  missing = _in_chain(e, lambda x: isinstance(x, FileNotFoundError) or any(
-      text in str(x) for text in ("NOT_FOUND", "No such file")))
+  missing = _in_chain(
+    e,
+    lambda x: (
+      isinstance(x, FileNotFoundError)
+      or any(text in str(x) for text in ("NOT_FOUND", "No such file"))
+    ),
+  )
   deadline = time.monotonic() + (5.0 if missing is not None else 0.0)
   while fileio.isdir(step_dir):
     if time.monotonic() >= deadline:
@@ -139,9 +156,16 @@ def _vanished(step_dir: str, e: BaseException) -> bool:
   return True
 
 
-def restore_newest(manager, directory: str, steps, abstract_model_state,
-                   abstract_opt_state=None, *, allow_unverified: bool = False,
-                   relist=None) -> tuple:
+def restore_newest(
+  manager,
+  directory: str,
+  steps,
+  abstract_model_state,
+  abstract_opt_state=None,
+  *,
+  allow_unverified: bool = False,
+  relist=None,
+) -> tuple:
   """The one restore path: the first of `steps` (newest first) whose files pass their
   integrity checks and restore, as (step, (model_state, opt_state, meta, data)).
 
@@ -168,14 +192,20 @@ def restore_newest(manager, directory: str, steps, abstract_model_state,
       try:
         _check_stored_shapes(directory, step, item, target)
       except LayoutMismatchError as e:
-        raise LayoutMismatchError(f"the checkpoint of step {step} in {directory} does not "
-                                  f"restore: {SHAPE_CHANGE_HINT}; {e}") from e
+        raise LayoutMismatchError(
+          f"the checkpoint of step {step} in {directory} does not restore: {SHAPE_CHANGE_HINT}; {e}"
+        ) from e
     verdict, restored = "", None
     try:
       restored = _read_step(manager, directory, step, targets, json_items, allow_unverified)
     except Exception as e:
-      kind = ("vanished" if _vanished(fileio.join(directory, str(step)), e) else
-              "unverified" if isinstance(e, integrity.UnverifiedCheckpointError) else "failed")
+      kind = (
+        "vanished"
+        if _vanished(fileio.join(directory, str(step)), e)
+        else "unverified"
+        if isinstance(e, integrity.UnverifiedCheckpointError)
+        else "failed"
+      )
       verdict = f"{kind}\t{error_line(e) if kind == 'failed' else e}"
     verdict = next((v for v in multihost.allgather_strings(verdict) if v), "")
     kind, _, message = verdict.partition("\t")
@@ -183,39 +213,55 @@ def restore_newest(manager, directory: str, steps, abstract_model_state,
       raise integrity.UnverifiedCheckpointError(message)
     if kind == "vanished":
       vanished.append(step)
-      logging.warning("the checkpoint of step %d in %s was deleted while being read (a "
-                      "running trainer's max_to_keep?)%s", step, directory,
-                      "; reading the newest one" if relist else "")
+      logging.warning(
+        "the checkpoint of step %d in %s was deleted while being read (a "
+        "running trainer's max_to_keep?)%s",
+        step,
+        directory,
+        "; reading the newest one" if relist else "",
+      )
       if relist is not None:
         listed = [int(s) for s in json.loads(multihost.allgather_strings(json.dumps(relist()))[0])]
         queue = [s for s in listed if s not in tried]
       continue
     if kind == "failed":
       failed.append((step, message))
-      logging.warning("the checkpoint of step %d in %s does not restore (%s)%s", step,
-                      directory, message, "; trying the previous one" if queue else "")
+      logging.warning(
+        "the checkpoint of step %d in %s does not restore (%s)%s",
+        step,
+        directory,
+        message,
+        "; trying the previous one" if queue else "",
+      )
       continue
     if failed:
       logging.warning("using step %d, the newest checkpoint that restores", step)
     model_state = _fill(abstract_model_state, restored["model"])
     if abstract_opt_state is None:
       return step, (model_state, None, None, None)
-    return step, (model_state, _fill(abstract_opt_state, restored["opt"]),
-                  restored["meta"], restored["data"])
+    return step, (
+      model_state,
+      _fill(abstract_opt_state, restored["opt"]),
+      restored["meta"],
+      restored["data"],
+    )
   if not failed:
     raise CheckpointError(
-        f"the checkpoints of steps {vanished} in {directory} were deleted while being read "
-        "(a running trainer's max_to_keep rotation) and no other is left; run the command "
-        "again")
+      f"the checkpoints of steps {vanished} in {directory} were deleted while being read "
+      "(a running trainer's max_to_keep rotation) and no other is left; run the command "
+      "again"
+    )
   newest, error = failed[0]
   raise CheckpointError(
-      f"no checkpoint in {directory} restores (steps {[s for s, _ in failed]}; nothing was "
-      "changed); restore them from a backup or train again in a new --workdir (step "
-      f"{newest}: {error})")
+    f"no checkpoint in {directory} restores (steps {[s for s, _ in failed]}; nothing was "
+    "changed); restore them from a backup or train again in a new --workdir (step "
+    f"{newest}: {error})"
+  )
 
 
-def restore_model_state(workdir: str, abstract_model_state, step: int | None = None,
-                        allow_unverified: bool = False):
+def restore_model_state(
+  workdir: str, abstract_model_state, step: int | None = None, allow_unverified: bool = False
+):
   """Just the model item (for evaluation, generation, materialisation).
 
   The latest checkpoint whose model restores (`restore_newest`); a corrupt one is
@@ -233,24 +279,36 @@ def restore_model_state(workdir: str, abstract_model_state, step: int | None = N
   """
   directory = checkpoint_dir(workdir)
   logs.quiet_orbax_tracebacks()
-  manager = ocp.CheckpointManager(directory,
-                                  item_handlers=integrity.integrity_item_handlers(),
-                                  options=ocp.CheckpointManagerOptions(read_only=True))
+  manager = ocp.CheckpointManager(
+    directory,
+    item_handlers=integrity.integrity_item_handlers(),
+    options=ocp.CheckpointManagerOptions(read_only=True),
+  )
 
   def newest_first():
     manager.reload()
     return sorted(manager.all_steps(), reverse=True)
+
   try:
     steps = sorted(manager.all_steps(), reverse=True) if step is None else [int(step)]
     if not steps:
-      raise CheckpointError(f"{directory} holds no complete checkpoint; train first "
-                            "(python main.py --workdir=...) or pass the --workdir of a run")
+      raise CheckpointError(
+        f"{directory} holds no complete checkpoint; train first "
+        "(python main.py --workdir=...) or pass the --workdir of a run"
+      )
     if step is not None and not fileio.isdir(fileio.join(directory, str(int(step)))):
-      raise CheckpointError(f"{directory} has no checkpoint of step {step}; choose one of "
-                            f"{finalized_steps(workdir)} or leave the step out (the latest)")
+      raise CheckpointError(
+        f"{directory} has no checkpoint of step {step}; choose one of "
+        f"{finalized_steps(workdir)} or leave the step out (the latest)"
+      )
     found, (state, _, _, _) = restore_newest(
-        manager, directory, steps, abstract_model_state, allow_unverified=allow_unverified,
-        relist=newest_first if step is None else None)
+      manager,
+      directory,
+      steps,
+      abstract_model_state,
+      allow_unverified=allow_unverified,
+      relist=newest_first if step is None else None,
+    )
     return state, found
   finally:
     manager.close()
