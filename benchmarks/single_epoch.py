@@ -82,11 +82,7 @@ from absl import logging
 
 from benchmarks import common
 from benchmarks.single_epoch_analysis import analyse_or_say_why_not
-from benchmarks.single_epoch_corpus import (
-  TrainingText,
-  max_single_epoch_steps,
-  single_epoch_check,
-)
+from benchmarks.single_epoch_corpus import TrainingText, max_single_epoch_steps, single_epoch_check
 from benchmarks.single_epoch_report import (
   mean_spread,
   model_label,
@@ -94,13 +90,7 @@ from benchmarks.single_epoch_report import (
   write_curves,
   write_table,
 )
-from benchmarks.single_epoch_runs import (
-  KINDS,
-  describe_device,
-  make_config,
-  run_points,
-  run_whole,
-)
+from benchmarks.single_epoch_runs import KINDS, describe_device, make_config, run_points, run_whole
 from odetransformer.errors import UserError
 from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
 from odetransformer.runtime.logs import quiet_library_logs

@@ -10,11 +10,7 @@ import subprocess
 import time
 
 import pytest
-from test_reliability import (
-  assert_one_line_error,
-  main_cmd,
-  start_and_wait_for_checkpoint,
-)
+from test_reliability import assert_one_line_error, main_cmd, start_and_wait_for_checkpoint
 
 from odetransformer.runtime import fileio
 from odetransformer.runtime.workdir_lock import WorkdirInUseError, WorkdirLock

@@ -42,11 +42,7 @@ STAGE_NODES = {
 }
 # step_time='end' (module docstring): the same stages, nodes reflected where that keeps
 # the method's order.
-END_STAGE_NODES = {
-  "euler": (1.0,),
-  "midpoint": (1.0, 0.5),
-  "rk4": (0.0, 0.5, 1.0),
-}
+END_STAGE_NODES = {"euler": (1.0,), "midpoint": (1.0, 0.5), "rk4": (0.0, 0.5, 1.0)}
 STEP_TIMES = ("start", "end")
 
 

@@ -410,9 +410,7 @@ def format_report(r: MemoryReport) -> str:
         f"the train step's: {r.total_bytes / 2**20:.3f} MiB)"
       )
   else:
-    lines += [
-      f"  gradients (f32)     {gib(r.grad_bytes)}",
-    ]
+    lines += [f"  gradients (f32)     {gib(r.grad_bytes)}"]
     tmp = r.temporaries or {}
     names = (
       "hypernetwork gradients",
