@@ -1,16 +1,8 @@
 """Parameter and FLOP counts without allocating a model (`nnx.eval_shape`).
 
-`python -m odetransformer.model.param_count` prints the table for the paper's shapes
-(Table 3) at d_t = 96, S = 128, DiffEqFormer beside its GPT baseline (GPT vocab 50304,
-Llama vocab 32000, tied embeddings; hypernetwork MLP hidden width H = d):
-
-| shape | layers/K | d | heads | GPT params | DiffEqFormer params (d_t 96) | ratio |
-|---|---|---|---|---|---|---|
-| gpt-small | 12 | 768 | 12 | 124.5 M | 729.1 M | 5.9× |
-| gpt-medium | 24 | 1024 | 16 | 354.9 M | 1,277.3 M | 3.6× |
-| gpt-large | 36 | 1280 | 20 | 774.1 M | 1,978.0 M | 2.6× |
-| llama-1b | 16 | 2048 | 16 | 1,139.3 M | 6,582.0 M | 5.8× |
-
+`python -m odetransformer.model.param_count` prints, as a Markdown table, the parameters
+of the paper's shapes (Table 3) at d_t = 96, S = 128: each DiffEqFormer beside its GPT
+or Llama baseline and their ratio (the figures: benchmarks/README.md, "Parameter counts").
 A DiffEqFormer holds about d_t × one layer's parameters in its projections P, plus as
 many again in P0, whatever K it is run at.
 """
