@@ -34,6 +34,7 @@ from ml_collections import config_flags
 
 from odetransformer import errors
 from odetransformer.runtime import host, hugepages
+from odetransformer.runtime.logs import quiet_library_logs
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config",
@@ -76,11 +77,8 @@ def main(argv):
       f"unexpected arguments {argv[1:]}; flags take the form --name=value (see --helpshort)"
     )
   config = errors.load_config_flag(_CONFIG)
-  from odetransformer.runtime.logs import quiet_library_logs  # pylint: disable=g-import-not-at-top
-
   quiet_library_logs()  # orbax and TFDS: warnings and errors only
-  # Imported after flag parsing: grain workers read absl flags, which must be parsed.
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax  # lazy: after flag parsing (grain workers read absl flags) and JAX_PLATFORMS
 
   if _cpu_by_default:
     logging.info(
@@ -101,14 +99,14 @@ def main(argv):
   elif hugepages.opted_in(os.environ):
     logging.info("%s=1 has no effect here: %s", hugepages.SWITCH, hugepages.reason_not_here())
 
-  from odetransformer.tools import out_of_memory  # pylint: disable=g-import-not-at-top
-  from odetransformer.train import loop  # pylint: disable=g-import-not-at-top
+  from odetransformer.tools import out_of_memory  # lazy: imports jax (see above)
+  from odetransformer.train import loop  # lazy: after flag parsing (grain workers read absl flags)
 
   try:
     loop.train_and_evaluate(config, _WORKDIR.value)  # a UserError: one line (run_cli)
   except errors.UserError:
     raise
-  except Exception as e:  # pylint: disable=broad-except  (XLA out of memory: one line too)
+  except Exception as e:  # XLA out of memory: one line too
     oom = out_of_memory.out_of_memory_error(e, config)
     if oom is None:
       raise

@@ -25,6 +25,8 @@ import re
 import sys
 import traceback
 
+from absl import app, flags
+
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 # Command-line flags renamed in a release: old name -> new. The old name still parses for
@@ -99,7 +101,7 @@ def run_cli(main: Callable[[], object], argv: Sequence[str] | None = None):
     print(f"error: {describe(e)}", file=sys.stderr, flush=True)
     logging.shutdown()
     sys.stdout.flush()
-    os._exit(EXIT_USER_ERROR)  # pylint: disable=protected-access
+    os._exit(EXIT_USER_ERROR)
   except KeyboardInterrupt:
     # Ctrl-C where no handler of ours saves anything (main.py's loop has one): stop
     # without a traceback.
@@ -112,8 +114,6 @@ def run_cli(main: Callable[[], object], argv: Sequence[str] | None = None):
 def run_absl_tool(main: Callable, define_flags: Callable[[], object]) -> None:
   """A command's `if __name__ == "__main__":` body: defines its absl flags, parses them
   (`parse_absl_flags`) and runs `main` through `run_cli`."""
-  from absl import app  # pylint: disable=g-import-not-at-top
-
   define_flags()
   run_cli(lambda: app.run(main, flags_parser=parse_absl_flags))
 
@@ -160,8 +160,6 @@ def parse_absl_flags(argv: list) -> list:
   loads its file while the flags are parsed, so a missing file, a syntax error in it
   or an override of a key the config lacks surface here.
   """
-  from absl import flags  # pylint: disable=g-import-not-at-top
-
   try:
     return flags.FLAGS(renamed_flags(argv, flags.FLAGS))
   except flags.Error as e:

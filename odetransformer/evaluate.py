@@ -1,4 +1,4 @@
-"""`python -m odetransformer.evaluate`: perplexity of a trained run at one or more solver step counts.
+"""`python -m odetransformer.evaluate`: a run's perplexity at one or more solver step counts.
 
 The command's code lives in `odetransformer/tools/evaluate.py`; this module only keeps the
 public command name short and stable.

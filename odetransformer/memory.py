@@ -1,4 +1,4 @@
-"""`python -m odetransformer.memory`: the per-device memory a config needs, before renting the devices.
+"""`python -m odetransformer.memory`: the per-device memory a config needs, before renting devices.
 
 The command's code lives in `odetransformer/tools/memory.py`; this module only keeps the
 public command name short and stable.

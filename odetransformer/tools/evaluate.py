@@ -28,6 +28,7 @@ anything is loaded.
 from collections.abc import Sequence
 import os
 
+from absl import flags
 import jax
 
 from odetransformer.errors import UserError
@@ -36,15 +37,9 @@ from odetransformer.runtime import fileio, host
 from odetransformer.runtime.logs import quiet_tool_logs
 from odetransformer.train import loading
 
-# The scorer and the data of every evaluation (train/evaluation.py); the command only
-# parses flags and prints.
-from odetransformer.train.evaluation import (  # noqa: F401  pylint: disable=unused-import
-  EvalData,
-  Result,
-  eval_data,
-  evaluate,
-  evaluate_model,
-)
+# The scorer and the data of every evaluation (train/evaluation.py), re-exported (hence
+# the noqa); the command only parses flags and prints.
+from odetransformer.train.evaluation import EvalData, Result, eval_data, evaluate, evaluate_model  # noqa: F401
 
 
 # --------------------------------------------------------------------------------------
@@ -138,7 +133,7 @@ def format_table(results: Sequence[Result], trained_k: int) -> str:
 def plot_table(results: Sequence[Result], trained_k: int, title: str = ""):
   """Perplexity against N (log-2 axis, the training K marked) as a matplotlib Figure,
   made without pyplot, so no global figure state or display backend is touched."""
-  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # lazy: matplotlib only for --plot
 
   fig = Figure(figsize=(6, 4), layout="constrained")
   ax = fig.add_subplot()
@@ -161,8 +156,6 @@ def main(argv, flag_values=None):
   process 0 prints and writes the plot."""
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
-  from absl import flags  # pylint: disable=g-import-not-at-top
-
   f = flags.FLAGS if flag_values is None else flag_values
   quiet_tool_logs(cli=True)
   # Every mistake in the flags is a UserError: one line and exit 2 (errors.run_cli).
@@ -204,8 +197,6 @@ def main(argv, flag_values=None):
 
 def define_flags(flag_values=None):
   """Defines this command's flags in `flag_values` (default: absl's global FLAGS)."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
-
   fv = flags.FLAGS if flag_values is None else flag_values
   define = lambda kind, name, default, text: getattr(flags, f"DEFINE_{kind}")(
     name, default, text, flag_values=fv

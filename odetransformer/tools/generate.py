@@ -24,14 +24,18 @@ import functools
 import math
 import time
 
+from absl import flags
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from odetransformer import errors
 from odetransformer.errors import UserError
 from odetransformer.model.config import model_config
 from odetransformer.model.decode import Decoder, KVCache
+from odetransformer.runtime import host
+from odetransformer.runtime.logs import quiet_tool_logs
 from odetransformer.train import loading
 
 PAD_ID = 0
@@ -311,18 +315,12 @@ def main(argv, flag_values=None):
   only process 0 prints."""
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
-  from absl import flags  # pylint: disable=g-import-not-at-top
-
-  from odetransformer.runtime import host  # pylint: disable=g-import-not-at-top
-  from odetransformer.runtime.logs import quiet_tool_logs  # pylint: disable=g-import-not-at-top
-  from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
-
   flags_ = flags.FLAGS if flag_values is None else flag_values
   quiet_tool_logs(cli=True)
   # Every mistake in the flags is a UserError: one line and exit 2 (errors.run_cli).
   check_flags(flags_)
   host.initialize_distributed()
-  loaded = load_model(
+  loaded = loading.load_model(
     flags_.workdir,
     step=flags_.step,
     mesh_shape=flags_.mesh_shape,
@@ -398,8 +396,6 @@ def main(argv, flag_values=None):
 
 def define_flags(flag_values=None):
   """Defines this command's flags in `flag_values` (default: absl's global FLAGS)."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
-
   fv = flags.FLAGS if flag_values is None else flag_values
   define = lambda kind, name, default, text: getattr(flags, f"DEFINE_{kind}")(
     name, default, text, flag_values=fv
@@ -419,6 +415,4 @@ def define_flags(flag_values=None):
 
 
 if __name__ == "__main__":
-  from odetransformer import errors  # pylint: disable=g-import-not-at-top
-
   errors.run_absl_tool(main, define_flags)

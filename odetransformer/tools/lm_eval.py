@@ -59,15 +59,16 @@ def main() -> None:
   except RuntimeError:  # already set by the caller
     pass
   if host.initialize_distributed():  # before anything touches a device
-    import jax  # pylint: disable=g-import-not-at-top
+    import jax  # lazy: only a multi-process run needs jax here
 
     if jax.process_index() != 0:  # same work, no output: process 0 reports
       sys.argv = without_writing_options(sys.argv)
-      sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
+      sys.stdout = open(os.devnull, "w")  # open for the rest of the process
   try:
-    from lm_eval.__main__ import cli_evaluate  # pylint: disable=g-import-not-at-top
+    from lm_eval.__main__ import cli_evaluate  # lazy: the harness is an optional dependency
 
-    from odetransformer.tools import lm_eval_model  # pylint: disable=g-import-not-at-top,unused-import
+    # Registers the model with the harness (hence the noqa); imports the harness too.
+    from odetransformer.tools import lm_eval_model  # noqa: F401
   except ModuleNotFoundError as e:
     if e.name and e.name.split(".")[0] == "lm_eval":
       raise errors.UserError(

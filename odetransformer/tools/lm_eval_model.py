@@ -38,10 +38,12 @@ import jax
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.models.utils import normalize_gen_kwargs
 import numpy as np
 from tqdm import tqdm
 
 from odetransformer.model.decode import Decoder
+from odetransformer.runtime.logs import quiet_tool_logs
 from odetransformer.tools.generate import Sampler, strip_after_eos
 from odetransformer.train import evaluation, loading, sharding
 
@@ -91,11 +93,8 @@ class ODETransformerLM(TemplateLM):
     if model is None:
       if not workdir:
         raise ValueError("odetransformer needs model_args workdir=<training run directory>")
-      from odetransformer.runtime.logs import quiet_tool_logs  # pylint: disable=g-import-not-at-top
-      from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
-
       quiet_tool_logs()
-      loaded = load_model(
+      loaded = loading.load_model(
         str(workdir),
         step=None if step in (None, "") else int(step),
         mesh_shape=str(mesh_shape or "").replace(";", ","),
@@ -234,8 +233,6 @@ class ODETransformerLM(TemplateLM):
   # --- generation ----------------------------------------------------------------------
   def generate_until(self, requests, disable_tqdm: bool = False):
     """Greedy (or sampled, with do_sample) continuations, cut at the first stop string."""
-    from lm_eval.models.utils import normalize_gen_kwargs  # pylint: disable=g-import-not-at-top
-
     if self._sampler is None:
       self._sampler = Sampler(
         Decoder(self.model, self.num_steps), eos_id=self.tokenizer_sp.eos_id()
