@@ -8,5 +8,6 @@ Each tool is a library of pure functions that return numbers, plus a thin argpar
     python -m odetransformer.analysis.clustering --out=DIR
 
 `fields` holds what the first two share: a model's layer weights along t (or per
-layer) and its vector field for one sequence.
+layer) and its vector field for one sequence. `lyapunov` is the command line; its
+computation is `lyapunov_exponents` and its files and summary `lyapunov_report`.
 """
