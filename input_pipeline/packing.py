@@ -196,7 +196,7 @@ class ShardedBatches(grain.IterDataset):
 
 class _ShardedBatchesIterator(grain.DatasetIterator):
   def __init__(self, ds: ShardedBatches):
-    super().__init__([p.__iter__() for p in ds._parents])  # pylint: disable=protected-access
+    super().__init__([p.__iter__() for p in ds._parents])
     self._ids = ds.shard_ids
     self._num_shards = ds.num_shards
     self._num_documents = ds.num_documents

@@ -10,6 +10,8 @@ restore. `--verbose` on the command line keeps them all.
 import logging as std_logging
 import sys
 
+from absl import logging as absl_logging
+
 from odetransformer import errors
 
 _CHATTY = ("/orbax/", "/tensorflow_datasets/")
@@ -63,8 +65,6 @@ def quiet_tool_logs(cli: bool = False) -> None:
   benchmarks that score a run): orbax's and TFDS's records below ERROR hidden (a
   restore's notices are not the user's business); for a command line (`cli`), absl's
   INFO lines of other libraries too."""
-  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
-
   if cli and absl_logging.get_verbosity() >= absl_logging.INFO:
     absl_logging.set_verbosity(absl_logging.WARNING)
   quiet_library_logs(std_logging.ERROR)
@@ -94,7 +94,7 @@ def quiet_orbax_tracebacks():
     if not _closed_loop_callback(exc_type, exc, tb):
       hook(exc_type, exc, tb)
 
-  excepthook._odet_quiet = True  # pylint: disable=protected-access
+  excepthook._odet_quiet = True
   sys.excepthook = excepthook
   unraisable = sys.unraisablehook
 

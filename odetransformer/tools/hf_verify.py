@@ -19,6 +19,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import sentencepiece as spm
 
 from odetransformer.runtime import fileio
 
@@ -69,8 +70,6 @@ def reference_model(e) -> tuple:
 
 
 def _sp(e):
-  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
-
   return spm.SentencePieceProcessor(model_proto=e.sp_model)
 
 
@@ -90,8 +89,8 @@ def _until_eos(ids, eos):
 def verify(e) -> Agreement:
   """Loads `e.out` (an `export.Exported`) with transformers (torch, CPU) and compares it
   with ours."""
-  import torch  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
+  import torch  # lazy: torch and transformers are optional (requirements-export.txt)
+  import transformers  # lazy: as torch
 
   cfg = e.model.config
   context = cfg.max_len if cfg.family == "gpt2" else e.context

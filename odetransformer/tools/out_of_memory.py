@@ -57,7 +57,7 @@ def _planned_bytes(config, device_memory_gib: float) -> int | None:
     return memory.memory_report(
       config, compile_step=False, device_memory_gib=device_memory_gib
     ).total_bytes
-  except Exception:  # pylint: disable=broad-except  (the line is worth more than the plan)
+  except Exception:  # the line is worth more than the plan
     return None
 
 

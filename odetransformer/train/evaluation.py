@@ -195,7 +195,7 @@ def eval_data(
     max_batches: stop after this many batches (0 = the whole split).
     tokenizer_path: the run's tokenizer ('' = `loading.tokenizer_path`).
   """
-  import input_pipeline  # pylint: disable=g-import-not-at-top
+  import input_pipeline  # lazy: grain and TFDS only where data is read (not lm_eval, generate)
 
   d = ml_collections.ConfigDict(config.data.to_dict())
   d.tokenizer_path = tokenizer_path or loading.tokenizer_path(workdir, config)

@@ -267,7 +267,7 @@ def _train(
       train_scalars = metrics_lib.summarize(train_metrics.compute())
       train_metrics = None
       train_scalars["param_norm"] = float(param_norm(state))
-      health.check(lambda: train_scalars["param_norm"])
+      health.check(lambda norm=train_scalars["param_norm"]: norm)
       train_scalars.update(progress.update(step))
       writer.write_scalars(step, train_scalars, prefix="train/")
       metrics_lib.log(metrics_lib.train_log_line(step, last, train_scalars))
