@@ -27,6 +27,9 @@ ROUTED = (
   "odetransformer/tools/evaluate.py",
   "odetransformer/analysis/spectra.py",
   "odetransformer/analysis/lyapunov.py",
+  "odetransformer/analysis/lyapunov_report.py",
+  "odetransformer/train/setup.py",
+  "odetransformer/train/evaluation.py",
   "odetransformer/analysis/clustering.py",
 )
 # (module, function): why a local-file call there is right.
