@@ -31,7 +31,7 @@ from odetransformer.runtime import hugepages
 if getattr(sys.modules["__main__"].__spec__, "name", "").startswith("benchmarks."):
   hugepages.reexec_with_huge_pages()
 
-# pylint: disable=g-import-not-at-top,wrong-import-position
+# The rest after that re-exec (hence noqa: E402).
 from flax import nnx  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -61,7 +61,7 @@ def load_nanogpt(directory: str):
 def main(argv=None):
   args = parse_args(argv)
   try:
-    import torch  # pylint: disable=g-import-not-at-top  (optional: only this anchor needs it)
+    import torch  # lazy: optional, only this anchor needs it
   except ImportError:
     raise SystemExit(
       "error: --nanogpt needs torch; pip install torch (the CUDA build on a GPU host)"

@@ -10,6 +10,7 @@ import numpy as np
 
 from benchmarks import common
 from benchmarks.single_epoch_runs import run_name
+from odetransformer.analysis import clustering, fields, lyapunov, spectra
 from odetransformer.errors import UserError
 from odetransformer.train import loading
 
@@ -20,8 +21,6 @@ def trained_dispersion(model, res) -> dict:
   features as the block's norm does and projected to the unit sphere, then the mean
   pairwise distance, the number of clusters and the polarisation gap of
   `analysis.clustering` at every t."""
-  from odetransformer.analysis import clustering, fields  # pylint: disable=g-import-not-at-top
-
   steps = fields.euler_steps(model)
   field = jax.jit(fields.vector_field(model.config, res.trajectory.shape[1]))
   last = {name: w[-1] for name, w in steps.weights.items()}
@@ -43,8 +42,6 @@ def analyse(workdir: str, out: str, args) -> dict:
   by the analysis package (spectra_{qk,ov,ff}.png, lyapunov.png/.html, App. C.8's
   simulation clustering.png and clustering_dispersion.png) and the clustering measure
   along the model's own trajectory (clustering_trained.png/.json); returns name -> path."""
-  from odetransformer.analysis import clustering, lyapunov, spectra  # pylint: disable=g-import-not-at-top
-
   names = (
     "spectra_qk",
     "spectra_ov",
@@ -90,7 +87,7 @@ def analyse(workdir: str, out: str, args) -> dict:
   measure = trained_dispersion(model, res)
   measure["text"] = "".join(pieces)
   common.write_json(os.path.join(out, "clustering_trained.json"), measure)
-  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # lazy: matplotlib only for the plots
 
   fig = Figure(figsize=(6, 3.8), layout="constrained")
   ax = fig.add_subplot()

@@ -36,7 +36,7 @@ def write_table(root: str, curves: dict, tokens_per_step: int) -> list:
   ]
   with open(os.path.join(root, "single_epoch.md"), "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")
-  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # lazy: matplotlib only for the plots
 
   fig = Figure(figsize=(6, 4), layout="constrained")
   ax = fig.add_subplot()
@@ -94,7 +94,7 @@ def write_curves(root: str, finals: dict, tokens_per_step: int) -> list:
   ]
   with open(os.path.join(root, "single_epoch.md"), "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")
-  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # lazy: matplotlib only for the plots
 
   fig = Figure(figsize=(6, 4), layout="constrained")
   ax = fig.add_subplot()

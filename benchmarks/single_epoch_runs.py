@@ -148,7 +148,7 @@ def read_curve(workdir: str, tag: str = "eval/perplexity") -> dict:
   events file in name (= creation time) order, a later value for a step replacing an
   earlier one (a resumed run writes a new file); a record cut short by a kill ends its
   file."""
-  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  from tensorboardX.proto import event_pb2  # lazy: at the top it would import torch (metrics.py)
 
   out = {}
   for path in sorted(glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))):
