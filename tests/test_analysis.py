@@ -14,6 +14,10 @@ from odetransformer.analysis import clustering, fields, lyapunov, spectra
 from odetransformer.model import blocks
 from odetransformer.model.config import ModelConfig
 from odetransformer.model.transformer import create_model
+from odetransformer.train import loop
+from odetransformer.train.loading import load_model
+
+from tiny import tiny_run_config
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
 pytestmark = pytest.mark.xdist_group("test_analysis")
@@ -53,10 +57,6 @@ def random_model(cfg: ModelConfig, seed: int):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
   """A DiffEqFormer (gpt family) trained for 2 steps on the embedded corpus."""
-  from odetransformer.train import loop  # pylint: disable=g-import-not-at-top
-
-  from tiny import tiny_run_config  # pylint: disable=g-import-not-at-top
-
   c = tiny_run_config(tmp_path_factory.mktemp("analysis_data"))
   c.checkpoint_async = False
   wd = tmp_path_factory.mktemp("analysis_run")
@@ -66,8 +66,6 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ode_model(workdir):
-  from odetransformer.train.loading import load_model  # pylint: disable=g-import-not-at-top
-
   return load_model(workdir).model
 
 

@@ -9,6 +9,7 @@ the suite runs on CPU (conftest), so run them with JAX_PLATFORMS=cuda or tpu the
 
 import dataclasses
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +21,9 @@ from odetransformer.model import blocks
 from odetransformer.model import config as config_lib
 from odetransformer.train import sharding
 
-PLATFORM = blocks._platform()  # pylint: disable=protected-access
+from tiny import run_on_8_cpu_devices
+
+PLATFORM = blocks._platform()
 
 
 def reference_attention(q, k, v, segment_ids):
@@ -115,8 +118,6 @@ def test_splash_gradients_under_a_mesh_equal_xla_gradients():
       return jnp.sum(out * w)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-
-  from flax import nnx  # pylint: disable=g-import-not-at-top
 
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     got = grads("splash")
@@ -256,8 +257,6 @@ print(json.dumps({"splash": splash, "xla": xla, "spec": splash_spec}))
 def test_splash_sharded_over_batch_and_heads_equals_xla(tmp_path):
   """Splash per shard on a (2, 2, 2) mesh of 8 host devices (batch over data × fsdp,
   heads over tensor), interpreted: output and q, k, v gradients equal XLA's there."""
-  from tiny import run_on_8_cpu_devices  # pylint: disable=g-import-not-at-top
-
   out, _ = run_on_8_cpu_devices(_SPLASH_ON_A_MESH, tmp_path, timeout=300)
   assert "tensor" in out["spec"] and "fsdp" in out["spec"], out["spec"]
   for got, want in zip(out["splash"], out["xla"]):

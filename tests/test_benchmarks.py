@@ -5,6 +5,7 @@ rotting between the occasions they are run for real (the GPU command of the READ
 included) and check that each reported figure is the one its own lines imply.
 """
 
+import importlib
 import json
 import math
 import pathlib
@@ -13,10 +14,18 @@ import subprocess
 import sys
 import types
 
+from absl import logging as absl_logging
 from conftest import shared_data_path, shared_reference_path
+import jax
 import pytest
 
-from tiny import cpu_env
+from benchmarks import any_n, common, quality, single_epoch
+from input_pipeline import local_text, pipeline
+from odetransformer.errors import UserError
+from odetransformer.model import config as config_lib
+from odetransformer.tools import evaluate
+
+from tiny import cpu_env, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM = r"([0-9][0-9,]*\.?[0-9]*)"
@@ -47,11 +56,6 @@ def _run_here(module, argv, monkeypatch, capsys) -> str:
   """stdout of `python -m benchmarks.<module> argv...` run in this process (no start-up of
   its own), with the 'rbg' PRNG as `_launch`; absl's verbosity, which the benchmarks
   lower, is restored after. For benchmarks that change no other global state."""
-  import importlib  # pylint: disable=g-import-not-at-top
-
-  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-
   main = importlib.import_module(f"benchmarks.{module}").main
   monkeypatch.setattr(sys, "argv", [module, *argv])
   prng, verbosity = jax.config.jax_default_prng_impl, absl_logging.get_verbosity()
@@ -448,9 +452,6 @@ def test_checkpoint_integrity():
 def test_step_time_and_llama_block_flags_reach_the_runs(tmp_path):
   """quality's --step_time/--llama_block set the DiffEqFormer's model fields (the
   baseline keeps the standard block); any_n's --step_time sets both modes'."""
-  from benchmarks import any_n, quality  # pylint: disable=g-import-not-at-top
-  from odetransformer.model import config as config_lib  # pylint: disable=g-import-not-at-top
-
   text = tmp_path / "t.txt"
   text.write_text("x", encoding="utf-8")
   files = [f"--train_text={text}", f"--eval_text={text}"]
@@ -477,8 +478,6 @@ def test_step_time_and_llama_block_flags_reach_the_runs(tmp_path):
 def test_code_version_is_a_hash_of_the_sources(tmp_path):
   """The same .py files (anywhere) give the same version; a one-byte edit of any of them,
   or a new one, another; other files do not count."""
-  from benchmarks import common  # pylint: disable=g-import-not-at-top
-
   trees = [tmp_path / "a", tmp_path / "b"]
   for root in trees:
     for tree in common.CODE_TREES:
@@ -498,7 +497,6 @@ def test_code_version_is_a_hash_of_the_sources(tmp_path):
 def _fake_training(monkeypatch, calls):
   """train.train_and_evaluate as the benchmarks see it, without training: a 'checkpoint'
   file holds the step a run reached; a call resumes from it and trains to the end."""
-  from benchmarks import common  # pylint: disable=g-import-not-at-top
 
   def fake(config, workdir, stop_at_step=0):
     del stop_at_step
@@ -520,10 +518,6 @@ def _fake_training(monkeypatch, calls):
 def test_keyed_run_reuses_a_workdir_only_under_the_same_code_and_config(
   tmp_path, monkeypatch, capsys
 ):
-  from benchmarks import common  # pylint: disable=g-import-not-at-top
-
-  from tiny import tiny_config  # pylint: disable=g-import-not-at-top
-
   calls = []
   _fake_training(monkeypatch, calls)
   wd, code = str(tmp_path / "run"), common.code_version()
@@ -558,8 +552,6 @@ def test_keyed_run_reuses_a_workdir_only_under_the_same_code_and_config(
 
 
 def test_any_n_scores_are_read_back_only_for_the_same_code(tmp_path, monkeypatch):
-  from benchmarks import any_n, common  # pylint: disable=g-import-not-at-top
-
   calls, scored = [], []
   _fake_training(monkeypatch, calls)
 
@@ -611,10 +603,6 @@ def test_single_epoch_resumes_and_serves_no_token_twice(tmp_path, capsys):
   every 2: a run stopped at step 2 continues there (its step-2 scores read back, not
   retrained), the table and the last line are the scored lines', and a step count past
   one epoch is refused at exactly the count the run announced."""
-  from benchmarks import single_epoch  # pylint: disable=g-import-not-at-top
-  from input_pipeline import local_text  # pylint: disable=g-import-not-at-top
-  from odetransformer.errors import UserError  # pylint: disable=g-import-not-at-top
-
   data = _single_epoch_text(tmp_path)
   flags = [
     f"--data_dir={data}",
@@ -694,9 +682,6 @@ def test_any_n_and_finetuning_from_single_epoch_runs(tmp_path, capsys):
   single-epoch benchmark's own test perplexity), adaptive_finetune --pretrained_* takes
   K, depth, width and tokenizer from the runs, and its 'before' row is the pre-trained
   model's perplexity on the fine-tuning text."""
-  from benchmarks import single_epoch  # pylint: disable=g-import-not-at-top
-  from odetransformer.tools import evaluate  # pylint: disable=g-import-not-at-top
-
   data = _single_epoch_text(tmp_path)
   runs = tmp_path / "runs"
   flags = [
@@ -799,10 +784,6 @@ def test_pretrained_and_kinds_flags_are_checked(tmp_path, monkeypatch, capsys):
 def test_single_epoch_detects_a_second_epoch(tmp_path):
   """The documents-read check on the real pipeline: within the first epoch it counts
   fewer documents than the corpus holds; a stream read past it is refused."""
-  from benchmarks import single_epoch  # pylint: disable=g-import-not-at-top
-  from input_pipeline import pipeline  # pylint: disable=g-import-not-at-top
-  from odetransformer.errors import UserError  # pylint: disable=g-import-not-at-top
-
   args = single_epoch.parse_args([f"--data_dir={_single_epoch_text(tmp_path)}", "--preset=tiny"])
   config = single_epoch.make_config(args, "transformer", 0, 4, str(tmp_path))
   text = single_epoch.TrainingText(config, str(tmp_path))

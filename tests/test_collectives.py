@@ -3,6 +3,7 @@
 Both run in subprocesses with 8 host devices (XLA_FLAGS must be set before jax loads).
 """
 
+import json
 import math
 import pathlib
 import re
@@ -62,8 +63,6 @@ def test_parser_counts_a_known_all_gather_exactly_and_weights_loops():
     timeout=300,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
-  import json  # pylint: disable=g-import-not-at-top
-
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   once = out["once"]
   assert once["static"]["all-gather"] == 64 * 32 * 4  # the gathered f32[64, 32]

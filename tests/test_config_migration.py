@@ -19,6 +19,8 @@ import pytest
 
 from odetransformer import errors
 from odetransformer.model import config as config_lib
+from odetransformer.tools import evaluate
+from odetransformer.train import loading, loop
 from odetransformer.train.checkpoint import fingerprint as fingerprint_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -172,9 +174,6 @@ def old_run(request, tmp_path):
 
 
 def test_an_old_run_loads_and_evaluates_as_before(old_run):
-  from odetransformer.tools import evaluate  # pylint: disable=g-import-not-at-top
-  from odetransformer.train import loading  # pylint: disable=g-import-not-at-top
-
   name, workdir = old_run
   config = loading.load_run_config(workdir)
   m = config.model
@@ -191,8 +190,6 @@ def test_an_old_run_resumes(tmp_path, tmp_path_factory):
   model field) resumes under the new names. The ODE run's config loads and evaluates
   above, and its fingerprint matches under the new names
   (test_an_old_fingerprint_matches_the_same_run_under_new_names)."""
-  from odetransformer.train import loop  # pylint: disable=g-import-not-at-top
-
   workdir = str(tmp_path / "llama")
   shutil.copytree(FIXTURES / "llama", workdir)
   config = ml_collections.ConfigDict(

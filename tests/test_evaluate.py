@@ -21,6 +21,7 @@ from odetransformer.model.transformer import create_model
 from odetransformer.tools import evaluate, generate
 from odetransformer.train import loading, loop
 from odetransformer.train.loading import load_model
+from odetransformer.train.losses import token_cross_entropy, token_scores
 
 from tiny import tiny_run_config
 
@@ -243,8 +244,6 @@ def test_evaluate_command_line_plots_the_printed_table(
 def test_token_scores_equal_a_numpy_reference():
   """The one scorer (train-loop eval, evaluate, lm-eval) against float64 numpy, with a
   masked token, a bf16 input and a tie-free argmax."""
-  from odetransformer.train.losses import token_cross_entropy, token_scores
-
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(3, 5, 7)).astype(np.float32)
   targets = rng.integers(0, 7, (3, 5)).astype(np.int32)

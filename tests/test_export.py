@@ -11,11 +11,24 @@ import subprocess
 import sys
 import tempfile
 
+from absl import flags
+from conftest import shared_data_path
 from flax import nnx
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+import sentencepiece as spm
+
+from odetransformer.errors import UserError
+from odetransformer.model.config import ModelConfig
+from odetransformer.model.transformer import LanguageModel
+from odetransformer.runtime import fileio
+from odetransformer.tools import export, hf_verify
+from odetransformer.train import loading, loop
+from odetransformer.train.checkpoint.fingerprint import save_config
+
+from tiny import cpu_env, tiny_config
 
 # transformers copies a directory's modeling file into this cache (default: ~/.cache).
 _MODULES = tempfile.mkdtemp(prefix="odet_hf_modules_")
@@ -29,16 +42,8 @@ torch = pytest.importorskip(
 transformers = pytest.importorskip("transformers")
 # Tiny models: one thread per op is faster than two on a shared 2-core machine.
 torch.set_num_threads(1)
-
-from conftest import shared_data_path  # pylint: disable=g-import-not-at-top
-
-from odetransformer.errors import UserError  # pylint: disable=g-import-not-at-top
-from odetransformer.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
-from odetransformer.model.transformer import LanguageModel  # pylint: disable=g-import-not-at-top
-from odetransformer.tools import export, hf_verify  # pylint: disable=g-import-not-at-top
-from odetransformer.train import loading, loop
-
-from tiny import cpu_env, tiny_config  # pylint: disable=g-import-not-at-top
+# Comes with transformers: after its importorskip (hence the noqa).
+from safetensors import safe_open  # noqa: E402
 
 pytestmark = [pytest.mark.xdist_group("test_export"), pytest.mark.slow]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -191,8 +196,6 @@ def test_each_kind_loads_in_transformers_with_our_logits(
   assert (out / export.MODELING_FILE).exists() == ("auto_map" in config)
   index = json.loads((out / "model.safetensors.index.json").read_text())  # sharded
   assert len(set(index["weight_map"].values())) > 1
-  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-
   with safe_open(str(out / sorted(set(index["weight_map"].values()))[0]), "pt") as f:
     assert f.get_tensor(next(iter(f.keys()))).dtype == getattr(torch, dtype)
   assert_agrees(e)
@@ -209,8 +212,6 @@ def test_verify_fails_on_a_wrong_export(sp_model, tmp_path):
 
 def test_gcs_run_exports_to_gcs_as_it_does_locally(run, gcs_bucket, tmp_path):
   """A gs:// workdir exported to a gs:// directory: the same files as from local paths."""
-  from odetransformer.runtime import fileio  # pylint: disable=g-import-not-at-top
-
   gs_run, gs_out = f"{gcs_bucket}/export-run", f"{gcs_bucket}/export-hf"
   fileio.copy_tree(run, gs_run)
   export.export(gs_run, gs_out, dtype="bfloat16")
@@ -236,10 +237,6 @@ def test_higher_order_ode_is_refused(solver, tmp_path):
 
 def test_command_line_refuses_rk4_before_loading(tmp_path):
   """A run's config.json alone (no checkpoint): the refusal comes before any loading."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
-
-  from odetransformer.train.checkpoint.fingerprint import save_config  # pylint: disable=g-import-not-at-top
-
   c = tiny_config(tmp_path / "cache")
   c.model.solver = "rk4"
   save_config(c, str(tmp_path))
@@ -296,8 +293,6 @@ def test_out_is_never_merged_into_nor_left_half_written(sp_model, tmp_path, monk
 
 
 def test_tokenizer_gives_sentencepiece_ids_on_real_text(sp_model, tmp_path):
-  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
-
   page = shared_data_path("wikitext-2", "test.txt").read_text(encoding="utf-8")[:6000]
   text = (
     page + "\n\n   three  spaces,\ttab, 2026-11-25 3.14159 \u00e9t\u00e9 na\u00efve "

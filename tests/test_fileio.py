@@ -3,11 +3,16 @@ and on gs:// (a GCS emulator), and no module routed through it touches a workdir
 with local-file calls of its own (a static scan)."""
 
 import ast
+import hashlib
 import os
+import subprocess
+import sys
 
 import pytest
 
 from odetransformer.runtime import fileio
+
+from tiny import cpu_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,8 +134,6 @@ def test_same_results_on_local_and_gs(root):
   fileio.copy_tree(fileio.join(root, "a"), fileio.join(root, "d", "a"))
   fileio.move(fileio.join(root, "a"), fileio.join(root, "e", "a"))
   assert fileio.walk_files(root) == ["c.bin", "d/a/b.txt", "e/a/b.txt"]
-  import hashlib  # pylint: disable=g-import-not-at-top
-
   assert fileio.sha256(fileio.join(root, "c.bin")) == hashlib.sha256(b"\0\1").hexdigest()
   local = fileio.local_copy(fileio.join(root, "c.bin"))
   with open(local, "rb") as f:
@@ -170,11 +173,6 @@ def test_undecodable_path_is_one_line_before_any_work(command, tmp_path):
   """A non-ASCII --workdir under LC_ALL=C with UTF-8 mode off reaches Python as lone
   surrogates, which tensorstore and SentencePiece cannot take: refused in one line
   naming the fix, exit 2, nothing created."""
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-
-  from tiny import cpu_env  # pylint: disable=g-import-not-at-top
-
   workdir = os.path.join(os.fsencode(tmp_path), "w\u00f6rk".encode("utf-8"))
   env = cpu_env(LC_ALL="C", LANG="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0")
   out = subprocess.run(

@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 import pytest
 from test_reliability import config, main_cmd, subprocess_env
-from test_train import ROOT  # pylint: disable=unused-import
+from test_train import ROOT
 
 from odetransformer.analysis import lyapunov, spectra
 from odetransformer.runtime import fileio

@@ -213,7 +213,7 @@ def test_reader_whose_step_is_rotated_away_reads_the_newest(
   ck = run_copy / "checkpoints"
   _, expected = _params(run_copy, step=6)
   shutil.move(ck / "6", tmp_path / "6")  # not committed yet when the tool lists
-  read_step = restore._read_step  # pylint: disable=protected-access
+  read_step = restore._read_step
   seen = []
 
   def rotate_then_read(manager, directory, step, *args):

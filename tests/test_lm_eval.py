@@ -16,17 +16,19 @@ import jax
 import numpy as np
 import pytest
 
+from odetransformer.train import loop
+
+from tiny import tiny_run_config
+
 lm_eval = pytest.importorskip(
   "lm_eval",
   reason="lm-evaluation-harness is an optional dependency (pip install -r requirements-eval.txt)",
 )
 
-from lm_eval.api.instance import Instance  # pylint: disable=g-import-not-at-top
+# These import the harness: after its importorskip (hence the noqa).
+from lm_eval.api.instance import Instance  # noqa: E402
 
-from odetransformer.tools.lm_eval_model import ODETransformerLM  # pylint: disable=g-import-not-at-top
-from odetransformer.train import loop  # pylint: disable=g-import-not-at-top
-
-from tiny import tiny_run_config  # pylint: disable=g-import-not-at-top
+from odetransformer.tools.lm_eval_model import ODETransformerLM  # noqa: E402
 
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
 pytestmark = [pytest.mark.xdist_group("test_lm_eval"), pytest.mark.slow]

@@ -4,6 +4,7 @@ requirements, the test tiers (a test that starts processes is marked slow), the 
 probe, the matmul-precision marker and the TF32 emulation used to find where it is needed.
 """
 
+import json
 import os
 import pathlib
 import re
@@ -221,8 +222,6 @@ def test_the_tf32_emulation_rounds_only_default_precision_float32_dots(tmp_path)
   """On the CPU with ODET_TEST_EMULATE_TF32, a default-precision float32 dot is off by
   TF32's ~1e-3 (what a GPU gives), one at 'highest' (asked for, or from the marker's
   context) by float32's ~1e-7; other dtypes compile and run as before."""
-  import json  # pylint: disable=g-import-not-at-top
-
   out = subprocess.run(
     [sys.executable, "-c", _TF32_SCRIPT],
     env=tiny.cpu_env(),

@@ -20,16 +20,13 @@ import time
 import jax
 import numpy as np
 import pytest
-from test_train import (
-  ROOT,
-  TINY_FLAGS,
-  _final_params,  # pylint: disable=unused-import
-  tiny_config,
-)
+from test_train import ROOT, TINY_FLAGS, _final_params, tiny_config
 
-from input_pipeline import DataError
+from input_pipeline import DataError, tokenizer
 from odetransformer import errors
-from odetransformer.train import health, loop, steps
+from odetransformer.model import hypernet
+from odetransformer.runtime import workdir_lock
+from odetransformer.train import health, loading, loop, steps
 from odetransformer.train import metrics as metrics_lib
 from odetransformer.train.checkpoint.paths import OWNERS_DIR, CheckpointError, finalized_steps
 
@@ -390,8 +387,6 @@ def test_checkpoint_of_another_array_layout_stops_with_what_to_do(
 ):
   """A checkpoint whose arrays the code lays out differently (P d_t-major, as before
   2026-11-22) under the same config: one error that says so, and nothing moved."""
-  from odetransformer.model import hypernet
-
   wd = tmp_path / "run"
   shutil.copytree(trained, wd)
   init = hypernet.WeightGenerator.__init__
@@ -411,8 +406,6 @@ def test_checkpoint_of_another_array_layout_stops_with_what_to_do(
   assert "laid out differently" in message and "not compatible" in message, message
   assert snapshot(wd / "checkpoints") == before  # nothing moved or written
   # Evaluation, generation and fine-tuning load the model alone: the same error there.
-  from odetransformer.train import loading
-
   with pytest.raises(ValueError, match=r"laid out differently .*\[d_t, \*weight axes\]"):
     loading.load_model(str(wd))
   assert snapshot(wd / "checkpoints") == before
@@ -662,8 +655,6 @@ def test_misuse_is_one_line_and_changes_nothing(case, run_copy, cache, tmp_path)
 
 
 def test_tools_read_the_config_from_the_checkpoint_without_config_json(run_copy):
-  from odetransformer.train import loading
-
   (run_copy / "config.json").unlink()
   loaded = loading.load_model(str(run_copy))
   assert loaded.step == 2 and loaded.model_config.d_model == 32
@@ -709,8 +700,6 @@ def test_read_only_mount_is_one_line(cache, tmp_path):
 def test_workdir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, caplog):
   """flock semantics: a second open of the lock (here in this process) is refused
   naming the holder; once the holder is gone the next run takes over with a warning."""
-  from odetransformer.runtime import workdir_lock
-
   wd = tmp_path / "wd"
   first = workdir_lock.WorkdirLock(str(wd)).acquire()
   holder = (wd / ".lock").read_text()
@@ -719,7 +708,7 @@ def test_workdir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, 
   assert f"is in use by PID {os.getpid()} on host " in str(err.value)
   assert (wd / ".lock").read_text() == holder  # the refused one wrote nothing
   # A holder that died: its flock went with it, its PID is still in the file.
-  first._fd, fd = None, first._fd  # pylint: disable=protected-access
+  first._fd, fd = None, first._fd
   os.close(fd)
   (wd / ".lock").write_text('{"pid": 999999, "host": "gone", "started": 0}\n')
   with caplog.at_level("WARNING"):
@@ -761,8 +750,6 @@ def test_second_run_on_a_live_workdir_exits_at_once(run_copy, cache):
 
 def test_flipped_bits_are_reported_as_corruption_and_fall_back(reference, cache, tmp_path):
   """Used to restore without a word (orbax checks no data checksum) and diverge."""
-  from odetransformer.train import loading
-
   wd = tmp_path / "wd"
   shutil.copytree(reference["workdir"], wd)
   assert finalized_steps(str(wd)) == [6, 7, 8]
@@ -838,8 +825,6 @@ def test_ctrl_c_saves_like_sigterm_and_twice_exits_at_once(run_copy, cache, tmp_
 def test_tokenizer_vocabulary_too_small_says_raise():
   """More distinct characters than pieces: the fix is a larger vocab_size (it said
   "lower"); the opposite failure still says lower."""
-  from input_pipeline import tokenizer
-
   rng = np.random.default_rng(0)
   docs = [
     "".join(chr(c) for c in rng.integers(0x4E00, 0x4E00 + 3000, 60)) + "\n" for _ in range(1500)

@@ -4,6 +4,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+import numpy as np
 import pytest
 
 from configs import default
@@ -13,7 +14,7 @@ from odetransformer.model.blocks import layer_param_specs
 from odetransformer.model.transformer import create_model
 from odetransformer.train import sharding, steps
 
-from tiny import tiny_config
+from tiny import run_on_8_cpu_devices, tiny_config
 
 
 def test_mesh_shape_minus_one_takes_the_rest():
@@ -105,7 +106,7 @@ def test_generated_weights_follow_the_parameter_rules_activations_the_rules_in_f
 
   def specs(param_rules):
     def logits(s):
-      return steps._logits(nnx.merge(graphdef, s), batch, param_rules)  # pylint: disable=protected-access
+      return steps._logits(nnx.merge(graphdef, s), batch, param_rules)
 
     with (
       jax.sharding.use_abstract_mesh(mesh),
@@ -126,9 +127,6 @@ def test_generated_weights_follow_the_parameter_rules_activations_the_rules_in_f
 
 
 def test_global_batch_rejects_local_data_that_does_not_tile_the_stated_global_shape():
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-
   mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   sh = jax.sharding.NamedSharding(mesh, P("data"))
   local = {"inputs": np.zeros((4, 8), np.int32)}
@@ -223,10 +221,6 @@ def test_loss_and_gradients_on_8_device_meshes_equal_one_device(tmp_path):
   train step's loss, gradient norm and every gradient, and (DiffEqFormer) the eval
   step's loss, on the (1,8,1), (2,4,1), (1,2,4) meshes (the fine-tuning cases on the
   last two) equal the 1-device ones to float32 rounding (sums in another order)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-
-  from tiny import run_on_8_cpu_devices  # pylint: disable=g-import-not-at-top
-
   out, _ = run_on_8_cpu_devices(_EQUALITY_SCRIPT, tmp_path, timeout=1800)
   assert set(out) == {"ode_gpt", "continuous_llama", "lora"}
   for name, runs in out.items():

@@ -12,6 +12,10 @@ import subprocess
 from conftest import ROOT, shared_data_path
 import pytest
 
+from benchmarks import single_epoch
+from configs import owt_small, wikipedia_small
+from odetransformer.train import loading
+
 NUM = r"([0-9][0-9,]*\.?[0-9]*)"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -57,9 +61,6 @@ def _extra_texts(tmp_path):
 def test_wikipedia_small_config_keeps_the_authors_settings():
   """The GPT-2 small run is owt_small (the authors' architecture and optimizer) with only
   the batch, vocabulary, data and remat changed; the benchmark names it gpt2-small."""
-  from benchmarks import single_epoch  # pylint: disable=g-import-not-at-top
-  from configs import owt_small, wikipedia_small  # pylint: disable=g-import-not-at-top
-
   c, authors = wikipedia_small.get_config(), owt_small.get_config()
   model, ref = c.model.to_dict(), authors.model.to_dict()
   assert {k for k in model if model[k] != ref[k]} == {"remat_policy"}
@@ -84,9 +85,6 @@ def test_one_command_compares_both_models_and_plots_seed0(tmp_path, capsys):
   tokens; every extra text has its own line; the last line's R ± s is the mean and
   sample deviation of the per-seed ratios of the stored perplexities; the curve PNG
   and item 6's spectra, Lyapunov and clustering PNGs of seed 0's DiffEqFormer exist."""
-  from benchmarks import single_epoch  # pylint: disable=g-import-not-at-top
-  from odetransformer.train import loading  # pylint: disable=g-import-not-at-top
-
   data, texts, runs = _wikipedia_slice(tmp_path), _extra_texts(tmp_path), tmp_path / "runs"
   flags = [
     "--config=configs/wikipedia_small.py:tiny",
@@ -232,8 +230,6 @@ def test_one_command_compares_both_models_and_plots_seed0(tmp_path, capsys):
   ],
 )
 def test_bad_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, message):
-  from benchmarks import single_epoch  # pylint: disable=g-import-not-at-top
-
   with pytest.raises(SystemExit) as e:
     single_epoch.parse_args([f"--data_dir={_wikipedia_slice(tmp_path)}", *flags])
   assert e.value.code == 2

@@ -26,6 +26,7 @@ from odetransformer.model.config import ModelConfig
 from odetransformer.model.transformer import create_model
 from odetransformer.train import sharding as sharding_lib
 from odetransformer.train import steps
+from odetransformer.train.checkpoint.fingerprint import fingerprint, fingerprint_diffs
 from odetransformer.train.losses import token_cross_entropy
 
 from tiny import tiny_config
@@ -252,11 +253,6 @@ def test_train_step_solves_on_the_grid_drawn_from_its_rng():
 def test_new_model_fields_match_fingerprints_written_before_them():
   """A checkpoint written before model.step_time / model.llama_block existed resumes
   under their defaults (its meaning then); a stored value that differs does not."""
-  from odetransformer.train.checkpoint.fingerprint import (  # pylint: disable=g-import-not-at-top
-    fingerprint,
-    fingerprint_diffs,
-  )
-
   c = tiny_config("/unused")
   new = fingerprint(c)
   assert new["model"]["step_time"] == "start" and new["model"]["llama_block"] == "paper"

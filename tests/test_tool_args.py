@@ -19,11 +19,13 @@ import sys
 
 from absl import flags
 from absl import logging as absl_logging
+import jax
+import ml_collections
 import pytest
 
 from odetransformer import errors
-from odetransformer.tools import evaluate, generate
-from odetransformer.train import health
+from odetransformer.tools import evaluate, generate, lm_eval
+from odetransformer.train import health, loading
 from odetransformer.train.checkpoint.fingerprint import save_config
 
 from tiny import config_flags, cpu_env, tiny_config
@@ -140,8 +142,6 @@ def test_main_refuses_a_nan_learning_rate(tmp_path):
 def test_divergence_hints():
   """With clipping on, a diverged run's hint (test_reliability's divergence test: the
   whole message) does not tell it to turn clipping on."""
-  import ml_collections  # pylint: disable=g-import-not-at-top
-
   optim = lambda **kw: ml_collections.ConfigDict(dict(learning_rate=1e-3, **kw))
   assert health.divergence_hint(optim(grad_clip_norm=0.0)) == (
     "lower optim.learning_rate (now 0.001) or turn on clipping with "
@@ -156,12 +156,6 @@ def test_divergence_hints():
 def test_run_mesh_follows_the_run_or_the_flag():
   """The run's mesh.shape when it fits these devices, else fsdp over all of them; a
   --mesh_shape value wins and a misfit one is a one-line error."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import ml_collections  # pylint: disable=g-import-not-at-top
-
-  from odetransformer import errors  # pylint: disable=g-import-not-at-top
-  from odetransformer.train import loading
-
   n = jax.device_count()
   run = lambda shape: ml_collections.ConfigDict({"mesh": {"shape": shape}})
   assert dict(loading.run_mesh(run((1, 1, -1))).shape) == {"data": 1, "fsdp": 1, "tensor": n}
@@ -180,8 +174,6 @@ def test_run_mesh_follows_the_run_or_the_flag():
 
 
 def test_lm_eval_drops_writing_options_on_other_processes():
-  from odetransformer.tools import lm_eval  # pylint: disable=g-import-not-at-top
-
   argv = [
     "lm_eval",
     "--model",

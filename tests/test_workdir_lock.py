@@ -45,8 +45,8 @@ def test_object_lock_refuses_takes_over_stale_and_notices_loss(gcs_bucket, caplo
   first.release()  # not its lock: left alone
   second.check()
   # The second run dies without releasing (its heartbeats stop): stale after 1 s.
-  second._stop.set()  # pylint: disable=protected-access
-  second._thread.join()  # pylint: disable=protected-access
+  second._stop.set()
+  second._thread.join()
   time.sleep(1.5)
   with caplog.at_level("WARNING"):
     third = WorkdirLock(wd, stale_s=1).acquire()
