@@ -11,9 +11,12 @@ import numpy as np
 import optax
 import pytest
 
-from odetransformer.model import solvers
+from odetransformer.model import blocks, solvers
 from odetransformer.model.config import ModelConfig, default_model_config
+from odetransformer.model.hypernet import generate_weights
+from odetransformer.model.lora import Frozen, LoraParam, merge_lora
 from odetransformer.model.materialize import materialize
+from odetransformer.model.param_count import count_params, paper_config
 from odetransformer.model.time_embedding import time_embedding
 from odetransformer.model.transformer import create_model
 from odetransformer.train.losses import token_cross_entropy
@@ -381,18 +384,18 @@ def test_hypernetwork_gradients_match_finite_differences():
       "/gens/wo/base",
       "/embed",
     ]
+    eps = 1e-6
     for i, target in enumerate(targets):
       # Directional derivative along a random direction supported on one parameter.
       rng = np.random.default_rng(i)
 
-      def direction(path, x):
+      def direction(path, x, target=target, rng=rng):
         name = "/" + "/".join(str(k.key) for k in path if hasattr(k, "key"))
         hit = name.endswith(target)
         return rng.standard_normal(x.shape) if hit else np.zeros_like(x)
 
       v = jax.tree_util.tree_map_with_path(direction, params)
       assert sum(float(np.abs(x).sum()) for x in jax.tree.leaves(v)) > 0, target
-      eps = 1e-6
       plus = jax.tree.map(lambda p, d: p + eps * d, params, v)
       minus = jax.tree.map(lambda p, d: p - eps * d, params, v)
       fd = (float(loss(plus)) - float(loss(minus))) / (2 * eps)
@@ -566,8 +569,6 @@ def test_every_rk4_field_evaluation_draws_its_own_dropout_masks(monkeypatch):
   """rk4 evaluates the field 4 times per step (the 2nd and 3rd at the same time): each
   evaluation's two dropout masks (attention, FFN) come from keys of their own, as do the
   embeddings'. Keys are recorded as the model runs."""
-  from odetransformer.model import blocks
-
   seen, dropout = [], blocks._dropout
 
   def recording(x, rate, key):
@@ -660,8 +661,6 @@ def test_generate_weights_and_gradients_match_a_loop_in_float64(k):
   """W[k] = P·h_k + P0 for every k (one einsum over the unreshaped P [*shape, d_t]);
   its VJP is the closed form dP = Σ_k dW_k ⊗ h_k, dh_k = Σ dW_k·P, dP0 = Σ_k dW_k,
   computed here entry by entry in float64."""
-  from odetransformer.model.hypernet import generate_weights
-
   shape, d_t = (5, 3, 4), 7
   rng = np.random.default_rng(k)
   h = rng.normal(size=(k, d_t))
@@ -685,8 +684,6 @@ def test_generate_weights_and_gradients_match_a_loop_in_float64(k):
 
 
 def test_param_count_matches_allocated_model_and_gpt2():
-  from odetransformer.model.param_count import count_params, paper_config
-
   for cfg in (
     TINY,
     dataclasses.replace(TINY, kind="transformer"),
@@ -703,8 +700,6 @@ def test_param_count_matches_allocated_model_and_gpt2():
 
 @pytest.mark.slow
 def test_lora_starts_at_base_trains_adapters_only_and_merges():
-  from odetransformer.model.lora import Frozen, LoraParam, merge_lora
-
   base = materialize(create_model(TINY, seed=20), 5)
   cfg = dataclasses.replace(
     base.config, lora_rank=2, lora_alpha=4.0, lora_targets=("wq", "wo", "w2")

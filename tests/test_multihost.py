@@ -1,8 +1,8 @@
 """Multi-host on one machine: 2 processes × 4 CPU devices on 127.0.0.1 (gloo), on a gs://
 workdir (the GCS emulator).
 
-One tiny run (a 1000-step run at a constant learning rate, stopped early) three ways, each in fresh subprocesses
-(device counts and `jax.distributed` are per process):
+One tiny run (a 1000-step run at a constant learning rate, stopped early) three ways, each
+in fresh subprocesses (device counts and `jax.distributed` are per process):
 
   sigterm 2 processes × 4 devices; a real SIGTERM sent to process 1 only, once training
           runs: both stop at the same step S, with that step's checkpoint;

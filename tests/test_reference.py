@@ -158,7 +158,7 @@ def _module(model, group, gens):
 
 
 def reference_params(model):
-  cfg, stack = model.config, model.stack
+  cfg = model.config
   ref = {"token_embeddings": _np(model.embed[...]), "ln_f_w": _np(model.final_norm_scale[...])}
   norms = {
     "norm1": "attn_ln" if cfg.family == "gpt2" else "input_layernorm",
