@@ -31,6 +31,7 @@ import os
 from absl import flags
 import jax
 
+from odetransformer import errors
 from odetransformer.errors import UserError
 from odetransformer.model.config import model_config
 from odetransformer.runtime import fileio, host
@@ -227,6 +228,4 @@ def define_flags(flag_values=None):
 
 
 if __name__ == "__main__":
-  from odetransformer import errors  # pylint: disable=g-import-not-at-top
-
   errors.run_absl_tool(main, define_flags)
