@@ -13,12 +13,13 @@ same way `loop.train_and_evaluate` does. Then either
   lowered on abstract inputs and compiled for that mesh, and XLA's
   `memory_analysis()` gives per-device argument, output, temporary and generated-code
   bytes; the eval step (`steps.make_eval_step`, `eval_batch_size` rows) is compiled
-  the same way and its peak reported beside the train step's. Nothing is allocated. Compiling a large model for 64 fake devices on a CPU
-  takes minutes and many GiB of host memory, hence the threshold; or
+  the same way and its peak reported beside the train step's. Nothing is allocated.
+  Compiling a large model for 64 fake devices on a CPU takes minutes and many GiB of
+  host memory, hence the threshold; or
 * analytic (`--nocompile`, or the default for large models): the shapes and
   shardings of parameters and Adam state come from `nnx.get_abstract_model` (the
   shardings training will use), so their per-device bytes are exact; the step's
-  temporaries are estimated by kind (`temporaries_estimate`: gradients, DiffEqFormer's
+  temporaries are estimated by kind (`memory_temporaries.py`: gradients, DiffEqFormer's
   generated W(t), saved activations per remat policy, and the head, layer and
   embedding buffers, which are live one phase at a time) and taken at their peak.
   Against XLA:CPU's compiled step on 8 devices (meshes (1,8,1), (2,4,1), (1,2,4)) the
@@ -34,9 +35,17 @@ treat even the compiled numbers as approximate (roughly ±20 %, not measured her
 `--json=PATH` also writes the numbers as JSON (used by the tests).
 """
 
+import dataclasses
+import json
+import math
 import os
 import re
 import sys
+import time
+
+from absl import flags
+from ml_collections import config_flags
+import numpy as np
 
 
 def _force_host_device_count(argv) -> None:
@@ -64,24 +73,18 @@ if __name__ == "__main__":
     )
   _force_host_device_count(sys.argv)
 
-# pylint: disable=g-import-not-at-top,wrong-import-position
-import dataclasses
-import json
-import math
-import time
+# jax reads XLA_FLAGS once, when it is imported: these imports come after the
+# `_force_host_device_count` above.
+from flax import nnx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
-from flax import nnx
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from odetransformer import errors
-from odetransformer.model import blocks, hypernet, solvers
-from odetransformer.model import config as config_lib
-from odetransformer.model import transformer as model_lib
-from odetransformer.train import loop, steps
-from odetransformer.train import optimizer as optimizer_lib
-from odetransformer.train import sharding as sharding_lib
+from odetransformer import errors  # noqa: E402
+from odetransformer.model import config as config_lib  # noqa: E402
+from odetransformer.tools.memory_temporaries import temporaries_estimate  # noqa: E402
+from odetransformer.train import loop, steps  # noqa: E402
+from odetransformer.train import optimizer as optimizer_lib  # noqa: E402
+from odetransformer.train import sharding as sharding_lib  # noqa: E402
 
 GIB = 1024**3
 DEFAULT_COMPILE_MAX_PARAMS = 50_000_000
@@ -171,105 +174,6 @@ def _per_device_bytes(tree) -> int:
     shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) else x.shape
     total += math.prod(shape) * np.dtype(x.dtype).itemsize
   return total
-
-
-def _axis_size(mesh, rules, name) -> int:
-  """Devices the logical axis `name` is split over under `rules`."""
-  return sharding_lib.mesh_axis_size(mesh, dict(rules).get(name))
-
-
-def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
-  """Per-device bytes the compiled train step holds besides its arguments (the analytic
-  path's stand-in for XLA's temporaries), by kind, and their peak.
-
-  Local batch b = global / (batch shards × accumulation), T tokens, width d, MLP f,
-  vocabulary V, compute dtype of c bytes (the ODE state: model.state_dtype). A weight axis on 'tensor' is split tp ways in
-  activations too, while 'fsdp' splits the batch there (`sharding.activation_rules`), so
-  weights are used gathered over fsdp. The kinds:
-  * gradients: float32, one per parameter shard; of them, 'hypernetwork gradients'
-    (DiffEqFormer: the projections P) are made after the solver's backward scan, from
-  * generated W(t): W(t_k) of every solver evaluation in its parameter sharding (c
-    bytes) and its float32 gradient, which the backward scan fills;
-  * saved activations: per solver evaluation (or layer), what the remat policy keeps:
-    the residual input ('full'), or also the matmul outputs and attention scores
-    ('dots_*'), or also the elementwise intermediates ('none');
-  * head: the logits [b, T, V/tp] and their gradient in float32, and in the compute
-    dtype too when it is narrower; the embedding gathered over fsdp (tied head; the
-    untied head likewise) in c bytes and its float32 gradient;
-  * layer: one step's (or layer's) weights gathered over fsdp, twice in c bytes
-    (forward and recomputation) and once as a float32 gradient, and the intermediates
-    the remat policy recomputes for that step;
-  * embedding: the float32 gradient of the gathered embedding tables.
-  The head, layer and embedding buffers are live one phase at a time. The peak is the
-  larger of 'backward pass' (gradients but the hypernetwork's, generated W(t), saved
-  activations, the largest phase) and 'after the scan' (every gradient, the largest
-  phase). Against XLA:CPU's compiled step (arguments + temporaries) on 8 devices this
-  was within ±15% at bench-small (remat 'full' and 'dots_saveable') and owt_small,
-  both models, meshes (1,8,1), (2,4,1), (1,2,4); `benchmarks/README.md` has the table.
-  """
-  shards = sharding_lib.num_batch_shards(mesh, rules)
-  b = max(1, config.global_batch_size // (shards * int(config.optim.grad_accum_steps)))
-  act = sharding_lib.activation_rules(rules)
-  tp_heads = _axis_size(mesh, act, "heads")
-  tp_mlp = _axis_size(mesh, act, "mlp")
-  tp_vocab = _axis_size(mesh, act, "vocab")
-  t, d, f, v, n = (config.seq_len, cfg.d_model, cfg.mlp_dim, cfg.vocab_size, cfg.num_heads)
-  cb = np.dtype(cfg.dtype).itemsize
-  evals = cfg.depth * (solvers.num_evals(cfg.solver) if cfg.is_ode else 1)
-  tokens = b * t
-
-  def shard_elements(tree):
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(tree))
-
-  out = {"gradients": shard_elements(params) * 4, "hypernetwork gradients": 0, "generated W(t)": 0}
-  if cfg.kind == "diffeqformer":
-    projections = params.filter(hypernet.Projection)
-    out["hypernetwork gradients"] = shard_elements(projections) * 4
-    w_t = sum(
-      math.prod(x.sharding.shard_shape(x.shape)) // x.shape[-1]
-      for x in jax.tree.leaves(projections)
-    )
-    out["generated W(t)"] = evals * w_t * (cb + 4)
-
-  # Per solver evaluation / layer: matmul outputs (q, k, v, attention, one d-wide
-  # output, the MLP's), attention scores, elementwise intermediates.
-  glu = 2 if cfg.family == "llama" else 1
-  matmul_outs = tokens * (4 * d // tp_heads + d + glu * f // tp_mlp)
-  scores = b * (n // tp_heads) * t * t
-  elementwise = tokens * (2 * d + glu * f // tp_mlp) + scores  # norms, activations, softmax
-  per_eval = 0
-  if cfg.remat_policy != "full":
-    per_eval += matmul_outs + scores
-  if cfg.remat_policy == "none":
-    per_eval += elementwise
-  sb = np.dtype(model_lib.state_dtype(cfg)).itemsize  # the residual input: the state
-  out["saved activations"] = evals * (tokens * d * sb + per_eval * cb)
-
-  def gathered(shape, names):
-    """Elements of a weight used gathered over fsdp (split by the activation rules)."""
-    return math.prod(shape) // math.prod(_axis_size(mesh, act, nm) if nm else 1 for nm in names)
-
-  emb = gathered((v, d), ("vocab", "embed"))
-  if cfg.family == "gpt2":
-    emb += gathered((cfg.max_len, d), ("length", "embed"))
-  head = 0 if cfg.tie_embeddings else gathered((d, v), ("embed", "vocab"))
-  logit_bytes = 8 + (2 * cb if cb < 4 else 0)
-  out["head"] = tokens * (v // tp_vocab) * logit_bytes + (emb + head) * (cb + 4)
-  layer = sum(gathered(spec.shape, spec.axes) for spec in blocks.layer_param_specs(cfg).values())
-  recomputed = (matmul_outs + elementwise) if cfg.remat_policy != "none" else 0
-  out["layer"] = layer * (2 * cb + 4) + recomputed * cb
-  out["embedding"] = emb * 4
-  phase = max(out["head"], out["layer"], out["embedding"])
-  out["backward pass"] = (
-    out["gradients"]
-    - out["hypernetwork gradients"]
-    + out["generated W(t)"]
-    + out["saved activations"]
-    + phase
-  )
-  out["after the scan"] = out["gradients"] + phase
-  out["peak"] = max(out["backward pass"], out["after the scan"])
-  return {k: int(x) for k, x in out.items()}
 
 
 def memory_report(
@@ -444,8 +348,6 @@ def format_report(r: MemoryReport) -> str:
 
 def main(argv):
   """A bad flag or config is a UserError: one line and exit 2 (`errors.run_cli`)."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
-
   flag_values = flags.FLAGS
   if len(argv) > 1:
     raise errors.UserError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
@@ -469,9 +371,6 @@ def main(argv):
 
 
 def _define_flags():
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-
   config_flags.DEFINE_config_file(
     "config", None, "Training config file (configs/*.py).", lock_config=True
   )
