@@ -22,10 +22,10 @@ same way `loop.train_and_evaluate` does. Then either
   temporaries are estimated by kind (`memory_temporaries.py`: gradients, DiffEqFormer's
   generated W(t), saved activations per remat policy, and the head, layer and
   embedding buffers, which are live one phase at a time) and taken at their peak.
-  Against XLA:CPU's compiled step on 8 devices (meshes (1,8,1), (2,4,1), (1,2,4)) the
-  total is within ±15% at bench-small and owt_small shapes, both models
-  (`python -m benchmarks.memory_estimate`). `--compile` compiles for fake CPU
-  devices too: for a GPU or TPU number, compile on the target itself.
+  How close the total comes to XLA:CPU's compiled step on 8 devices is measured by
+  `python -m benchmarks.memory_estimate` (benchmarks/README.md, "Memory estimate against
+  the compiled step"). `--compile` compiles for fake CPU devices too: for a GPU or TPU
+  number, compile on the target itself.
 
 The verdict compares the total against `--device_memory_gib` (default 80, an H100;
 e.g. 141 for an H200, 32 for a TPU v4 chip, 16 for v5e, 95 for v5p). The CPU compiler

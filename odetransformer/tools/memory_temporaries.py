@@ -30,6 +30,7 @@ def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
   there (`sharding.activation_rules`), so weights are used gathered over fsdp. The kinds:
   * gradients: float32, one per parameter shard; of them, 'hypernetwork gradients'
     (DiffEqFormer: the projections P) are made after the solver's backward scan, from
+    the generated W(t)'s gradients;
   * generated W(t): W(t_k) of every solver evaluation in its parameter sharding (c
     bytes) and its float32 gradient, which the backward scan fills;
   * saved activations: per solver evaluation (or layer), what the remat policy keeps:
@@ -45,9 +46,8 @@ def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
   The head, layer and embedding buffers are live one phase at a time. The peak is the
   larger of 'backward pass' (gradients but the hypernetwork's, generated W(t), saved
   activations, the largest phase) and 'after the scan' (every gradient, the largest
-  phase). Against XLA:CPU's compiled step (arguments + temporaries) on 8 devices this
-  was within ±15% at bench-small (remat 'full' and 'dots_saveable') and owt_small,
-  both models, meshes (1,8,1), (2,4,1), (1,2,4); `benchmarks/README.md` has the table.
+  phase). `python -m benchmarks.memory_estimate` measures it against XLA:CPU's compiled
+  step (arguments + temporaries) on 8 devices; `benchmarks/README.md` has the table.
   """
   shards = sharding_lib.num_batch_shards(mesh, rules)
   b = max(1, config.global_batch_size // (shards * int(config.optim.grad_accum_steps)))
