@@ -58,157 +58,34 @@ interrupted benchmark continues where it stopped; runs of other code or another 
 (a fine-tuning run: or from another pre-trained run) are moved aside and trained
 afresh; a persistent compilation cache in --out lets later seeds
 skip XLA compilation.
+
+This module holds the command line and the order of the runs; the runs' configs, training
+and scores are in `adaptive_finetune_runs`, the table, PNG and ratio line in
+`adaptive_finetune_report`.
 """
 
 import argparse
 import os
-import statistics
 import time
 
 from absl import logging
 import jax
-import matplotlib
-import ml_collections
 
-from benchmarks import common
-from configs import default
+from benchmarks.adaptive_finetune_report import write_report
+from benchmarks.adaptive_finetune_runs import (
+  METHODS,
+  before_finetuning,
+  finetune,
+  pretrain_all,
+  reused,
+  run_dir,
+  split_text,
+)
 from odetransformer.errors import ConfigError
 from odetransformer.model.config import model_config
 from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
-from odetransformer.train import evaluation
 from odetransformer.train.checkpoint.fingerprint import load_config
 from odetransformer.train.checkpoint.paths import CONFIG_FILE
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  after the Agg backend is chosen
-
-METHODS = ("continuous", "full", "lora")
-LORA_TARGETS = "wq,wk,wv,wo,w1,w2"  # every linear map of a layer
-
-
-def _run_settings(c, args, seed, cache_dir):
-  """What every run of this benchmark shares, set on config `c` (returned): the seed,
-  logging, one evaluation and checkpoint at the end, local text, and pre-training's
-  and every fine-tuning method's AdamW schedule (the flags' peak rate and b2, 1%
-  warm-up, cosine to 0.1x, weight decay 0.1)."""
-  with c.unlocked():
-    c.seed = seed
-    c.log_every_steps = 50
-    c.eval_every_steps = 0  # only at the end
-    c.checkpoint_every_steps = 0  # only at the end
-    c.optim.update(
-      dict(learning_rate=args.lr, b2=args.b2, warmup_frac=0.01, min_lr_ratio=0.1, weight_decay=0.1)
-    )
-    c.data.source = "local"
-    c.data.eval_max_batches = args.eval_batches
-    c.data.cache_dir = cache_dir  # one tokenizer for every run
-  return c
-
-
-def base_config(args, seed, cache_dir):
-  c = _run_settings(default.get_config(), args, seed, cache_dir)
-  c.model.d_model, c.model.num_heads, c.model.mlp_dim = args.d_model, 4, 4 * args.d_model
-  c.model.time_embed_dim = args.time_embed_dim
-  c.model.time_sinusoids = args.time_sinusoids
-  c.model.max_len = c.seq_len = args.seq_len
-  c.global_batch_size = c.eval_batch_size = args.batch
-  c.data.vocab_size = args.vocab
-  return c
-
-
-def pretrained_base(args, seed, cache_dir, src):
-  """A fine-tuning config on the pre-trained run `src`'s own config (its model shape,
-  sequence length, batch, vocabulary and tokenizer) with this benchmark's settings."""
-  c = _run_settings(load_config(src), args, seed, cache_dir)
-  with c.unlocked():
-    c.data.tokenizer_path = ""  # the pre-trained run's (finetune.prepare_config)
-  return c
-
-
-def pretrain(args, kind, layers, seed, workdir, cache_dir, grid="fixed"):
-  c = base_config(args, seed, cache_dir)
-  c.model.kind = kind
-  c.model.solver_steps = c.model.num_layers = layers
-  c.model.train_time_grid = grid
-  c.num_train_steps = args.pretrain_steps
-  c.data.train_files, c.data.eval_files = args.pretrain_train, args.pretrain_eval
-  return common.keyed_run(c, workdir)
-
-
-def pretrain_all(args, seed, work, cache_dir) -> dict:
-  """Pre-trains one seed's DiffEqFormer per grid and its GPT baseline in `work`:
-  (grid, kind) -> workdir."""
-  pre = {}
-  runs = [(g, "diffeqformer", args.k) for g in args.grids] + [
-    ("fixed", "transformer", args.gpt_layers)
-  ]
-  for grid, kind, layers in runs:
-    pre[grid, kind] = os.path.join(work, run_dir(grid, f"pre_{kind}"))
-    r, note = pretrain(args, kind, layers, seed, pre[grid, kind], cache_dir, grid)
-    print(
-      f"seed {seed} pre-trained {kind} ({layers} steps/layers, {grid} grid): eval "
-      f"perplexity {r['eval']['perplexity']:.2f}{_reused(note)}",
-      flush=True,
-    )
-  return pre
-
-
-def finetune(args, init_from, method, n, seed, workdir, cache_dir, files):
-  c = (
-    pretrained_base(args, seed, cache_dir, init_from)
-    if args.pretrained
-    else base_config(args, seed, cache_dir)
-  )
-  c.init_from = init_from
-  c.finetune = ml_collections.ConfigDict(
-    dict(
-      method=method,
-      solver_steps=n,
-      lora_rank=args.lora_rank,
-      lora_alpha=args.lora_alpha,
-      targets=LORA_TARGETS,
-      lora_init="small",
-      train_embeddings=True,
-    )
-  )
-  c.num_train_steps = args.finetune_steps
-  c.data.train_files, c.data.eval_files = files
-  r, note = common.keyed_run(c, workdir)
-  return r["eval"]["perplexity"], note
-
-
-def _reused(note: str) -> str:
-  """' (<note>, evaluated now)' for a run `common.keyed_run` reused, else ''."""
-  return f" ({note}, evaluated now)" if note else ""
-
-
-def before_finetuning(args, workdir, ns, valid_file):
-  """Validation perplexity on the fine-tuning text of a pre-trained run at each N."""
-  results = evaluation.evaluate(
-    workdir, ns, data=f"local:{valid_file}", max_batches=args.eval_batches
-  )
-  return [r.perplexity for r in results]
-
-
-def run_dir(grid, name):
-  """Runs of the fixed grid keep their first names, so older --out dirs are reused."""
-  return name if grid == "fixed" else f"{name}_{grid}"
-
-
-def split_text(path, directory):
-  """First 90% (cut at a blank line) for training, the rest for validation."""
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
-  cut = text.rfind("\n\n", 0, int(0.9 * len(text)))
-  cut = cut if cut > 0 else int(0.9 * len(text))
-  paths = (
-    os.path.join(directory, "finetune_train.txt"),
-    os.path.join(directory, "finetune_valid.txt"),
-  )
-  for out, part in zip(paths, (text[:cut], text[cut:])):
-    with open(out, "w", encoding="utf-8") as f:
-      f.write(part)
-  return paths
 
 
 def parse_args(argv=None):
@@ -364,15 +241,6 @@ def from_pretrained(args) -> None:
   args.d_model = ode.d_model
 
 
-def mean_std(values):
-  return (statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
-def fmt(values):
-  m, s = mean_std(values)
-  return f"{m:.2f} ± {s:.2f}" if len(values) > 1 else f"{m:.2f}"
-
-
 def main(argv=None):
   args = parse_args(argv)
   logging.set_verbosity(logging.WARNING)
@@ -427,7 +295,7 @@ def main(argv=None):
           )
           ode.setdefault((grid, method, n), []).append(ppl)
           print(
-            f"seed {seed} diffeqformer {grid} {method:10s} N={n:2d}: {ppl:8.2f}{_reused(note)}",
+            f"seed {seed} diffeqformer {grid} {method:10s} N={n:2d}: {ppl:8.2f}{reused(note)}",
             flush=True,
           )
     gpt.setdefault("before", []).append(
@@ -446,94 +314,12 @@ def main(argv=None):
       )
       gpt.setdefault(method, []).append(ppl)
       print(
-        f"seed {seed} gpt          {method:10s} L={args.gpt_layers:2d}: {ppl:8.2f}{_reused(note)}",
+        f"seed {seed} gpt          {method:10s} L={args.gpt_layers:2d}: {ppl:8.2f}{reused(note)}",
         flush=True,
       )
     print(f"seed {seed} done at {time.perf_counter() - t0:.0f} s", flush=True)
 
-  ns, s = args.ns, args.seeds
-  rows = {}  # row name -> [values per N, each a list over seeds]
-  for grid in args.grids:
-    rows[f"DiffEqFormer {grid} before"] = [start_ppl[grid, n] for n in ns]
-    for method in args.methods:
-      rows[f"DiffEqFormer {grid} {method}"] = [ode[grid, method, n] for n in ns]
-  for method, values in gpt.items():
-    rows[f"GPT ({args.gpt_layers} layers) {method}"] = [values for _ in ns]
-  header = "| model pre-training grid, method | " + " | ".join(f"N={n}" for n in ns) + " |"
-  rule = "|" + "---|" * (len(ns) + 1)
-  lines = [
-    f"Fine-tuned validation perplexity, mean ± std over {s} seeds "
-    f"({args.finetune_steps} fine-tuning steps after {args.pretrain_steps} "
-    f"pre-training steps; DiffEqFormer K = {args.k}, GPT {args.gpt_layers} layers; "
-    f"d {args.d_model}, LoRA r {args.lora_rank} alpha {args.lora_alpha:g}; "
-    "'before' = the pre-trained model, not fine-tuned)",
-    "",
-    header,
-    rule,
-  ]
-  lines += [
-    f"| {name} | " + " | ".join(fmt(v) for v in values) + " |" for name, values in rows.items()
-  ]
-  lines += [
-    "",
-    "Per seed:",
-    "",
-    "| seed | run | " + " | ".join(f"N={n}" for n in ns) + " |",
-    "|---|" + "---|" * (len(ns) + 1),
-  ]
-  for i, seed in enumerate(seeds):
-    lines += [
-      f"| {seed} | {name} | " + " | ".join(f"{v[i]:.2f}" for v in values) + " |"
-      for name, values in rows.items()
-    ]
-  text = "\n".join(lines)
-  with open(os.path.join(args.out, "adaptive_finetune.md"), "w") as f:
-    f.write(text + "\n")
-  print(text)
-
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for grid, style in zip(args.grids, ("-", "--", ":")):
-    for method, color in zip(args.methods, ("C0", "C1", "C2")):  # 'before': in the table
-      means = [mean_std(v) for v in rows[f"DiffEqFormer {grid} {method}"]]
-      ax.errorbar(
-        ns,
-        [m for m, _ in means],
-        yerr=[e for _, e in means],
-        marker="o",
-        capsize=3,
-        linestyle=style,
-        color=color,
-        label=f"DiffEqFormer {grid} {method}",
-      )
-  for method, values in gpt.items():
-    if method != "before":
-      ax.axhline(
-        mean_std(values)[0],
-        linestyle="-." if method == "full" else ":",
-        color="black",
-        label=f"GPT {method} ({args.gpt_layers} layers)",
-      )
-  ax.set_xlabel("fine-tuning steps N")
-  ax.set_ylabel("validation perplexity (log scale)")
-  ax.set_yscale("log")
-  ax.set_title(f"Adaptive fine-tuning, {s} seeds")
-  ax.legend(fontsize=6)
-  fig.tight_layout()
-  fig.savefig(os.path.join(args.out, "adaptive_finetune.png"), dpi=120)
-  per_grid = []
-  for grid in args.grids:
-    ratios = [
-      f"{m} {mean_std(ode[grid, m, args.k])[0] / mean_std(gpt[m])[0]:.3f}"
-      for m in ("full", "lora")
-      if m in gpt and (grid, m, args.k) in ode
-    ]
-    if ratios:
-      per_grid.append(f"{grid}: {', '.join(ratios)}")
-  if per_grid:
-    print(
-      f"diffeqformer/gpt fine-tuned perplexity ratio at N={args.k}: "
-      f"{'; '.join(per_grid)} (mean of {s} seeds)"
-    )
+  write_report(args, seeds, ode, start_ppl, gpt)
 
 
 if __name__ == "__main__":
