@@ -45,6 +45,18 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 CODE_TREES = ("odetransformer", "input_pipeline", "configs", "benchmarks")
 RUN_KEY_FILE = "benchmark_run_key.json"
 
+# GPT-2 small's shape (vocab padded to a multiple of 128); the presets set d_t.
+_GPT2_SMALL = dict(
+  vocab_size=50304,
+  d_model=768,
+  num_heads=12,
+  mlp_dim=3072,
+  solver_steps=12,
+  num_layers=12,
+  max_len=1024,
+  time_sinusoids=128,
+)
+
 PRESETS = {
   # vocab, d_model, heads, mlp, K = L, seq, batch, d_t, S
   "bench-small": dict(
@@ -62,38 +74,10 @@ PRESETS = {
     seq_len=256,
     batch=8,
   ),
-  "gpt2-small": dict(
-    model=dict(
-      vocab_size=50304,
-      d_model=768,
-      num_heads=12,
-      mlp_dim=3072,
-      solver_steps=12,
-      num_layers=12,
-      max_len=1024,
-      time_embed_dim=96,
-      time_sinusoids=128,
-    ),
-    seq_len=256,
-    batch=4,
-  ),
+  "gpt2-small": dict(model=dict(_GPT2_SMALL, time_embed_dim=96), seq_len=256, batch=4),
   # The authors' GPT-2 small (configs/owt_small.py): d_t 20, S 128. Dropout off, as in
   # nanoGPT's speed runs. `throughput --nanogpt` compares at this shape, batch 16 × 1024.
-  "owt-small": dict(
-    model=dict(
-      vocab_size=50304,
-      d_model=768,
-      num_heads=12,
-      mlp_dim=3072,
-      solver_steps=12,
-      num_layers=12,
-      max_len=1024,
-      time_embed_dim=20,
-      time_sinusoids=128,
-    ),
-    seq_len=1024,
-    batch=16,
-  ),
+  "owt-small": dict(model=dict(_GPT2_SMALL, time_embed_dim=20), seq_len=1024, batch=16),
   # Seconds, not a measurement: the tests run every benchmark end to end at this size.
   "tiny": dict(
     model=dict(
