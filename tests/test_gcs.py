@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 import pytest
 from test_reliability import config, main_cmd, subprocess_env
-from test_train import ROOT
+from test_train import ROOT, fast_compiles  # noqa: F401  (fast_compiles: autouse fixture, the rbg PRNG)
 
 from odetransformer.analysis import lyapunov, spectra
 from odetransformer.runtime import fileio

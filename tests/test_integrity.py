@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 from test_reliability import config, main_cmd, snapshot, start_and_wait_for_checkpoint
+from test_train import fast_compiles  # noqa: F401  (fast_compiles: autouse fixture, the rbg PRNG)
 
 import input_pipeline
 from odetransformer import errors

@@ -20,7 +20,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from test_train import ROOT, TINY_FLAGS, _final_params, tiny_config
+from test_train import ROOT, TINY_FLAGS, _final_params, fast_compiles, tiny_config  # noqa: F401  (fast_compiles: autouse fixture, the rbg PRNG)
 
 from input_pipeline import DataError, tokenizer
 from odetransformer import errors
