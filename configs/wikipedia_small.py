@@ -6,8 +6,10 @@ dropout 0.1, bf16 compute with f32 params, AdamW peak lr 6e-4, β 0.9/0.999, ε 
 weight decay 0.1, clipping 1.0, 1% linear warm-up, cosine to 0.1× peak over the run.
 What differs, and why:
 
-- The text: the wikipedia-2015 files (../shared/data/wikipedia-2015, 102 MB of training
-  articles; valid.txt and test.txt hold other articles), read as local text.
+- The text: the wikipedia-2015 files (DIR/train-*.txt, 102 MB of training articles;
+  DIR/valid.txt and DIR/test.txt hold other articles), read as local text. DIR is
+  ./wikipedia-2015 unless --config.data.train_files / eval_files (main.py) or --data_dir
+  (benchmarks.single_epoch) say where it is.
 - One SentencePiece tokenizer of 32,768 pieces, trained on the training files and
   shared by both models: the epoch is 23,281,441 tokens with it (29,274 documents;
   `benchmarks.single_epoch --prepare_only`), so a piece is seen ~700 times on average,
@@ -26,14 +28,13 @@ The comparison (both models, 3 seeds, valid and test perplexity on the whole spl
 extra held-out files, the analysis plots of seed 0's DiffEqFormer) is one command:
 
   python -m benchmarks.single_epoch --config=configs/wikipedia_small.py \\
-      --data_dir=../shared/data/wikipedia-2015 --workdir=$W --seeds=3 \\
-      --eval_text=../shared/data/wikitext-2/test.txt
+      --data_dir=DIR --workdir=$W --seeds=3 --eval_text=OTHER_TEXT.txt
 
 One model alone (the tokenizer is trained in the workdir's cache):
 
-  python main.py --config=configs/wikipedia_small.py --workdir=$W
-  python main.py --config=configs/wikipedia_small.py --config.model.kind=transformer \
-      --workdir=$W_gpt
+  python main.py --config=configs/wikipedia_small.py --workdir=$W \
+      --config.data.train_files='DIR/train-*.txt' --config.data.eval_files=DIR/valid.txt
+  (the GPT baseline: add --config.model.kind=transformer)
 
 `--config=configs/wikipedia_small.py:tiny` is the same recipe at toy size (d 32, K 2,
 32-token rows, vocabulary 512, float32) for CPU tests and the GPU script's dry run.
@@ -47,15 +48,8 @@ import os
 
 from configs import owt_small
 
-# ../shared/data/wikipedia-2015 beside the repository (benchmarks.single_epoch and
-# main.py overrides point elsewhere, e.g. where the GPU script unpacks it).
-DATA_DIR = os.path.join(
-  os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-  os.pardir,
-  "shared",
-  "data",
-  "wikipedia-2015",
-)
+# The corpus directory; main.py's --config.data.* or single_epoch's --data_dir point elsewhere.
+DATA_DIR = "wikipedia-2015"
 
 
 def get_config(variant: str = ""):
