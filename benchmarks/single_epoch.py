@@ -86,7 +86,7 @@ from benchmarks.single_epoch_analysis import analyse_or_say_why_not
 from benchmarks.single_epoch_config_mode import main_config
 from benchmarks.single_epoch_corpus import TrainingText, max_single_epoch_steps, single_epoch_check
 from benchmarks.single_epoch_report import model_label as model_label  # the tests read it here
-from benchmarks.single_epoch_report import print_eval_texts, write_table
+from benchmarks.single_epoch_report import print_eval_texts, print_table_and_parameters, write_table
 from benchmarks.single_epoch_runs import KINDS, make_config, run_points
 from odetransformer.errors import UserError, run_cli
 from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
@@ -390,13 +390,7 @@ def main(argv=None):
       analyse_or_say_why_not(args, root, seed, steps)
   if not compare:
     return
-  print("\n".join(table))
-  print(f"table: {root}/single_epoch.md, .json; learning curves: {root}/single_epoch.png")
-  n_ode, n_gpt = (finals[first][kind]["num_params"] for kind in KINDS)
-  print(
-    f"parameters: diffeqformer {n_ode:,} | gpt {n_gpt:,}: the DiffEqFormer holds "
-    f"{n_ode / n_gpt:.1f}x GPT's parameters (its hypernetworks)"
-  )
+  print_table_and_parameters(root, table, finals[first])
   extra = [
     finals[s]["diffeqformer"]["test"]["perplexity"] / finals[s]["transformer"]["test"]["perplexity"]
     for s in finals

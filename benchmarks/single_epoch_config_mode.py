@@ -8,7 +8,13 @@ import time
 
 from benchmarks.single_epoch_analysis import analyse_or_say_why_not
 from benchmarks.single_epoch_corpus import TrainingText, single_epoch_check
-from benchmarks.single_epoch_report import mean_spread, model_label, print_eval_texts, write_curves
+from benchmarks.single_epoch_report import (
+  mean_spread,
+  model_label,
+  print_eval_texts,
+  print_table_and_parameters,
+  write_curves,
+)
 from benchmarks.single_epoch_runs import KINDS, describe_device, run_whole
 
 
@@ -80,13 +86,7 @@ def main_config(args, root: str, config, text: TrainingText, began: float) -> No
   )
   if not compare:
     return
-  print("\n".join(table))
-  print(f"table: {root}/single_epoch.md, .json; learning curves: {root}/single_epoch.png")
-  n_ode, n_gpt = (finals[first][kind]["num_params"] for kind in KINDS)
-  print(
-    f"parameters: diffeqformer {n_ode:,} | gpt {n_gpt:,}: the DiffEqFormer holds "
-    f"{n_ode / n_gpt:.1f}x GPT's parameters (its hypernetworks)"
-  )
+  print_table_and_parameters(root, table, finals[first])
   seeds = sorted(finals)
   for path in args.eval_texts:
     ratios = [

@@ -148,3 +148,15 @@ def print_eval_texts(args, seed: int, finals: dict) -> None:
     print(
       f"seed {seed} eval_text {path} | " + " | ".join(parts) + f" | {tokens:,} tokens", flush=True
     )
+
+
+def print_table_and_parameters(root: str, table: list, first_seed: dict) -> None:
+  """The table's lines, where its files are, and both models' parameter counts (from the
+  first seed's results, {kind: {..., 'num_params'}})."""
+  print("\n".join(table))
+  print(f"table: {root}/single_epoch.md, .json; learning curves: {root}/single_epoch.png")
+  n_ode, n_gpt = (first_seed[kind]["num_params"] for kind in KINDS)
+  print(
+    f"parameters: diffeqformer {n_ode:,} | gpt {n_gpt:,}: the DiffEqFormer holds "
+    f"{n_ode / n_gpt:.1f}x GPT's parameters (its hypernetworks)"
+  )
