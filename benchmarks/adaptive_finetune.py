@@ -64,7 +64,6 @@ and scores are in `adaptive_finetune_runs`, the table, PNG and ratio line in
 `adaptive_finetune_report`.
 """
 
-import argparse
 import os
 import time
 
@@ -81,6 +80,7 @@ from benchmarks.adaptive_finetune_runs import (
   run_dir,
   split_text,
 )
+from odetransformer import errors
 from odetransformer.errors import ConfigError
 from odetransformer.model.config import model_config
 from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
@@ -88,87 +88,85 @@ from odetransformer.train.checkpoint.fingerprint import load_config
 from odetransformer.train.checkpoint.paths import CONFIG_FILE
 
 
-def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument(
-    "--out",
-    default="/tmp/odet_adaptive_finetune",
-    help="runs, table and plot (finished runs here are reused)",
+def define_flags(define) -> None:
+  """This command's flags (errors.parse_flags)."""
+  define(
+    "string",
+    "out",
+    "/tmp/odet_adaptive_finetune",
+    "runs, table and plot (finished runs here are reused)",
   )
-  p.add_argument("--seeds", type=int, default=3, help="number of seeds")
-  p.add_argument(
-    "--first_seed",
-    type=int,
-    default=0,
-    help="seeds first_seed..first_seed+S-1 (run seeds in parallel processes "
+  define("integer", "seeds", 3, "number of seeds")
+  define(
+    "integer",
+    "first_seed",
+    0,
+    "seeds first_seed..first_seed+S-1 (run seeds in parallel processes "
     "with the same --out; a final run over all of them reuses their runs)",
   )
-  p.add_argument("--k", type=int, default=6, help="DiffEqFormer pre-training steps K")
-  p.add_argument("--steps", default="", help="fine-tuning N values (default K/2,K,3K/2)")
-  p.add_argument(
-    "--gpt_layers",
-    type=int,
-    default=0,
-    help="GPT baseline depth (default round(4K/3): the paper's 24 vs K=18)",
+  define("integer", "k", 6, "DiffEqFormer pre-training steps K")
+  define("string", "steps", "", "fine-tuning N values, comma-separated (default K/2,K,3K/2)")
+  define(
+    "integer", "gpt_layers", 0, "GPT baseline depth (default round(4K/3): the paper's 24 vs K=18)"
   )
-  p.add_argument("--d_model", type=int, default=64)
-  p.add_argument("--time_embed_dim", type=int, default=32)
-  p.add_argument(
-    "--time_sinusoids",
-    type=int,
-    default=32,
-    help="S; 32 at this width (d 64), the size the figures were measured at",
+  define("integer", "d_model", 64, "model width (mlp = 4·d)")
+  define("integer", "time_embed_dim", 32, "d_t of the DiffEqFormer")
+  define(
+    "integer",
+    "time_sinusoids",
+    32,
+    "S; 32 at this width (d 64), the size the figures were measured at",
   )
-  p.add_argument("--seq_len", type=int, default=64)
-  p.add_argument("--batch", type=int, default=16)
-  p.add_argument("--vocab", type=int, default=1024)
-  p.add_argument("--pretrain_steps", type=int, default=300)
-  p.add_argument("--finetune_steps", type=int, default=60)
-  p.add_argument(
-    "--lr", type=float, default=1e-3, help="peak lr of pre-training and of every fine-tuning method"
+  define("integer", "seq_len", 64, "sequence length")
+  define("integer", "batch", 16, "global batch size")
+  define("integer", "vocab", 1024, "SentencePiece vocabulary size")
+  define("integer", "pretrain_steps", 300, "pre-training steps")
+  define("integer", "finetune_steps", 60, "fine-tuning steps of each method and N")
+  define("float", "lr", 1e-3, "peak lr of pre-training and of every fine-tuning method")
+  define("float", "b2", 0.999, "AdamW beta2")
+  define("integer", "lora_rank", 0, "default round(200·d/1024), the authors' share of the width")
+  define("float", "lora_alpha", 8.0, "LoRA alpha")
+  define(
+    "string",
+    "pretrain_grids",
+    "fixed,random_offset",
+    "DiffEqFormer pre-training time grids (model.train_time_grid), each pre-trained and fine-tuned",
   )
-  p.add_argument("--b2", type=float, default=0.999)
-  p.add_argument(
-    "--lora_rank",
-    type=int,
-    default=0,
-    help="default round(200·d/1024), the authors' share of the width",
+  define(
+    "string",
+    "methods",
+    ",".join(METHODS),
+    "fine-tuning methods to run (the GPT runs the discrete ones)",
   )
-  p.add_argument("--lora_alpha", type=float, default=8.0)
-  p.add_argument(
-    "--pretrain_grids",
-    default="fixed,random_offset",
-    help="DiffEqFormer pre-training time grids (model.train_time_grid), "
-    "each pre-trained and fine-tuned",
+  define("integer", "eval_batches", 8, "evaluation batches per score")
+  define(
+    "string",
+    "data_dir",
+    "",
+    "directory with wikitext-2/{valid,test}.txt and tinyshakespeare/input.txt",
   )
-  p.add_argument(
-    "--methods",
-    default=",".join(METHODS),
-    help="fine-tuning methods to run (the GPT runs the discrete ones)",
-  )
-  p.add_argument("--eval_batches", type=int, default=8)
-  p.add_argument(
-    "--data_dir",
-    default="",
-    help="directory with wikitext-2/{valid,test}.txt and tinyshakespeare/input.txt",
-  )
-  p.add_argument("--pretrain_train", default="", help="pre-training text (UTF-8)")
-  p.add_argument("--pretrain_eval", default="", help="pre-training evaluation text")
-  p.add_argument(
-    "--finetune_text", default="", help="fine-tuning text: first 90%% train, last 10%% validation"
-  )
-  p.add_argument(
-    "--pretrained_diffeqformer",
-    default="",
-    help="a pre-trained DiffEqFormer workdir to fine-tune instead of "
+  define("string", "pretrain_train", "", "pre-training text (UTF-8)")
+  define("string", "pretrain_eval", "", "pre-training evaluation text")
+  define("string", "finetune_text", "", "fine-tuning text: first 90% train, last 10% validation")
+  define(
+    "string",
+    "pretrained_diffeqformer",
+    "",
+    "a pre-trained DiffEqFormer workdir to fine-tune instead of "
     "pre-training (with --pretrained_gpt; shape, K and grid are the run's)",
   )
-  p.add_argument(
-    "--pretrained_gpt",
-    default="",
-    help="the pre-trained GPT baseline's workdir (with --pretrained_diffeqformer)",
+  define(
+    "string",
+    "pretrained_gpt",
+    "",
+    "the pre-trained GPT baseline's workdir (with --pretrained_diffeqformer)",
   )
-  args = p.parse_args(argv)
+
+
+def parse_args(argv=None):
+  """The flags of `argv` (without the program name; default sys.argv[1:]), checked: a
+  bad value is a UserError naming the fix."""
+  args = errors.parse_flags(define_flags, argv, doc=__doc__)
   args.pretrained = bool(args.pretrained_diffeqformer or args.pretrained_gpt)
   defaults = (
     {}
@@ -183,22 +181,30 @@ def parse_args(argv=None):
     if not getattr(args, flag) and args.data_dir:
       setattr(args, flag, os.path.join(args.data_dir, *parts))
     if not os.path.isfile(getattr(args, flag)):
-      p.error(
+      raise errors.UserError(
         f"--{flag}={getattr(args, flag)!r} is not a file; pass it, or --data_dir=DIR "
         f"with {'/'.join(parts)} in DIR"
       )
   if args.seeds < 1 or args.k < 1:
-    p.error(f"--seeds={args.seeds} and --k={args.k} must be at least 1")
+    raise errors.UserError(
+      f"--seeds={args.seeds} and --k={args.k} must be at least 1; pass positive values"
+    )
   if args.pretrained:
     try:
       from_pretrained(args)
     except (ConfigError, OSError, ValueError) as e:
-      p.error(str(e))
-  args.ns = (
-    [int(n) for n in args.steps.split(",")]
-    if args.steps
-    else sorted({max(1, args.k // 2), args.k, (3 * args.k) // 2})
-  )
+      raise errors.UserError(str(e)) from e
+  try:
+    args.ns = (
+      [int(n) for n in args.steps.split(",")]
+      if args.steps
+      else sorted({max(1, args.k // 2), args.k, (3 * args.k) // 2})
+    )
+  except ValueError as e:
+    raise errors.UserError(
+      f"--steps={args.steps!r} is not a list of step counts; pass integers, comma-separated "
+      "(e.g. --steps=3,6,9)"
+    ) from e
   args.gpt_layers = args.gpt_layers or max(1, round(4 * args.k / 3))
   args.lora_rank = args.lora_rank or max(1, round(200 * args.d_model / 1024))
   args.methods = [m for m in METHODS if m in args.methods.split(",")]
@@ -207,7 +213,9 @@ def parse_args(argv=None):
   args.grids = [g for g in args.pretrain_grids.split(",") if g]
   bad = [g for g in args.grids if g not in TRAIN_TIME_GRIDS]
   if bad or not args.grids:
-    p.error(f"--pretrain_grids={args.pretrain_grids!r}: choose from {list(TRAIN_TIME_GRIDS)}")
+    raise errors.UserError(
+      f"--pretrain_grids={args.pretrain_grids!r}: choose from {list(TRAIN_TIME_GRIDS)}"
+    )
   return args
 
 
@@ -323,4 +331,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  errors.run_cli(main)

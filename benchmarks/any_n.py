@@ -25,10 +25,8 @@ run's scores are read back, and its line says so and names the code version; run
 other code or another config are moved aside and trained afresh.
 """
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -36,6 +34,7 @@ from absl import logging
 
 from benchmarks import common
 from configs import default
+from odetransformer import errors
 from odetransformer.errors import UserError
 from odetransformer.model import config as config_lib
 from odetransformer.model.solvers import STEP_TIMES
@@ -87,74 +86,84 @@ def make_config(args, mode: str, seed: int, cache_dir: str):
   return c
 
 
-def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--seeds", type=int, default=3, help="number of seeds, both modes each")
-  p.add_argument(
-    "--first_seed",
-    type=int,
-    default=0,
-    help="seeds first_seed … first_seed + seeds - 1 (split runs over processes)",
+def define_flags(define) -> None:
+  """This command's flags (errors.parse_flags)."""
+  define("integer", "seeds", 3, "number of seeds, both modes each")
+  define(
+    "integer",
+    "first_seed",
+    0,
+    "seeds first_seed … first_seed + seeds - 1 (split runs over processes)",
   )
-  p.add_argument(
-    "--option",
-    default="random_offset",
-    help=f"the model.train_time_grid to compare with 'fixed' "
+  define(
+    "string",
+    "option",
+    "random_offset",
+    f"the model.train_time_grid to compare with 'fixed' "
     f"({', '.join(g for g in TRAIN_TIME_GRIDS if g != 'fixed')})",
   )
-  p.add_argument(
-    "--step_time",
-    choices=("",) + STEP_TIMES,
-    default="",
-    help="model.step_time of both runs ('' = the config's)",
+  define(
+    "enum",
+    "step_time",
+    "",
+    "model.step_time of both runs ('' = the config's)",
+    enum_values=["", *STEP_TIMES],
   )
-  p.add_argument("--steps", type=int, default=0, help="train steps (0 = the config's)")
-  p.add_argument("--solver_steps", type=int, default=0, help="K, even (0 = the config's)")
-  p.add_argument("--d_model", type=int, default=0, help="0 = the config's (mlp = 4·d)")
-  p.add_argument("--num_heads", type=int, default=0, help="0 = the config's")
-  p.add_argument("--time_embed_dim", type=int, default=0, help="d_t (0 = the config's)")
-  p.add_argument("--time_sinusoids", type=int, default=0, help="S (0 = the config's)")
-  p.add_argument("--seq_len", type=int, default=0, help="0 = the config's")
-  p.add_argument("--batch", type=int, default=0, help="0 = the config's")
-  p.add_argument("--vocab", type=int, default=0, help="0 = the config's")
-  p.add_argument("--tokenizer_sample_bytes", type=int, default=0, help="0 = the config's")
-  p.add_argument(
-    "--eval_batches",
-    type=int,
-    default=16,
-    help="evaluation batches per N (0 = the whole eval split)",
-  )
-  p.add_argument("--rounds", type=int, default=20, help="interleaved timing rounds (0 = no timing)")
-  p.add_argument("--workdir", default="", help="default: a fresh temporary directory")
-  p.add_argument(
-    "--runs",
-    default="",
-    help="comma-separated pre-trained DiffEqFormer "
+  define("integer", "steps", 0, "train steps (0 = the config's)")
+  define("integer", "solver_steps", 0, "K, even (0 = the config's)")
+  define("integer", "d_model", 0, "0 = the config's (mlp = 4·d)")
+  define("integer", "num_heads", 0, "0 = the config's")
+  define("integer", "time_embed_dim", 0, "d_t (0 = the config's)")
+  define("integer", "time_sinusoids", 0, "S (0 = the config's)")
+  define("integer", "seq_len", 0, "0 = the config's")
+  define("integer", "batch", 0, "0 = the config's")
+  define("integer", "vocab", 0, "0 = the config's")
+  define("integer", "tokenizer_sample_bytes", 0, "0 = the config's")
+  define("integer", "eval_batches", 16, "evaluation batches per N (0 = the whole eval split)")
+  define("integer", "rounds", 20, "interleaved timing rounds (0 = no timing)")
+  define("string", "workdir", "", "default: a fresh temporary directory")
+  define(
+    "string",
+    "runs",
+    "",
+    "comma-separated pre-trained DiffEqFormer "
     "workdirs to score at every N (no training; the flags above that shape "
     "or train a run do not apply)",
   )
-  p.add_argument(
-    "--data",
-    default="",
-    help="with --runs: the evaluation text, "
-    "'local:<glob>' or a data.source ('' = each run's eval split)",
+  define(
+    "string",
+    "data",
+    "",
+    "with --runs: the evaluation text, 'local:<glob>' or a data.source ('' = each run's "
+    "eval split)",
   )
-  args = p.parse_args(argv)
+
+
+def parse_args(argv=None):
+  """The flags of `argv` (without the program name; default sys.argv[1:]), checked: a
+  bad value is a UserError naming the fix."""
+  args = errors.parse_flags(define_flags, argv, doc=__doc__)
   args.runs = [r for r in args.runs.split(",") if r]
   if args.data and not args.runs:
-    p.error("--data applies to --runs only; the trained runs score on their eval split")
+    raise UserError("--data applies to --runs only; the trained runs score on their eval split")
   if args.option not in TRAIN_TIME_GRIDS or args.option == "fixed":
-    p.error(
+    raise UserError(
       f"--option={args.option!r}: choose one of {[g for g in TRAIN_TIME_GRIDS if g != 'fixed']}"
     )
   if args.seeds < 1:
-    p.error(f"--seeds={args.seeds} must be at least 1")
+    raise UserError(f"--seeds={args.seeds} must be at least 1; pass --seeds=1 or more")
   if args.rounds < 0 or args.first_seed < 0:
-    p.error("--rounds and --first_seed must be >= 0")
+    raise UserError(
+      f"--rounds={args.rounds} and --first_seed={args.first_seed} must be >= 0; pass "
+      "non-negative values"
+    )
   args.steps = args.steps or default.get_config().num_train_steps
   k = args.solver_steps or default.get_config().model.solver_steps
   if k < 2 or k % 2:
-    p.error(f"--solver_steps={k}: K must be even and >= 2 (K/2 and 3K/2 are evaluated)")
+    raise UserError(
+      f"--solver_steps={k}: K must be even and >= 2 (K/2 and 3K/2 are evaluated); "
+      "pass an even --solver_steps"
+    )
   return args
 
 
@@ -301,7 +310,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  try:
-    main()
-  except UserError as e:
-    sys.exit(f"error: {e}")
+  errors.run_cli(main)

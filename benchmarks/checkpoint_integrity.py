@@ -21,7 +21,6 @@ cache holds it, for every variant alike).
 Last line: `integrity overhead: save R×, restore R× (target ≤ 1.10)`.
 """
 
-import argparse
 import contextlib
 import functools
 import os
@@ -34,6 +33,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from odetransformer import errors
 from odetransformer.runtime import fileio
 from odetransformer.runtime.logs import quiet_library_logs
 from odetransformer.train.checkpoint.integrity import (
@@ -150,14 +150,15 @@ VARIANTS = {
 }
 
 
+def define_flags(define) -> None:
+  """This command's flags (errors.parse_flags)."""
+  define("float", "gib", 1.0, "state size in GiB")
+  define("integer", "repeats", 3, "save and restore rounds of every variant")
+  define("string", "dir", "", "where to write (default: a temporary directory on the local disk)")
+
+
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB")
-  parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument(
-    "--dir", default="", help="where to write (default: a temporary directory on the local disk)"
-  )
-  args = parser.parse_args(argv)
+  args = errors.parse_flags(define_flags, argv, doc=__doc__)
   quiet_library_logs()
   model, opt = make_states(args.gib)
   nbytes = sum(x.nbytes for x in jax.tree.leaves((model, opt)))
@@ -196,4 +197,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  errors.run_cli(main)

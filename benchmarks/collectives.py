@@ -21,11 +21,9 @@ their float32 gradient and Adam moments), which a GPT of the same shape does not
   python -m benchmarks.collectives --meshes=1,8,1 --families=llama
 """
 
-import argparse
 import collections
 import math
 import re
-import sys
 
 from benchmarks.host_devices import force_host_devices
 
@@ -40,6 +38,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from configs import default as default_config  # noqa: E402
+from odetransformer import errors  # noqa: E402
 from odetransformer.model import config as config_lib  # noqa: E402
 from odetransformer.tools import memory  # noqa: E402
 from odetransformer.train import optimizer as optimizer_lib  # noqa: E402
@@ -246,20 +245,24 @@ def measure(config, devices) -> dict:
   return out
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--tiny", action="store_true", help="seconds-sized shapes (tests)")
-  parser.add_argument(
-    "--meshes",
-    default=";".join(",".join(map(str, m)) for m in MESHES),
-    help="';'-separated data,fsdp,tensor shapes of 8 devices",
+def define_flags(define) -> None:
+  """This command's flags (errors.parse_flags)."""
+  define("bool", "tiny", False, "seconds-sized shapes (tests)")
+  define(
+    "string",
+    "meshes",
+    ";".join(",".join(map(str, m)) for m in MESHES),
+    "';'-separated data,fsdp,tensor shapes of 8 devices",
   )
-  parser.add_argument("--families", default="gpt2,llama")
-  parser.add_argument("--remat", default="dots_saveable", help="remat policy (both models)")
-  args = parser.parse_args(argv)
+  define("string", "families", "gpt2,llama", "comma-separated model families")
+  define("string", "remat", "dots_saveable", "remat policy (both models)")
+
+
+def main(argv=None):
+  args = errors.parse_flags(define_flags, argv, doc=__doc__)
   if jax.device_count() != NUM_DEVICES:
-    sys.exit(
-      f"error: jax has {jax.device_count()} devices, not {NUM_DEVICES}: run as a "
+    raise errors.UserError(
+      f"jax has {jax.device_count()} devices, not {NUM_DEVICES}; run as a "
       "program (`python -m benchmarks.collectives`) so XLA_FLAGS is set before jax"
     )
   try:
@@ -267,11 +270,13 @@ def main(argv=None):
     for m in meshes:
       sharding_lib.resolve_mesh_shape(m, NUM_DEVICES)
   except (ValueError, sharding_lib.MeshError) as e:
-    sys.exit(f"error: --meshes={args.meshes!r}: {e}; e.g. --meshes='1,8,1;2,4,1'")
+    raise errors.UserError(f"--meshes={args.meshes!r}: {e}; e.g. --meshes='1,8,1;2,4,1'") from None
   families = [f for f in args.families.split(",") if f]
   bad = [f for f in families if f not in config_lib.FAMILIES]
   if bad or not families:
-    sys.exit(f"error: --families={args.families!r}: choose from {','.join(config_lib.FAMILIES)}")
+    raise errors.UserError(
+      f"--families={args.families!r}: choose from {','.join(config_lib.FAMILIES)}"
+    )
   preset = TINY if args.tiny else common.PRESETS["bench-small"]
   m = preset["model"]
   print(
@@ -343,4 +348,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  errors.run_cli(main)

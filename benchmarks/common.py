@@ -97,14 +97,14 @@ PRESETS = {
 }
 
 
-def add_common_flags(parser):
-  parser.add_argument("--preset", default="bench-small", choices=sorted(PRESETS))
-  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  parser.add_argument("--seq_len", type=int, default=0, help="0 = the preset's")
-  parser.add_argument("--batch", type=int, default=0, help="0 = the preset's")
-  parser.add_argument(
-    "--remat", default="dots_saveable", help="remat policy for both models (same for both)"
-  )
+def define_common_flags(define, remat: str = "dots_saveable") -> None:
+  """The flags every model benchmark shares (`define` as `errors.parse_flags` passes it);
+  `remat` is the default of --remat."""
+  define("enum", "preset", "bench-small", "Model and shape preset.", enum_values=sorted(PRESETS))
+  define("enum", "dtype", "float32", "Compute dtype.", enum_values=["float32", "bfloat16"])
+  define("integer", "seq_len", 0, "0 = the preset's")
+  define("integer", "batch", 0, "0 = the preset's")
+  define("string", "remat", remat, "remat policy for both models (same for both)")
 
 
 def model_config(args, kind: str, **overrides) -> ModelConfig:

@@ -19,9 +19,6 @@ The tests hold the estimate to ±15% at a seconds-sized shape through
 `python -m benchmarks.collectives --tiny`, which prints it beside each compiled step.
 """
 
-import argparse
-import sys
-
 from benchmarks.host_devices import force_host_devices
 
 NUM_DEVICES = 8
@@ -34,6 +31,7 @@ import jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.collectives import MESHES, make_config  # noqa: E402
 from configs import owt_small  # noqa: E402
+from odetransformer import errors  # noqa: E402
 from odetransformer.tools import memory  # noqa: E402
 
 MiB = 2**20
@@ -53,24 +51,23 @@ def configs(shape: str, kind: str, mesh, remats):
     yield f"{shape} {remat}", make_config(common.PRESETS[shape], kind, "transformer", mesh, remat)
 
 
+def define_flags(define) -> None:
+  """This command's flags (errors.parse_flags)."""
+  define("string", "shapes", "bench-small,owt_small", f"comma-separated, from {', '.join(SHAPES)}")
+  define("string", "remat", ",".join(REMATS), "remat policies of bench-small (owt_small: its own)")
+
+
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument(
-    "--shapes", default="bench-small,owt_small", help=f"comma-separated, from {', '.join(SHAPES)}"
-  )
-  parser.add_argument(
-    "--remat", default=",".join(REMATS), help="remat policies of bench-small (owt_small: its own)"
-  )
-  args = parser.parse_args(argv)
+  args = errors.parse_flags(define_flags, argv, doc=__doc__)
   remats = [r for r in args.remat.split(",") if r]
   if not remats or any(r not in REMATS for r in remats):
-    sys.exit(f"error: --remat={args.remat!r}: choose from {', '.join(REMATS)}")
+    raise errors.UserError(f"--remat={args.remat!r}: choose from {', '.join(REMATS)}")
   shapes = [s for s in args.shapes.split(",") if s]
   if not shapes or any(s not in SHAPES for s in shapes):
-    sys.exit(f"error: --shapes={args.shapes!r}: choose from {', '.join(SHAPES)}")
+    raise errors.UserError(f"--shapes={args.shapes!r}: choose from {', '.join(SHAPES)}")
   if jax.device_count() != NUM_DEVICES:
-    sys.exit(
-      f"error: jax has {jax.device_count()} devices, not {NUM_DEVICES}: run as a "
+    raise errors.UserError(
+      f"jax has {jax.device_count()} devices, not {NUM_DEVICES}; run as a "
       "program (`python -m benchmarks.memory_estimate`) so XLA_FLAGS is set first"
     )
   print(
@@ -104,4 +101,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  errors.run_cli(main)

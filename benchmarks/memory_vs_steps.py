@@ -15,22 +15,28 @@ between the two largest K.
   python -m benchmarks.memory_vs_steps [--remat=full] [--steps=6,12,24]
 """
 
-import argparse
-
 from benchmarks import common
+from odetransformer import errors
 from odetransformer.model.param_count import layer_params
 
 MiB = 2**20
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  common.add_common_flags(parser)
-  parser.set_defaults(remat="full")
-  parser.add_argument("--steps", default="6,12,24")
-  args = parser.parse_args()
+def define_flags(define) -> None:
+  """This command's flags (errors.parse_flags)."""
+  common.define_common_flags(define, remat="full")
+  define("string", "steps", "6,12,24", "comma-separated K = L values compiled")
+
+
+def main(argv=None):
+  args = errors.parse_flags(define_flags, argv, doc=__doc__)
   b, length = common.shape(args)
-  ks = [int(k) for k in args.steps.split(",")]
+  try:
+    ks = [int(k) for k in args.steps.split(",")]
+  except ValueError:
+    raise errors.UserError(
+      f"--steps={args.steps}: give step counts separated by commas, e.g. 6,12,24"
+    ) from None
   bytes_per = 2 if args.dtype == "bfloat16" else 4
   print(f"preset {args.preset}, batch {b} × seq {length}, {args.dtype}, remat {args.remat}")
   print(
@@ -74,4 +80,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  errors.run_cli(main)

@@ -15,42 +15,46 @@ Prints progress lines, then one JSON line: ms_per_step, tokens_per_s, params, de
 torch version, compiled.
 """
 
-import argparse
 import importlib.util
 import json
 import os
 import statistics
-import sys
 import time
+
+from odetransformer import errors
+
+
+def define_flags(define) -> None:
+  """This command's flags (errors.parse_flags)."""
+  define("string", "nanogpt", None, "a nanoGPT checkout (holds model.py)", required=True)
+  define("integer", "batch", None, "batch size", required=True)
+  define("integer", "seq_len", None, "sequence length", required=True)
+  define("integer", "vocab", 50304, "vocabulary size")
+  define("integer", "layers", 12, "transformer layers")
+  define("integer", "heads", 12, "attention heads")
+  define("integer", "d_model", 768, "model width")
+  define(
+    "enum",
+    "compile",
+    "auto",
+    "torch.compile the model (auto: on CUDA only)",
+    enum_values=["auto", "yes", "no"],
+  )
+  define("integer", "warmup", 3, "untimed steps first")
+  define("integer", "rounds", 5, "timed rounds")
+  define("integer", "steps_per_round", 10, "steps per timed round")
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--nanogpt", required=True, help="a nanoGPT checkout (holds model.py)")
-  p.add_argument("--batch", type=int, required=True)
-  p.add_argument("--seq_len", type=int, required=True)
-  p.add_argument("--vocab", type=int, default=50304)
-  p.add_argument("--layers", type=int, default=12)
-  p.add_argument("--heads", type=int, default=12)
-  p.add_argument("--d_model", type=int, default=768)
-  p.add_argument(
-    "--compile",
-    default="auto",
-    choices=["auto", "yes", "no"],
-    help="torch.compile the model (auto: on CUDA only)",
-  )
-  p.add_argument("--warmup", type=int, default=3)
-  p.add_argument("--rounds", type=int, default=5)
-  p.add_argument("--steps_per_round", type=int, default=10)
-  return p.parse_args(argv)
+  return errors.parse_flags(define_flags, argv, doc=__doc__)
 
 
 def load_nanogpt(directory: str):
   """nanoGPT's model module from `directory`/model.py."""
   path = os.path.join(directory, "model.py")
   if not os.path.isfile(path):
-    raise SystemExit(
-      f"error: --nanogpt={directory} holds no model.py; pass a checkout of karpathy/nanoGPT"
+    raise errors.UserError(
+      f"--nanogpt={directory} holds no model.py; pass a checkout of karpathy/nanoGPT"
     )
   spec = importlib.util.spec_from_file_location("nanogpt_model", path)
   module = importlib.util.module_from_spec(spec)
@@ -63,8 +67,8 @@ def main(argv=None):
   try:
     import torch  # lazy: optional, only this anchor needs it
   except ImportError:
-    raise SystemExit(
-      "error: --nanogpt needs torch; pip install torch (the CUDA build on a GPU host)"
+    raise errors.UserError(
+      "--nanogpt needs torch; pip install torch (the CUDA build on a GPU host)"
     ) from None
   nano = load_nanogpt(args.nanogpt)
   device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -133,4 +137,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  errors.run_cli(main)

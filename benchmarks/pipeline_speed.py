@@ -16,7 +16,6 @@ processes spends tokenizing and packing its share of `--batches` global batches 
 time as a fraction of P = 1's (1/P when each process does only its share).
 """
 
-import argparse
 import os
 import shutil
 import statistics
@@ -29,6 +28,7 @@ import jax
 from benchmarks import common  # huge pages as main.py
 from input_pipeline import config as config_lib
 from input_pipeline import create_datasets
+from odetransformer import errors
 
 
 def pipeline_tokens_per_s(
@@ -149,23 +149,19 @@ def train_tokens_per_s(args, batches, num_timed: int = 3) -> float:
   return tps
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  common.add_common_flags(parser)
-  parser.add_argument("--batches", type=int, default=400, help="timed pipeline batches")
-  parser.add_argument(
-    "--scaling_batch",
-    type=int,
-    default=16,
-    help="global batch of the per-host section (a multiple of 4)",
-  )
-  parser.add_argument(
-    "--data_dir", default="", help="directory with WikiText-2's valid.txt (delivered) and test.txt"
-  )
-  args = parser.parse_args()
+def define_flags(define) -> None:
+  """This command's flags (errors.parse_flags)."""
+  common.define_common_flags(define)
+  define("integer", "batches", 400, "timed pipeline batches")
+  define("integer", "scaling_batch", 16, "global batch of the per-host section (a multiple of 4)")
+  define("string", "data_dir", "", "directory with WikiText-2's valid.txt (delivered) and test.txt")
+
+
+def main(argv=None):
+  args = errors.parse_flags(define_flags, argv, doc=__doc__)
   for name in ("valid.txt", "test.txt"):
     if not os.path.isfile(os.path.join(args.data_dir, name)):
-      parser.error(
+      raise errors.UserError(
         f"--data_dir={args.data_dir!r} holds no {name}; pass the directory "
         "with WikiText-2's valid.txt and test.txt"
       )
@@ -186,4 +182,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  errors.run_cli(main)

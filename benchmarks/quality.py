@@ -20,7 +20,6 @@ so, naming the code version; an unfinished one resumes from its last checkpoint 
 runs of other code or another config are moved aside and trained afresh.
 """
 
-import argparse
 import os
 import tempfile
 import time
@@ -29,6 +28,7 @@ from absl import logging
 
 from benchmarks import common
 from configs import default
+from odetransformer import errors
 from odetransformer.model.config import FAMILIES, LLAMA_BLOCKS
 from odetransformer.model.solvers import STEP_TIMES
 
@@ -65,64 +65,74 @@ def make_config(args, kind: str, seed: int, cache_dir: str):
   return c
 
 
-def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1, both models each")
-  p.add_argument("--steps", type=int, default=600)
-  p.add_argument("--family", choices=FAMILIES, default="gpt2")
-  p.add_argument(
-    "--step_time", choices=STEP_TIMES, default="start", help="model.step_time of the DiffEqFormer"
+def define_flags(define) -> None:
+  """This command's flags (errors.parse_flags)."""
+  define("integer", "seeds", 3, "seeds 0..N-1, both models each")
+  define("integer", "steps", 600, "training steps of each run")
+  define("enum", "family", "gpt2", "model family of both runs", enum_values=list(FAMILIES))
+  define(
+    "enum",
+    "step_time",
+    "start",
+    "model.step_time of the DiffEqFormer",
+    enum_values=list(STEP_TIMES),
   )
-  p.add_argument(
-    "--llama_block",
-    choices=LLAMA_BLOCKS,
-    default="paper",
-    help="model.llama_block of the Llama DiffEqFormer",
+  define(
+    "enum",
+    "llama_block",
+    "paper",
+    "model.llama_block of the Llama DiffEqFormer",
+    enum_values=list(LLAMA_BLOCKS),
   )
-  p.add_argument(
-    "--checkpoint_every",
-    type=int,
-    default=100,
-    help="steps between checkpoints: a killed run rerun with the same command "
+  define(
+    "integer",
+    "checkpoint_every",
+    100,
+    "steps between checkpoints: a killed run rerun with the same command "
     "resumes from the last (0 = only at the end)",
   )
-  p.add_argument("--batch", type=int, default=16)
-  p.add_argument("--seq_len", type=int, default=128)
-  p.add_argument("--d_model", type=int, default=256)
-  p.add_argument("--num_heads", type=int, default=4)
-  p.add_argument("--depth", type=int, default=6, help="ODE steps = baseline layers")
-  p.add_argument("--time_embed_dim", type=int, default=64)
-  p.add_argument("--vocab", type=int, default=4096)
-  p.add_argument("--lr", type=float, default=1e-3)
-  p.add_argument("--b2", type=float, default=0.95)
-  p.add_argument("--eval_batches", type=int, default=0, help="0 = all of the eval text")
-  p.add_argument(
-    "--data_dir",
-    default="",
-    help="directory with WikiText-2's valid.txt and test.txt (the defaults of "
+  define("integer", "batch", 16, "global batch size")
+  define("integer", "seq_len", 128, "sequence length")
+  define("integer", "d_model", 256, "model width (mlp = 4·d)")
+  define("integer", "num_heads", 4, "attention heads")
+  define("integer", "depth", 6, "ODE steps = baseline layers")
+  define("integer", "time_embed_dim", 64, "d_t of the DiffEqFormer")
+  define("integer", "vocab", 4096, "SentencePiece vocabulary size")
+  define("float", "lr", 1e-3, "peak learning rate")
+  define("float", "b2", 0.95, "AdamW beta2")
+  define("integer", "eval_batches", 0, "0 = all of the eval text")
+  define(
+    "string",
+    "data_dir",
+    "",
+    "directory with WikiText-2's valid.txt and test.txt (the defaults of "
     "--train_text and --eval_text)",
   )
-  p.add_argument(
-    "--train_text", default="", help="UTF-8 text to train on (default: DATA_DIR/valid.txt)"
-  )
-  p.add_argument(
-    "--eval_text", default="", help="UTF-8 text to evaluate on (default: DATA_DIR/test.txt)"
-  )
-  p.add_argument("--workdir", default="", help="default: a fresh temporary directory")
-  args = p.parse_args(argv)
+  define("string", "train_text", "", "UTF-8 text to train on (default: DATA_DIR/valid.txt)")
+  define("string", "eval_text", "", "UTF-8 text to evaluate on (default: DATA_DIR/test.txt)")
+  define("string", "workdir", "", "default: a fresh temporary directory")
+
+
+def parse_args(argv=None):
+  """The flags of `argv` (without the program name; default sys.argv[1:]), checked: a
+  bad value is a UserError naming the fix."""
+  args = errors.parse_flags(define_flags, argv, doc=__doc__)
   if args.data_dir:
     args.train_text = args.train_text or os.path.join(args.data_dir, "valid.txt")
     args.eval_text = args.eval_text or os.path.join(args.data_dir, "test.txt")
   for flag in ("train_text", "eval_text"):
     if not os.path.isfile(getattr(args, flag)):
-      p.error(
+      raise errors.UserError(
         f"--{flag}={getattr(args, flag)} is not a file; pass a UTF-8 text file "
         "(or --data_dir with WikiText-2's valid.txt and test.txt)"
       )
   if args.seeds < 1:
-    p.error(f"--seeds={args.seeds} must be at least 1")
+    raise errors.UserError(f"--seeds={args.seeds} must be at least 1; pass --seeds=1 or more")
   if args.llama_block != "paper" and args.family != "llama":
-    p.error(f"--llama_block={args.llama_block} needs --family=llama")
+    raise errors.UserError(
+      f"--llama_block={args.llama_block} needs --family=llama; pass --family=llama "
+      "or leave --llama_block out"
+    )
   return args
 
 
@@ -164,4 +174,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  errors.run_cli(main)

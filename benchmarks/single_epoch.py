@@ -72,7 +72,6 @@ tables, PNG and ratio lines in `single_epoch_report`, and the analysis stage in
 `single_epoch_analysis`.
 """
 
-import argparse
 import glob
 import importlib.util
 import os
@@ -88,170 +87,166 @@ from benchmarks.single_epoch_corpus import TrainingText, max_single_epoch_steps,
 from benchmarks.single_epoch_report import model_label as model_label  # the tests read it here
 from benchmarks.single_epoch_report import print_eval_texts, print_table_and_parameters, write_table
 from benchmarks.single_epoch_runs import KINDS, make_config, run_points
-from odetransformer.errors import UserError, run_cli
+from odetransformer import errors
+from odetransformer.errors import UserError
 from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
 from odetransformer.runtime.logs import quiet_library_logs
 
 
-def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument(
-    "--data_dir",
+def define_flags(define) -> None:
+  """This command's flags (errors.parse_flags)."""
+  define(
+    "string",
+    "data_dir",
+    None,
+    "train-*.txt, valid.txt and test.txt (the wikipedia-2015 layout)",
     required=True,
-    help="train-*.txt, valid.txt and test.txt (the wikipedia-2015 layout)",
   )
-  p.add_argument(
-    "--workdir", default="", help="the runs (resumable); default: a fresh temporary directory"
-  )
-  p.add_argument(
-    "--config",
-    default="",
-    help="FILE[:VARIANT]: build both runs from this "
+  define("string", "workdir", "", "the runs (resumable); default: a fresh temporary directory")
+  define(
+    "string",
+    "config",
+    "",
+    "FILE[:VARIANT]: build both runs from this "
     "experiment config (e.g. configs/wikipedia_small.py) instead of --preset: "
     "its model, optimizer, batch and dtype; one whole epoch by default",
   )
-  p.add_argument(
-    "--steps",
-    type=int,
-    default=None,
-    help="steps of the first seed "
+  define(
+    "integer",
+    "steps",
+    None,
+    "steps of the first seed "
     "(--first_seed, default 0); default 3000, with --config one whole epoch",
   )
-  p.add_argument(
-    "--seeds",
-    type=int,
-    default=1,
-    help="N seeds from --first_seed; all but the first train --seed_steps steps",
+  define(
+    "integer", "seeds", 1, "N seeds from --first_seed; all but the first train --seed_steps steps"
   )
-  p.add_argument("--seed_steps", type=int, default=None, help="default 1000, with --config --steps")
-  p.add_argument(
-    "--first_seed",
-    type=int,
-    default=0,
-    help="the seeds are first_seed.."
-    "first_seed+N-1; the first trains --steps, the others --seed_steps",
+  define("integer", "seed_steps", None, "default 1000, with --config --steps")
+  define(
+    "integer",
+    "first_seed",
+    0,
+    "the seeds are first_seed..first_seed+N-1; the first trains --steps, the others --seed_steps",
   )
-  p.add_argument(
-    "--eval_every",
-    type=int,
-    default=None,
-    help="score valid (and, without "
+  define(
+    "integer",
+    "eval_every",
+    None,
+    "score valid (and, without "
     "--config, test) every this many steps and at the end; default 500, with "
-    "--config 10%% of the run",
+    "--config 10% of the run",
   )
-  p.add_argument(
-    "--eval_batches",
-    type=int,
-    default=0,
-    help="batches per split of the final score (0 = the whole split)",
-  )
-  p.add_argument(
-    "--curve_batches",
-    type=int,
-    default=None,
-    help="batches per split of "
+  define("integer", "eval_batches", 0, "batches per split of the final score (0 = the whole split)")
+  define(
+    "integer",
+    "curve_batches",
+    None,
+    "batches per split of "
     "the scores before the end (0 = the whole split); default 100, with "
     "--config 0",
   )
-  p.add_argument(
-    "--eval_text",
-    default="",
-    help="FILE,...: held-out text files each "
+  define(
+    "string",
+    "eval_text",
+    "",
+    "FILE,...: held-out text files each "
     "model also scores at the end of each seed, one line per file",
   )
-  p.add_argument(
-    "--checkpoint_every", type=int, default=None, help="default 100, with --config the config's"
+  define("integer", "checkpoint_every", None, "default 100, with --config the config's")
+  define("integer", "log_every", None, "default 25, with --config the config's")
+  define(
+    "integer", "stop_after", 0, "train and score up to this step, then exit (a rerun continues)"
   )
-  p.add_argument(
-    "--log_every", type=int, default=None, help="default 25, with --config the config's"
+  define(
+    "enum",
+    "preset",
+    None,
+    "the model and batch without --config (default bench-small)",
+    enum_values=sorted(common.PRESETS),
   )
-  p.add_argument(
-    "--stop_after",
-    type=int,
-    default=0,
-    help="train and score up to this step, then exit (a rerun continues)",
-  )
-  p.add_argument(
-    "--preset",
-    default=None,
-    choices=sorted(common.PRESETS),
-    help="the model and batch without --config (default bench-small)",
-  )
-  p.add_argument("--vocab", type=int, default=0, help="0 = the preset's (the config's)")
-  p.add_argument(
-    "--ode_grid",
-    default="fixed",
-    choices=TRAIN_TIME_GRIDS,
-    help="the DiffEqFormer's model.train_time_grid (runs of another grid than "
+  define("integer", "vocab", 0, "0 = the preset's (the config's)")
+  define(
+    "enum",
+    "ode_grid",
+    "fixed",
+    "the DiffEqFormer's model.train_time_grid (runs of another grid than "
     "'fixed' are named after it, beside the fixed-grid runs)",
+    enum_values=list(TRAIN_TIME_GRIDS),
   )
-  p.add_argument(
-    "--kinds",
-    default=",".join(KINDS),
-    help="the models to train: both "
+  define(
+    "string",
+    "kinds",
+    ",".join(KINDS),
+    "the models to train: both "
     "(the comparison), or one (e.g. a DiffEqFormer of another --ode_grid)",
   )
-  p.add_argument("--lr", type=float, default=None, help="peak lr without --config (default 1e-3)")
-  p.add_argument(
-    "--b2", type=float, default=None, help="AdamW beta2 without --config (default 0.95)"
-  )
-  p.add_argument(
-    "--prepare_only",
-    action="store_true",
-    help="train the tokenizer and count "
+  define("float", "lr", None, "peak lr without --config (default 1e-3)")
+  define("float", "b2", None, "AdamW beta2 without --config (default 0.95)")
+  define(
+    "bool",
+    "prepare_only",
+    False,
+    "train the tokenizer and count "
     "the epoch (kept in the workdir for later runs), print them, and stop",
   )
-  p.add_argument(
-    "--analysis",
-    default="auto",
-    choices=("auto", "on", "off"),
-    help="after the first seed, the spectra, Lyapunov and clustering plots of "
+  define(
+    "enum",
+    "analysis",
+    "auto",
+    "after the first seed, the spectra, Lyapunov and clustering plots of "
     "its DiffEqFormer into WORKDIR/analysis (auto: with --config)",
+    enum_values=["auto", "on", "off"],
   )
-  p.add_argument("--spectra_grid", type=int, default=64, help="points t of the spectra")
-  p.add_argument(
-    "--lyapunov_tokens",
-    type=int,
-    default=48,
-    help="tokens of test.txt's "
-    "first article whose Lyapunov map is drawn (the last one is the output)",
+  define("integer", "spectra_grid", 64, "points t of the spectra")
+  define(
+    "integer",
+    "lyapunov_tokens",
+    48,
+    "tokens of test.txt's first article whose Lyapunov map is drawn (the last one is the output)",
   )
-  args = p.parse_args(argv)
+
+
+def parse_args(argv=None):
+  """The flags of `argv` (without the program name; default sys.argv[1:]), checked: a
+  bad value is a UserError naming the fix."""
+  args = errors.parse_flags(define_flags, argv, doc=__doc__)
   for name in ("valid.txt", "test.txt"):
     if not os.path.isfile(os.path.join(args.data_dir, name)):
-      p.error(
+      raise UserError(
         f"--data_dir={args.data_dir} has no {name}; pass the directory holding "
         "train-*.txt, valid.txt and test.txt"
       )
   if not glob.glob(os.path.join(args.data_dir, "train-*.txt")):
-    p.error(
+    raise UserError(
       f"--data_dir={args.data_dir} has no train-*.txt; pass the directory holding "
       "train-*.txt, valid.txt and test.txt"
     )
   named = [k for k in args.kinds.split(",") if k]
   if not named or set(named) - set(KINDS):
-    p.error(f"--kinds={args.kinds}: choose {' and/or '.join(KINDS)}, comma-separated")
+    raise UserError(f"--kinds={args.kinds}: choose {' and/or '.join(KINDS)}, comma-separated")
   args.kinds = tuple(k for k in KINDS if k in named)
   args.eval_texts = [f for f in args.eval_text.split(",") if f]
   for path in args.eval_texts:
     if not os.path.isfile(path):
-      p.error(f"--eval_text: {path} is not a file; pass existing text files, comma-separated")
+      raise UserError(
+        f"--eval_text: {path} is not a file; pass existing text files, comma-separated"
+      )
   if len(set(args.eval_texts)) != len(args.eval_texts):
-    p.error(f"--eval_text={args.eval_text} names a file twice; name each once")
+    raise UserError(f"--eval_text={args.eval_text} names a file twice; name each once")
   if args.config:
     for flag in ("preset", "lr", "b2"):
       if getattr(args, flag) is not None:
-        p.error(
+        raise UserError(
           f"--{flag} applies without --config; with --config={args.config} the "
           "config sets the model and optimizer (edit it, or leave --config out)"
         )
     try:
       args.base_config = load_config_file(args.config)
     except (OSError, ValueError, AttributeError, SyntaxError, ImportError) as e:
-      p.error(
+      raise UserError(
         f"--config={args.config}: {e}; pass FILE.py[:VARIANT] whose get_config() "
         "returns a ConfigDict, e.g. configs/wikipedia_small.py"
-      )
+      ) from e
     c = args.base_config
     args.curve_batches = 0 if args.curve_batches is None else args.curve_batches
     args.log_every = args.log_every or c.log_every_steps
@@ -283,14 +278,18 @@ def parse_args(argv=None):
     "lyapunov_tokens",
   ):
     if getattr(args, flag) is not None and getattr(args, flag) < 1:
-      p.error(f"--{flag}={getattr(args, flag)} must be at least 1")
+      raise UserError(
+        f"--{flag}={getattr(args, flag)} must be at least 1; pass a positive --{flag}"
+      )
   if args.lyapunov_tokens < 2:
-    p.error(
+    raise UserError(
       f"--lyapunov_tokens={args.lyapunov_tokens} must be at least 2 (an output and "
       "a token before it)"
     )
   if args.first_seed < 0:
-    p.error(f"--first_seed={args.first_seed} must be at least 0")
+    raise UserError(
+      f"--first_seed={args.first_seed} must be at least 0; pass --first_seed=0 or more"
+    )
   args.analysis = (
     args.analysis == "on" or (args.analysis == "auto" and bool(args.config))
   ) and "diffeqformer" in args.kinds
@@ -414,4 +413,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  run_cli(main)
+  errors.run_cli(main)

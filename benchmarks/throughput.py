@@ -19,7 +19,6 @@ at each batch and prints where the step's time goes (`benchmarks.profile_split`:
 attention, other fusions, copies, idle, and the costliest ops).
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -31,56 +30,69 @@ from flax import nnx
 import jax
 
 from benchmarks import common, profile_split
+from odetransformer import errors
 from odetransformer.model.config import KINDS
 from odetransformer.model.materialize import materialize
 from odetransformer.model.param_count import count_params, flops_per_token
 from odetransformer.train import metrics
 
 
-def parse_args(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  common.add_common_flags(parser)
-  parser.add_argument("--rounds", type=int, default=10)
-  parser.add_argument(
-    "--also",
-    default="",
-    help="more model kinds timed in the same rotation, e.g. parallel,shared "
+def define_flags(define) -> None:
+  """This command's flags (errors.parse_flags)."""
+  common.define_common_flags(define)
+  define("integer", "rounds", 10, "Timed rounds.")
+  define(
+    "string",
+    "also",
+    "",
+    "more model kinds timed in the same rotation, e.g. parallel,shared "
     "(the discrete parallel-block model and the weight-sharing ODE: "
     "the DiffEqFormer's layers without its hypernetwork)",
   )
-  parser.add_argument(
-    "--batches", default="", help="batch sizes timed in one run, e.g. 16,32 (default: --batch)"
-  )
-  parser.add_argument(
-    "--nanogpt",
-    default="",
-    help="a karpathy/nanoGPT checkout: time its train step at each batch "
+  define("string", "batches", "", "batch sizes timed in one run, e.g. 16,32 (default: --batch)")
+  define(
+    "string",
+    "nanogpt",
+    "",
+    "a karpathy/nanoGPT checkout: time its train step at each batch "
     "in the same run and print our/nanoGPT tokens/s ratios",
   )
-  parser.add_argument(
-    "--profile",
-    action="store_true",
-    help="trace each model at each batch and print where the step's time "
+  define(
+    "bool",
+    "profile",
+    False,
+    "trace each model at each batch and print where the step's time "
     "goes (matmul, attention, other fusions, copies, idle)",
   )
-  parser.add_argument("--profile_steps", type=int, default=5)
-  args = parser.parse_args(argv)
+  define("integer", "profile_steps", 5, "Steps traced per model and batch with --profile.")
+
+
+def parse_args(argv=None):
+  args = errors.parse_flags(define_flags, argv, doc=__doc__)
   args.also = [k for k in args.also.split(",") if k]
   baselines = [k for k in KINDS if k not in ("diffeqformer", "transformer")]
   for kind in args.also:
     if kind not in baselines:
-      parser.error(f"--also={kind}: choose from {', '.join(baselines)}")
+      raise errors.UserError(f"--also={kind}: choose from {', '.join(baselines)}")
   b, _ = common.shape(args)
   try:
     args.batches = [int(x) for x in args.batches.split(",") if x.strip()] or [b]
   except ValueError:
-    parser.error(f"--batches={args.batches}: give batch sizes separated by commas, e.g. 16,32")
+    raise errors.UserError(
+      f"--batches={args.batches}: give batch sizes separated by commas, e.g. 16,32"
+    ) from None
   if min(args.batches) <= 0:
-    parser.error(f"--batches={args.batches}: batch sizes must be positive")
+    raise errors.UserError(
+      f"--batches={args.batches}: batch sizes must be positive; e.g. --batches=16,32"
+    )
   if args.nanogpt and not os.path.isfile(os.path.join(args.nanogpt, "model.py")):
-    parser.error(f"--nanogpt={args.nanogpt} holds no model.py; pass a checkout of karpathy/nanoGPT")
+    raise errors.UserError(
+      f"--nanogpt={args.nanogpt} holds no model.py; pass a checkout of karpathy/nanoGPT"
+    )
   if args.profile_steps <= 0:
-    parser.error(f"--profile_steps={args.profile_steps} must be positive")
+    raise errors.UserError(
+      f"--profile_steps={args.profile_steps} must be positive; pass --profile_steps=5"
+    )
   return args
 
 
@@ -224,4 +236,4 @@ def time_forward(args, trainers: dict, tokens_in, tokens: int) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  errors.run_cli(main)

@@ -14,27 +14,15 @@ raw files (train, then the 0.05% test hold-out); expect hours on one machine.
 """
 
 import os
-import sys
 
-from absl import app, flags
+from absl import flags
 import tensorflow_datasets as tfds
 
 from input_pipeline import cache, corpora, sources
 from input_pipeline import config as config_lib
 from input_pipeline import tokenizer as tokenizer_lib
 from input_pipeline.errors import DataError
-
-_DATASET = flags.DEFINE_string(
-  "dataset", None, "'openwebtext', 'wikitext103' or 'tfds:<name>'.", required=True
-)
-_DATA_DIR = flags.DEFINE_string("data_dir", None, "TFDS data_dir to write to.", required=True)
-_RAW_DIR = flags.DEFINE_string("raw_dir", None, "Raw files downloaded by hand (optional).")
-_VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 0, "Also train the tokenizer (0 = do not).")
-_SAMPLE_BYTES = flags.DEFINE_integer(
-  "tokenizer_sample_bytes",
-  config_lib.get_config().tokenizer_sample_bytes,
-  "Bytes of training text for the tokenizer.",
-)
+from odetransformer import errors
 
 
 def prepare(
@@ -85,18 +73,31 @@ def prepare(
   return summary
 
 
-def main(argv):
-  del argv
-  try:
-    print(
-      prepare(
-        _DATASET.value, _DATA_DIR.value, _RAW_DIR.value, _VOCAB_SIZE.value, _SAMPLE_BYTES.value
-      )
-    )
-  except DataError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+def main(argv, flag_values=None):
+  """The command line (flags: `define_flags`; `flag_values` defaults to absl's FLAGS)."""
+  if len(argv) > 1:
+    raise DataError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
+  f = flags.FLAGS if flag_values is None else flag_values
+  print(prepare(f.dataset, f.data_dir, f.raw_dir, f.vocab_size, f.tokenizer_sample_bytes))
+
+
+def define_flags(flag_values=None):
+  """Defines this command's flags in `flag_values` (default: absl's global FLAGS)."""
+  fv = flags.FLAGS if flag_values is None else flag_values
+  define = errors.definer(fv)
+  define("string", "dataset", None, "'openwebtext', 'wikitext103' or 'tfds:<name>'.", required=True)
+  define("string", "data_dir", None, "TFDS data_dir to write to.", required=True)
+  define("string", "raw_dir", None, "Raw files downloaded by hand (optional).")
+  define("integer", "vocab_size", 0, "Also train the tokenizer (0 = do not).")
+  define(
+    "integer",
+    "tokenizer_sample_bytes",
+    config_lib.get_config().tokenizer_sample_bytes,
+    "Bytes of training text for the tokenizer.",
+  )
+  define("bool", "verbose", False, "Show the traceback of a user error as well.")
+  return fv
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_absl_tool(main, define_flags)

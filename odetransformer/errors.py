@@ -13,10 +13,15 @@ instead. Anything else is a bug and keeps its traceback.
 
     from odetransformer import errors
     if __name__ == "__main__":
-      errors.run_absl_tool(main, define_flags)    # absl flags; argparse: run_cli(main)
+      errors.run_absl_tool(main, define_flags)  # a tool on absl's global FLAGS
+      errors.run_cli(main)  # a command whose main(argv) calls parse_flags(define_flags, argv)
+
+Every command reads its flags with absl: the tools through `run_absl_tool` (absl's
+global FLAGS, as main.py), the analysis tools and benchmarks through `parse_flags`, which
+defines them in a FlagValues of their own so that several commands run in one process
+(the tests) without their flags meeting.
 """
 
-import argparse
 import ast
 from collections.abc import Callable, Sequence
 import logging
@@ -24,8 +29,13 @@ import os
 import re
 import sys
 import traceback
+import types
 
 from absl import app, flags
+
+# The flags `definer` defines belong to the module that calls it (their help groups them
+# so), not to this one.
+flags.disclaim_key_flags()
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
@@ -67,7 +77,8 @@ def describe(e: BaseException) -> str:
 
 
 def verbose_requested(argv: Sequence[str] | None = None) -> bool:
-  """Whether the command line asks for tracebacks (`--verbose`, absl or argparse style).
+  """Whether the command line asks for tracebacks (`--verbose`, `--verbose=true`; the
+  last of them and `--noverbose` wins).
 
   Read from argv itself so that it also works when parsing the flags is what failed.
   """
@@ -85,7 +96,8 @@ def verbose_requested(argv: Sequence[str] | None = None) -> bool:
 def run_cli(main: Callable[[], object], argv: Sequence[str] | None = None):
   """Runs an entry point: a UserError becomes one stderr line and exit status 2.
 
-  `main` takes no arguments (wrap `app.run(...)` or an argparse main in a lambda).
+  `main` takes no arguments (wrap `app.run(...)` in a lambda; a main on `parse_flags`
+  reads sys.argv itself).
   With `--verbose` in `argv` (default `sys.argv`) the traceback is printed as well.
 
   The process ends with `os._exit` once the streams are flushed: the error has passed
@@ -118,18 +130,43 @@ def run_absl_tool(main: Callable, define_flags: Callable[[], object]) -> None:
   run_cli(lambda: app.run(main, flags_parser=parse_absl_flags))
 
 
-class ArgumentParser(argparse.ArgumentParser):
-  """argparse whose usage errors are UserErrors (one line through `run_cli`, not the
-  usage text plus a line), with `--verbose` for tracebacks."""
+def definer(flag_values: flags.FlagValues) -> Callable:
+  """`define(kind, name, default, help, **kw)`: defines one absl flag in `flag_values`;
+  `kind` names absl's DEFINE_<kind> ('string', 'integer', 'float', 'bool', 'enum' with
+  `enum_values=`, ...), `kw` is passed on (`lower_bound=`, `required=`)."""
 
-  def __init__(self, *args, **kwargs):
-    super().__init__(*args, **kwargs)
-    self.add_argument(
-      "--verbose", action="store_true", help="show the traceback of a user error as well"
+  def define(kind: str, name: str, default, text: str, **kw):
+    return getattr(flags, f"DEFINE_{kind}")(
+      name=name, default=default, help=text, flag_values=flag_values, **kw
     )
 
-  def error(self, message):
-    raise UserError(f"{message}; see --help")
+  return define
+
+
+def parse_flags(
+  define_flags: Callable[[Callable], object], argv: Sequence[str] | None = None, doc: str = ""
+):
+  """A command's flags parsed from `argv` (its arguments, without the program name;
+  default `sys.argv[1:]`) into a FlagValues of its own, as a namespace of their values.
+
+  `define_flags(define)` defines them (`define` as `definer` returns); `--verbose` is
+  added when it does not. A bad flag, a missing required one and a stray positional
+  argument are UserErrors (one line through `run_cli`); `--help` prints the flags (after
+  `doc`) and exits 0.
+  """
+  fv = flags.FlagValues()
+  define = definer(fv)
+  define_flags(define)
+  if "verbose" not in fv:
+    define("bool", "verbose", False, "Show the traceback of a user error as well.")
+  args = list(sys.argv[1:] if argv is None else argv)
+  if any(a in ("--help", "-help", "--helpshort", "-h") for a in args):
+    print((doc.strip() + "\n\n" if doc.strip() else "") + fv.get_help())
+    sys.exit(0)
+  rest = parse_absl_flags([sys.argv[0] if argv is None else "command", *args], fv)
+  if len(rest) > 1:
+    raise UserError(f"unexpected arguments {rest[1:]}; flags take the form --name=value")
+  return types.SimpleNamespace(**fv.flag_values_dict())
 
 
 def _unknown_override(argv: Sequence[str], key: str) -> str:
@@ -153,16 +190,24 @@ def renamed_flags(argv: Sequence[str], known) -> list:
   return out
 
 
-def parse_absl_flags(argv: list) -> list:
-  """absl's flag parsing with its errors, and config files' ones, as UserErrors.
+def parse_absl_flags(argv: list, flag_values: flags.FlagValues | None = None) -> list:
+  """absl's flag parsing (into `flag_values`, default absl's global FLAGS) with its
+  errors, and config files' ones, as UserErrors; returns the arguments left.
 
   For `app.run(main, flags_parser=parse_absl_flags)`. An ml_collections config flag
   loads its file while the flags are parsed, so a missing file, a syntax error in it
   or an override of a key the config lacks surface here.
   """
+  fv = flags.FLAGS if flag_values is None else flag_values
   try:
-    return flags.FLAGS(renamed_flags(argv, flags.FLAGS))
+    return fv(renamed_flags(argv, fv))
   except flags.Error as e:
+    missing = re.search(r"Flag --(\w+) must have a value other than None", str(e))
+    if missing:
+      raise UserError(
+        f"--{missing.group(1)} is required; pass --{missing.group(1)}=<value> "
+        "(--helpshort lists the flags)"
+      ) from e
     raise UserError(f"{one_line(e)}; see --helpshort for the flags") from e
   except SyntaxError as e:
     raise UserError(

@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks import single_epoch
 from configs import owt_small, wikipedia_small
+from odetransformer.errors import UserError, describe
 from odetransformer.train import loading
 
 NUM = r"([0-9][0-9,]*\.?[0-9]*)"
@@ -227,13 +228,18 @@ def test_one_command_compares_both_models_and_plots_seed0(tmp_path, capsys):
       "and 'tiny'; pass FILE.py[:VARIANT] whose get_config() returns a ConfigDict, e.g. "
       "configs/wikipedia_small.py",
     ),
+    (
+      ["--steps=x"],
+      "error: flag --steps=x: invalid literal for int() with base 10: 'x'; see --helpshort "
+      "for the flags",
+    ),
   ],
 )
-def test_bad_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, message):
-  with pytest.raises(SystemExit) as e:
+def test_bad_flags_are_one_line_and_exit_2(tmp_path, flags, message):
+  """A bad flag is a UserError, which `errors.run_cli` prints as one line (exit 2)."""
+  with pytest.raises(UserError) as e:
     single_epoch.parse_args([f"--data_dir={_wikipedia_slice(tmp_path)}", *flags])
-  assert e.value.code == 2
-  assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
+  assert f"error: {describe(e.value)}".endswith(message)
 
 
 @pytest.mark.slow

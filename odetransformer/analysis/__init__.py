@@ -1,6 +1,6 @@
 """Analysis tools of the paper's Section 5 (DESIGN.md §7).
 
-Each tool is a library of pure functions that return numbers, plus a thin argparse
+Each tool is a library of pure functions that return numbers, plus a thin absl
 `main` run as a module:
 
     python -m odetransformer.analysis.spectra --workdir=W --out=DIR [--grid=64]

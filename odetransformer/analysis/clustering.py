@@ -32,7 +32,6 @@ and DIR/clustering_dispersion.png (dispersion vs t).
 from collections.abc import Callable, Sequence
 import dataclasses
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -328,26 +327,31 @@ def write_outputs(results: dict, out_dir: str, settings: dict) -> dict:
 
 
 # -------------------------------------------------------------------------------- CLI
+def define_flags(define) -> None:
+  """This command's flags (`errors.parse_flags`)."""
+  define("string", "out", None, "Output directory (local or gs://...).", required=True)
+  define("integer", "seed", 0, "Initial tokens and weight draws.")
+  define("integer", "num_draws", 8, "Random W0 draws per case.")
+  define("float", "horizon", HORIZON, "T (dt = T / num_steps).")
+  define("integer", "num_steps", NUM_STEPS, "Euler steps over [0, T].")
+  define("float", "beta_end", BETA_END, "β(T) of the polynomials.")
+  define("integer", "num_tokens", NUM_TOKENS, "Tokens n on the sphere.")
+  define("string", "cases", ",".join(CASES), f"Comma list from {CASES}.")
+  define("bool", "causal", False, "Causal instead of full attention.")
+
+
 def parse_args(argv):
-  p = errors.ArgumentParser(
-    prog="python -m odetransformer.analysis.clustering",
-    description="App. C.8: attention-only token dynamics on the sphere, weights β(t)·W0.",
+  """The flags of `argv` (without the program name; None: sys.argv[1:])."""
+  return errors.parse_flags(
+    define_flags,
+    argv,
+    doc="App. C.8: attention-only token dynamics on the sphere, weights β(t)·W0.",
   )
-  p.add_argument("--out", required=True, help="output directory (local or gs://...)")
-  p.add_argument("--seed", type=int, default=0, help="initial tokens and weight draws")
-  p.add_argument("--num_draws", type=int, default=8, help="random W0 draws per case")
-  p.add_argument("--horizon", type=float, default=HORIZON, help="T (dt = T / num_steps)")
-  p.add_argument("--num_steps", type=int, default=NUM_STEPS)
-  p.add_argument("--beta_end", type=float, default=BETA_END, help="β(T) of the polynomials")
-  p.add_argument("--num_tokens", type=int, default=NUM_TOKENS)
-  p.add_argument("--cases", default=",".join(CASES), help=f"comma list from {CASES}")
-  p.add_argument("--causal", action="store_true", help="causal instead of full attention")
-  return p.parse_args(argv)
 
 
 def main(argv: list | None = None) -> dict:
   """The command line; a bad flag is a UserError (one line: errors.run_cli)."""
-  args = parse_args(sys.argv[1:] if argv is None else argv)
+  args = parse_args(argv)  # None: sys.argv[1:]
   cases = [c for c in args.cases.split(",") if c]
   unknown = [c for c in cases if c not in CASES and not (c.startswith("poly") and c[4:].isdigit())]
   if unknown or not cases:

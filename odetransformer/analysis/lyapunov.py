@@ -13,7 +13,6 @@ summary `lyapunov_report`. Their public names are importable from here too.
 """
 
 import re
-import sys
 
 from absl import logging
 import jax
@@ -41,7 +40,6 @@ from odetransformer.analysis.lyapunov_report import (  # noqa: F401
 from odetransformer.runtime import fileio, host
 from odetransformer.train import loading
 from odetransformer.train.checkpoint.fingerprint import load_config
-from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 
 
 # ------------------------------------------------------------------------ tokenizer
@@ -69,49 +67,44 @@ def piece_text(sp, token_id: int) -> str:
 
 
 # -------------------------------------------------------------------------------- CLI
+def define_flags(define) -> None:
+  """This command's flags (`errors.parse_flags`); the loading ones from
+  `loading.define_load_flags`."""
+  define("string", "text", None, "The text to analyse.", required=True)
+  define(
+    "integer", "position", -1, "Output position o (token index; negative counts from the end)."
+  )
+  define("string", "out", None, "Output directory (local or gs://...).", required=True)
+  define("integer", "solver_steps", None, "Euler steps K for ODE models (default: the trained K).")
+  define("string", "tokenizer", None, "SentencePiece .model (default: the run's).")
+  define(
+    "bool",
+    "prepend_eos",
+    False,
+    "Put the document separator (eos) before the text, as in training.",
+  )
+  define(
+    "integer",
+    "jacobian_chunk",
+    None,
+    "Pull back this many Jacobian rows at a time (bounds memory).",
+  )
+  loading.define_load_flags(define)
+
+
 def parse_args(argv):
-  p = errors.ArgumentParser(
-    prog="python -m odetransformer.analysis.lyapunov",
-    description="Token sensitivity of one output position by Lyapunov exponents, "
-    "beside the attention map.",
+  """The flags of `argv` (without the program name; None: sys.argv[1:]); the old
+  --num_steps still parses as --solver_steps, with a warning (`errors.parse_flags`)."""
+  return errors.parse_flags(
+    define_flags,
+    argv,
+    doc="Token sensitivity of one output position by Lyapunov exponents, beside the attention map.",
   )
-  p.add_argument("--workdir", required=True, help="training run directory (main.py --workdir)")
-  p.add_argument("--text", required=True, help="the text to analyse")
-  p.add_argument(
-    "--position",
-    type=int,
-    default=-1,
-    help="output position o (token index; negative counts from the end)",
-  )
-  p.add_argument("--out", required=True, help="output directory (local or gs://...)")
-  p.add_argument(
-    "--solver_steps",
-    type=int,
-    default=None,
-    help="Euler steps K for ODE models (default: the trained K)",
-  )
-  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-  p.add_argument("--mesh_shape", default="", help=loading.MESH_SHAPE_HELP)
-  p.add_argument("--checkpoint_allow_unverified", action="store_true", help=UNVERIFIED_FLAG_HELP)
-  p.add_argument("--tokenizer", default=None, help="SentencePiece .model (default: the run's)")
-  p.add_argument(
-    "--prepend_eos",
-    action="store_true",
-    help="put the document separator (eos) before the text, as in training",
-  )
-  p.add_argument(
-    "--jacobian_chunk",
-    type=int,
-    default=None,
-    help="pull back this many Jacobian rows at a time (bounds memory)",
-  )
-  known = {a.dest for a in p._actions}
-  return p.parse_args(errors.renamed_flags(argv, known))
 
 
 def main(argv: list | None = None) -> Sensitivity:
   """The command line; a bad flag or workdir is a UserError (one line: errors.run_cli)."""
-  args = parse_args(sys.argv[1:] if argv is None else argv)
+  args = parse_args(argv)  # None: sys.argv[1:]
   if args.solver_steps is not None and args.solver_steps <= 0:
     raise errors.UserError(
       f"--solver_steps={args.solver_steps} must be a positive number of "

@@ -22,7 +22,6 @@ launched as several processes; process 0 writes.
 
 import dataclasses
 import json
-import sys
 
 import jax
 import numpy as np
@@ -31,7 +30,6 @@ from odetransformer import errors
 from odetransformer.analysis import fields
 from odetransformer.runtime import fileio, host
 from odetransformer.train import loading
-from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 
 
 @dataclasses.dataclass
@@ -275,30 +273,32 @@ def write_outputs(spectra: Spectra, out_dir: str) -> dict:
 
 
 # -------------------------------------------------------------------------------- CLI
+def define_flags(define) -> None:
+  """This command's flags (`errors.parse_flags`); the loading ones from
+  `loading.define_load_flags`."""
+  define(
+    "string",
+    "out",
+    None,
+    "Output directory (local or gs://...) for .npz, .json and PNGs.",
+    required=True,
+  )
+  define("integer", "grid", 64, "Points t in [0, 1] for ODE models (discrete models: every layer).")
+  loading.define_load_flags(define)
+
+
 def parse_args(argv):
-  p = errors.ArgumentParser(
-    prog="python -m odetransformer.analysis.spectra",
-    description="Eigenvalues of W_QK, W_OV per head and of W_1 W_2, along t or per layer.",
+  """The flags of `argv` (without the program name; None: sys.argv[1:])."""
+  return errors.parse_flags(
+    define_flags,
+    argv,
+    doc="Eigenvalues of W_QK, W_OV per head and of W_1 W_2, along t or per layer.",
   )
-  p.add_argument("--workdir", required=True, help="training run directory (main.py --workdir)")
-  p.add_argument(
-    "--out", required=True, help="output directory (local or gs://...) for .npz, .json and PNGs"
-  )
-  p.add_argument(
-    "--grid",
-    type=int,
-    default=64,
-    help="points t in [0, 1] for ODE models (discrete models: every layer)",
-  )
-  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-  p.add_argument("--mesh_shape", default="", help=loading.MESH_SHAPE_HELP)
-  p.add_argument("--checkpoint_allow_unverified", action="store_true", help=UNVERIFIED_FLAG_HELP)
-  return p.parse_args(argv)
 
 
 def main(argv: list | None = None) -> Spectra:
   """The command line; a bad flag or workdir is a UserError (one line: errors.run_cli)."""
-  args = parse_args(sys.argv[1:] if argv is None else argv)
+  args = parse_args(argv)  # None: sys.argv[1:]
   if args.grid < 2:
     raise errors.UserError(
       f"--grid={args.grid}: an ODE's spectra need at least 2 points "

@@ -199,17 +199,13 @@ def main(argv, flag_values=None):
 def define_flags(flag_values=None):
   """Defines this command's flags in `flag_values` (default: absl's global FLAGS)."""
   fv = flags.FLAGS if flag_values is None else flag_values
-  define = lambda kind, name, default, text: getattr(flags, f"DEFINE_{kind}")(
-    name, default, text, flag_values=fv
-  )
-  define("string", "workdir", None, "Training run directory (config.json + checkpoints/).")
+  define = errors.definer(fv)
   define(
     "string",
     "solver_steps",
     "",
     "Comma-separated solver step counts N (ODE kinds); '' = the training K.",
   )
-  define("integer", "step", None, "Checkpoint step (default: the latest).")
   define(
     "string",
     "data",
@@ -223,7 +219,7 @@ def define_flags(flag_values=None):
   define("integer", "batch_size", 0, "Rows per batch (0 = the run's eval_batch_size).")
   define("integer", "max_batches", 0, "Stop after this many batches (0 = the whole split).")
   define("string", "plot", "", "Also write perplexity against N as a PNG to this path.")
-  loading.define_load_flags(define, fv)
+  loading.define_load_flags(define)
   return fv
 
 

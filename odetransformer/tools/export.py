@@ -62,7 +62,6 @@ from odetransformer.tools.hf_convert import (
 )
 from odetransformer.tools.hf_verify import verify
 from odetransformer.train import loading
-from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -313,12 +312,8 @@ def main(argv, flag_values=None):
 
 def define_flags(flag_values=None):
   fv = flags.FLAGS if flag_values is None else flag_values
-  define = lambda kind, name, default, text: getattr(flags, f"DEFINE_{kind}")(
-    name, default, text, flag_values=fv
-  )
-  define("string", "workdir", None, "Training run directory (config.json + checkpoints/).")
-  define("string", "out", None, "Directory to write the Hugging Face model into.")
-  define("integer", "step", None, "Checkpoint step (default: the latest).")
+  define = errors.definer(fv)
+  define("string", "out", None, "Directory to write the Hugging Face model into.", required=True)
   define(
     "integer",
     "solver_steps",
@@ -326,8 +321,8 @@ def define_flags(flag_values=None):
     "Euler steps N an ODE is materialised at "
     "(default: the training K); discrete models: their own depth.",
   )
-  flags.DEFINE_enum(
-    "dtype", "float32", sorted(DTYPES), "Weights' dtype (float32 or bfloat16).", flag_values=fv
+  define(
+    "enum", "dtype", "float32", "Weights' dtype (float32 or bfloat16).", enum_values=sorted(DTYPES)
   )
   define(
     "bool",
@@ -342,11 +337,7 @@ def define_flags(flag_values=None):
     "Load the export with transformers (CPU) and compare "
     "logits and greedy generation with this model; exit 1 if they differ.",
   )
-  define("bool", "checkpoint_allow_unverified", False, UNVERIFIED_FLAG_HELP)
-  define("string", "mesh_shape", "", loading.MESH_SHAPE_HELP)
-  define("bool", "verbose", False, "Show the traceback of a user error as well.")
-  flags.mark_flag_as_required("workdir", flag_values=fv)
-  flags.mark_flag_as_required("out", flag_values=fv)
+  loading.define_load_flags(define)
   return fv
 
 

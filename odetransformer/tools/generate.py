@@ -397,20 +397,16 @@ def main(argv, flag_values=None):
 def define_flags(flag_values=None):
   """Defines this command's flags in `flag_values` (default: absl's global FLAGS)."""
   fv = flags.FLAGS if flag_values is None else flag_values
-  define = lambda kind, name, default, text: getattr(flags, f"DEFINE_{kind}")(
-    name, default, text, flag_values=fv
-  )
-  define("string", "workdir", None, "Training run directory (config.json + checkpoints/).")
+  define = errors.definer(fv)
   define("string", "prompt", "", "Text to continue ('' = start a new document).")
   define("integer", "solver_steps", None, "Solver steps N (ODE kinds; default: the training K).")
-  define("integer", "step", None, "Checkpoint step (default: the latest).")
   define("integer", "max_new_tokens", 64, "Tokens to sample (stops early at eos).")
   define("float", "temperature", 0.8, "Softmax temperature; 0 = greedy.")
   define("integer", "top_k", 0, "Sample from the k most likely tokens (0 = all).")
   define("float", "top_p", 1.0, "Nucleus sampling: smallest set of this much mass (1 = off).")
   define("integer", "seed", 0, "Sampling seed.")
   define("integer", "num_samples", 1, "Continuations of the prompt, sampled as one batch.")
-  loading.define_load_flags(define, fv)
+  loading.define_load_flags(define)
   return fv
 
 

@@ -346,9 +346,10 @@ def format_report(r: MemoryReport) -> str:
   return "\n".join(lines)
 
 
-def main(argv):
-  """A bad flag or config is a UserError: one line and exit 2 (`errors.run_cli`)."""
-  flag_values = flags.FLAGS
+def main(argv, flag_values=None):
+  """A bad flag or config is a UserError: one line and exit 2 (`errors.run_cli`);
+  `flag_values` defaults to absl's FLAGS."""
+  flag_values = flags.FLAGS if flag_values is None else flag_values
   if len(argv) > 1:
     raise errors.UserError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
   if flag_values.num_devices and jax.device_count() != flag_values.num_devices:
@@ -357,7 +358,7 @@ def main(argv):
       f"({jax.devices()[0].platform}); run as `python -m odetransformer.memory` so "
       "XLA_FLAGS is set before jax loads"
     )
-  config = errors.load_config_flag(flags.FLAGS["config"])
+  config = errors.load_config_flag(flag_values["config"])
   report = memory_report(
     config,
     compile_step=flag_values.compile,
@@ -370,27 +371,33 @@ def main(argv):
       json.dump(report.to_dict(), f, indent=2)
 
 
-def _define_flags():
+def define_flags(flag_values=None):
+  """Defines this command's flags in `flag_values` (default: absl's global FLAGS)."""
+  fv = flags.FLAGS if flag_values is None else flag_values
+  define = errors.definer(fv)
   config_flags.DEFINE_config_file(
-    "config", None, "Training config file (configs/*.py).", lock_config=True
+    "config", None, "Training config file (configs/*.py).", flag_values=fv, lock_config=True
   )
-  flags.DEFINE_integer("num_devices", 0, "Fake CPU devices to plan for (0 = the real ones).")
-  flags.DEFINE_float("device_memory_gib", 80.0, "Memory per device (H100: 80).")
-  flags.DEFINE_bool(
+  define("integer", "num_devices", 0, "Fake CPU devices to plan for (0 = the real ones).")
+  define("float", "device_memory_gib", 80.0, "Memory per device (H100: 80).")
+  define(
+    "bool",
     "compile",
     None,
     "Compile the train step (default: only below "
     "--compile_max_params parameters); --nocompile = analytic only.",
   )
-  flags.DEFINE_integer(
+  define(
+    "integer",
     "compile_max_params",
     DEFAULT_COMPILE_MAX_PARAMS,
     "Auto mode compiles only models smaller than this.",
   )
-  flags.DEFINE_string("json", "", "Also write the report as JSON to this path.")
-  flags.DEFINE_bool("verbose", False, "Show the traceback of a user error as well.")
-  flags.mark_flags_as_required(["config"])
+  define("string", "json", "", "Also write the report as JSON to this path.")
+  define("bool", "verbose", False, "Show the traceback of a user error as well.")
+  flags.mark_flags_as_required(["config"], flag_values=fv)
+  return fv
 
 
 if __name__ == "__main__":
-  errors.run_absl_tool(main, _define_flags)
+  errors.run_absl_tool(main, define_flags)

@@ -13,7 +13,7 @@ devices at hand (trained on 256 chips, evaluated on 8) is loaded fully sharded
 
 import dataclasses
 
-from absl import flags, logging
+from absl import logging
 from flax import nnx
 import jax
 from jax.experimental import multihost_utils
@@ -46,14 +46,17 @@ class Loaded:
   rules: tuple = ()  # the logical-axis rules they follow
 
 
-def define_load_flags(define, flag_values) -> None:
-  """The flags of every command that loads a run, after its own: --mesh_shape,
-  --checkpoint_allow_unverified, --verbose; and --workdir (defined by the command) made
-  required. `define(kind, name, default, help)` defines one flag in `flag_values`."""
+def define_load_flags(define) -> None:
+  """The flags of every command that loads a run (evaluate, generate, export, spectra,
+  lyapunov): --workdir (required), --step, --mesh_shape, --checkpoint_allow_unverified,
+  --verbose. `define(kind, name, default, help, **kw)` defines one flag (`errors.definer`)."""
+  define(
+    "string", "workdir", None, "Training run directory (config.json + checkpoints/).", required=True
+  )
+  define("integer", "step", None, "Checkpoint step (default: the latest).")
   define("string", "mesh_shape", "", MESH_SHAPE_HELP)
   define("bool", "checkpoint_allow_unverified", False, UNVERIFIED_FLAG_HELP)
   define("bool", "verbose", False, "Show the traceback of a user error as well.")
-  flags.mark_flag_as_required("workdir", flag_values=flag_values)
 
 
 def parse_mesh_shape(text: str) -> tuple:
