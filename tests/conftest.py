@@ -50,6 +50,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
   )
 
+# One data cache for the session's tiny runs on the embedded corpus (tests that ask for
+# the `shared_data_cache` fixture): its tokenizer is trained and its corpus prepared once,
+# not once per test module. pytest-xdist's workers and the processes the tests start
+# inherit it; a cache is made for concurrent jobs (a second preparer waits on its lock).
+if "ODET_TEST_DATA_CACHE" not in os.environ:
+  _data_cache = tempfile.mkdtemp(prefix="odet_tests_data_cache_")
+  atexit.register(shutil.rmtree, _data_cache, ignore_errors=True)
+  os.environ["ODET_TEST_DATA_CACHE"] = _data_cache
+
 import tf32  # noqa: E402  (after the XLA flags above)
 
 if os.environ.get(tf32.EMULATE_ENV) == "1":
@@ -176,3 +185,11 @@ def gcs_bucket():
 
   with gcs.emulated_bucket() as url:
     yield url
+
+
+@pytest.fixture(scope="session")
+def shared_data_cache():
+  """The session's data cache (ODET_TEST_DATA_CACHE above), shared by every worker: for
+  tiny runs that only read the embedded corpus; a test that damages or inspects a cache
+  uses its own."""
+  return pathlib.Path(os.environ["ODET_TEST_DATA_CACHE"])

@@ -55,9 +55,12 @@ def random_model(cfg: ModelConfig, seed: int):
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-  """A DiffEqFormer (gpt family) trained for 2 steps on the embedded corpus."""
-  c = tiny_run_config(tmp_path_factory.mktemp("analysis_data"))
+def workdir(tmp_path_factory, shared_data_cache):
+  """A DiffEqFormer (gpt family) trained for 2 steps on the embedded corpus (the config of
+  test_evaluate's and test_lm_eval's runs: their programs come from the compilation
+  cache)."""
+  c = tiny_run_config(shared_data_cache)
+  c.model.max_len = 64
   c.checkpoint_async = False
   wd = tmp_path_factory.mktemp("analysis_run")
   loop.train_and_evaluate(c, str(wd))
@@ -317,7 +320,10 @@ def test_colour_scale_and_rank_correlation():
 
 # -------------------------------------------------------------------------- clustering
 def test_geshkovski_setting_forms_a_cluster():
-  results = clustering.run_cases(["identity", "poly2"], seed=0, num_draws=2)
+  # Every case, as test_clustering_cli runs them: one program (from the compilation
+  # cache for whichever runs second); each case is simulated on its own (vmapped), from
+  # draws that do not depend on which other cases run.
+  results = clustering.run_cases(list(clustering.CASES), seed=0, num_draws=2)
   ident = results["identity"]
   assert isinstance(ident.initial, float) and isinstance(ident.final, float)
   assert ident.initial > 1.0  # spread over the sphere at t = 0

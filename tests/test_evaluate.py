@@ -55,10 +55,10 @@ def tiny_config(cache_dir):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, shared_data_cache):
   """(workdir, train_and_evaluate's result) of a 2-step DiffEqFormer run (K=3)."""
   workdir = tmp_path_factory.mktemp("run")
-  result = loop.train_and_evaluate(tiny_config(tmp_path_factory.mktemp("data")), str(workdir))
+  result = loop.train_and_evaluate(tiny_config(shared_data_cache), str(workdir))
   return str(workdir), result
 
 

@@ -40,9 +40,10 @@ NUM_STEPS = 2  # not the training K (3): the ODE is evaluated at another step co
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-  """A 2-step DiffEqFormer run (K=3) on the embedded corpus."""
-  c = tiny_run_config(tmp_path_factory.mktemp("data"))
+def workdir(tmp_path_factory, shared_data_cache):
+  """A 2-step DiffEqFormer run (K=3) on the embedded corpus (the config of test_evaluate's
+  and test_analysis's runs: their programs come from the compilation cache)."""
+  c = tiny_run_config(shared_data_cache)
   c.model.max_len = 64
   w = tmp_path_factory.mktemp("run")
   loop.train_and_evaluate(c, str(w))
@@ -190,6 +191,20 @@ def expected_metrics(lm, reference):
   return (math.exp(-np.mean([s for s, _ in scores])), np.mean([g for _, g in scores]))
 
 
+# `python -m odetransformer.tools.lm_eval` (runpy runs the module as `-m` does), its task
+# index built from --include_path alone: the harness's CLI otherwise indexes its ~15,000
+# built-in task configs first (most of this test's time), none of which this task uses.
+_RUN_WITH_THE_INCLUDED_TASKS_ONLY = """
+import runpy
+from lm_eval.tasks import TaskManager
+init = TaskManager.__init__
+def included_only(self, *args, include_defaults=True, **kwargs):
+  init(self, *args, include_defaults=False, **kwargs)
+TaskManager.__init__ = included_only
+runpy.run_module("odetransformer.tools.lm_eval", run_name="__main__", alter_sys=True)
+"""
+
+
 def test_command_line_runs_a_local_lambada_task(workdir, lm, reference, tmp_path):
   """`python -m odetransformer.lm_eval` registers the model and runs the example task
   offline (its jsonl given by absolute path) through the harness's own CLI; the
@@ -205,8 +220,8 @@ def test_command_line_runs_a_local_lambada_task(workdir, lm, reference, tmp_path
   )
   cmd = [
     sys.executable,
-    "-m",
-    "odetransformer.tools.lm_eval",
+    "-c",
+    _RUN_WITH_THE_INCLUDED_TASKS_ONLY,
     "--model",
     "odetransformer",
     "--model_args",

@@ -63,10 +63,10 @@ def test_other_errors_are_not_out_of_memory(tmp_path):
 
 
 @pytest.mark.slow
-def test_main_reports_a_model_too_big_in_one_line(tmp_path):
+def test_main_reports_a_model_too_big_in_one_line(tmp_path, shared_data_cache):
   """A model whose MLP weights are 256 GiB: main.py ends with the one line, exit 2, and
   no checkpoint is written."""
-  c = tiny_config(tmp_path / "cache", num_train_steps=2)
+  c = tiny_config(shared_data_cache, num_train_steps=2)
   c.model.kind = "transformer"
   c.model.mlp_dim = 1 << 30
   workdir = tmp_path / "run"

@@ -19,14 +19,14 @@ def _live_bytes() -> int:
   return sum(x.nbytes for x in jax.live_arrays())
 
 
-def test_resume_peak_live_device_bytes_are_one_state(tmp_path, monkeypatch):
+def test_resume_peak_live_device_bytes_are_one_state(tmp_path, monkeypatch, shared_data_cache):
   """Peak live device bytes while a run resumes ≤ 1.15 × the state's bytes.
 
   Live arrays (`jax.live_arrays()`) are summed at the restore's start and end, when
   `_restore_or_init` returns, and every millisecond in between from a thread; the
   arrays alive before the resume (other tests') are subtracted. Creating the state and
   then restoring a second copy beside it would count two states at the restore's end."""
-  config = tiny_config(tmp_path / "cache", num_train_steps=2)
+  config = tiny_config(shared_data_cache, num_train_steps=2)
   config.eval_every_steps = 0
   workdir = str(tmp_path / "run")
   loop.train_and_evaluate(config, workdir)  # leaves a checkpoint at step 2
