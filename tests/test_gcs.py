@@ -20,7 +20,7 @@ from absl import logging as absl_logging
 import ml_collections
 import numpy as np
 import pytest
-from test_reliability import config, main_cmd, subprocess_env
+from test_reliability import STEPS, config, main_cmd, subprocess_env
 from test_train import ROOT, fast_compiles  # noqa: F401  (fast_compiles: autouse fixture, the rbg PRNG)
 
 from odetransformer.analysis import lyapunov, spectra
@@ -35,12 +35,14 @@ pytestmark = [
   pytest.mark.xdist_group("test_gcs"),  # module fixtures once, on one worker
   pytest.mark.slow,
 ]
-STEPS = 6
+# The runs here are STEPS long, as test_reliability's: the train step compiled for that
+# length (the session's persistent cache, conftest) serves them all.
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-  return tmp_path_factory.mktemp("gcs_cache")
+def cache(shared_data_cache):
+  """The tokenizer/data cache of every run of this module: the session's (conftest)."""
+  return shared_data_cache
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def reference(cache, tmp_path_factory):
   """An uninterrupted local run (in-process): its workdir, {step: train loss} and final
   eval loss."""
   wd = tmp_path_factory.mktemp("gcs_reference")
-  result = loop.train_and_evaluate(config(cache, STEPS, checkpoint_every_steps=1), str(wd))
+  result = loop.train_and_evaluate(config(cache, STEPS), str(wd))
   return wd, dict(result["loss_history"]), result["eval"]["loss"]
 
 
@@ -70,19 +72,18 @@ def flip_a_weight_byte(step_dir: str):
 
 @pytest.fixture(scope="module")
 def gs_run(gcs_bucket, cache):
-  """A run on gs:// with a checkpoint at every step, stopped at step 3 (here:
-  `stop_at_step`; test_multihost stops one on gs:// with a real SIGTERM); a byte of the
-  newest checkpoint's weights flipped; then main.py with the same config (falls back to
-  the previous checkpoint). Returns (workdir, the stopped step, main.py's stderr)."""
+  """A run on gs:// with a checkpoint every 2 steps, stopped at step 3 (here:
+  `stop_at_step`, which saves there; test_multihost stops one on gs:// with a real
+  SIGTERM); a byte of the newest checkpoint's weights flipped; then main.py with the same
+  config (falls back to the previous checkpoint, 2). Returns (workdir, the stopped step,
+  main.py's stderr)."""
   wd = f"{gcs_bucket}/run"
   stopped = 3
-  first = loop.train_and_evaluate(
-    config(cache, STEPS, checkpoint_every_steps=1), wd, stop_at_step=stopped
-  )
-  assert (first["step"], finalized_steps(wd)) == (stopped, [1, 2, 3])
+  first = loop.train_and_evaluate(config(cache, STEPS), wd, stop_at_step=stopped)
+  assert (first["step"], finalized_steps(wd)) == (stopped, [2, 3])
   flip_a_weight_byte(fileio.join(wd, "checkpoints", str(stopped)))
   second = subprocess.run(
-    main_cmd(wd, cache, STEPS, "--config.checkpoint_every_steps=1"),
+    main_cmd(wd, cache, STEPS),
     cwd=ROOT,
     env=subprocess_env(),
     capture_output=True,

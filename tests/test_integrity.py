@@ -1,19 +1,20 @@
 """Issue 31 item 4 / issue 32 items 1, 4 and 6: every committed checkpoint carries its
 integrity record (written as part of the save), a hard kill never leaves a committed
-checkpoint that restores unchecked, a checkpoint without its record is refused unless
-the user says otherwise, a resume on other data, batch shape or seed is refused, and a
-reader whose step is rotated away moves to the newest one."""
+checkpoint that restores unchecked (checked on the run that test_reliability's SIGKILL
+test kills: test_sigkill_then_same_command_resumes_bit_exact), a checkpoint without its
+record is refused unless the user says otherwise, a resume on other data, batch shape or
+seed is refused, and a reader whose step is rotated away moves to the newest one."""
 
+import gc
 import json
 import shutil
-import signal
 
 from absl import flags
 from absl import logging as absl_logging
 import jax
 import numpy as np
 import pytest
-from test_reliability import config, main_cmd, snapshot, start_and_wait_for_checkpoint
+from test_reliability import CHECKPOINT_ITEMS, STEPS, config, snapshot
 from test_train import fast_compiles  # noqa: F401  (fast_compiles: autouse fixture, the rbg PRNG)
 
 import input_pipeline
@@ -27,19 +28,23 @@ from odetransformer.train.checkpoint.paths import CheckpointError, finalized_ste
 
 pytestmark = [pytest.mark.xdist_group("test_integrity"), pytest.mark.slow]
 
-ITEMS = ("model", "opt", "meta", "data")
+ITEMS = CHECKPOINT_ITEMS
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-  return tmp_path_factory.mktemp("integrity_cache")
+def cache(shared_data_cache):
+  """The tokenizer/data cache of every run of this module: the session's (conftest)."""
+  return shared_data_cache
 
 
 @pytest.fixture(scope="module")
 def trained(cache, tmp_path_factory):
-  """A 6-step run's workdir: checkpoints 2, 4 and 6 (to be copied by tests)."""
+  """A run stopped at step 6: checkpoints 2, 4 and 6 (to be copied by tests). Its
+  schedule is the STEPS-step one of the resumed runs below (and test_reliability's):
+  one compiled train step for all of them."""
+  assert STEPS == 8  # the runs below resume it to step 8
   wd = tmp_path_factory.mktemp("trained")
-  loop.train_and_evaluate(config(cache, 6, checkpoint_every_steps=2), str(wd))
+  loop.train_and_evaluate(config(cache, STEPS, checkpoint_every_steps=2), str(wd), stop_at_step=6)
   assert finalized_steps(str(wd)) == [2, 4, 6]
   return wd
 
@@ -66,29 +71,9 @@ def _params(workdir, step=None):
   return loaded.step, jax.tree.map(np.asarray, jax.tree.leaves(loaded.model))
 
 
-def test_sigkill_between_saves_leaves_only_verified_checkpoints(cache, tmp_path):
-  """A trainer killed with SIGKILL right after a commit: every committed checkpoint has
-  its record (the old checksums.json was written only at the next save); a byte flipped
-  in the newest one's weights is refused and the read falls back to the previous (the
-  trainer's fallback: test_reliability's flipped-bits test)."""
-  wd = tmp_path / "wd"
-  proc = start_and_wait_for_checkpoint(
-    main_cmd(wd, cache, 200, "--config.checkpoint_every_steps=2"), wd, min_step=4
-  )
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  steps = finalized_steps(str(wd))
-  assert len(steps) >= 2, steps
-  for step in steps:
-    for item in ITEMS:
-      assert (wd / "checkpoints" / str(step) / item / INTEGRITY_FILE).is_file()
-  newest, previous = steps[-1], steps[-2]
-  _flip_byte(_largest_file(wd / "checkpoints" / str(newest) / "model"))
-  with pytest.raises(CheckpointError, match="crc32c differs"):
-    loading.load_model(str(wd), step=newest)
-  assert loading.load_model(str(wd)).step == previous  # the newest that verifies
-
-
+# The reads that fail leave orbax coroutines holding their error, reported (as
+# "Exception ignored in ...") whenever they are collected: here, not in a later test.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_flipped_byte_in_any_file_never_restores_different_values(run_copy):
   """Each file of the model item, one byte flipped at a time: the read either fails or
   gives exactly the saved values (a file the read never opens); the array data files
@@ -112,6 +97,7 @@ def test_a_flipped_byte_in_any_file_never_restores_different_values(run_copy):
       path.write_bytes(original)
   assert set(record["sha256"]) <= detected | {"commit_success.txt"}, detected
   assert _largest_file(item).relative_to(item).as_posix() in detected
+  gc.collect()
 
 
 def test_checkpoint_without_its_record_is_refused_unless_allowed(run_copy, cache):

@@ -4,17 +4,21 @@ between 8 and 1 devices, corrupt checkpoints are skipped, and bad input is one l
 with nothing written.
 
 Issue 23, "no silent data loss, no hang, one line for every bad input" (section 7):
-each misuse case runs the real command in a subprocess and checks its exit status,
-its single `error:` line (no traceback) and that the workdir is exactly as it was."""
+each misuse case runs the real command in a process of its own (main.py or a tool's
+module, run as `python` runs it: CommandServer) and checks its exit status, its single
+`error:` line (no traceback) and that the workdir is exactly as it was."""
 
+import json
 import os
 import pathlib
+import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import jax
@@ -28,6 +32,7 @@ from odetransformer.model import hypernet
 from odetransformer.runtime import workdir_lock
 from odetransformer.train import health, loading, loop, steps
 from odetransformer.train import metrics as metrics_lib
+from odetransformer.train.checkpoint.integrity import INTEGRITY_FILE
 from odetransformer.train.checkpoint.paths import OWNERS_DIR, CheckpointError, finalized_steps
 
 from tiny import cpu_env
@@ -35,10 +40,22 @@ from tiny import cpu_env
 # Under pytest-xdist this file runs on one worker: its module fixtures are made once.
 pytestmark = [pytest.mark.xdist_group("test_reliability"), pytest.mark.slow]
 
+# Compiling a train step is most of a tiny run's time, and num_train_steps is a constant
+# of its learning-rate schedule: the runs here (and test_integrity's) are STEPS long, and
+# those that must end earlier stop there with `stop_at_step` (a checkpoint at that step,
+# no final evaluation), so that one compiled program (the session's persistent cache,
+# conftest) serves them all, in-process and in the programs they launch.
+STEPS = 8
+CHECKPOINT_ITEMS = ("model", "opt", "meta", "data")  # each with its integrity record
+# Runs that must still be training when a test acts on them (a signal, a kill, a workdir
+# taken away), here, in test_integrity and in test_workdir_lock: one length, one compile.
+LONG_RUN_STEPS = 200
+
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-  """One tokenizer/data cache for every run of this module."""
+  """One tokenizer/data cache for every run of this module (its own, not the session's
+  shared_data_cache: section 7 checks that no command trains a tokenizer into it)."""
   return tmp_path_factory.mktemp("reliability_cache")
 
 
@@ -82,16 +99,21 @@ def subprocess_env():
   return cpu_env(JAX_DEFAULT_PRNG_IMPL="rbg")
 
 
-def start_and_wait_for_checkpoint(cmd, workdir, min_step=1, timeout=240):
-  """Starts `cmd`; returns it once `workdir` holds a finalised checkpoint >= min_step."""
-  proc = subprocess.Popen(
-    cmd,
-    cwd=ROOT,
-    env=subprocess_env(),
-    text=True,
-    stdout=subprocess.DEVNULL,
-    stderr=subprocess.PIPE,
-  )
+def start_and_wait_for_checkpoint(cmd, workdir, min_step=1, timeout=240, server=None):
+  """Starts `cmd` (in a fresh interpreter; `server`: forked by that CommandServer, which
+  skips the interpreter's start); returns it once `workdir` holds a finalised checkpoint
+  >= min_step."""
+  if server is not None:
+    proc = server.start(cmd[1:])
+  else:
+    proc = subprocess.Popen(
+      cmd,
+      cwd=ROOT,
+      env=subprocess_env(),
+      text=True,
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE,
+    )
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
     steps = finalized_steps(str(workdir))
@@ -125,22 +147,38 @@ def params_equal(a, b):
 def reference(cache, tmp_path_factory):
   """An uninterrupted 8-step run (checkpoint every step; in-process)."""
   wd = tmp_path_factory.mktemp("reference")
-  r = loop.train_and_evaluate(config(cache, 8, checkpoint_every_steps=1), str(wd))
+  r = loop.train_and_evaluate(config(cache, STEPS, checkpoint_every_steps=1), str(wd))
   return dict(result=r, workdir=wd, params=_final_params(wd))
 
 
 # --------------------------------------------------------------------------------------
 # 1. SIGKILL at a random-ish step, restart with the same command: bit for bit
 # --------------------------------------------------------------------------------------
-def test_sigkill_then_same_command_resumes_bit_exact(reference, cache, tmp_path):
+def test_sigkill_then_same_command_resumes_bit_exact(reference, cache, tmp_path, run_command):
+  """Killed right after a commit, then started again with the same command: it resumes
+  from the newest checkpoint, bit for bit. The killed run's checkpoints are also
+  test_integrity's (issue 32 item 1): every committed one carries its integrity record
+  (the old checksums.json was written only at the next save), and a byte flipped in the
+  newest one's weights is refused and the read falls back to the previous (on a copy)."""
   wd = tmp_path / "wd"
-  cmd = main_cmd(wd, cache, 8, "--config.checkpoint_every_steps=1")
-  proc = start_and_wait_for_checkpoint(cmd, wd, min_step=2)
+  cmd = main_cmd(wd, cache, STEPS, "--config.checkpoint_every_steps=1")
+  proc = start_and_wait_for_checkpoint(cmd, wd, min_step=2, server=run_command)
   proc.send_signal(signal.SIGKILL)
   proc.communicate(timeout=60)
   assert proc.returncode == -signal.SIGKILL
-  latest = finalized_steps(str(wd))[-1]
+  committed = finalized_steps(str(wd))
+  latest = committed[-1]
   assert 2 <= latest < 8, latest
+  assert len(committed) >= 2, committed
+  for step in committed:
+    for item in CHECKPOINT_ITEMS:
+      assert (wd / "checkpoints" / str(step) / item / INTEGRITY_FILE).is_file(), (step, item)
+  flipped = tmp_path / "flipped"
+  shutil.copytree(wd, flipped)
+  _flip_a_bit(flipped / "checkpoints" / str(latest))
+  with pytest.raises(CheckpointError, match="crc32c differs"):
+    loading.load_model(str(flipped), step=latest)
+  assert loading.load_model(str(flipped)).step == committed[-2]  # the newest that verifies
   # What a kill in the middle of the next save leaves: orbax's temporary directory, and
   # the record naming the killed run as its writer (written before each save).
   tmp = wd / "checkpoints" / f"{latest + 1}.orbax-checkpoint-tmp-1700000000"
@@ -176,10 +214,10 @@ def test_sigkill_then_same_command_resumes_bit_exact(reference, cache, tmp_path)
 # --------------------------------------------------------------------------------------
 # 2. SIGTERM: a checkpoint at the signalled step, exit 0, bounded time
 # --------------------------------------------------------------------------------------
-def test_sigterm_saves_at_current_step_and_exits_zero(cache, tmp_path):
+def test_sigterm_saves_at_current_step_and_exits_zero(cache, tmp_path, run_command):
   wd = tmp_path / "wd"
   proc = start_and_wait_for_checkpoint(
-    main_cmd(wd, cache, 200, "--config.checkpoint_every_steps=1"), wd
+    main_cmd(wd, cache, LONG_RUN_STEPS, "--config.checkpoint_every_steps=1"), wd, server=run_command
   )
   proc.send_signal(signal.SIGTERM)
   t = time.monotonic()
@@ -189,20 +227,24 @@ def test_sigterm_saves_at_current_step_and_exits_zero(cache, tmp_path):
   line = [l for l in err.splitlines() if "after preemption; checkpoint saved" in l]
   assert len(line) == 1, err[-3000:]
   step = int(line[0].split("stopping at step ")[1].split()[0])
-  assert 1 <= step < 200
+  assert 1 <= step < LONG_RUN_STEPS
   assert finalized_steps(str(wd))[-1] == step
 
 
 # --------------------------------------------------------------------------------------
 # 3. Divergence: stop naming the step and the last good checkpoint, which still loads
 # --------------------------------------------------------------------------------------
+# The two divergence tests' runs: the same length and learning rate, one compiled program.
+DIVERGING_STEPS = 6
+
+
 def test_nonfinite_stops_and_keeps_last_good_checkpoint(trained, cache, tmp_path):
   """Resumed from a good step-2 checkpoint with an absurd learning rate: the first
   update overflows, the run stops at step 3 naming checkpoint 2, which still loads. Its
   hint follows the clipping setting: on (the default, 1.0), it is not told to set it."""
   shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
   before = snapshot(tmp_path / "checkpoints")
-  c = config(cache, 6, checkpoint_every_steps=1, log_every_steps=100)
+  c = config(cache, DIVERGING_STEPS, checkpoint_every_steps=1, log_every_steps=100)
   c.optim.learning_rate = 1e30
   with pytest.raises(health.DivergenceError) as err:
     loop.train_and_evaluate(c, str(tmp_path))
@@ -221,7 +263,9 @@ def test_nonfinite_stops_and_keeps_last_good_checkpoint(trained, cache, tmp_path
 
 
 def test_nonfinite_before_any_checkpoint(cache, tmp_path):
-  c = config(cache, 3, checkpoint_every_steps=1)
+  # (Either warm-up fraction gives a 1-step warm-up in a run this short: the schedule is
+  # the one above's.)
+  c = config(cache, DIVERGING_STEPS, checkpoint_every_steps=1)
   c.optim.learning_rate = 1e30
   c.optim.warmup_frac = 0.0
   with pytest.raises(health.DivergenceError, match=r"at step 1 .*no checkpoint was written yet"):
@@ -248,12 +292,12 @@ def _poison_train_batches(monkeypatch, bad_steps):
 
 def test_skip_nonfinite_steps_skips_a_bad_batch_and_finishes(cache, tmp_path, monkeypatch):
   """optim.skip_nonfinite_steps=1: the bad step 3 is skipped (logged, counted in
-  TensorBoard) and the run ends at step 6 with finite parameters; with the default (0)
-  the same batch stops the run at step 3."""
+  TensorBoard) and the run ends at step 6 (`stop_at_step`: STEPS's schedule) with finite
+  parameters; with the default (0) the same batch stops the run at step 3."""
   _poison_train_batches(monkeypatch, {3})
-  c = config(cache, 6, checkpoint_every_steps=2, log_every_steps=2)
+  c = config(cache, STEPS, checkpoint_every_steps=2, log_every_steps=2)
   c.optim.skip_nonfinite_steps = 1
-  out = loop.train_and_evaluate(c, str(tmp_path / "skip"))
+  out = loop.train_and_evaluate(c, str(tmp_path / "skip"), stop_at_step=6)
   assert out["step"] == 6 and np.isfinite(out["train"]["loss"])
   skipped = metrics_lib.read_scalars(str(tmp_path / "skip" / "tensorboard"))["train/skipped_steps"]
   assert dict(skipped) == {1: 0.0, 2: 0.0, 4: 1.0, 6: 0.0}
@@ -264,7 +308,7 @@ def test_skip_nonfinite_steps_skips_a_bad_batch_and_finishes(cache, tmp_path, mo
   _poison_train_batches(monkeypatch, {3})
   c.optim.skip_nonfinite_steps = 0
   with pytest.raises(health.DivergenceError, match=r"at step 3 \(loss nan, gradient norm nan"):
-    loop.train_and_evaluate(c, str(tmp_path / "stop"))
+    loop.train_and_evaluate(c, str(tmp_path / "stop"), stop_at_step=6)
   assert finalized_steps(str(tmp_path / "stop")) == [2]
 
 
@@ -273,7 +317,7 @@ def test_skip_nonfinite_steps_stops_after_too_many_in_a_row(cache, tmp_path, mon
   naming the run of skips; checkpoint 2 (before them) is intact and nothing later was
   written."""
   _poison_train_batches(monkeypatch, {3, 4, 5})
-  c = config(cache, 8, checkpoint_every_steps=2, log_every_steps=100)
+  c = config(cache, STEPS, checkpoint_every_steps=2, log_every_steps=100)
   c.optim.skip_nonfinite_steps = 2
   with pytest.raises(health.DivergenceError) as err:
     loop.train_and_evaluate(c, str(tmp_path))
@@ -289,10 +333,13 @@ def test_skip_nonfinite_steps_stops_after_too_many_in_a_row(cache, tmp_path, mon
 # --------------------------------------------------------------------------------------
 # 4. Another topology: written on 1 device, continued on 8, restored again on 1
 # --------------------------------------------------------------------------------------
+# One STEPS-step schedule for the three runs, each ended by `stop_at_step` (at 2 on 1
+# device, at 4 on 8, at 6 on 1 again): the 1-device train step is compiled once, and no
+# run evaluates (no evaluation to compile, here or on 8 devices).
 _EIGHT_DEVICES = textwrap.dedent("""
     import sys
     import jax, numpy as np
-    from test_reliability import config
+    from test_reliability import STEPS, config
     from test_train import _final_params
     from odetransformer.train import loop
     assert jax.device_count() == 8, jax.devices()
@@ -303,7 +350,8 @@ _EIGHT_DEVICES = textwrap.dedent("""
     assert len(flat) == len(ref.files)
     for path, x in flat:
       np.testing.assert_array_equal(x, ref[jax.tree_util.keystr(path)])
-    r = loop.train_and_evaluate(config(cache, 4, global_batch_size=8, eval_batch_size=8), wd8)
+    c = config(cache, STEPS, global_batch_size=8, eval_batch_size=8)
+    r = loop.train_and_evaluate(c, wd8, stop_at_step=4)
     assert (r["start_step"], r["step"]) == (2, 4), r
     _, params = _final_params(wd8)
     np.savez(wd8 + "/params.npz", **{jax.tree_util.keystr(p): x
@@ -318,10 +366,13 @@ def _save_npz(path, params):
   )
 
 
-def test_checkpoint_moves_between_1_and_8_devices(cache, tmp_path):
-  wd1, wd8 = tmp_path / "one", tmp_path / "eight"
-  c = lambda n: config(cache, n, global_batch_size=8, eval_batch_size=8)
-  loop.train_and_evaluate(c(2), str(wd1))
+# Its own xdist group (the module's fixtures are not needed here): the two workers share
+# this module's time more evenly. It reads the session's data cache (conftest).
+@pytest.mark.xdist_group("8_devices")
+def test_checkpoint_moves_between_1_and_8_devices(shared_data_cache, tmp_path):
+  wd1, wd8, cache = tmp_path / "one", tmp_path / "eight", shared_data_cache
+  c = config(cache, STEPS, global_batch_size=8, eval_batch_size=8)
+  loop.train_and_evaluate(c, str(wd1), stop_at_step=2)
   _, params1 = _final_params(wd1)
   _save_npz(wd1 / "params.npz", params1)
   shutil.copytree(wd1, wd8)
@@ -345,7 +396,7 @@ def test_checkpoint_moves_between_1_and_8_devices(cache, tmp_path):
   for path, x in flat:
     np.testing.assert_array_equal(x, ref[jax.tree_util.keystr(path)])
   # ...and training continues on 1 device.
-  r = loop.train_and_evaluate(c(6), str(wd8))
+  r = loop.train_and_evaluate(c, str(wd8), stop_at_step=6)
   assert (r["start_step"], r["step"]) == (4, 6)
   assert all(np.isfinite(loss) for _, loss in r["loss_history"])
 
@@ -359,7 +410,8 @@ def _corrupt(step_dir):
 
 
 def test_corrupt_checkpoint_falls_back_or_stops(cache, tmp_path):
-  loop.train_and_evaluate(config(cache, 4), str(tmp_path))  # checkpoints 2 and 4
+  c = config(cache, STEPS)  # stopped at 4, later at 6 (STEPS's schedule)
+  loop.train_and_evaluate(c, str(tmp_path), stop_at_step=4)  # checkpoints 2 and 4
   ck = tmp_path / "checkpoints"
   assert finalized_steps(str(tmp_path)) == [2, 4]
   good2 = tmp_path / "good2"
@@ -368,12 +420,12 @@ def test_corrupt_checkpoint_falls_back_or_stops(cache, tmp_path):
   _corrupt(ck / "4")
   before = snapshot(ck)
   with pytest.raises(CheckpointError, match=r"no checkpoint in .* restores"):
-    loop.train_and_evaluate(config(cache, 6), str(tmp_path))
+    loop.train_and_evaluate(c, str(tmp_path), stop_at_step=6)
   assert snapshot(ck) == before  # nothing moved or written
 
   shutil.rmtree(ck / "2")
   shutil.copytree(good2, ck / "2")
-  r = loop.train_and_evaluate(config(cache, 6), str(tmp_path))  # 4 corrupt, 2 good
+  r = loop.train_and_evaluate(c, str(tmp_path), stop_at_step=6)  # 4 corrupt, 2 good
   assert (r["start_step"], r["step"]) == (2, 6)
   assert [p.name.split("-")[0] for p in (tmp_path / "corrupt_checkpoints").iterdir()] == ["4"]
   assert finalized_steps(str(tmp_path)) == [2, 4, 6]
@@ -413,9 +465,9 @@ def test_checkpoint_of_another_array_layout_stops_with_what_to_do(
 
 @pytest.fixture(scope="module")
 def trained(cache, tmp_path_factory):
-  """A 2-step run's workdir (checkpoint at 2), to be copied by tests."""
+  """A run stopped at step 2 (checkpoint at 2; STEPS's schedule), to be copied by tests."""
   wd = tmp_path_factory.mktemp("trained")
-  loop.train_and_evaluate(config(cache, 2), str(wd))
+  loop.train_and_evaluate(config(cache, STEPS), str(wd), stop_at_step=2)
   return wd
 
 
@@ -460,8 +512,10 @@ def test_incompatible_workdir_is_refused_untouched(trained, cache, tmp_path):
   assert snapshot(wd) == before
 
 
-def test_main_subprocess_one_line_exit_2_nothing_written(trained, cache, tmp_path):
-  """The real command: exit status 2, one `error:` line, no traceback, workdir as it was."""
+def test_main_subprocess_one_line_exit_2_nothing_written(trained, cache, tmp_path, run_command):
+  """The real command: exit status 2, one `error:` line, no traceback, workdir as it was.
+  The first in a fresh interpreter (the commands of section 7 run in processes forked
+  from one that has imported the libraries: CommandServer)."""
   wd = tmp_path / "wd"
   shutil.copytree(trained, wd)
   before = snapshot(wd)
@@ -479,14 +533,7 @@ def test_main_subprocess_one_line_exit_2_nothing_written(trained, cache, tmp_pat
   assert "Traceback" not in proc.stderr
   assert snapshot(wd) == before
   fresh = tmp_path / "fresh"
-  proc = subprocess.run(
-    main_cmd(fresh, cache, 4, "--config.model.solver_steps=0"),
-    cwd=ROOT,
-    env=subprocess_env(),
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  proc, _ = run_command(main_cmd(fresh, cache, 4, "--config.model.solver_steps=0")[1:], timeout=300)
   assert proc.returncode == 2 and "Traceback" not in proc.stderr
   assert [l for l in proc.stderr.splitlines() if l.startswith("error:")] == [
     "error: model.solver_steps=0 must be a positive integer; change "
@@ -497,20 +544,224 @@ def test_main_subprocess_one_line_exit_2_nothing_written(trained, cache, tmp_pat
 
 # --------------------------------------------------------------------------------------
 # 7. Issue 23: every misuse ends in the right behaviour or one line, exit 2, nothing
-#    written. Most cases stop before any compilation: a few seconds each.
+#    written. Most cases stop before any compilation: well under a second each, once the
+#    libraries are imported.
 # --------------------------------------------------------------------------------------
-def run_command(args, timeout=120):
-  """`python <args>` from the repo root (CPU); returns (CompletedProcess, seconds)."""
-  t = time.monotonic()
-  proc = subprocess.run(
-    [sys.executable, *map(str, args)],
-    cwd=ROOT,
-    env=subprocess_env(),
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-  )
-  return proc, time.monotonic() - t
+_COMMAND_SERVER = textwrap.dedent("""
+    # Runs `python <args>` commands, each in a process of its own forked from this one
+    # once the libraries every command imports are imported: a fresh interpreter spends
+    # seconds importing them before each command starts. One JSON request per stdin line
+    # ({"args", "stdout", "stderr"}: the command line after `python`, the files its
+    # streams go to); replies on stdout: {"pid"} at its start, {"returncode"} at its end.
+    import atexit, json, os, runpy, sys, threading, time
+    import jax, numpy  # noqa: F401  (no backend is started here: each command starts its own)
+    import odetransformer.analysis.lyapunov, odetransformer.analysis.spectra  # noqa: F401
+    import odetransformer.tools.generate, odetransformer.train.loop  # noqa: F401
+
+    def command(args):
+      # What the interpreter does for `python -m module ...` and `python script.py ...`
+      # (run from the repository root, on PYTHONPATH: the modules import as there).
+      if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+      else:
+        sys.argv = list(args)
+        runpy.run_path(args[0], run_name="__main__")
+
+    def child(request):
+      os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+      for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+      try:
+        command(request["args"])
+        status = 0
+      except SystemExit as e:  # as the interpreter ends on it
+        status = e.code if isinstance(e.code, int) else int(e.code is not None)
+        if not isinstance(e.code, (int, type(None))):
+          print(e.code, file=sys.stderr)
+      except BaseException:  # uncaught: its traceback, status 1
+        sys.excepthook(*sys.exc_info())
+        status = 1
+      try:  # the interpreter's exit: wait for non-daemon threads, run the atexit hooks
+        threading._shutdown()
+        atexit._run_exitfuncs()
+      finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+    for line in sys.stdin:
+      request = json.loads(line)
+      # Forking is safe while this process runs one thread (a child inherits no lock that
+      # another thread holds); an import that starts one ends the server in one line.
+      if threading.active_count() != 1:
+        sys.exit(f"command server: {threading.enumerate()} running; fork needs one thread")
+      sys.stdout.flush()
+      sys.stderr.flush()
+      start = time.monotonic()
+      pid = os.fork()
+      if pid == 0:
+        try:
+          child(request)
+        finally:  # never back to this loop
+          os._exit(70)
+      print(json.dumps({"pid": pid}), flush=True)
+      _, status = os.waitpid(pid, 0)
+      print(json.dumps({
+        "returncode": os.waitstatus_to_exitcode(status), "seconds": time.monotonic() - start
+      }), flush=True)
+""")
+
+
+class CommandServer:
+  """`python <args>` from the repo root (CPU), each command in a process of its own: its
+  exit status, its stdout and stderr as they are, signals sent to it as to any process;
+  forked from a server process that has imported the libraries (_COMMAND_SERVER) rather
+  than started afresh (seconds of imports each). One command at a time.
+  test_main_subprocess_one_line_exit_2_nothing_written and the restart of the SIGKILL test
+  run main.py in a fresh interpreter."""
+
+  def __init__(self, directory):
+    self.directory = pathlib.Path(directory)
+    script = self.directory / "command_server.py"
+    script.write_text(_COMMAND_SERVER)
+    self.proc = subprocess.Popen(
+      [sys.executable, str(script)],
+      cwd=ROOT,
+      env=subprocess_env(),
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      stderr=(self.directory / "server.stderr").open("w"),
+      text=True,
+    )
+    self.replies = queue.Queue()
+    threading.Thread(target=self._read_replies, daemon=True).start()
+    self.count = 0
+    self.running = None  # the command started last, until its end is read
+
+  def _read_replies(self):
+    for line in self.proc.stdout:
+      self.replies.put(json.loads(line))
+    self.replies.put(None)  # the server ended
+
+  def _reply(self, timeout, args):
+    try:
+      reply = self.replies.get(timeout=timeout)
+    except queue.Empty:
+      raise subprocess.TimeoutExpired(args, timeout) from None
+    if reply is None:
+      raise RuntimeError(
+        "the command server ended: " + (self.directory / "server.stderr").read_text()[-3000:]
+      )
+    return reply
+
+  def start(self, args):
+    """Starts `python <args>`: a ForkedCommand (what the tests use of subprocess.Popen)."""
+    if self.running is not None:  # left running by a test that failed
+      self.running.kill()
+      self.running.wait(60)
+    args = list(map(str, args))
+    self.count += 1
+    out, err = (self.directory / f"{self.count}.{name}" for name in ("stdout", "stderr"))
+    self.proc.stdin.write(json.dumps(dict(args=args, stdout=str(out), stderr=str(err))) + "\n")
+    self.proc.stdin.flush()
+    self.running = ForkedCommand(self, self._reply(120, args)["pid"], [sys.executable, *args])
+    self.running.stdout_path, self.running.stderr = out, _Lines(err, self.running)
+    return self.running
+
+  def __call__(self, args, timeout=120):
+    """Runs `python <args>`; returns (CompletedProcess, seconds)."""
+    proc = self.start(args)
+    try:
+      out, err = proc.communicate(timeout)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait(60)
+      raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), proc.seconds
+
+  def close(self):
+    if self.running is not None:
+      self.running.kill()
+    self.proc.stdin.close()
+    try:
+      self.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+      self.proc.wait()
+
+
+class ForkedCommand:
+  """A command that a CommandServer runs, with subprocess.Popen's pid, args, returncode,
+  poll, wait, communicate (text), send_signal, kill, and stderr (a file object's read
+  and lines, as the command writes them)."""
+
+  def __init__(self, server, pid, args):
+    self.server, self.pid, self.args = server, pid, args
+    self.returncode = self.seconds = None
+
+  def _ended(self, reply):
+    self.returncode, self.seconds = reply["returncode"], reply["seconds"]
+    self.server.running = None
+    return self.returncode
+
+  def poll(self):
+    if self.returncode is None and not self.server.replies.empty():
+      self.wait(0)
+    return self.returncode
+
+  def wait(self, timeout=None):
+    if self.returncode is None:
+      self._ended(self.server._reply(timeout, self.args))
+    return self.returncode
+
+  def communicate(self, timeout=None):
+    self.wait(timeout)
+    return self.stdout_path.read_text(), self.stderr.read()
+
+  def send_signal(self, sig):
+    if self.poll() is None:
+      os.kill(self.pid, sig)
+
+  def kill(self):
+    self.send_signal(signal.SIGKILL)
+
+
+class _Lines:
+  """A command's stderr file, read as the command writes it: line by line (until the
+  command has ended and all is read), or all that is left."""
+
+  def __init__(self, path, command):
+    self.path, self.command, self.file, self.partial = path, command, None, ""
+
+  def _open(self):
+    if self.file is None:
+      self.file = open(self.path)  # noqa: SIM115  (read while the command writes it)
+    return self.file
+
+  def __iter__(self):
+    while True:
+      self.partial += self._open().readline()
+      if self.partial.endswith("\n"):
+        line, self.partial = self.partial, ""
+        yield line
+      elif self.command.poll() is not None:  # ended: the rest, then no more
+        yield from self.read().splitlines(keepends=True)
+        return
+      else:
+        time.sleep(0.01)
+
+  def read(self):
+    text, self.partial = self.partial + self._open().read(), ""
+    return text
+
+
+@pytest.fixture(scope="module")
+def run_command(tmp_path_factory):
+  """A CommandServer for this module's commands: `run_command(args)` -> (proc, seconds)."""
+  server = CommandServer(tmp_path_factory.mktemp("commands"))
+  yield server
+  server.close()
 
 
 def assert_one_line_error(proc, *needles, status=2):
@@ -535,7 +786,7 @@ def run_copy(trained, tmp_path):
 
 
 @pytest.mark.parametrize("keep", [0, -1])
-def test_max_to_keep_that_keeps_nothing_is_refused(cache, tmp_path, keep):
+def test_max_to_keep_that_keeps_nothing_is_refused(cache, tmp_path, keep, run_command):
   """0 used to train and then delete every checkpoint, the final one too."""
   wd = tmp_path / "wd"
   proc, _ = run_command(main_cmd(wd, cache, 2, f"--config.checkpoint_max_to_keep={keep}")[1:])
@@ -571,7 +822,7 @@ def _flip_a_bit(step_dir):
     "latin1_text",
   ],
 )
-def test_misuse_is_one_line_and_changes_nothing(case, run_copy, cache, tmp_path):
+def test_misuse_is_one_line_and_changes_nothing(case, run_copy, cache, tmp_path, run_command):
   wd, empty = run_copy, tmp_path / "empty"
   empty.mkdir()
   main = lambda *flags: main_cmd(wd, cache, 4, *flags)[1:]
@@ -661,7 +912,7 @@ def test_tools_read_the_config_from_the_checkpoint_without_config_json(run_copy)
   assert not (run_copy / "config.json").exists()
 
 
-def test_verbose_shows_the_traceback(cache, tmp_path):
+def test_verbose_shows_the_traceback(cache, tmp_path, run_command):
   proc, _ = run_command(
     main_cmd(tmp_path / "wd", cache, 2, "--config.model.nosuch=1", "--verbose")[1:]
   )
@@ -670,7 +921,7 @@ def test_verbose_shows_the_traceback(cache, tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
-def test_read_only_workdir_is_one_line(cache, tmp_path):
+def test_read_only_workdir_is_one_line(cache, tmp_path, run_command):
   wd = tmp_path / "ro"
   wd.mkdir()
   wd.chmod(0o555)
@@ -682,7 +933,7 @@ def test_read_only_workdir_is_one_line(cache, tmp_path):
     wd.chmod(0o755)
 
 
-def test_read_only_mount_is_one_line(cache, tmp_path):
+def test_read_only_mount_is_one_line(cache, tmp_path, run_command):
   """The same as root, on a read-only tmpfs (skipped where mounting is not allowed)."""
   wd = tmp_path / "ro"
   wd.mkdir()
@@ -718,7 +969,7 @@ def test_workdir_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, 
   assert (wd / ".lock").read_text() == ""  # a clean end: no holder
 
 
-def test_second_run_on_a_live_workdir_exits_at_once(run_copy, cache):
+def test_second_run_on_a_live_workdir_exits_at_once(run_copy, cache, run_command):
   """Used to hang forever at 0% CPU. The holder is a process that holds the lock as
   main.py does; the second is the real command."""
   holder = subprocess.Popen(
@@ -759,7 +1010,7 @@ def test_flipped_bits_are_reported_as_corruption_and_fall_back(reference, cache,
   ):
     loading.load_model(str(wd), step=8)
   assert loading.load_model(str(wd)).step == 7  # tools: the previous one
-  r = loop.train_and_evaluate(config(cache, 8, checkpoint_every_steps=1), str(wd))
+  r = loop.train_and_evaluate(config(cache, STEPS, checkpoint_every_steps=1), str(wd))
   assert (r["start_step"], r["step"]) == (7, 8)
   assert [p.name.split("-")[0] for p in (wd / "corrupt_checkpoints").iterdir()] == ["8"]
   step, params = _final_params(wd)
@@ -767,11 +1018,14 @@ def test_flipped_bits_are_reported_as_corruption_and_fall_back(reference, cache,
   params_equal(params, reference["params"][1])  # bit-exact after the detour
 
 
-def test_failed_save_is_one_line(run_copy, cache):
+def test_failed_save_is_one_line(run_copy, cache, run_command):
   """The checkpoint directory replaced by a file mid-run (as when a disk is gone): one
   line naming the step, exit 2; orbax's ~200 traceback lines are not printed."""
   proc = start_and_wait_for_checkpoint(
-    main_cmd(run_copy, cache, 400, "--config.checkpoint_every_steps=1"), run_copy, min_step=3
+    main_cmd(run_copy, cache, LONG_RUN_STEPS, "--config.checkpoint_every_steps=1"),
+    run_copy,
+    min_step=3,
+    server=run_command,
   )
   try:
     # A rename is atomic (an rmtree races with orbax writing into the directory).
@@ -787,11 +1041,14 @@ def test_failed_save_is_one_line(run_copy, cache):
   )
 
 
-def test_ctrl_c_saves_like_sigterm_and_twice_exits_at_once(run_copy, cache, tmp_path):
+def test_ctrl_c_saves_like_sigterm_and_twice_exits_at_once(run_copy, cache, tmp_path, run_command):
   wd2 = tmp_path / "second"
   shutil.copytree(run_copy, wd2)
   proc = start_and_wait_for_checkpoint(
-    main_cmd(run_copy, cache, 400, "--config.checkpoint_every_steps=1"), run_copy, min_step=3
+    main_cmd(run_copy, cache, LONG_RUN_STEPS, "--config.checkpoint_every_steps=1"),
+    run_copy,
+    min_step=3,
+    server=run_command,
   )
   proc.send_signal(signal.SIGINT)
   _, err = proc.communicate(timeout=60)
@@ -805,7 +1062,10 @@ def test_ctrl_c_saves_like_sigterm_and_twice_exits_at_once(run_copy, cache, tmp_
   # Two signals sent together would merge into one: the second goes once the first
   # was seen. It finds the save under way (or just done): exit 130 at once either way.
   proc = start_and_wait_for_checkpoint(
-    main_cmd(wd2, cache, 400, "--config.checkpoint_every_steps=1"), wd2, min_step=3
+    main_cmd(wd2, cache, LONG_RUN_STEPS, "--config.checkpoint_every_steps=1"),
+    wd2,
+    min_step=3,
+    server=run_command,
   )
   proc.send_signal(signal.SIGINT)
   seen = []

@@ -10,7 +10,12 @@ import subprocess
 import time
 
 import pytest
-from test_reliability import assert_one_line_error, main_cmd, start_and_wait_for_checkpoint
+from test_reliability import (
+  LONG_RUN_STEPS,
+  assert_one_line_error,
+  main_cmd,
+  start_and_wait_for_checkpoint,
+)
 from test_train import fast_compiles  # noqa: F401  (fast_compiles: autouse fixture, the rbg PRNG)
 
 from odetransformer.runtime import fileio
@@ -94,13 +99,15 @@ def test_startup_deletes_only_saves_whose_writer_has_ended(remote, request, tmp_
 
 
 @pytest.mark.slow
-def test_run_whose_lock_file_was_replaced_stops_in_one_line(tmp_path):
+def test_run_whose_lock_file_was_replaced_stops_in_one_line(tmp_path, shared_data_cache):
   """The real command: its `.lock` deleted, and another run's created, under it; at its
   next save it stops (exit 2, one line) and writes no checkpoint after."""
   wd = tmp_path / "wd"
-  cache = tmp_path / "cache"
+  cache = shared_data_cache
   proc = start_and_wait_for_checkpoint(
-    main_cmd(wd, cache, 200, "--config.checkpoint_every_steps=1", "--config.log_every_steps=100"),
+    main_cmd(
+      wd, cache, LONG_RUN_STEPS, "--config.checkpoint_every_steps=1", "--config.log_every_steps=100"
+    ),
     wd,
   )
   (wd / ".lock").unlink()
