@@ -56,8 +56,8 @@ Runs in --out of the same code and config are reused (`common.keyed_run`; a fini
 one is only evaluated again and its line says so, naming the code version), so an
 interrupted benchmark continues where it stopped; runs of other code or another config
 (a fine-tuning run: or from another pre-trained run) are moved aside and trained
-afresh; a persistent compilation cache in --out lets later seeds
-skip XLA compilation.
+afresh; a persistent compilation cache in --out (or JAX_COMPILATION_CACHE_DIR's, when
+set) lets later seeds skip XLA compilation.
 
 This module holds the command line and the order of the runs; the runs' configs, training
 and scores are in `adaptive_finetune_runs`, the table, PNG and ratio line in
@@ -253,8 +253,12 @@ def main(argv=None):
   args = parse_args(argv)
   logging.set_verbosity(logging.WARNING)
   os.makedirs(args.out, exist_ok=True)
-  # Every seed compiles the same programs: a persistent cache skips XLA after seed 0.
-  jax.config.update("jax_compilation_cache_dir", os.path.join(args.out, "jax_cache"))
+  # Every seed compiles the same programs: a persistent cache skips XLA after seed 0 (the
+  # caller's, when JAX_COMPILATION_CACHE_DIR names one: the tests' session cache).
+  jax.config.update(
+    "jax_compilation_cache_dir",
+    os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(args.out, "jax_cache"),
+  )
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   # XLA:CPU compiles the (per-seed, so uncached) parameter init faster with 'rbg'.

@@ -5,7 +5,9 @@ rotting between the occasions they are run for real (the GPU command of the READ
 included) and check that each reported figure is the one its own lines imply.
 """
 
+import contextlib
 import importlib
+import io
 import json
 import math
 import pathlib
@@ -29,6 +31,9 @@ from tiny import cpu_env, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUM = r"([0-9][0-9,]*\.?[0-9]*)"
+# The throughput tests' (and test_pipeline_speed's) sequence length: not the tiny preset's
+# 32, so that each run shows it took --seq_len; short, so that nanoGPT's eager steps are.
+SEQ = 16
 
 
 def _launch(module, *args, timeout=600) -> subprocess.CompletedProcess:
@@ -52,18 +57,31 @@ def _run(module, *args, timeout=600) -> str:
   return r.stdout
 
 
+# The jax settings a benchmark's main may change (adaptive_finetune: its persistent cache
+# and PRNG), restored after a run in this process.
+_JAX_SETTINGS = (
+  "jax_default_prng_impl",
+  "jax_compilation_cache_dir",
+  "jax_persistent_cache_min_compile_time_secs",
+  "jax_persistent_cache_min_entry_size_bytes",
+)
+
+
 def _run_here(module, argv, monkeypatch, capsys) -> str:
   """stdout of `python -m benchmarks.<module> argv...` run in this process (no start-up of
   its own), with the 'rbg' PRNG as `_launch`; absl's verbosity, which the benchmarks
-  lower, is restored after. For benchmarks that change no other global state."""
+  lower, and the jax settings of `_JAX_SETTINGS` are restored after. For benchmarks that
+  change no other global state."""
   main = importlib.import_module(f"benchmarks.{module}").main
   monkeypatch.setattr(sys, "argv", [module, *argv])
-  prng, verbosity = jax.config.jax_default_prng_impl, absl_logging.get_verbosity()
+  settings = {name: getattr(jax.config, name) for name in _JAX_SETTINGS}
+  verbosity = absl_logging.get_verbosity()
   jax.config.update("jax_default_prng_impl", "rbg")
   try:
     main()
   finally:
-    jax.config.update("jax_default_prng_impl", prng)
+    for name, value in settings.items():
+      jax.config.update(name, value)
     absl_logging.set_verbosity(verbosity)
   return capsys.readouterr().out
 
@@ -76,57 +94,6 @@ def _find(pattern, out):
   m = re.search(pattern, out, re.MULTILINE)
   assert m, f"no line matching {pattern!r} in:\n{out}"
   return m
-
-
-@pytest.mark.slow
-def test_throughput(monkeypatch, capsys):
-  """The README's GPU command's flags (bf16, its batch and length), plus a baseline kind."""
-  also, batch, seq, dtype = ["shared"], 1, 64, "bfloat16"
-  out = _run_here(
-    "throughput",
-    [
-      "--preset=tiny",
-      "--rounds=2",
-      "--also=shared",
-      "--dtype=bfloat16",
-      "--seq_len=64",
-      "--batch=1",
-    ],
-    monkeypatch,
-    capsys,
-  )
-  assert f"batch {batch} × seq {seq}, {dtype}" in out
-  tps = {}
-  for kind in ("diffeqformer", "transformer", *also):
-    m = _find(rf"^{kind}\s+train:\s+{NUM} ms/step\s+{NUM} tokens/s MFU\s+{NUM}%", out)
-    ms, tps[kind] = _num(m.group(1)), _num(m.group(2))
-    # ms is printed to 0.1, tokens/s to 1: tokens/s = batch·seq / s within that rounding.
-    tokens = batch * seq
-    assert tokens / ((ms + 0.05) / 1e3) - 1 <= tps[kind] <= tokens / ((ms - 0.05) / 1e3) + 1
-    assert 0 < _num(m.group(3)) < 100
-  for kind in also:
-    m = _find(rf"^{kind}/gpt train tokens/s ratio: {NUM} \(per round: median", out)
-    assert _num(m.group(1)) == pytest.approx(tps[kind] / tps["transformer"], abs=0.006)
-  fwd = {
-    name: _num(_find(rf"^{name}\s+forward:\s+{NUM} ms\s+{NUM} tokens/s", out).group(2))
-    for name in ("materialised", "transformer")
-  }
-  ratio = _num(_find(rf"^materialised/gpt forward tokens/s ratio: {NUM}$", out).group(1))
-  assert ratio == pytest.approx(fwd["materialised"] / fwd["transformer"], abs=0.006)
-  last = out.strip().splitlines()[-1]
-  m = re.fullmatch(rf"ode/gpt train tokens/s ratio: {NUM}", last)
-  assert m, last
-  headline = _num(m.group(1))
-  assert headline == pytest.approx(tps["diffeqformer"] / tps["transformer"], abs=0.006)
-  # Elementwise gpt_i >= r_min * ode_i keeps the medians' ratio inside the per-round range.
-  spread = _find(
-    rf"^ode/gpt train ratio per round: median {NUM}, quartiles {NUM}–{NUM}, "
-    rf"range {NUM}–{NUM} over 2 rounds$",
-    out,
-  )
-  lo, q1, q2, q3, hi = (_num(spread.group(i)) for i in (4, 2, 1, 3, 5))
-  assert lo <= q1 <= q2 <= q3 <= hi
-  assert lo - 0.006 <= headline <= hi + 0.006
 
 
 def test_benchmarks_are_a_package_of_modules_named_apart_from_the_code():
@@ -146,7 +113,10 @@ def test_benchmarks_are_a_package_of_modules_named_apart_from_the_code():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("throughput")
 def test_memory_vs_steps(monkeypatch, capsys):
+  """(With the throughput tests: the tiny preset's K = 2 parameter inits, which do not
+  depend on dtype, length or remat, are compiled once for all of them.)"""
   out = _run_here("memory_vs_steps", ["--preset=tiny", "--steps=2,4"], monkeypatch, capsys)
   rows = {
     (m.group(1), int(m.group(2))): (_num(m.group(3)), _num(m.group(4)))
@@ -162,13 +132,24 @@ def test_memory_vs_steps(monkeypatch, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("throughput")
 def test_pipeline_speed():
+  """At bf16 and the throughput tests' length: its train step is then their tiny
+  DiffEqFormer step at batch 2 (one compile, through the persistent cache, on the same
+  worker)."""
   data = shared_data_path("wikitext-2", "valid.txt").parent
-  out = _run("pipeline_speed", "--preset=tiny", "--batches=20", f"--data_dir={data}")
+  out = _run(
+    "pipeline_speed",
+    "--preset=tiny",
+    "--dtype=bfloat16",
+    f"--seq_len={SEQ}",
+    "--batches=20",
+    f"--data_dir={data}",
+  )
   pipe = [
     _num(m.group(2))
     for m in re.finditer(
-      rf"^pipeline workers=(0|2): {NUM} tokens/s \(20 batches of 2x32", out, re.MULTILINE
+      rf"^pipeline workers=(0|2): {NUM} tokens/s \(20 batches of 2x{SEQ}", out, re.MULTILINE
     )
   ]
   assert len(pipe) == 2, out
@@ -178,9 +159,12 @@ def test_pipeline_speed():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("d32_runs")
 def test_quality(tmp_path, monkeypatch, capsys):
   """One seed of both models on a user's own text files: the seed's ratio is its two
-  perplexities' ratio, and the last line is the seeds' mean."""
+  perplexities' ratio, and the last line is the seeds' mean. (Its DiffEqFormer is
+  test_any_n's 'fixed' run's model, optimizer and batch: that test, after it on the same
+  worker, reads their programs from the persistent compilation cache.)"""
   text = pathlib.Path(shared_data_path("wikitext-2", "test.txt")).read_text(encoding="utf-8")
   (tmp_path / "train.txt").write_text(text[:150_000], encoding="utf-8")  # 2 steps of 2 × 32
   (tmp_path / "eval.txt").write_text(text[150_000:190_000], encoding="utf-8")
@@ -229,27 +213,32 @@ def test_quality(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_adaptive_finetune(tmp_path):
+def test_adaptive_finetune(tmp_path, monkeypatch, capsys):
   """The discrete methods only: 'continuous' runs the same lines of the benchmark (the
-  loop's continuous fine-tuning: test_finetune)."""
+  loop's continuous fine-tuning: test_finetune). Run in this process (no process
+  property is checked; the jax settings it changes are restored)."""
   data = shared_data_path("tinyshakespeare", "input.txt").parents[1]
   shared_data_path("wikitext-2", "test.txt")
-  out = _run(
+  out = _run_here(
     "adaptive_finetune",
-    f"--data_dir={data}",
-    f"--out={tmp_path}",
-    "--seeds=1",
-    "--k=2",
-    "--steps=2",
-    "--d_model=32",
-    "--seq_len=32",
-    "--batch=2",
-    "--vocab=512",
-    "--pretrain_steps=2",
-    "--finetune_steps=2",
-    "--eval_batches=1",
-    "--pretrain_grids=fixed",  # a second grid repeats the same code: minutes of CPU
-    "--methods=full,lora",
+    [
+      f"--data_dir={data}",
+      f"--out={tmp_path}",
+      "--seeds=1",
+      "--k=2",
+      "--steps=2",
+      "--d_model=32",
+      "--seq_len=32",
+      "--batch=2",
+      "--vocab=512",
+      "--pretrain_steps=2",
+      "--finetune_steps=2",
+      "--eval_batches=1",
+      "--pretrain_grids=fixed",  # a second grid repeats the same code: minutes of CPU
+      "--methods=full,lora",
+    ],
+    monkeypatch,
+    capsys,
   )
   table = (tmp_path / "adaptive_finetune.md").read_text()
   assert (tmp_path / "adaptive_finetune.png").stat().st_size > 0
@@ -292,20 +281,60 @@ def test_adaptive_finetune_needs_its_texts(tmp_path, monkeypatch, capsys):
   )
 
 
+def _check_train_lines(block, kinds, batch, seq, rounds) -> tuple:
+  """Checks one batch's lines of `benchmarks.throughput` (each kind's train line, each
+  --also kind's ratio, the per-round spread of ode/gpt); returns kind -> tokens/s and
+  the spread's (lowest, highest) ratio."""
+  tps = {}
+  for kind in kinds:
+    m = _find(rf"^{kind}\s+train:\s+{NUM} ms/step\s+{NUM} tokens/s MFU\s+{NUM}%", block)
+    ms, tps[kind] = _num(m.group(1)), _num(m.group(2))
+    # ms is printed to 0.1, tokens/s to 1: tokens/s = batch·seq / s within that rounding.
+    tokens = batch * seq
+    assert tokens / ((ms + 0.05) / 1e3) - 1 <= tps[kind] <= tokens / ((ms - 0.05) / 1e3) + 1
+    assert 0 < _num(m.group(3)) < 100
+  for kind in kinds[2:]:  # the --also kinds
+    m = _find(rf"^{kind}/gpt train tokens/s ratio: {NUM} \(per round: median", block)
+    assert _num(m.group(1)) == pytest.approx(tps[kind] / tps["transformer"], abs=0.006)
+  # Elementwise gpt_i >= r_min * ode_i keeps the medians' ratio inside the per-round range.
+  spread = _find(
+    rf"^ode/gpt train ratio per round: median {NUM}, quartiles {NUM}–{NUM}, "
+    rf"range {NUM}–{NUM} over {rounds} rounds$",
+    block,
+  )
+  lo, q1, q2, q3, hi = (_num(spread.group(i)) for i in (4, 2, 1, 3, 5))
+  assert lo <= q1 <= q2 <= q3 <= hi
+  return tps, (lo, hi)
+
+
+def _check_forward_lines(out):
+  fwd = {
+    name: _num(_find(rf"^{name}\s+forward:\s+{NUM} ms\s+{NUM} tokens/s", out).group(2))
+    for name in ("materialised", "transformer")
+  }
+  ratio = _num(_find(rf"^materialised/gpt forward tokens/s ratio: {NUM}$", out).group(1))
+  assert ratio == pytest.approx(fwd["materialised"] / fwd["transformer"], abs=0.006)
+
+
 @pytest.mark.slow
-@pytest.mark.slow
+@pytest.mark.xdist_group("throughput")
 def test_throughput_against_nanogpt_with_profile(monkeypatch, capsys):
-  """The GPU comparison's flags at toy size: two batches, nanoGPT's own step (its model.py
-  from the shared reference checkout, eager on CPU) timed in the same run, each ratio
-  what the lines beside it imply, and a profile per model and batch whose parts add up."""
+  """The GPU comparison's flags at toy size (bf16, as the README's GPU commands): two
+  batches, nanoGPT's own step (its model.py from the shared reference checkout, eager on
+  CPU) timed in the same run, each ratio what the lines beside it imply, and a profile
+  per model and batch whose parts add up. (At test_throughput's length, 16 tokens: its
+  batch is this run's first, whose programs one of the two compiles for both, on the
+  same worker, through the persistent compilation cache.)"""
   nanogpt = shared_reference_path("nanogpt")
   pytest.importorskip("torch")
-  batches, seq = (1, 2), 32
+  kinds, batches, seq = ("diffeqformer", "transformer"), (1, 2), SEQ
   out = _run_here(
     "throughput",
     [
       "--preset=tiny",
-      "--rounds=1",
+      "--rounds=2",
+      "--dtype=bfloat16",
+      f"--seq_len={seq}",
       "--batches=1,2",
       f"--nanogpt={nanogpt}",
       "--profile",
@@ -315,21 +344,24 @@ def test_throughput_against_nanogpt_with_profile(monkeypatch, capsys):
     capsys,
   )
   blocks = re.split(r"^-- ", out, flags=re.MULTILINE)[1:]
-  assert [b.split(",")[0] for b in blocks] == [f"batch {b} × seq {seq}" for b in batches]
+  assert [b.split(",")[:2] for b in blocks] == [
+    [f"batch {b} × seq {seq}", " bfloat16"] for b in batches
+  ]
+  _check_forward_lines(blocks[0])  # timed once, at the first batch
   headline = {}
   for b, block in zip(batches, blocks):
-    tps = {
-      kind: _num(_find(rf"^{kind}\s+train:\s+{NUM} ms/step\s+{NUM} tokens/s", block).group(2))
-      for kind in ("diffeqformer", "transformer", "nanogpt")
-    }
+    tps, (lo, hi) = _check_train_lines(block, kinds, b, seq, rounds=2)
+    tps["nanogpt"] = _num(
+      _find(rf"^nanogpt\s+train:\s+{NUM} ms/step\s+{NUM} tokens/s", block).group(2)
+    )
     assert "(torch " in _find(r"^nanogpt\s+train:.*$", block).group(0)
     for kind in ("diffeqformer", "transformer"):
       ratio = _num(_find(rf"^{kind}/nanogpt train tokens/s ratio: {NUM}$", block).group(1))
       # tokens/s are printed to 1 (±0.5: slow eager steps print small numbers), the ratio
       # to 0.01: it lies between the ratios the printed values' ends allow.
-      lo = (tps[kind] - 0.5) / (tps["nanogpt"] + 0.5)
-      hi = (tps[kind] + 0.5) / (tps["nanogpt"] - 0.5)
-      assert lo - 0.005 <= ratio <= hi + 0.005
+      low = (tps[kind] - 0.5) / (tps["nanogpt"] + 0.5)
+      high = (tps[kind] + 0.5) / (tps["nanogpt"] - 0.5)
+      assert low - 0.005 <= ratio <= high + 0.005
       m = _find(
         rf"^profile {kind} {b}×{seq}: step {NUM} ms = matmul {NUM} ms \({NUM}%\) \| "
         rf"attention {NUM} ms \({NUM}%\) \| other fusions {NUM} ms \({NUM}%\) \| "
@@ -347,12 +379,45 @@ def test_throughput_against_nanogpt_with_profile(monkeypatch, capsys):
       assert _num(m.group(2)) > 0  # the model's dots were found
       assert idle == pytest.approx(max(0.0, step - busy), abs=0.02)
     headline[b] = tps["diffeqformer"] / tps["transformer"]
+    assert lo - 0.006 <= headline[b] <= hi + 0.006
   last = out.strip().splitlines()[-1]
   m = re.fullmatch(rf"ode/gpt train tokens/s ratio: {NUM} \(batch 1\), {NUM} \(batch 2\)", last)
   assert m, last
   assert [_num(m.group(1)), _num(m.group(2))] == pytest.approx(
     [headline[1], headline[2]], abs=0.006
   )
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("throughput")
+def test_throughput(monkeypatch, capsys):
+  """The README's GPU command's flags (bf16, its batch and length), plus a baseline kind.
+  (Its length, 16, is not the preset's; test_throughput_against_nanogpt_with_profile's
+  first batch is this shape, whose programs are compiled once for both.)"""
+  batch, seq, dtype = 1, SEQ, "bfloat16"
+  out = _run_here(
+    "throughput",
+    [
+      "--preset=tiny",
+      "--rounds=2",
+      "--also=shared",
+      f"--dtype={dtype}",
+      f"--seq_len={seq}",
+      f"--batch={batch}",
+    ],
+    monkeypatch,
+    capsys,
+  )
+  assert f"batch {batch} × seq {seq}, {dtype}" in out
+  kinds = ("diffeqformer", "transformer", "shared")
+  tps, (lo, hi) = _check_train_lines(out, kinds, batch, seq, rounds=2)
+  _check_forward_lines(out)
+  last = out.strip().splitlines()[-1]
+  m = re.fullmatch(rf"ode/gpt train tokens/s ratio: {NUM}", last)
+  assert m, last
+  headline = _num(m.group(1))
+  assert headline == pytest.approx(tps["diffeqformer"] / tps["transformer"], abs=0.006)
+  assert lo - 0.006 <= headline <= hi + 0.006
 
 
 def test_throughput_rejects_a_missing_nanogpt(tmp_path, monkeypatch, capsys):
@@ -368,27 +433,31 @@ def test_throughput_rejects_an_unknown_kind(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_any_n(tmp_path):
+@pytest.mark.xdist_group("d32_runs")
+def test_any_n(tmp_path, monkeypatch, capsys):
   """One tiny seed of both training modes: the mean table is the seed's rows, each mode's
-  ratio and the last line's R are what the table implies, and both modes were timed."""
-  out = _run(
+  ratio and the last line's R are what the table implies, and both modes were timed.
+  Run in this process (no process property is checked)."""
+  out = _run_here(
     "any_n",
-    "--seeds=1",
-    "--steps=2",
-    "--solver_steps=2",
-    "--d_model=32",
-    "--num_heads=2",
-    "--time_embed_dim=8",
-    "--time_sinusoids=8",
-    "--seq_len=32",
-    "--batch=2",
-    "--vocab=512",
-    "--tokenizer_sample_bytes=300000",
-    "--eval_batches=1",
-    "--rounds=1",
-    f"--workdir={tmp_path}",
-    timeout=1200,
-  )  # two trainings and ten compiled scorers: minutes on a busy CPU
+    [
+      "--seeds=1",
+      "--steps=2",
+      "--solver_steps=2",
+      "--d_model=32",
+      "--num_heads=2",
+      "--time_embed_dim=8",  # S: the config's, as test_quality's model
+      "--seq_len=32",
+      "--batch=2",
+      "--vocab=512",
+      "--tokenizer_sample_bytes=300000",
+      "--eval_batches=1",
+      "--rounds=1",
+      f"--workdir={tmp_path}",
+    ],
+    monkeypatch,
+    capsys,
+  )
   counts = (1, 2, 3, 4, 8)  # K/2, K, 3K/2, 2K, 4K for K = 2
   ratio = {}
   for mode in ("fixed", "random_offset"):
@@ -425,8 +494,9 @@ def test_any_n(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_integrity():
-  out = _run("checkpoint_integrity", "--gib=0.004", "--repeats=1")
+def test_checkpoint_integrity(monkeypatch, capsys):
+  """Run in this process: each ratio is what the printed seconds imply, in any process."""
+  out = _run_here("checkpoint_integrity", ["--gib=0.004", "--repeats=1"], monkeypatch, capsys)
   rows = {}
   for what in ("save", "restore"):
     for kind in ("wall", "cpu"):
@@ -597,16 +667,18 @@ def _single_epoch_text(tmp_path):
   return data
 
 
-@pytest.mark.slow
-def test_single_epoch_resumes_and_serves_no_token_twice(tmp_path, capsys):
-  """Tiny shape, 4 steps (not the issue's 200: the same code paths in seconds), scored
-  every 2: a run stopped at step 2 continues there (its step-2 scores read back, not
-  retrained), the table and the last line are the scored lines', and a step count past
-  one epoch is refused at exactly the count the run announced."""
-  data = _single_epoch_text(tmp_path)
+@pytest.fixture(scope="module")
+def single_epoch_runs(tmp_path_factory):
+  """Tiny single-epoch runs of both models, 4 steps (not the issue's 200: the same code
+  paths in seconds), scored and checkpointed every 2: one command stopped at step 2
+  (--stop_after), then the same command without it, which continues. Both the resume
+  test and the any-N / fine-tuning stages (which start from these runs' checkpoints)
+  read them: the runs are trained once per module, not once per test."""
+  tmp = tmp_path_factory.mktemp("single_epoch")
+  data = _single_epoch_text(tmp)
   flags = [
     f"--data_dir={data}",
-    f"--workdir={tmp_path / 'runs'}",
+    f"--workdir={tmp / 'runs'}",
     "--preset=tiny",
     "--steps=4",
     "--eval_every=2",
@@ -615,11 +687,26 @@ def test_single_epoch_resumes_and_serves_no_token_twice(tmp_path, capsys):
     "--curve_batches=1",
     "--log_every=2",
   ]
-  single_epoch.main(flags + ["--stop_after=2"])
-  first = capsys.readouterr().out
+  outs = []
+  for argv in (flags + ["--stop_after=2"], flags):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+      single_epoch.main(argv)
+    outs.append(out.getvalue())
+  return types.SimpleNamespace(
+    tmp=tmp, data=data, runs=tmp / "runs", flags=flags, first=outs[0], out=outs[1]
+  )
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("single_epoch")
+def test_single_epoch_resumes_and_serves_no_token_twice(single_epoch_runs):
+  """Tiny shape, 4 steps (not the issue's 200: the same code paths in seconds), scored
+  every 2: a run stopped at step 2 continues there (its step-2 scores read back, not
+  retrained), the table and the last line are the scored lines', and a step count past
+  one epoch is refused at exactly the count the run announced."""
+  data, flags, runs = single_epoch_runs.data, single_epoch_runs.flags, single_epoch_runs.runs
+  first, out = single_epoch_runs.first, single_epoch_runs.out
   assert "stopped after step 2 (--stop_after)" in first and "step      4" not in first
-  single_epoch.main(flags)
-  out = capsys.readouterr().out
   ppl = {}
   for kind in ("diffeqformer", "transformer"):
     for step in (2, 4):
@@ -635,7 +722,7 @@ def test_single_epoch_resumes_and_serves_no_token_twice(tmp_path, capsys):
           and m.group(0).split("|")[1:3] == _find(pattern, first).group(0).split("|")[1:3]
         )
       else:  # continued from the step-2 checkpoint
-        assert m.group(3).startswith(f"resumed at step 2 of 4 from {tmp_path / 'runs'}")
+        assert m.group(3).startswith(f"resumed at step 2 of 4 from {runs}")
   for step in (2, 4):
     (ov, ot), (gv, gt) = ppl["diffeqformer", step], ppl["transformer", step]
     _find(
@@ -667,7 +754,7 @@ def test_single_epoch_resumes_and_serves_no_token_twice(tmp_path, capsys):
     f"single-epoch diffeqformer/gpt test perplexity ratio: "
     f"{ppl['diffeqformer', 4][1] / ppl['transformer', 4][1]:.3f} (steps 4, tokens 256)"
   )
-  assert (tmp_path / "runs" / "single_epoch.png").stat().st_size > 0
+  assert (runs / "single_epoch.png").stat().st_size > 0
   most = int(_num(_find(rf"one epoch holds {NUM} steps of 64 tokens$", out).group(1)))
   with pytest.raises(UserError, match=rf"^--steps={most + 1} needs a second epoch"):
     single_epoch.main(flags[:2] + ["--preset=tiny", f"--steps={most + 1}"])
@@ -676,35 +763,33 @@ def test_single_epoch_resumes_and_serves_no_token_twice(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_any_n_and_finetuning_from_single_epoch_runs(tmp_path, capsys):
+@pytest.mark.xdist_group("single_epoch")
+def test_any_n_and_finetuning_from_single_epoch_runs(
+  single_epoch_runs, tmp_path, monkeypatch, capsys
+):
   """Issue 36's any-N and Fig. 5 stages start from the scale run's checkpoints without
   training them again: any_n --runs scores the DiffEqFormer at every N (at N = K the
   single-epoch benchmark's own test perplexity), adaptive_finetune --pretrained_* takes
   K, depth, width and tokenizer from the runs, and its 'before' row is the pre-trained
-  model's perplexity on the fine-tuning text."""
-  data = _single_epoch_text(tmp_path)
-  runs = tmp_path / "runs"
-  flags = [
-    f"--data_dir={data}",
-    f"--workdir={runs}",
-    "--preset=tiny",
-    "--steps=2",
-    "--eval_every=2",
-    "--eval_batches=1",
-    "--curve_batches=1",
-  ]
-  single_epoch.main(flags)
+  model's perplexity on the fine-tuning text. (The runs: the resume test's, at 4 steps;
+  both stages run in this process: no process property is checked.)"""
+  data, runs = single_epoch_runs.data, single_epoch_runs.runs
   test_ppl = _num(
     _find(
-      rf"^seed 0 step\s+2 diffeqformer\s+\| valid ppl\s+{NUM} \| test ppl"
+      rf"^seed 0 step\s+4 diffeqformer\s+\| valid ppl\s+{NUM} \| test ppl"
       rf"\s+{NUM}",
-      capsys.readouterr().out,
+      single_epoch_runs.out,
     ).group(2)
   )
-  ode, gpt = runs / "diffeqformer_seed0_steps2", runs / "transformer_seed0_steps2"
+  ode, gpt = runs / "diffeqformer_seed0_steps4", runs / "transformer_seed0_steps4"
   keys = {d: (d / "benchmark_run_key.json").read_text() for d in (ode, gpt)}
 
-  out = _run("any_n", f"--runs={ode}", f"--data=local:{data / 'test.txt'}", "--eval_batches=1")
+  out = _run_here(
+    "any_n",
+    [f"--runs={ode}", f"--data=local:{data / 'test.txt'}", "--eval_batches=1"],
+    monkeypatch,
+    capsys,
+  )
   m = _find(r"^fixed grid, step_time start\s+" + r"\s+".join([NUM] * 6) + "$", out)
   row = [_num(m.group(i)) for i in range(1, 7)]
   assert row[1] == pytest.approx(test_ppl, abs=0.006)  # N = K = 2
@@ -715,21 +800,25 @@ def test_any_n_and_finetuning_from_single_epoch_runs(tmp_path, capsys):
   )
 
   shakespeare = shared_data_path("tinyshakespeare", "input.txt")
-  out = _run(
+  out = _run_here(
     "adaptive_finetune",
-    f"--finetune_text={shakespeare}",
-    f"--out={tmp_path / 'ft'}",
-    f"--pretrained_diffeqformer={ode}",
-    f"--pretrained_gpt={gpt}",
-    "--seeds=1",
-    "--steps=2",
-    "--finetune_steps=2",
-    "--eval_batches=1",
-    "--methods=full,lora",
+    [
+      f"--finetune_text={shakespeare}",
+      f"--out={tmp_path / 'ft'}",
+      f"--pretrained_diffeqformer={ode}",
+      f"--pretrained_gpt={gpt}",
+      "--seeds=1",
+      "--steps=2",
+      "--finetune_steps=2",
+      "--eval_batches=1",
+      "--methods=full,lora",
+    ],
+    monkeypatch,
+    capsys,
   )
   table = (tmp_path / "ft" / "adaptive_finetune.md").read_text()
   assert (
-    "after 2 pre-training steps; DiffEqFormer K = 2, GPT 2 layers; d 32, LoRA r 6 alpha 8"
+    "after 4 pre-training steps; DiffEqFormer K = 2, GPT 2 layers; d 32, LoRA r 6 alpha 8"
   ) in table
   before = _num(_find(rf"^\| DiffEqFormer fixed before \| {NUM} \|$", table).group(1))
   [expected] = evaluate.evaluate(
@@ -747,7 +836,11 @@ def test_any_n_and_finetuning_from_single_epoch_runs(tmp_path, capsys):
     assert _num(m.group(i)) == pytest.approx(ode_ppl / gpt_ppl, abs=0.002)
   # A DiffEqFormer of another grid trains beside them, alone, here from seed 1 (the
   # spread's first seed, for a paired comparison); nothing else is touched.
-  single_epoch.main(flags + ["--ode_grid=random_shift", "--kinds=diffeqformer", "--first_seed=1"])
+  single_epoch.main(
+    single_epoch_runs.flags[:3]
+    + ["--steps=2", "--eval_every=2", "--eval_batches=1", "--curve_batches=1"]
+    + ["--ode_grid=random_shift", "--kinds=diffeqformer", "--first_seed=1"]
+  )
   out = capsys.readouterr().out
   _find(r"^seed 1 step\s+2 diffeqformer\s+\| valid ppl .* \| trained now$", out)
   assert "transformer" not in out and "ratio" not in out and "seed 0" not in out

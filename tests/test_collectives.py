@@ -1,6 +1,7 @@
 """benchmarks/collectives.py: its HLO parser against hand-built programs, and its run.
 
-Both run in subprocesses with 8 host devices (XLA_FLAGS must be set before jax loads).
+Both run in one subprocess with 8 host devices (XLA_FLAGS must be set before jax loads);
+the bad mesh runs the benchmark as a program (`python -m benchmarks.collectives`).
 """
 
 import json
@@ -49,21 +50,37 @@ _PARSER_SCRIPT = textwrap.dedent("""
     loop = jax.jit(looped, in_shardings=NamedSharding(mesh, P(None, None)))
     text = loop.lower(jax.ShapeDtypeStruct((80, 8), jnp.float32)).compile().as_text()
     print(json.dumps({"once": parse_collectives(once), "loop": parse_collectives(text),
-                      "loop_gathers": text.count(" all-gather(")}))
+                      "loop_gathers": text.count(" all-gather(")}), flush=True)
+
+    # Then the benchmark at its tiny shape on the mesh that splits the parameters two
+    # ways at once, in the same process (its 8 devices are these).
+    from benchmarks import collectives
+    collectives.main(["--tiny", "--meshes=1,2,4"])
 """)
 
 
-def test_parser_counts_a_known_all_gather_exactly_and_weights_loops():
+@pytest.fixture(scope="module")
+def parser_and_benchmark():
+  """(the parser script's JSON, the benchmark's stdout) of one process on 8 host devices:
+  one start-up (jax with 8 devices) for both tests."""
   proc = subprocess.run(
     [sys.executable, "-c", _PARSER_SCRIPT, str(ROOT)],
     env=_env(),
     cwd=ROOT,
     capture_output=True,
     text=True,
-    timeout=300,
+    timeout=900,
   )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  _, marker, rest = proc.stdout.partition('{"once": ')
+  assert marker, proc.stdout[-2000:]
+  parsed, _, benchmark = (marker + rest).partition("\n")
+  return json.loads(parsed), benchmark
+
+
+@pytest.mark.xdist_group("collectives")
+def test_parser_counts_a_known_all_gather_exactly_and_weights_loops(parser_and_benchmark):
+  out = parser_and_benchmark[0]
   once = out["once"]
   assert once["static"]["all-gather"] == 64 * 32 * 4  # the gathered f32[64, 32]
   assert once["weighted"] == once["static"]  # no loop
@@ -75,21 +92,15 @@ def test_parser_counts_a_known_all_gather_exactly_and_weights_loops():
   assert loop["weighted"]["all-gather"] == 5 * loop["static"]["all-gather"]
 
 
-def test_collectives_benchmark_at_tiny_shape():
+@pytest.mark.xdist_group("collectives")
+def test_collectives_benchmark_at_tiny_shape(parser_and_benchmark):
   """Also `odetransformer.tools.memory`'s analytic estimate: within ±15% of each compiled
   step's per-device peak (both models and families). On the mesh that splits the
   parameters two ways at once, (1, 2, 4): fsdp and tensor; the benchmark's default also
-  runs (1, 8, 1) and (2, 4, 1), whose data axis tests/test_sharding.py covers."""
-  proc = subprocess.run(
-    [sys.executable, "-m", "benchmarks.collectives", "--tiny", "--meshes=1,2,4"],
-    env=_env(),
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
-  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-  out = proc.stdout
+  runs (1, 8, 1) and (2, 4, 1), whose data axis tests/test_sharding.py covers. (Its
+  main, in the parser script's process; test_collectives_benchmark_rejects_a_bad_mesh
+  runs it as a program.)"""
+  out = parser_and_benchmark[1]
   rows = re.findall(
     r"^\((\d), (\d), (\d)\)\s+(gpt2|llama)\s+(transformer|diffeqformer)\s.*\s"
     r"([0-9.]+)\s+[0-9.]+\s+[0-9.]+\s+([0-9.]+)$",

@@ -1,6 +1,7 @@
 """Issue 47 items 1 and 6 at toy size: the one-command GPT-2 small single-epoch comparison
 (`benchmarks.single_epoch --config=configs/wikipedia_small.py`), run with the config's
-`:tiny` variant on a slice of the wikipedia-2015 files, and the GPU script's dry run."""
+`:tiny` variant on a slice of the wikipedia-2015 files, and the GPU script's dry run: the
+script's call trains seed 0, the one command here adds seed 1 (seed 0 read back)."""
 
 import json
 import math
@@ -9,11 +10,12 @@ import re
 import shutil
 import statistics
 import subprocess
+import types
 
 from conftest import ROOT, shared_data_path
 import pytest
 
-from benchmarks import single_epoch
+from benchmarks import common, single_epoch
 from configs import owt_small, wikipedia_small
 from odetransformer.errors import UserError, describe
 from odetransformer.train import loading
@@ -47,19 +49,6 @@ def _wikipedia_slice(tmp_path):
   return data
 
 
-def _extra_texts(tmp_path):
-  """Two held-out files of other text: WikiText-2 test and Tiny Shakespeare."""
-  out = []
-  for name, src in (
-    ("wikitext2.txt", shared_data_path("wikitext-2", "test.txt")),
-    ("shakespeare.txt", shared_data_path("tinyshakespeare", "input.txt")),
-  ):
-    path = tmp_path / name
-    path.write_text(src.read_text(encoding="utf-8")[:4_000], encoding="utf-8")
-    out.append(str(path))
-  return out
-
-
 def test_wikipedia_small_config_keeps_the_authors_settings():
   """The GPT-2 small run is owt_small (the authors' architecture and optimizer) with only
   the batch, vocabulary, data and remat changed; the benchmark names it gpt2-small."""
@@ -80,28 +69,62 @@ def test_wikipedia_small_config_keeps_the_authors_settings():
   assert tiny.model.dropout_rate == 0.1 and single_epoch.model_label(tiny) == "d32-h2-K2"
 
 
+def _script(env, *args):
+  """benchmarks/gpu/wikipedia_small.sh ARGS under `env`, which must succeed."""
+  r = subprocess.run(
+    ["bash", "benchmarks/gpu/wikipedia_small.sh", *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  return r
+
+
+@pytest.fixture(scope="module")
+def gpu_script(tmp_path_factory):
+  """benchmarks/gpu/wikipedia_small.sh with TINY=1 on CPU: `prepare`, then the run on a
+  fresh $WORK (as a new machine), which trains seed 0 of the one command. The dry run
+  checks it; the one-command comparison continues its workdir with seed 1, so that each
+  seed's runs train once, not once per test. (The script keeps the session's compilation
+  cache under TINY=1: the seed-1 runs here read seed 0's programs from it.)"""
+  shared_data_path("wikipedia-2015")
+  tmp = tmp_path_factory.mktemp("gpu_script")
+  s = types.SimpleNamespace(pack=tmp / "pack", work=tmp / "work", out=tmp / "out")
+  env = dict(os.environ, TINY="1", OUT=str(s.out), WORK=str(s.work), PACK=str(s.pack))
+  _script(env, "prepare")
+  s.prepared_archive = (s.pack / "wikipedia-2015-tiny.tar.xz").stat().st_size
+  s.prepared_tokenizers = list((s.pack / "state" / "cache" / "tokenizers").glob("*.model"))
+  shutil.rmtree(s.work)
+  _script(env)
+  return s
+
+
 @pytest.mark.slow
-def test_one_command_compares_both_models_and_plots_seed0(tmp_path, capsys):
+@pytest.mark.xdist_group("gpu_script")
+def test_one_command_compares_both_models_and_plots_seed0(gpu_script, capsys):
   """Two seeds of both models, 4 steps each (the whole epoch is the default; the same
   code path), curve every 2 steps: the models of a seed share tokenizer, data order and
   tokens; every extra text has its own line; the last line's R ± s is the mean and
   sample deviation of the per-seed ratios of the stored perplexities; the curve PNG
-  and item 6's spectra, Lyapunov and clustering PNGs of seed 0's DiffEqFormer exist."""
-  data, texts, runs = _wikipedia_slice(tmp_path), _extra_texts(tmp_path), tmp_path / "runs"
-  flags = [
-    "--config=configs/wikipedia_small.py:tiny",
-    f"--data_dir={data}",
-    f"--workdir={runs}",
-    "--steps=4",
-    "--seeds=2",
-    "--eval_every=2",
-    "--log_every=2",
-    "--spectra_grid=4",
-    "--lyapunov_tokens=8",
-    f"--eval_text={','.join(texts)}",
-  ]
+  and item 6's spectra, Lyapunov and clustering PNGs of seed 0's DiffEqFormer exist.
+  Seed 0 trained in the GPU script's dry run (the same command with --seeds=1); the
+  command here, with --seeds=2, reads it back and trains seed 1."""
+  runs = gpu_script.work / "runs"
+  # The command the script ran (its own record), with a second seed.
+  command = (gpu_script.out / "command.txt").read_text().split()
+  assert command[:3] == ["python", "-m", "benchmarks.single_epoch"]
+  assert "--config=configs/wikipedia_small.py:tiny" in command and "--seeds=1" in command
+  flags = ["--seeds=2" if f == "--seeds=1" else f for f in command[3:]]
+  [texts] = [f.split("=", 1)[1].split(",") for f in flags if f.startswith("--eval_text=")]
+  assert len(texts) == 2
+  # The code version of the sources as they are now, as the script's process read it.
+  common.code_version.cache_clear()
   single_epoch.main(flags)
   out = capsys.readouterr().out
+  trained_in = {0: (gpu_script.out / "single_epoch.log").read_text(), 1: out}
   lines = out.strip().splitlines()
   evals = {
     (kind, seed): json.loads(
@@ -145,7 +168,7 @@ def test_one_command_compares_both_models_and_plots_seed0(tmp_path, capsys):
         rf"^seed {seed} {kind}\s+\| 4 steps \| valid ppl\s+{NUM} \| test ppl\s+{NUM} "
         rf"\| {NUM} test tokens \| train {NUM} s, score {NUM} s on 1 x \S+ \(cpu\) \| "
         r"trained now$",
-        out,
+        trained_in[seed],
       )
       assert _num(m.group(2)) == pytest.approx(e["test"]["perplexity"], abs=0.005)
     for path in texts:
@@ -158,6 +181,9 @@ def test_one_command_compares_both_models_and_plots_seed0(tmp_path, capsys):
         rf"transformer ppl {g:.2f} \| diffeqformer/gpt ratio {o / g:.3f} \| {NUM} tokens$",
         out,
       )
+  # Seed 0 (and its analysis) read back, seed 1 trained.
+  assert out.count("| trained now") == 2 and out.count("| read back from ") == 2
+  assert re.search(r"^analysis of diffeqformer_seed0_steps4: read back from ", out, re.M)
 
   def ratios(where):
     return [where(evals["diffeqformer", s]) / where(evals["transformer", s]) for s in (0, 1)]
@@ -249,32 +275,15 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path, flags, message):
 
 
 @pytest.mark.slow
-def test_gpu_script_dry_run(tmp_path):
+@pytest.mark.xdist_group("gpu_script")
+def test_gpu_script_dry_run(gpu_script):
   """benchmarks/gpu/wikipedia_small.sh with TINY=1 on CPU: `prepare` packs the data as xz,
   unpacks it, trains the tokenizer and keeps it in the state; the run (on a fresh $WORK,
   as a new machine) unpacks again, restores the state, trains no tokenizer, runs the one
   command and leaves the log, table, PNGs and the next call's state in $OUT."""
-  shared_data_path("wikipedia-2015")
-  out, work = tmp_path / "out", tmp_path / "work"
-  env = dict(os.environ, TINY="1", OUT=str(out), WORK=str(work), PACK=str(tmp_path / "pack"))
-
-  def script(*args):
-    r = subprocess.run(
-      ["bash", "benchmarks/gpu/wikipedia_small.sh", *args],
-      cwd=ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=600,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r
-
-  script("prepare")
-  assert (tmp_path / "pack" / "wikipedia-2015-tiny.tar.xz").stat().st_size > 0
-  assert list((tmp_path / "pack" / "state" / "cache" / "tokenizers").glob("*.model"))
-  shutil.rmtree(work)
-  script()
+  out = gpu_script.out
+  assert gpu_script.prepared_archive > 0
+  assert gpu_script.prepared_tokenizers
   assert "training a 512-piece SentencePiece" not in (out / "train.log").read_text()
   assert (out / "state" / "diffeqformer_seed0_steps4" / "single_epoch_evals.json").is_file()
   log = (out / "single_epoch.log").read_text()

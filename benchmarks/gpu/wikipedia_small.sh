@@ -98,8 +98,12 @@ if [[ "$TINY" != 1 && "${1:-}" != prepare ]] && compgen -G ".whl/*.whl" > /dev/n
 else
   export PYTHONPATH=$PWD
 fi
-# One persistent compilation cache: the later seeds and the scorers reuse seed 0's programs.
-export JAX_COMPILATION_CACHE_DIR=$WORK/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+# One persistent compilation cache: the later seeds and the scorers reuse seed 0's programs
+# (TINY=1: the caller's when it names one, e.g. the tests', which then reuse them too).
+if [[ "$TINY" != 1 || -z "${JAX_COMPILATION_CACHE_DIR:-}" ]]; then
+  export JAX_COMPILATION_CACHE_DIR=$WORK/jax_cache
+fi
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 
 unpack
 mkdir -p "$WORK/runs"
