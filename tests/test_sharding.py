@@ -135,6 +135,53 @@ def test_global_batch_rejects_local_data_that_does_not_tile_the_stated_global_sh
     sharding.global_batch_from_local(local, sh, 8)
 
 
+# The two tests below compare runs on 8 host CPU devices with 1-device ones, in one
+# process (`on_8_devices`): each script runs there in a namespace of its own and leaves
+# its results in `result`.
+_SHARDED_SCRIPT = r"""
+import json, sys
+import jax, numpy as np
+from flax import nnx
+from tiny import tiny_config
+from odetransformer.model import config as config_lib
+from odetransformer.train import optimizer, sharding, steps
+assert jax.device_count() == 8, jax.devices()
+
+c = tiny_config("/unused")
+c.model.num_heads = 4                       # split over tensor=2
+cfg = config_lib.model_config(c, 64)
+tx = optimizer.create_optimizer(c.optim, 10)
+sched = optimizer.learning_rate_schedule(c.optim, 10)
+rng = np.random.default_rng(0)
+batches = [{"inputs": rng.integers(0, 64, (8, 32)).astype(np.int32),
+            "targets": rng.integers(0, 64, (8, 32)).astype(np.int32),
+            "segment_ids": np.ones((8, 32), np.int32),
+            "positions": np.tile(np.arange(32, dtype=np.int32), (8, 1)),
+            "weights": np.ones((8, 32), np.float32)} for _ in range(4)]
+
+def run(shape, devices):
+  c.mesh.shape = shape
+  mesh = sharding.make_mesh(c.mesh, devices)
+  rules = sharding.logical_axis_rules(c.mesh)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    ts, state = steps.init_train_state(cfg, tx, 0, mesh)
+    step = steps.make_train_step(ts, sched, rules)
+    bsh = sharding.batch_sharding(mesh, rules)
+    losses = []
+    for i, b in enumerate(batches):
+      state, m = step(state, sharding.global_batch_from_local(b, bsh), jax.random.key(i))
+      losses.append(float(m.loss.compute()))
+    drift = sharding.sharding_drift(state, ts.shardings)
+    specs = {jax.tree_util.keystr(p): str(x.sharding.spec)
+             for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+  return losses, [d[0] for d in drift], specs
+
+one = run((1, 1, 1), jax.devices()[:1])
+eight = run((2, 2, -1), jax.devices())
+result = {"one": one[0], "eight": eight[0], "drift": eight[1], "specs": eight[2]}
+"""
+
+
 _EQUALITY_SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np, optax
@@ -211,17 +258,62 @@ for name in CASES:
   # The fine-tuning cases on the two meshes that use all three axes (compiles cost time).
   for shape in ((1, 8, 1), (2, 4, 1), (1, 2, 4)) if name == "ode_gpt" else ((2, 4, 1), (1, 2, 4)):
     out[name][str(shape)] = run(name, shape, jax.devices(), start)[0]
-print(json.dumps(out))
+result = out
 """
 
 
+_SEPARATOR = "---- end of the 2x2x2 script ----"
+_RUNNER = f"""
+import json, sys
+
+def run(name, script):
+  namespace = {{"__name__": name}}
+  exec(compile(script, name, "exec"), namespace)
+  return namespace["result"]
+
+sharded = run("sharded_2x2x2", {_SHARDED_SCRIPT!r})
+print({_SEPARATOR!r}, file=sys.stderr, flush=True)
+equality = run("equality", {_EQUALITY_SCRIPT!r})
+print(json.dumps({{"sharded_2x2x2": sharded, "equality": equality}}))
+"""
+# Both tests use it: under pytest-xdist they run on one worker, the process started once.
+ON_8_DEVICES = pytest.mark.xdist_group("test_sharding_8_devices")
+
+
+@pytest.fixture(scope="module")
+def on_8_devices(tmp_path_factory):
+  """One process on 8 host CPU devices (default PRNG) runs both scripts: their results,
+  and what the 2x2x2 script wrote to stderr (XLA's warnings included)."""
+  out, stderr = run_on_8_cpu_devices(_RUNNER, tmp_path_factory.mktemp("on_8_devices"), timeout=1800)
+  assert _SEPARATOR in stderr, stderr[-3000:]
+  return out, stderr.split(_SEPARATOR)[0]
+
+
 @pytest.mark.slow
-def test_loss_and_gradients_on_8_device_meshes_equal_one_device(tmp_path):
+@ON_8_DEVICES
+def test_sharded_2x2x2_matches_one_device_and_keeps_shardings(on_8_devices):
+  out, stderr = on_8_devices[0]["sharded_2x2x2"], on_8_devices[1]
+  np.testing.assert_allclose(out["eight"][0], out["one"][0], rtol=1e-5)  # first step
+  np.testing.assert_allclose(out["eight"], out["one"], rtol=1e-4)  # and after
+  assert out["drift"] == []
+  # The SPMD partitioner never falls back to replicating a whole tensor (it warns when it
+  # does: the embedding lookup once all-gathered the global batch's activations).
+  assert "Involuntary full rematerialization" not in stderr, stderr[-3000:]
+  specs = out["specs"]
+  # Params really are split: embedding over (tensor, fsdp), Adam moments alike.
+  assert specs["['model']['embed'].value"] == "P('tensor', 'fsdp')"
+  mu = [v for k, v in specs.items() if "'mu'" in k and "'embed'" in k]
+  assert mu == ["P('tensor', 'fsdp')"]
+
+
+@pytest.mark.slow
+@ON_8_DEVICES
+def test_loss_and_gradients_on_8_device_meshes_equal_one_device(on_8_devices):
   """DiffEqFormer (both families), continuous and LoRA fine-tuning: the real
   train step's loss, gradient norm and every gradient, and (DiffEqFormer) the eval
   step's loss, on the (1,8,1), (2,4,1), (1,2,4) meshes (the fine-tuning cases on the
   last two) equal the 1-device ones to float32 rounding (sums in another order)."""
-  out, _ = run_on_8_cpu_devices(_EQUALITY_SCRIPT, tmp_path, timeout=1800)
+  out = on_8_devices[0]["equality"]
   assert set(out) == {"ode_gpt", "continuous_llama", "lora"}
   for name, runs in out.items():
     loss, norm, grads, eval_loss = runs.pop("one")

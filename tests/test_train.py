@@ -6,7 +6,6 @@ import logging
 import math
 import pathlib
 import re
-import textwrap
 
 from conftest import shared_data_path
 from flax import nnx
@@ -30,10 +29,12 @@ from odetransformer.train.checkpoint.manager import Checkpointer
 from odetransformer.train.checkpoint.restore import restore_model_state
 
 # tiny_config is also re-exported for other test modules.
-from tiny import config_flags, run_on_8_cpu_devices, tiny_config
+from tiny import config_flags, tiny_config
 
-# Under pytest-xdist this file runs on one worker: its module fixtures are made once.
-pytestmark = [pytest.mark.xdist_group("test_train"), pytest.mark.slow]
+pytestmark = pytest.mark.slow
+# Under pytest-xdist the tests of the module fixture `runs` run on one worker, so that
+# it is made once; the other tests are spread over the workers one by one.
+RUNS_GROUP = pytest.mark.xdist_group("test_train")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -101,6 +102,7 @@ def compiled_functions():
     logger.removeHandler(handler)
 
 
+@RUNS_GROUP
 def test_first_run_writes_checkpoints_events_and_config(runs):
   r, wd = runs["first"], runs["wd_a"]
   assert (r["start_step"], r["step"]) == (0, 4)  # stopped by the "preemption"
@@ -124,6 +126,7 @@ def test_first_run_writes_checkpoints_events_and_config(runs):
     assert tag in scalars, tag
 
 
+@RUNS_GROUP
 def test_second_run_resumes_and_continues(runs):
   r, wd = runs["resumed"], runs["wd_a"]
   assert (r["start_step"], r["step"]) == (4, 6)
@@ -132,6 +135,7 @@ def test_second_run_resumes_and_continues(runs):
   assert steps[-1] == 6 and len(steps) <= 3  # keep-last-k (3)
 
 
+@RUNS_GROUP
 def test_resumed_run_compiles_its_train_step_once(runs):
   """The restored state has the pytree of a created one: the step after the restore
   does not trace and compile the train step again."""
@@ -147,6 +151,7 @@ def _final_params(workdir):
   return step, jax.tree.map(np.asarray, nnx.to_pure_dict(state))
 
 
+@RUNS_GROUP
 def test_logged_param_norm_is_the_checkpointed_parameters_norm(runs):
   step, params = _final_params(runs["wd_a"])
   norm = math.sqrt(
@@ -156,6 +161,7 @@ def test_logged_param_norm_is_the_checkpointed_parameters_norm(runs):
   assert logged[step] == pytest.approx(norm, rel=1e-5)
 
 
+@RUNS_GROUP
 def test_resume_is_exact(runs):
   """Interrupted at 4 + resumed to 6 == 6 straight: model, optimizer, RNG and data."""
   step_a, params_a = _final_params(runs["wd_a"])
@@ -169,6 +175,7 @@ def test_resume_is_exact(runs):
   )
 
 
+@RUNS_GROUP
 def test_stop_at_step_saves_there_and_the_next_call_continues_exactly(runs):
   """Stopped at 3 (the schedule still 6 steps') + continued == 6 straight."""
   stopped, continued = runs["stopped"], runs["continued"]
@@ -186,6 +193,7 @@ def test_stop_at_step_saves_there_and_the_next_call_continues_exactly(runs):
   )
 
 
+@RUNS_GROUP
 def test_finetune_lora_starts_at_the_pretrained_model(runs, tmp_path):
   """main.py fine-tuning (init_from): materialise N = K layers + LoRA (B = 0), so the
   step-0 evaluation equals the pre-trained run's final one; then only adapters train."""
@@ -217,6 +225,14 @@ def _flat(tree, dtype=None):
   }
 
 
+def _host_copy(state):
+  """`state` (a TrainState) with numpy leaves: `jax.device_put(copy, layout.shardings)`
+  gives a fresh device copy, as `create_train_state` would, for each step that donates
+  its input."""
+  leaves, tree = jax.tree.flatten(state)
+  return jax.tree.unflatten(tree, [np.asarray(x) for x in leaves])
+
+
 def _direct_gradients(cfg, params, batch):
   """(loss, {keystr: gradient}) of the token-weighted mean cross-entropy of `batch`,
   taken with plain `nnx.value_and_grad` on a model holding `params` (a pure dict): the
@@ -229,7 +245,8 @@ def _direct_gradients(cfg, params, batch):
     w = jnp.asarray(batch["weights"])
     return jnp.sum(nll * w) / jnp.sum(w)
 
-  graphdef, model_state = nnx.split(create_model(cfg, seed=0))
+  # The model's structure only: `params` gives every value (one left out would fail).
+  graphdef, model_state = nnx.split(nnx.eval_shape(lambda: create_model(cfg, seed=0)))
   nnx.replace_by_pure_dict(model_state, params)
   loss, grads = nnx.jit(nnx.value_and_grad(mean_loss))(nnx.merge(graphdef, model_state))
   return loss, _flat(nnx.to_pure_dict(nnx.state(grads, nnx.Param)))
@@ -270,9 +287,11 @@ def test_step_loss_grad_norm_and_clipping_use_the_true_gradient(overrides, accum
   out = {}
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     layout = steps.state_layout(cfg, tx, 0, mesh)
+    created = steps.create_train_state(layout, cfg, tx, 0, mesh)
+    start = _host_copy(created)  # each accumulation's step starts from these values
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(created["model"]))
     for accum in accums:
-      state = steps.create_train_state(layout, cfg, tx, 0, mesh)
-      before = jax.tree.map(np.asarray, nnx.to_pure_dict(state["model"]))
+      state = jax.device_put(start, layout.shardings)
       step = steps.make_train_step(layout, lambda step: 1.0, rules, grad_accum_steps=accum)
       state, m = step(state, batch, jax.random.key(0))
       out[accum] = (
@@ -332,6 +351,7 @@ def test_skipped_nonfinite_step_leaves_the_state_exactly_as_it_was():
 
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     layout = steps.state_layout(cfg, tx, 0, mesh)
+    start = _host_copy(steps.create_train_state(layout, cfg, tx, 0, mesh))  # every run's
     train_step = {
       skip: steps.make_train_step(layout, sched, rules, skip_nonfinite=skip)
       for skip in (True, False)
@@ -339,7 +359,7 @@ def test_skipped_nonfinite_step_leaves_the_state_exactly_as_it_was():
 
   def run(batches, skip):
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-      state = steps.create_train_state(layout, cfg, tx, 0, mesh)
+      state = jax.device_put(start, layout.shardings)
       step = train_step[skip]
       merged = None
       for i, batch in enumerate(batches):
@@ -378,65 +398,7 @@ def test_skipped_nonfinite_step_leaves_the_state_exactly_as_it_was():
   assert not all(np.isfinite(v).all() for v in applied.values())
 
 
-_SHARDED_SCRIPT = textwrap.dedent("""
-    import json, sys
-    import jax, numpy as np
-    from flax import nnx
-    from test_train import tiny_config
-    from odetransformer.model import config as config_lib
-    from odetransformer.train import optimizer, sharding, steps
-    assert jax.device_count() == 8, jax.devices()
-
-    c = tiny_config("/unused")
-    c.model.num_heads = 4                       # split over tensor=2
-    cfg = config_lib.model_config(c, 64)
-    tx = optimizer.create_optimizer(c.optim, 10)
-    sched = optimizer.learning_rate_schedule(c.optim, 10)
-    rng = np.random.default_rng(0)
-    batches = [{"inputs": rng.integers(0, 64, (8, 32)).astype(np.int32),
-                "targets": rng.integers(0, 64, (8, 32)).astype(np.int32),
-                "segment_ids": np.ones((8, 32), np.int32),
-                "positions": np.tile(np.arange(32, dtype=np.int32), (8, 1)),
-                "weights": np.ones((8, 32), np.float32)} for _ in range(4)]
-
-    def run(shape, devices):
-      c.mesh.shape = shape
-      mesh = sharding.make_mesh(c.mesh, devices)
-      rules = sharding.logical_axis_rules(c.mesh)
-      with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-        ts, state = steps.init_train_state(cfg, tx, 0, mesh)
-        step = steps.make_train_step(ts, sched, rules)
-        bsh = sharding.batch_sharding(mesh, rules)
-        losses = []
-        for i, b in enumerate(batches):
-          state, m = step(state, sharding.global_batch_from_local(b, bsh), jax.random.key(i))
-          losses.append(float(m.loss.compute()))
-        drift = sharding.sharding_drift(state, ts.shardings)
-        specs = {jax.tree_util.keystr(p): str(x.sharding.spec)
-                 for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
-      return losses, [d[0] for d in drift], specs
-
-    one = run((1, 1, 1), jax.devices()[:1])
-    eight = run((2, 2, -1), jax.devices())
-    print(json.dumps({"one": one[0], "eight": eight[0], "drift": eight[1], "specs": eight[2]}))
-""")
-
-
-def test_sharded_2x2x2_matches_one_device_and_keeps_shardings(tmp_path):
-  out, stderr = run_on_8_cpu_devices(_SHARDED_SCRIPT, tmp_path, timeout=600)
-  np.testing.assert_allclose(out["eight"][0], out["one"][0], rtol=1e-5)  # first step
-  np.testing.assert_allclose(out["eight"], out["one"], rtol=1e-4)  # and after
-  assert out["drift"] == []
-  # The SPMD partitioner never falls back to replicating a whole tensor (it warns when it
-  # does: the embedding lookup once all-gathered the global batch's activations).
-  assert "Involuntary full rematerialization" not in stderr, stderr[-3000:]
-  specs = out["specs"]
-  # Params really are split: embedding over (tensor, fsdp), Adam moments alike.
-  assert specs["['model']['embed'].value"] == "P('tensor', 'fsdp')"
-  mu = [v for k, v in specs.items() if "'mu'" in k and "'embed'" in k]
-  assert mu == ["P('tensor', 'fsdp')"]
-
-
+@pytest.mark.xdist_group("test_train_wikitext2")  # one worker: one tokenizer and data cache
 @pytest.mark.parametrize("kind", ["diffeqformer", "transformer"])
 def test_default_model_learns_wikitext2(kind, tmp_path_factory):
   """The default config's model (DiffEqFormer, and GPT via kind=gpt) on real text."""
@@ -523,6 +485,7 @@ _CHECK_RUN_BREAKS = [
 ]
 
 
+@RUNS_GROUP
 def test_check_run_reports_its_checks_in_docstring_order_and_writes_nothing(runs, tmp_path):
   """Every check of `setup.check_run` failing at once, then mended one by one: each
   error is the next check its docstring lists (the first failing one wins), one line
