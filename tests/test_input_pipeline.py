@@ -38,6 +38,7 @@ from input_pipeline import (
 from input_pipeline import config as config_lib
 from input_pipeline import tokenizer as tokenizer_lib
 from odetransformer.runtime import fileio
+from odetransformer.train.checkpoint.paths import finalized_steps
 
 from tiny import config_flags, cpu_env, tiny_config
 
@@ -927,7 +928,13 @@ def test_worker_processes_die_with_a_killed_trainer(ds, corpus_dir, cache, tmp_p
         for p, s in _descendants(proc.pid).items()
         if b"spawn_main" in pathlib.Path(f"/proc/{p}/cmdline").read_bytes()
       }
-    time.sleep(1.0)  # the workers are running
+    # Killed once training has used batches from both workers (a checkpoint at step 2):
+    # each has then run its init function, which starts its exit watcher. (A worker still
+    # importing when its trainer dies exits only once it reaches that function: seconds
+    # later under load, which once outlasted the 10 s below.)
+    while not finalized_steps(str(tmp_path / "run")):
+      assert proc.poll() is None and time.monotonic() < deadline + 120, "no checkpoint written"
+      time.sleep(0.2)
     family = _descendants(proc.pid)
   finally:
     proc.kill()
