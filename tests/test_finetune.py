@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from test_model import forward  # one jitted program per model structure
 from test_train import fast_compiles, tiny_config  # noqa: F401  (fixture: compile cache)
 
 from odetransformer.model.config import ModelConfig
@@ -149,17 +150,6 @@ def ode():
   return _ode_and_tokens()
 
 
-@nnx.jit(static_argnames="num_steps")
-def _jit_logits(model, toks, num_steps=None):
-  return model(toks) if num_steps is None else model(toks, num_steps=num_steps)
-
-
-def logits(model, toks, num_steps=None):
-  """`model(toks)` (an ODE: solved with `num_steps`) as numpy, compiled as one program
-  per model structure and N: run op by op, each op of the model compiles on its own."""
-  return np.asarray(_jit_logits(model, toks, num_steps=num_steps))
-
-
 @ODE_GROUP
 def test_unfolded_materialisation_stores_w_of_t_and_keeps_dt_as_a_scale(ode):
   """fold_dt=False stores W(t_k) itself (what full fine-tuning updates, as the authors'
@@ -176,9 +166,9 @@ def test_unfolded_materialisation_stores_w_of_t_and_keeps_dt_as_a_scale(ode):
     np.testing.assert_allclose(
       np.asarray(folded.stack.params["wo"][...]), np.asarray(w_t["wo"]) / n, rtol=1e-6
     )
-    solved = logits(model, toks, n)
-    np.testing.assert_allclose(logits(unfolded, toks), solved, atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(logits(folded, toks), solved, atol=2e-5, rtol=2e-5)
+    solved = np.asarray(forward(model, toks, num_steps=n))
+    np.testing.assert_allclose(np.asarray(forward(unfolded, toks)), solved, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(forward(folded, toks)), solved, atol=2e-5, rtol=2e-5)
 
 
 @ODE_GROUP
@@ -207,10 +197,10 @@ def test_lora_update_means_the_same_at_every_n(ode, target):
     nnx.update(lora, nnx.state(base))
     lora.stack.lora[target]["a"].value = jnp.broadcast_to(a, (n, n_in, rank))
     lora.stack.lora[target]["b"].value = jnp.broadcast_to(b, (n, rank, n_out))
-    return logits(lora, toks)
+    return np.asarray(forward(lora, toks))
 
   for n in (2, 3, 6):
-    expected = logits(shifted, toks, n)
+    expected = np.asarray(forward(shifted, toks, num_steps=n))
     np.testing.assert_allclose(
       with_adapter(materialize(model, n, fold_dt=False), n), expected, atol=2e-5, rtol=2e-5
     )
