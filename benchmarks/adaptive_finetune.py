@@ -254,10 +254,10 @@ def main(argv=None):
   logging.set_verbosity(logging.WARNING)
   os.makedirs(args.out, exist_ok=True)
   # Every seed compiles the same programs: a persistent cache skips XLA after seed 0 (the
-  # caller's, when JAX_COMPILATION_CACHE_DIR names one: the tests' session cache).
+  # caller's, when jax already has one: JAX_COMPILATION_CACHE_DIR, e.g. the tests').
   jax.config.update(
     "jax_compilation_cache_dir",
-    os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(args.out, "jax_cache"),
+    jax.config.jax_compilation_cache_dir or os.path.join(args.out, "jax_cache"),
   )
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
