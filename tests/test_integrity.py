@@ -28,8 +28,6 @@ from odetransformer.train.checkpoint.paths import CheckpointError, finalized_ste
 
 pytestmark = [pytest.mark.xdist_group("test_integrity"), pytest.mark.slow]
 
-ITEMS = CHECKPOINT_ITEMS
-
 
 @pytest.fixture(scope="module")
 def cache(shared_data_cache):
@@ -39,10 +37,9 @@ def cache(shared_data_cache):
 
 @pytest.fixture(scope="module")
 def trained(cache, tmp_path_factory):
-  """A run stopped at step 6: checkpoints 2, 4 and 6 (to be copied by tests). Its
-  schedule is the STEPS-step one of the resumed runs below (and test_reliability's):
+  """A run stopped at step 6: checkpoints 2, 4 and 6 (to be copied by tests, which resume
+  it to STEPS). Its schedule is the STEPS-step one of those runs (and test_reliability's):
   one compiled train step for all of them."""
-  assert STEPS == 8  # the runs below resume it to step 8
   wd = tmp_path_factory.mktemp("trained")
   loop.train_and_evaluate(config(cache, STEPS, checkpoint_every_steps=2), str(wd), stop_at_step=6)
   assert finalized_steps(str(wd)) == [2, 4, 6]
@@ -107,7 +104,7 @@ def test_checkpoint_without_its_record_is_refused_unless_allowed(run_copy, cache
     (run_copy / "checkpoints" / str(step) / "model" / INTEGRITY_FILE).unlink()
   before = snapshot(run_copy / "checkpoints")
   with pytest.raises(UnverifiedCheckpointError) as err:
-    loop.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2), str(run_copy))
+    loop.train_and_evaluate(config(cache, STEPS, checkpoint_every_steps=2), str(run_copy))
   msg = str(err.value)
   assert "step 6" in msg and "no integrity record (model" in msg and "\n" not in msg
   assert "--config.checkpoint_allow_unverified=true" in msg
@@ -127,11 +124,11 @@ def test_checkpoint_without_its_record_is_refused_unless_allowed(run_copy, cache
   assert "no integrity record" in msg and "--checkpoint_allow_unverified" in msg
   assert "\n" not in msg
   r = loop.train_and_evaluate(
-    config(cache, 8, checkpoint_every_steps=2, checkpoint_allow_unverified=True), str(run_copy)
+    config(cache, STEPS, checkpoint_every_steps=2, checkpoint_allow_unverified=True), str(run_copy)
   )
-  assert (r["start_step"], r["step"]) == (6, 8)
-  for item in ITEMS:  # what this run saved has its record again
-    assert (run_copy / "checkpoints" / "8" / item / INTEGRITY_FILE).is_file()
+  assert (r["start_step"], r["step"]) == (6, STEPS)
+  for item in CHECKPOINT_ITEMS:  # what this run saved has its record again
+    assert (run_copy / "checkpoints" / str(STEPS) / item / INTEGRITY_FILE).is_file()
 
 
 class _WithContentHash:
@@ -156,7 +153,7 @@ def test_resume_with_another_batch_shape_or_seed_is_refused(change, needle, run_
   """Used to resume silently: no longer an exact continuation."""
   before = snapshot(run_copy / "checkpoints")
   with pytest.raises(errors.ConfigError) as err:
-    loop.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2, **change), str(run_copy))
+    loop.train_and_evaluate(config(cache, STEPS, checkpoint_every_steps=2, **change), str(run_copy))
   msg = str(err.value)
   assert needle in msg and "--config.resume_with_changes=true" in msg and "\n" not in msg
   assert snapshot(run_copy / "checkpoints") == before
@@ -173,20 +170,20 @@ def test_resume_on_other_data_is_refused_unless_accepted(run_copy, cache, monkey
   )
   before = snapshot(run_copy / "checkpoints")
   with pytest.raises(errors.ConfigError) as err:
-    loop.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2), str(run_copy))
+    loop.train_and_evaluate(config(cache, STEPS, checkpoint_every_steps=2), str(run_copy))
   assert f"training data content {trained_on[:40]!r} -> 'corpus-B'" in str(err.value)
   assert "--config.resume_with_changes=true" in str(err.value)
   assert snapshot(run_copy / "checkpoints") == before
   r = loop.train_and_evaluate(
-    config(cache, 8, checkpoint_every_steps=2, resume_with_changes=True), str(run_copy)
+    config(cache, STEPS, checkpoint_every_steps=2, resume_with_changes=True), str(run_copy)
   )
-  assert (r["start_step"], r["step"]) == (6, 8)
+  assert (r["start_step"], r["step"]) == (6, STEPS)
   meta = stored_fingerprint(str(run_copy))[1]
   assert meta["data_content_hash"] == "corpus-B"  # what the run now trains on
 
 
 def test_a_model_change_is_not_accepted_by_resume_with_changes(run_copy, cache):
-  c = config(cache, 8, checkpoint_every_steps=2, resume_with_changes=True)
+  c = config(cache, STEPS, checkpoint_every_steps=2, resume_with_changes=True)
   c.model.mlp_dim = 128
   with pytest.raises(errors.ConfigError, match="model.mlp_dim 64 -> 128"):
     loop.train_and_evaluate(c, str(run_copy))
@@ -236,5 +233,5 @@ def test_checkpoints_naming_the_handlers_module_before_the_split_restore(run_cop
   old_step, old_values = _params(run_copy)
   assert old_step == step == 6
   assert all(np.array_equal(a, b) for a, b in zip(old_values, values))
-  r = loop.train_and_evaluate(config(cache, 8, checkpoint_every_steps=2), str(run_copy))
-  assert (r["start_step"], r["step"]) == (6, 8)
+  r = loop.train_and_evaluate(config(cache, STEPS, checkpoint_every_steps=2), str(run_copy))
+  assert (r["start_step"], r["step"]) == (6, STEPS)
