@@ -60,7 +60,10 @@ def eval_losses(workdir):
 
 @PRETRAINED_GROUP
 def test_continuous_at_other_steps_runs_and_resumes(pretrained, tmp_path):
-  first = loop.train_and_evaluate(ft_config(pretrained, "continuous", 5, steps=2), tmp_path)
+  """A 4-step run stopped at step 2 (as a preemption would), then resumed: one compiled
+  train step for both (the schedule's length is a constant of it)."""
+  config = ft_config(pretrained, "continuous", 5, steps=4)
+  first = loop.train_and_evaluate(config, tmp_path, stop_at_step=2)
   assert (first["start_step"], first["step"]) == (0, 2)
   saved = json.loads((tmp_path / "config.json").read_text())["model"]
   assert saved["kind"] == "diffeqformer" and saved["solver_steps"] == 5
