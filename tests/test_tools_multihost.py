@@ -91,6 +91,7 @@ def finetune_config(cache, pre):
   c.eval_every_steps = c.checkpoint_every_steps = 0  # at the end (and step 0: init_from)
   c.data.eval_max_batches = 1
   c.data.input_shards = 2  # 1 process and 2 read the same two input shards
+  c.peak_flops_per_device = 1e11  # MFU's divisor given: no matmul benchmark per process
   c.init_from = str(pre)
   c.finetune = ml_collections.ConfigDict(
     dict(
@@ -169,9 +170,11 @@ def runs(tmp_path_factory):
   results)."""
   tmp = tmp_path_factory.mktemp("tools_multihost")
   pre = tmp / "pre"
-  c = tiny_config(tmp / "cache", num_train_steps=2)
-  c.eval_every_steps = 0
-  loop.train_and_evaluate(c, str(pre))  # also caches the tokenizer and data
+  c = tiny_config(tmp / "cache", num_train_steps=3)
+  c.eval_every_steps, c.peak_flops_per_device = 0, 1e11
+  # Stopped at step 2, checkpointed there: no end-of-run evaluation (nothing reads it).
+  # Also caches the tokenizer and data.
+  loop.train_and_evaluate(c, str(pre), stop_at_step=2)
   one = loop.train_and_evaluate(finetune_config(tmp / "cache", pre), str(tmp / "one"))
   one["evaluate"] = [
     dataclasses.asdict(r)
