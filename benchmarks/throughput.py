@@ -57,6 +57,8 @@ def define_flags(define) -> None:
     "a karpathy/nanoGPT checkout: time its train step at each batch "
     "in the same run and print our/nanoGPT tokens/s ratios",
   )
+  define("integer", "nanogpt_rounds", 5, "nanoGPT's timed rounds (after 3 untimed steps)")
+  define("integer", "nanogpt_steps_per_round", 10, "nanoGPT's steps per timed round")
   define(
     "bool",
     "profile",
@@ -111,6 +113,8 @@ def nanogpt_step(args, batch: int, length: int) -> dict:
     f"--layers={model['num_layers']}",
     f"--heads={model['num_heads']}",
     f"--d_model={model['d_model']}",
+    f"--rounds={args.nanogpt_rounds}",
+    f"--steps_per_round={args.nanogpt_steps_per_round}",
   ]
   proc = subprocess.run(cmd, capture_output=True, text=True, cwd=common.REPO_ROOT, check=False)
   lines = proc.stdout.strip().splitlines()

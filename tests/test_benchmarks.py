@@ -16,6 +16,7 @@ import subprocess
 import sys
 import types
 
+from absl import flags as absl_flags
 from absl import logging as absl_logging
 from conftest import shared_data_path, shared_reference_path
 import jax
@@ -115,9 +116,24 @@ def test_benchmarks_are_a_package_of_modules_named_apart_from_the_code():
 @pytest.mark.slow
 @pytest.mark.xdist_group("throughput")
 def test_memory_vs_steps(monkeypatch, capsys):
-  """(With the throughput tests: the tiny preset's K = 2 parameter inits, which do not
-  depend on dtype, length or remat, are compiled once for all of them.)"""
-  out = _run_here("memory_vs_steps", ["--preset=tiny", "--steps=2,4"], monkeypatch, capsys)
+  """At the throughput tests' dtype, length and remat (what is checked does not depend on
+  them): its K = 2 train steps (batch 2) are then
+  test_throughput_against_nanogpt_with_profile's second batch's (and test_pipeline_speed's
+  DiffEqFormer step), and the tiny preset's K = 2 parameter inits theirs and
+  test_throughput's: each compiled once for all of them, through the persistent cache,
+  on the same worker."""
+  out = _run_here(
+    "memory_vs_steps",
+    [
+      "--preset=tiny",
+      "--steps=2,4",
+      "--dtype=bfloat16",
+      f"--seq_len={SEQ}",
+      "--remat=dots_saveable",
+    ],
+    monkeypatch,
+    capsys,
+  )
   rows = {
     (m.group(1), int(m.group(2))): (_num(m.group(3)), _num(m.group(4)))
     for m in re.finditer(
@@ -133,23 +149,35 @@ def test_memory_vs_steps(monkeypatch, capsys):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("throughput")
-def test_pipeline_speed():
+def test_pipeline_speed(monkeypatch, capsys):
   """At bf16 and the throughput tests' length: its train step is then their tiny
   DiffEqFormer step at batch 2 (one compile, through the persistent cache, on the same
-  worker)."""
+  worker). Run in this process (no process property is checked; the absl flags it marks
+  parsed for grain's workers are unmarked after); 4 batches: the lines and their ratio
+  are the same code at any count."""
   data = shared_data_path("wikitext-2", "valid.txt").parent
-  out = _run(
-    "pipeline_speed",
-    "--preset=tiny",
-    "--dtype=bfloat16",
-    f"--seq_len={SEQ}",
-    "--batches=20",
-    f"--data_dir={data}",
-  )
+  parsed = absl_flags.FLAGS.is_parsed()
+  try:
+    out = _run_here(
+      "pipeline_speed",
+      [
+        "--preset=tiny",
+        "--dtype=bfloat16",
+        f"--seq_len={SEQ}",
+        "--batches=4",
+        "--scaling_batch=4",
+        f"--data_dir={data}",
+      ],
+      monkeypatch,
+      capsys,
+    )
+  finally:
+    if not parsed:
+      absl_flags.FLAGS.unparse_flags()
   pipe = [
     _num(m.group(2))
     for m in re.finditer(
-      rf"^pipeline workers=(0|2): {NUM} tokens/s \(20 batches of 2x{SEQ}", out, re.MULTILINE
+      rf"^pipeline workers=(0|2): {NUM} tokens/s \(4 batches of 2x{SEQ}", out, re.MULTILINE
     )
   ]
   assert len(pipe) == 2, out
@@ -321,10 +349,11 @@ def _check_forward_lines(out):
 def test_throughput_against_nanogpt_with_profile(monkeypatch, capsys):
   """The GPU comparison's flags at toy size (bf16, as the README's GPU commands): two
   batches, nanoGPT's own step (its model.py from the shared reference checkout, eager on
-  CPU) timed in the same run, each ratio what the lines beside it imply, and a profile
-  per model and batch whose parts add up. (At test_throughput's length, 16 tokens: its
-  batch is this run's first, whose programs one of the two compiles for both, on the
-  same worker, through the persistent compilation cache.)"""
+  CPU, 2 timed rounds of 1 step) timed in the same run, each ratio what the lines
+  beside it imply, and a profile per model and batch whose parts add up. (At
+  test_throughput's length, 16 tokens: its batch is this run's first, whose programs one
+  of the two compiles for both; this run's second batch's are test_memory_vs_steps' K = 2
+  train steps: on the same worker, through the persistent compilation cache.)"""
   nanogpt = shared_reference_path("nanogpt")
   pytest.importorskip("torch")
   kinds, batches, seq = ("diffeqformer", "transformer"), (1, 2), SEQ
@@ -337,6 +366,8 @@ def test_throughput_against_nanogpt_with_profile(monkeypatch, capsys):
       f"--seq_len={seq}",
       "--batches=1,2",
       f"--nanogpt={nanogpt}",
+      "--nanogpt_rounds=2",
+      "--nanogpt_steps_per_round=1",
       "--profile",
       "--profile_steps=2",
     ],
