@@ -122,7 +122,11 @@ def shape(args):
 class Trainer:
   """The product's train step for one model config on all local devices."""
 
-  def __init__(self, cfg: ModelConfig, num_train_steps: int = 1000, seed: int = 0):
+  def __init__(
+    self, cfg: ModelConfig, num_train_steps: int = 1000, seed: int = 0, allocate: bool = True
+  ):
+    """`allocate=False`: the state stays abstract (shapes and shardings), for `lower`
+    only: nothing is initialised or placed on the devices."""
     config = default_config.get_config()
     self.cfg = cfg
     self.mesh = sharding.make_mesh(config.mesh)
@@ -130,7 +134,11 @@ class Trainer:
     tx = optimizer.create_optimizer(config.optim, num_train_steps, ode=cfg.is_ode)
     schedule = optimizer.learning_rate_schedule(config.optim, num_train_steps)
     with nnx.logical_axis_rules(self.rules):
-      self.ts, self.state = steps.init_train_state(cfg, tx, seed, self.mesh)
+      if allocate:
+        self.ts, self.state = steps.init_train_state(cfg, tx, seed, self.mesh)
+      else:
+        self.ts = steps.state_layout(cfg, tx, seed, self.mesh)
+        self.state = self.ts.abstract
     self.step_fn = steps.make_train_step(self.ts, schedule, self.rules)
     self.batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
     self.rng = jax.random.key(seed)

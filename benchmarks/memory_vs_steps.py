@@ -1,7 +1,8 @@
 """Compiled train-step memory vs K: DiffEqFormer and GPT side by side (bench-small).
 
-From XLA's memory analysis of the product's train step: argument bytes (params,
-optimizer state, batch) and temporaries, for K = L = 6, 12, 24. With
+From XLA's memory analysis of the product's train step, compiled against the abstract
+state (nothing is initialised or run): argument bytes (params, optimizer state, batch)
+and temporaries, for K = L = 6, 12, 24. With
 rematerialisation the temporaries may grow with K only by the scan carry (the residual
 stream saved per step, batch × seq × width × dtype bytes). The DiffEqFormer also holds
 its generated weights W(t_k), made for all K steps by one GEMM before the scan, and,
@@ -48,7 +49,8 @@ def main(argv=None):
   temps = {}
   for kind in ("diffeqformer", "transformer"):
     for k in ks:
-      trainer = common.Trainer(common.model_config(args, kind, solver_steps=k, num_layers=k))
+      cfg = common.model_config(args, kind, solver_steps=k, num_layers=k)
+      trainer = common.Trainer(cfg, allocate=False)  # compiled, never run
       stats = trainer.lower(trainer.batch(b, length)).compile().memory_analysis()
       temps[kind, k] = stats.temp_size_in_bytes
       weights = k * weights_per_step if kind == "diffeqformer" else 0

@@ -119,9 +119,8 @@ def test_memory_vs_steps(monkeypatch, capsys):
   """At the throughput tests' dtype, length and remat (what is checked does not depend on
   them): its K = 2 train steps (batch 2) are then
   test_throughput_against_nanogpt_with_profile's second batch's (and test_pipeline_speed's
-  DiffEqFormer step), and the tiny preset's K = 2 parameter inits theirs and
-  test_throughput's: each compiled once for all of them, through the persistent cache,
-  on the same worker."""
+  DiffEqFormer step): each compiled once for all of them, through the persistent cache,
+  on the same worker. The steps are lowered against the abstract state: no init runs."""
   out = _run_here(
     "memory_vs_steps",
     [
