@@ -3,7 +3,7 @@ created state beside it (`loop._restore_or_init`).
 
 `jax.live_arrays()` counts every array of the process, whoever made it, so the measurement
 runs in a process of its own: in pytest's worker, what earlier tests left running there
-would count as the resume's (it once read 1.31 × the state in CI, never alone)."""
+would count as the resume's."""
 
 import json
 import subprocess
