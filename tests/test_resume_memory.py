@@ -5,13 +5,9 @@ created state beside it (`loop._restore_or_init`).
 runs in a process of its own: in pytest's worker, what earlier tests left running there
 would count as the resume's."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tiny import ROOT, cpu_env
+from tiny import run_script
 
 pytestmark = pytest.mark.slow  # runs training end to end
 
@@ -86,16 +82,7 @@ def test_resume_peak_live_device_bytes_are_one_state(tmp_path, shared_data_cache
   returns, and every millisecond in between from a thread; the arrays alive before the
   resume (the first run's leftovers) are subtracted. Creating the state and then
   restoring a second copy beside it would count two states at the restore's end."""
-  r = subprocess.run(
-    [sys.executable, "-c", _MEASURE, str(shared_data_cache), str(tmp_path / "run")],
-    cwd=str(ROOT),
-    env=cpu_env(),
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert r.returncode == 0, r.stderr[-3000:]
-  m = json.loads(r.stdout.strip().splitlines()[-1])
+  m, _ = run_script(_MEASURE, tmp_path, shared_data_cache, tmp_path / "run", timeout=300)
   assert m["start_step"] == 2 and m["restores"] == 1
   assert m["samples"] >= 3 and m["state_bytes"] > 0
   assert m["peak"] >= m["state_bytes"]  # the restored state is counted

@@ -137,15 +137,15 @@ def config_flags(config, base=None) -> list:
   ]
 
 
-def run_on_8_cpu_devices(script_text: str, tmp_path, timeout: int):
-  """Runs `script_text` in its own process on 8 host CPU devices (its argv[1] is the
-  repository root) and returns (the JSON of its last stdout line, its stderr)."""
-  env = cpu_env(8)
-  script = pathlib.Path(tmp_path) / "on_8_devices.py"
+def run_script(script_text: str, tmp_path, *args, timeout: int, devices: int = 0):
+  """Runs `script_text` (written into `tmp_path`) in its own process on host CPU devices
+  (`devices` > 0: that many), from the repository root, with `args` as its argv[1:];
+  returns (the JSON of its last stdout line, its stderr)."""
+  script = pathlib.Path(tmp_path) / "script.py"
   script.write_text(script_text)
   proc = subprocess.run(
-    [sys.executable, str(script), str(ROOT)],
-    env=env,
+    [sys.executable, str(script), *map(str, args)],
+    env=cpu_env(devices),
     cwd=ROOT,
     capture_output=True,
     text=True,
@@ -153,6 +153,11 @@ def run_on_8_cpu_devices(script_text: str, tmp_path, timeout: int):
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def run_on_8_cpu_devices(script_text: str, tmp_path, timeout: int):
+  """run_script on 8 host CPU devices, its argv[1] the repository root."""
+  return run_script(script_text, tmp_path, ROOT, timeout=timeout, devices=8)
 
 
 @contextlib.contextmanager
