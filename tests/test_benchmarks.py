@@ -292,6 +292,16 @@ def test_adaptive_finetune(tmp_path, monkeypatch, capsys):
     assert _num(m.group(i)) == pytest.approx(ode[grid, method][0] / gpt[method], abs=0.002)
 
 
+def _assert_printed_ratio(ratio, num, den):
+  """`ratio` (printed to 0.001) is the quotient of the perplexities printed to 0.01 as
+  `num` and `den`: within what the three roundings allow. (The quotient of the rounded
+  values, rounded again, can differ from it in the last digit: 507.74 / 500.97 prints as
+  1.014, the unrounded quotient as 1.013.)"""
+  low = (num - 0.005) / (den + 0.005) - 0.0005
+  high = (num + 0.005) / (den - 0.005) + 0.0005
+  assert low <= ratio <= high, (ratio, num, den)
+
+
 def _usage_error(module, argv, monkeypatch, capsys) -> str:
   """The error line of a benchmark given `argv`, run in this process: the flag check
   raises a UserError before anything is built, which `errors.run_cli` prints as this
@@ -753,13 +763,16 @@ def test_single_epoch_resumes_and_serves_no_token_twice(single_epoch_runs):
         )
       else:  # continued from the step-2 checkpoint
         assert m.group(3).startswith(f"resumed at step 2 of 4 from {runs}")
+  table_ratio = {}
   for step in (2, 4):
     (ov, ot), (gv, gt) = ppl["diffeqformer", step], ppl["transformer", step]
-    _find(
+    m = _find(
       rf"^\| {step} \| {step * 64} \| {ov:.2f} \| {ot:.2f} \| {gv:.2f} \| {gt:.2f} \| "
-      rf"{ot / gt:.3f} \| 64 \|$",
+      rf"{NUM} \| 64 \|$",
       out,
     )
+    table_ratio[step] = m.group(1)
+    _assert_printed_ratio(_num(m.group(1)), ot, gt)
   docs = sum(
     len(local_text.split_documents(p.read_text(encoding="utf-8")))
     for p in sorted(data.glob("train-*.txt"))
@@ -780,9 +793,9 @@ def test_single_epoch_resumes_and_serves_no_token_twice(single_epoch_runs):
     ).group(1, 2),
   )
   assert f"holds {n_ode / n_gpt:.1f}x GPT's parameters" in out
+  # The last line is the table's step-4 ratio (both from the stored perplexities).
   assert out.strip().splitlines()[-1] == (
-    f"single-epoch diffeqformer/gpt test perplexity ratio: "
-    f"{ppl['diffeqformer', 4][1] / ppl['transformer', 4][1]:.3f} (steps 4, tokens 256)"
+    f"single-epoch diffeqformer/gpt test perplexity ratio: {table_ratio[4]} (steps 4, tokens 256)"
   )
   assert (runs / "single_epoch.png").stat().st_size > 0
   most = int(_num(_find(rf"one epoch holds {NUM} steps of 64 tokens$", out).group(1)))
