@@ -98,6 +98,16 @@ def _find(pattern, out):
   return m
 
 
+def _assert_printed_ratio(ratio, num, den, unit=0.01, ratio_unit=0.001, context=()):
+  """`ratio`, printed to `ratio_unit`, is num / den of two values printed to `unit`: it
+  lies within what the three roundings allow. (The quotient of the printed values,
+  rounded again, can differ from it in the last digit: 507.74 / 500.97 prints as 1.014,
+  the unrounded quotient as 1.013.)"""
+  low = (num - unit / 2) / (den + unit / 2)
+  high = (num + unit / 2) / max(den - unit / 2, 1e-9)
+  assert low - ratio_unit / 2 <= ratio <= high + ratio_unit / 2, (ratio, num, den, *context)
+
+
 def test_benchmarks_are_a_package_of_modules_named_apart_from_the_code():
   """Each runs as `python -m benchmarks.NAME` without patching sys.path, and none is named
   like a package or module of the code it measures (a script run by path would import
@@ -291,16 +301,6 @@ def test_adaptive_finetune(tmp_path, monkeypatch, capsys):
   )
   for i, (grid, method) in enumerate([(g, m) for g in grids for m in ("full", "lora")], 1):
     assert _num(m.group(i)) == pytest.approx(ode[grid, method][0] / gpt[method], abs=0.002)
-
-
-def _assert_printed_ratio(ratio, num, den):
-  """`ratio` (printed to 0.001) is the quotient of the perplexities printed to 0.01 as
-  `num` and `den`: within what the three roundings allow. (The quotient of the rounded
-  values, rounded again, can differ from it in the last digit: 507.74 / 500.97 prints as
-  1.014, the unrounded quotient as 1.013.)"""
-  low = (num - 0.005) / (den + 0.005) - 0.0005
-  high = (num + 0.005) / (den - 0.005) + 0.0005
-  assert low <= ratio <= high, (ratio, num, den)
 
 
 _TIMELINE_TESTS = {
@@ -607,12 +607,8 @@ def test_checkpoint_integrity(monkeypatch, capsys):
     for kind in ("wall", "cpu"):
       m = _find(rf"^{what} {kind} s\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}×\s+{NUM}×$", out)
       base, integrity, _, ratio, _ = map(_num, m.groups())
-      # The seconds are printed to 0.01: the ratio lies within what that rounding allows.
-      low, high = (
-        (integrity - 0.005) / (base + 0.005),
-        (integrity + 0.005) / max(base - 0.005, 1e-9),
-      )
-      assert low - 0.005 <= ratio <= high + 0.005, (what, kind, out)
+      # The seconds and the ratio are printed to 0.01.
+      _assert_printed_ratio(ratio, integrity, base, ratio_unit=0.01, context=(what, kind, out))
       rows[what, kind] = ratio
   m = _find(
     rf"^integrity overhead: save {NUM}×, restore {NUM}× wall; save {NUM}×, "
