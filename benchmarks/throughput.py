@@ -220,18 +220,26 @@ def time_batch(args, trainers: dict, batches: dict, nano, peak: float) -> float:
   return tps["diffeqformer"] / tps["transformer"]
 
 
+def _forward(model, tokens_in):
+  """A timed call of `model` on `tokens_in`, jitted over its state as a plain input.
+
+  Not `nnx.jit` over the module: that writes the outputs' state back into it, in the
+  shardings the compiler chose (the GPT's FSDP-sharded parameters came back replicated),
+  and the module shares its arrays with the trainer's state, whose later train steps
+  (the next --batches entry) would then run on those shardings, as another program."""
+  graphdef, state = nnx.split(model)
+  forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+  return lambda: forward(state, tokens_in)
+
+
 def time_forward(args, trainers: dict, tokens_in, tokens: int) -> None:
   """The materialised DiffEqFormer (plain parallel layers) vs GPT, forward only."""
   ode_model = trainers["diffeqformer"].ts.merge(trainers["diffeqformer"].state)[0]
   gpt_model = trainers["transformer"].ts.merge(trainers["transformer"].state)[0]
   mat = materialize(ode_model, ode_model.config.depth)
-  forward = nnx.jit(lambda m, x: m(x))
   # A forward is ~1/4 of a train step: 3× the rounds for a steadier median in less time.
   fwd = common.time_alternating(
-    {
-      "materialised": lambda: forward(mat, tokens_in),
-      "transformer": lambda: forward(gpt_model, tokens_in),
-    },
+    {"materialised": _forward(mat, tokens_in), "transformer": _forward(gpt_model, tokens_in)},
     rounds=3 * args.rounds,
   )
   for name, s in fwd.items():
