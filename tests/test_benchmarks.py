@@ -23,7 +23,7 @@ from conftest import shared_data_path, shared_reference_path
 import jax
 import pytest
 
-from benchmarks import any_n, common, quality, single_epoch, suite_timeline
+from benchmarks import adaptive_finetune, any_n, common, quality, single_epoch, suite_timeline
 from input_pipeline import local_text, pipeline
 from odetransformer.errors import UserError, describe
 from odetransformer.model import config as config_lib
@@ -201,8 +201,9 @@ def test_pipeline_speed(monkeypatch, capsys):
 def test_quality(tmp_path, monkeypatch, capsys):
   """One seed of both models on a user's own text files: the seed's ratio is its two
   perplexities' ratio, and the last line is the seeds' mean. (Its DiffEqFormer is
-  test_any_n's 'fixed' run's model, optimizer and batch: that test, after it on the same
-  worker, reads their programs from the persistent compilation cache.)"""
+  test_any_n's 'fixed' run's model, optimizer and batch, and both models are
+  test_adaptive_finetune's pre-training runs': those tests, on the same worker, read their
+  programs from the persistent compilation cache.)"""
   text = pathlib.Path(shared_data_path("wikitext-2", "test.txt")).read_text(encoding="utf-8")
   (tmp_path / "train.txt").write_text(text[:150_000], encoding="utf-8")  # 2 steps of 2 × 32
   (tmp_path / "eval.txt").write_text(text[150_000:190_000], encoding="utf-8")
@@ -215,7 +216,7 @@ def test_quality(tmp_path, monkeypatch, capsys):
       "--batch=2",
       "--seq_len=32",
       "--d_model=32",
-      "--num_heads=2",
+      "--num_heads=4",  # adaptive_finetune's (fixed there): test_adaptive_finetune's model
       "--depth=2",
       "--time_embed_dim=8",
       "--vocab=512",
@@ -251,10 +252,13 @@ def test_quality(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("d32_runs")
 def test_adaptive_finetune(tmp_path, monkeypatch, capsys):
   """The discrete methods only: 'continuous' runs the same lines of the benchmark (the
   loop's continuous fine-tuning: test_finetune). Run in this process (no process
-  property is checked; the jax settings it changes are restored)."""
+  property is checked; the jax settings it changes are restored). Its pre-training runs
+  are test_quality's two models and optimizer (heads and mlp width are fixed here: that
+  test takes them), so their programs come from the persistent compilation cache."""
   data = shared_data_path("tinyshakespeare", "input.txt").parents[1]
   shared_data_path("wikitext-2", "test.txt")
   out = _run_here(
@@ -266,6 +270,10 @@ def test_adaptive_finetune(tmp_path, monkeypatch, capsys):
       "--k=2",
       "--steps=2",
       "--d_model=32",
+      "--time_embed_dim=8",  # d_t, S and b2: test_quality's DiffEqFormer and optimizer
+      "--time_sinusoids=128",
+      "--b2=0.95",
+      "--gpt_layers=2",  # test_quality's GPT (the default, round(4K/3), is checked below)
       "--seq_len=32",
       "--batch=2",
       "--vocab=512",
@@ -280,14 +288,16 @@ def test_adaptive_finetune(tmp_path, monkeypatch, capsys):
   )
   table = (tmp_path / "adaptive_finetune.md").read_text()
   assert (tmp_path / "adaptive_finetune.png").stat().st_size > 0
-  assert "GPT 3 layers" in table and "LoRA r 6 alpha 8" in table  # round(4K/3), 200·d/1024
+  assert "GPT 2 layers" in table and "LoRA r 6 alpha 8" in table  # --gpt_layers, 200·d/1024
+  # Without --gpt_layers, the GPT has round(4K/3) layers (the paper's 24 vs K = 18).
+  assert adaptive_finetune.parse_args([f"--data_dir={data}", "--k=2"]).gpt_layers == 3
   ode = {
     (m.group(1), m.group(2)): [_num(v) for v in m.group(3).split(" | ")]
     for m in re.finditer(r"^\| DiffEqFormer (\S+) (\S+) \| (.*) \|$", table, re.MULTILINE)
   }
   gpt = {
     m.group(1): _num(m.group(2))
-    for m in re.finditer(rf"^\| GPT \(3 layers\) (\S+) \| {NUM} \|$", table, re.MULTILINE)
+    for m in re.finditer(rf"^\| GPT \(2 layers\) (\S+) \| {NUM} \|$", table, re.MULTILINE)
   }
   grids, methods = ("fixed",), ("before", "full", "lora")
   assert sorted(ode) == sorted((g, m) for g in grids for m in methods), table
@@ -550,8 +560,8 @@ def test_any_n(tmp_path, monkeypatch, capsys):
       "--steps=2",
       "--solver_steps=2",
       "--d_model=32",
-      "--num_heads=2",
-      "--time_embed_dim=8",  # S: the config's, as test_quality's model
+      "--num_heads=4",  # and S the config's: test_quality's and test_adaptive_finetune's model
+      "--time_embed_dim=8",
       "--seq_len=32",
       "--batch=2",
       "--vocab=512",
@@ -913,7 +923,8 @@ def test_any_n_and_finetuning_from_single_epoch_runs(
       f"--pretrained_gpt={gpt}",
       "--seeds=1",
       "--steps=2",
-      "--finetune_steps=2",
+      "--finetune_steps=4",  # with b2: the runs' schedule, so GPT's full step is theirs
+      "--b2=0.95",
       "--eval_batches=1",
       "--methods=full,lora",
     ],
