@@ -202,7 +202,7 @@ def test_lora_update_means_the_same_at_every_n(ode, target):
     lora.stack.lora[target]["b"].value = jnp.broadcast_to(b, (n, rank, n_out))
     return np.asarray(forward(lora, toks))
 
-  for n in (2, 3, 6):
+  for n in (2, 5):  # the N of the test above: its ODE solves serve this test
     expected = np.asarray(forward(shifted, toks, num_steps=n))
     np.testing.assert_allclose(
       with_adapter(materialize(model, n, fold_dt=False), n), expected, atol=2e-5, rtol=2e-5
@@ -220,7 +220,7 @@ def test_full_finetuning_updates_w_not_dt_times_w(ode):
   """The gradient full fine-tuning takes w.r.t. a stored W_O is dt × the gradient w.r.t.
   the effective dt·W_O (chain rule), i.e. the authors' parameterisation; the folded
   model's gradient is w.r.t. dt·W_O itself, N times larger relative to its weight."""
-  model, toks = _ode_and_tokens()
+  model, toks = ode
   n = 4
   unfolded, folded = materialize(model, n, fold_dt=False), materialize(model, n)
 

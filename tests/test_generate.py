@@ -210,15 +210,21 @@ def allowed_set(logits_v, top_k, top_p):
   return set(int(i) for i in order)
 
 
+# As the sampler calls them (inside its jitted loop, top-k, top-p and temperature traced):
+# one program per shape for all the cases below, not op-by-op dispatch.
+filter_logits = jax.jit(generate.filter_logits)
+sample_logits = jax.jit(generate.sample_logits)
+
+
 @pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.5), (20, 0.8), (1, 1.0), (0, 0.0)])
 def test_sampling_stays_in_the_allowed_set(top_k, top_p):
   logits = jax.random.normal(jax.random.key(0), (4, VOCAB)) * 3.0
   for row in range(4):
     allowed = allowed_set(logits[row], top_k, top_p)
-    filtered = generate.filter_logits(logits[row : row + 1], top_k, top_p)[0]
+    filtered = filter_logits(logits[row : row + 1], top_k, top_p)[0]
     assert set(np.flatnonzero(np.isfinite(np.asarray(filtered)))) == allowed
     rows = jnp.broadcast_to(logits[row], (512, VOCAB))
-    sampled = generate.sample_logits(rows, jax.random.key(row), 1.0, top_k, top_p)
+    sampled = sample_logits(rows, jax.random.key(row), 1.0, top_k, top_p)
     seen = set(np.asarray(sampled).tolist())
     assert seen <= allowed
     if len(allowed) > 1 and top_k != 1:
@@ -229,7 +235,7 @@ def test_temperature_zero_is_greedy_and_deterministic():
   logits = jax.random.normal(jax.random.key(3), (8, VOCAB))
   expected = np.argmax(np.asarray(logits), axis=-1)
   for seed in range(3):
-    got = generate.sample_logits(logits, jax.random.key(seed), 0.0, 0, 1.0)
+    got = sample_logits(logits, jax.random.key(seed), 0.0, 0, 1.0)
     np.testing.assert_array_equal(got, expected)
 
 

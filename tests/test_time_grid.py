@@ -230,9 +230,11 @@ def test_train_step_solves_on_the_grid_drawn_from_its_rng():
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(state["model"]))
     step = steps.make_train_step(ts, lambda s: 0.0, rules)
     _, m = step(state, batch, key)
-  reference = create_model(cfg, seed=0)
+  # Its structure only (no initial values: no op-by-op init): every array is set to the
+  # train state's params.
+  reference = nnx.eval_shape(lambda: create_model(cfg, seed=0))
   graphdef, ref_state = nnx.split(reference)
-  nnx.replace_by_pure_dict(ref_state, params)
+  nnx.replace_by_pure_dict(ref_state, jax.tree.map(jnp.asarray, params))
   reference = nnx.merge(graphdef, ref_state)
 
   @nnx.jit  # one compiled forward for both grids, not op-by-op dispatch
