@@ -56,7 +56,7 @@ DRIVER = f"STEPS = {STEPS}\n" + textwrap.dedent("""
     from odetransformer import errors
     from odetransformer.train import steps, loop
     from odetransformer.train.checkpoint.manager import Checkpointer
-    from tiny import config_flags, tiny_config
+    from tiny import config_flags, reused_compiled_steps, tiny_config
 
     c = tiny_config(os.environ["ODET_CACHE"], num_train_steps=STEPS)
     c.eval_every_steps = int(os.environ.get("ODET_EVAL_AT", 0))   # 0: at step STEPS only
@@ -111,21 +111,24 @@ DRIVER = f"STEPS = {STEPS}\n" + textwrap.dedent("""
 
     sys.argv = ["main.py", "--config=configs/default.py",
                 f"--workdir={os.environ['ODET_WORKDIR']}", *config_flags(c)]
-    try:
-      errors.run_cli(main_lib._run)       # what `python main.py ...` runs
-    except SystemExit as e:               # absl's app.run exits when main returns
-      assert e.code in (None, 0), e.code
-    import jax
-    out = {"process_index": jax.process_index(), "process_count": jax.process_count(),
-           "device_count": jax.device_count(), "local_devices": jax.local_device_count(),
-           "start_step": result["start_step"], "step": result["step"],
-           "losses": [[s, float(l)] for s, l in result["loss_history"]],
-           "batches": list(batches), "documents_read": sorted(set(read)),
-           "eval": {k: float(v) for k, v in result["eval"].items()}}
-    if os.environ.get("ODET_THEN_RESUME"):   # then resume that workdir, here, one step
-      r = train_and_evaluate(c, os.environ["ODET_THEN_RESUME"],
-                             stop_at_step=int(os.environ["ODET_THEN_STOP_AT"]))
-      out["then"] = {"start_step": r["start_step"], "step": r["step"]}
+    # The reference's second run (ODET_THEN_RESUME) has the first one's config and mesh: it
+    # takes the steps that run jitted instead of tracing them again.
+    with reused_compiled_steps():
+      try:
+        errors.run_cli(main_lib._run)       # what `python main.py ...` runs
+      except SystemExit as e:               # absl's app.run exits when main returns
+        assert e.code in (None, 0), e.code
+      import jax
+      out = {"process_index": jax.process_index(), "process_count": jax.process_count(),
+             "device_count": jax.device_count(), "local_devices": jax.local_device_count(),
+             "start_step": result["start_step"], "step": result["step"],
+             "losses": [[s, float(l)] for s, l in result["loss_history"]],
+             "batches": list(batches), "documents_read": sorted(set(read)),
+             "eval": {k: float(v) for k, v in result["eval"].items()}}
+      if os.environ.get("ODET_THEN_RESUME"):   # then resume that workdir, here, one step
+        r = train_and_evaluate(c, os.environ["ODET_THEN_RESUME"],
+                               stop_at_step=int(os.environ["ODET_THEN_STOP_AT"]))
+        out["then"] = {"start_step": r["start_step"], "step": r["step"]}
     print(f"driver done in {time.time() - T0:.1f}s", file=sys.stderr)
     with open(os.environ["ODET_RESULT"], "w") as f:
       json.dump(out, f)
@@ -138,9 +141,9 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _env(tmp, devices, **extra):
+def _env(cache, devices, **extra):
   env = cpu_env(devices)
-  env.update(ODET_ROOT=str(ROOT), ODET_CACHE=str(tmp / "cache"))  # + the session's compile cache
+  env.update(ODET_ROOT=str(ROOT), ODET_CACHE=str(cache))  # + the session's compile cache
   for key in (
     "JAX_COORDINATOR_ADDRESS",
     "JAX_NUM_PROCESSES",
@@ -200,11 +203,11 @@ def _run_group(tmp, name, envs, started=None) -> list:
   return [json.loads((tmp / f"{name}_{i}.json").read_text()) for i in range(len(procs))]
 
 
-def _two_process_envs(tmp, workdir, **extra):
+def _two_process_envs(cache, workdir, **extra):
   port = _free_port()
   return [
     _env(
-      tmp,
+      cache,
       4,
       JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
       JAX_NUM_PROCESSES=2,
@@ -216,23 +219,23 @@ def _two_process_envs(tmp, workdir, **extra):
   ]
 
 
-def _two_processes(tmp, name, workdir, **extra):
-  return _run_group(tmp, name, _two_process_envs(tmp, workdir, **extra))
+def _two_processes(tmp, cache, name, workdir, **extra):
+  return _run_group(tmp, name, _two_process_envs(cache, workdir, **extra))
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-  """The module's directory: the runs' shared tokenizer/data cache."""
+  """The module's directory: the processes' logs and results, the reference's workdir."""
   return tmp_path_factory.mktemp("multihost")
 
 
 @pytest.fixture(scope="module")
-def runs(base, gcs_bucket):
-  """The three groups (module docstring); returns (ref, sigterm, part2, the gs:// workdir,
-  the step S the SIGTERM stopped at)."""
-  tmp = base
+def runs(base, gcs_bucket, shared_data_cache):
+  """The three groups (module docstring), on the session's tokenizer and data cache;
+  returns (ref, sigterm, part2, the gs:// workdir, the step S the SIGTERM stopped at)."""
+  tmp, cache = base, shared_data_cache
   workdir = f"{gcs_bucket}/multi-{os.getpid()}"
-  envs = _two_process_envs(tmp, workdir)
+  envs = _two_process_envs(cache, workdir)
   procs, logs = _start_group(tmp, "sigterm", envs)
   log0 = tmp / "sigterm_0.log"
   deadline = time.monotonic() + TIMEOUT_S
@@ -243,13 +246,15 @@ def runs(base, gcs_bucket):
   procs[1].send_signal(signal.SIGTERM)
   sigterm = _run_group(tmp, "sigterm", envs, started=(procs, logs))
   stopped = sigterm[0]["step"]
-  part2 = _two_processes(tmp, "part2", workdir, ODET_STOP_AT=stopped + 2, ODET_EVAL_AT=stopped + 2)
+  part2 = _two_processes(
+    tmp, cache, "part2", workdir, ODET_STOP_AT=stopped + 2, ODET_EVAL_AT=stopped + 2
+  )
   ref = _run_group(
     tmp,
     "ref",
     [
       _env(
-        tmp,
+        cache,
         8,
         ODET_WORKDIR=tmp / "ref",
         ODET_STOP_AT=stopped + 2,

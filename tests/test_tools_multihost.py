@@ -113,7 +113,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _two_processes(tmp, name, pre) -> list:
+def _two_processes(tmp, name, pre, cache) -> list:
   """Runs the driver as 2 processes × 4 CPU devices; their results."""
   (tmp / "driver.py").write_text(DRIVER)
   port = _free_port()
@@ -122,7 +122,7 @@ def _two_processes(tmp, name, pre) -> list:
     env = cpu_env(
       4,
       ODET_ROOT=ROOT,
-      ODET_CACHE=tmp / "cache",
+      ODET_CACHE=cache,
       ODET_PRE=pre,
       ODET_WORKDIR=tmp / name,
       ODET_RESULT=tmp / f"{name}_{i}.json",
@@ -165,23 +165,24 @@ def _two_processes(tmp, name, pre) -> list:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, shared_data_cache):
   """(tmp, the 1-device fine-tuning run's result and evaluations, the 2 processes'
   results)."""
   tmp = tmp_path_factory.mktemp("tools_multihost")
   pre = tmp / "pre"
-  c = tiny_config(tmp / "cache", num_train_steps=3)
+  # On the session's data cache (its tokenizer and prepared corpus made once for all the
+  # tiny runs that read the embedded corpus, the driver processes' too).
+  c = tiny_config(shared_data_cache, num_train_steps=3)
   c.eval_every_steps, c.peak_flops_per_device = 0, 1e11
   # Stopped at step 2, checkpointed there: no end-of-run evaluation (nothing reads it).
-  # Also caches the tokenizer and data.
   loop.train_and_evaluate(c, str(pre), stop_at_step=2)
-  one = loop.train_and_evaluate(finetune_config(tmp / "cache", pre), str(tmp / "one"))
+  one = loop.train_and_evaluate(finetune_config(shared_data_cache, pre), str(tmp / "one"))
   one["evaluate"] = [
     dataclasses.asdict(r)
     for workdir, steps in ((tmp / "one", [None]), (pre, [4]))
     for r in evaluate.evaluate(str(workdir), steps, batch_size=6, max_batches=2)
   ]
-  two = _two_processes(tmp, "two", pre)
+  two = _two_processes(tmp, "two", pre, shared_data_cache)
   return tmp, one, two
 
 
