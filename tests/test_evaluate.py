@@ -17,9 +17,10 @@ import pytest
 from input_pipeline import local_text
 from odetransformer import errors
 from odetransformer.model.config import ModelConfig
+from odetransformer.model.materialize import materialize
 from odetransformer.model.transformer import create_model
 from odetransformer.tools import evaluate, generate
-from odetransformer.train import loading, loop
+from odetransformer.train import evaluation, loading, loop
 from odetransformer.train.loading import load_model
 from odetransformer.train.losses import token_cross_entropy, token_scores
 
@@ -122,6 +123,30 @@ def test_perplexity_matches_direct_log_probs_and_scores_every_token(
     # Perplexity is exp(loss) of that loss (comparing it to exp(nll / count) instead
     # would scale the loss's rounding by the loss, ~6 here).
     np.testing.assert_allclose(result.perplexity, np.exp(result.loss), rtol=1e-12)
+
+
+def test_a_model_scored_again_is_not_traced_again(run, loaded, local_data, local_results):
+  """Scoring a model again (another pass over the data, or the run loaded anew) reuses
+  the jitted scorer of its structure and step count: no trace, the same results; another
+  structure gets its own."""
+  traced = []
+  score_sums = evaluation.score_sums
+
+  def counting(model, batch, rules, num_steps):
+    traced.append((model.config.kind, num_steps))
+    return score_sums(model, batch, rules, num_steps)
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(evaluation, "score_sums", counting)
+    again = load_model(run[0]).model  # another object of the same structure
+    for model, n in ((loaded.model, 2), (again, 2), (again, 3)):
+      r = evaluate.evaluate_model(model, local_data.batches(), n)
+      assert (r.loss, r.num_tokens) == (local_results[n].loss, local_results[n].num_tokens)
+    assert traced == []  # local_results traced N = 2 and 3
+    discrete = materialize(loaded.model, 2)
+    evaluate.evaluate_model(discrete, local_data.batches())
+    evaluate.evaluate_model(discrete, local_data.batches())
+  assert traced == [("parallel", 2)]
 
 
 def test_default_data_is_the_runs_eval_split(run):

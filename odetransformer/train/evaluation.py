@@ -124,6 +124,25 @@ def _sums(graphdef, num_steps, rules, state, batch):
   return score_sums(nnx.merge(graphdef, state), batch, rules, num_steps)
 
 
+# The jitted scorers made in this process: (graphdef, num_steps, rules, jitted), the
+# newest last, a few models' worth. A model scored on several splits or files (the
+# benchmarks' evaluation texts), or loaded again, is traced and lowered once, not per call.
+_SCORERS: list = []
+_MAX_SCORERS = 8
+
+
+def _scorer(graphdef, num_steps: int, rules: tuple):
+  """The jitted `_sums` of this model structure, step count and rules (GraphDefs compare
+  by structure: equal ones merge with each other's states)."""
+  for g, k, r, jitted in _SCORERS:
+    if k == num_steps and r == rules and g == graphdef:
+      return jitted
+  jitted = jax.jit(functools.partial(_sums, graphdef, num_steps, rules))
+  _SCORERS.append((graphdef, num_steps, rules, jitted))
+  del _SCORERS[:-_MAX_SCORERS]
+  return jitted
+
+
 def evaluate_model(
   model: LanguageModel, batches: Iterable[dict], num_steps: int | None = None, rules=None
 ) -> Result:
@@ -138,7 +157,7 @@ def evaluate_model(
   graphdef, state = nnx.split(model)
   mesh = loading.model_mesh(state)
   rules = sharding.logical_axis_rules(None) if rules is None else tuple(rules)
-  score = jax.jit(functools.partial(_sums, graphdef, k, rules))
+  score = _scorer(graphdef, k, rules)
   nll, count, correct = 0.0, 0.0, 0.0
   t0 = time.perf_counter()
   for batch in batches:
