@@ -33,20 +33,23 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
   ]
 )
 # Before jax starts, for this process and its children (tiny.cpu_env copies os.environ):
-# the tests' XLA flags, and one persistent compilation cache for the session. Tests build
-# the same tiny models again and again, in this process and in the programs they launch;
-# the cache compiles each program once.
+# the tests' XLA flags, and one persistent compilation cache for the session, kept for the
+# next (tiny.kept_compile_cache). Tests build the same tiny models again and again, in this
+# process and in the programs they launch; the cache compiles each program once.
 # Scripts that tests launch may import test modules (and so this file) again: keep the
 # flags and the cache they were given.
-from tiny import TEST_XLA_FLAGS  # noqa: E402  (after PYTHONPATH and the env above)
+import tiny  # noqa: E402  (after PYTHONPATH and the env above)
+from tiny import TEST_XLA_FLAGS  # noqa: E402
 
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  _cache = tempfile.mkdtemp(prefix="odet_tests_jax_cache_")
-  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  _cache = tiny.kept_compile_cache()
+  if _cache is None:
+    _cache = tempfile.mkdtemp(prefix="odet_tests_jax_cache_")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
   os.environ.update(
-    JAX_COMPILATION_CACHE_DIR=_cache,
+    JAX_COMPILATION_CACHE_DIR=str(_cache),
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
   )
@@ -59,6 +62,7 @@ if "ODET_TEST_DATA_CACHE" not in os.environ:
   _data_cache = tempfile.mkdtemp(prefix="odet_tests_data_cache_")
   atexit.register(shutil.rmtree, _data_cache, ignore_errors=True)
   os.environ["ODET_TEST_DATA_CACHE"] = _data_cache
+
 
 # Python's cyclic garbage collector took ~7% of a test process's CPU at its default
 # thresholds: tracing allocates objects by the million, and each older-generation pass

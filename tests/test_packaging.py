@@ -4,6 +4,7 @@ requirements, the test tiers (a test that starts processes is marked slow), the 
 probe, the matmul-precision marker and the TF32 emulation used to find where it is needed.
 """
 
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -183,6 +184,26 @@ def test_the_session_flags_reach_workers_and_children_once_probed():
   assert tiny.TEST_XLA_FLAGS in os.environ["XLA_FLAGS"]
   flags = tiny.cpu_env(8)["XLA_FLAGS"].split()
   assert flags == tiny.TEST_XLA_FLAGS.split() + ["--xla_force_host_platform_device_count=8"]
+
+
+def test_the_kept_compile_cache_is_per_jaxlib_and_processor_and_bounded(tmp_path, monkeypatch):
+  """The programs kept between sessions sit under $ODET_TEST_COMPILE_CACHE, one directory
+  per jaxlib and processor; past the limit the oldest files go, down to half of it; "off"
+  keeps none."""
+  monkeypatch.setenv(tiny.COMPILE_CACHE_ENV, "off")
+  assert tiny.kept_compile_cache() is None
+  monkeypatch.setenv(tiny.COMPILE_CACHE_ENV, str(tmp_path))
+  path = tiny.kept_compile_cache()
+  assert path.parent == tmp_path and path.is_dir()
+  assert path.name.startswith(f"jaxlib-{importlib.metadata.version('jaxlib')}-")
+  monkeypatch.setattr(tiny, "COMPILE_CACHE_LIMIT_BYTES", 10)
+  for age, name in enumerate(["newest", "newer", "older", "oldest"]):
+    (path / name).write_bytes(b"1234")
+    os.utime(path / name, (1e9 - age, 1e9 - age))
+  assert tiny.kept_compile_cache() == path  # 16 bytes > 10: down to <= 5
+  assert sorted(p.name for p in path.iterdir()) == ["newest"]
+  assert tiny.kept_compile_cache() == path  # 4 bytes <= 10: kept
+  assert [p.name for p in path.iterdir()] == ["newest"]
 
 
 # --------------------------------------------------------------------------------------

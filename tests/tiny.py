@@ -3,9 +3,12 @@ environment of the tests' child processes, and the runner of scripts that need 8
 CPU devices."""
 
 import contextlib
+import hashlib
+import importlib.metadata
 import json
 import os
 import pathlib
+import platform
 import subprocess
 import sys
 
@@ -64,6 +67,59 @@ def session_xla_flags() -> str:
 
 
 TEST_XLA_FLAGS = session_xla_flags()
+
+
+# The tests' compiled programs are kept between sessions, as pip keeps its downloads: a
+# second run of the suite (an edit, a fresh clone on the same machine) loads most of them
+# instead of compiling them again (the figures: benchmarks/README.md, "Test suite").
+COMPILE_CACHE_ENV = "ODET_TEST_COMPILE_CACHE"  # a directory, or "off": the session's own
+COMPILE_CACHE_LIMIT_BYTES = 1 << 30  # past this, the oldest entries go at a session's start
+
+
+def _host_id() -> str:
+  """This machine's processor (XLA:CPU compiles for the features it has)."""
+  text = platform.machine() + platform.processor()
+  try:
+    info = pathlib.Path("/proc/cpuinfo").read_text()
+    text += "".join(l for l in info.splitlines() if l.startswith(("model name", "flags")))
+  except OSError:
+    pass
+  return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def kept_compile_cache() -> pathlib.Path | None:
+  """The directory of compiled programs kept between test sessions (None: the session
+  keeps its own): $ODET_TEST_COMPILE_CACHE, by default ~/.cache/odetransformer/
+  test-compile-cache, in a subdirectory per jaxlib and processor. jax keys each program by
+  its HLO, compile options, XLA flags and devices; entries beyond the size limit are
+  removed oldest first."""
+  setting = os.environ.get(COMPILE_CACHE_ENV, "")
+  if setting == "off":
+    return None
+  root = pathlib.Path(setting) if setting else _default_cache_root()
+  path = root / f"jaxlib-{importlib.metadata.version('jaxlib')}-{_host_id()}"
+  path.mkdir(parents=True, exist_ok=True)
+  _prune(path, COMPILE_CACHE_LIMIT_BYTES)
+  return path
+
+
+def _default_cache_root() -> pathlib.Path:
+  home = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+  return pathlib.Path(home) / "odetransformer" / "test-compile-cache"
+
+
+def _prune(path: pathlib.Path, limit: int):
+  """Removes the oldest files of `path` until it holds at most half of `limit`, once it
+  holds more than `limit`."""
+  files = sorted((p.stat().st_mtime, p.stat().st_size, p) for p in path.iterdir() if p.is_file())
+  total = sum(size for _, size, _ in files)
+  if total <= limit:
+    return
+  for _, size, p in files:
+    if total <= limit // 2:
+      break
+    p.unlink(missing_ok=True)
+    total -= size
 
 
 def cpu_env(devices: int = 0, **extra) -> dict:
