@@ -116,6 +116,7 @@ CASES = {
 
 
 @pytest.mark.slow
+@pytest.mark.matmul_precision("highest")
 @pytest.mark.parametrize("name", list(CASES))
 def test_cached_decoding_matches_full_forward(name):
   model = tiny_model(**CASES[name])

@@ -275,6 +275,7 @@ KINDS = [
 
 
 @pytest.mark.slow
+@pytest.mark.matmul_precision("highest")  # the float32 pack-vs-alone comparison
 @pytest.mark.parametrize("kind,family", KINDS)
 def test_causality_and_segments(kind, family):
   model = create_model(dataclasses.replace(TINY, kind=kind, family=family), seed=4)

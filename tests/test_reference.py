@@ -215,6 +215,7 @@ CASES = {
 
 
 @pytest.mark.slow
+@pytest.mark.matmul_precision("highest")
 @pytest.mark.parametrize("name", list(CASES))
 def test_end_step_time_is_the_reference_forward(name):
   """Max |ours - reference| / max |reference| below 1e-5 at step_time='end' (float32

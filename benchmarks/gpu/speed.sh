@@ -71,7 +71,8 @@ tests() {
   # The tests that touch the model, attention, train step and decode (issue 46 item 4).
   local files=(tests/test_model.py tests/test_attention.py tests/test_train.py
                tests/test_generate.py tests/test_reference.py tests/test_time_grid.py)
-  JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} "$PY" -m pytest -q -p no:cacheprovider "${files[@]}" \
+  # cpu too: jax.debug.callback (a test of dropout masks) runs its callback on a CPU device.
+  JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu} "$PY" -m pytest -q -rs -p no:cacheprovider "${files[@]}" \
     > "$OUT/pytest.log" 2>&1 || true
   tail -n 30 "$OUT/pytest.log"
 }
