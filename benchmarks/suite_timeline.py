@@ -1,6 +1,7 @@
 """Where the test suite's time goes: a pytest plugin that records, for every test, its wall
 time, the CPU time of the process that ran it and of the processes it started, and the
-time XLA spent compiling (and how many programs), then prints a table per test module.
+time XLA spent compiling (and how many programs, of them how many were loaded from the
+persistent compilation cache instead), then prints a table per test module.
 
   python -m pytest -q -n 2 -p benchmarks.suite_timeline tests
 
@@ -24,9 +25,10 @@ import time
 import pytest
 
 DIR_ENV = "SUITE_TIMELINE_DIR"
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-FIELDS = ("wall_s", "cpu_s", "child_cpu_s", "compile_s", "programs")
-_compiles = {"seconds": 0.0, "programs": 0}
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # compiled, or loaded
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # loaded from the persistent cache
+FIELDS = ("wall_s", "cpu_s", "child_cpu_s", "compile_s", "programs", "loaded")
+_compiles = {"seconds": 0.0, "programs": 0, "loaded": 0}
 
 
 def _cpu() -> tuple:
@@ -39,6 +41,12 @@ def _on_duration(event, duration, **kwargs):
   if event == COMPILE_EVENT:
     _compiles["seconds"] += duration
     _compiles["programs"] += 1
+
+
+def _on_event(event, **kwargs):
+  del kwargs
+  if event == CACHE_HIT_EVENT:
+    _compiles["loaded"] += 1
 
 
 def pytest_configure(config):
@@ -55,9 +63,10 @@ def pytest_runtest_protocol(item, nextitem):
     import jax.monitoring  # lazy: where tests run, after conftest set jax's environment
 
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    jax.monitoring.register_event_listener(_on_event)
     _compiles["listening"] = True
   wall, (cpu, child) = time.monotonic(), _cpu()
-  seconds, programs = _compiles["seconds"], _compiles["programs"]
+  seconds, programs, loaded = (_compiles[k] for k in ("seconds", "programs", "loaded"))
   yield
   cpu_now, child_now = _cpu()
   row = {
@@ -67,6 +76,7 @@ def pytest_runtest_protocol(item, nextitem):
     "child_cpu_s": child_now - child,
     "compile_s": _compiles["seconds"] - seconds,
     "programs": _compiles["programs"] - programs,
+    "loaded": _compiles["loaded"] - loaded,
   }
   worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
   with open(pathlib.Path(os.environ[DIR_ENV], f"{worker}.jsonl"), "a", encoding="utf-8") as f:
@@ -96,12 +106,12 @@ def table(rows, slowest: int = 15) -> list:
   """The lines printed after the run."""
   totals = module_totals(rows)
   header = f"{'module':<36} {'tests':>5} {'wall s':>8} {'CPU s':>8} {'child CPU s':>11} "
-  header += f"{'compile s':>9} {'programs':>8}"
+  header += f"{'compile s':>9} {'programs':>8} {'loaded':>6}"
 
   def line(name, t):
     return (
       f"{name:<36} {t['tests']:>5} {t['wall_s']:>8.1f} {t['cpu_s']:>8.1f} "
-      f"{t['child_cpu_s']:>11.1f} {t['compile_s']:>9.1f} {t['programs']:>8}"
+      f"{t['child_cpu_s']:>11.1f} {t['compile_s']:>9.1f} {t['programs']:>8} {t['loaded']:>6}"
     )
 
   lines = [header]

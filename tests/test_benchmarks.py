@@ -318,7 +318,10 @@ _TIMELINE_TESTS = {
     import jax, jax.numpy as jnp
 
     def test_compiles():
-      jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(5)).block_until_ready()
+      f, x = (lambda x: jnp.sin(x) * 3), jnp.ones(5)
+      jax.jit(f)(x).block_until_ready()
+      jax.clear_caches()  # the same program again: from the persistent cache
+      jax.jit(f)(x).block_until_ready()
 
     def test_nothing():
       pass
@@ -338,12 +341,14 @@ _TIMELINE_TESTS = {
 def test_suite_timeline_counts_compiles_and_child_cpu_and_adds_up(tmp_path):
   """The plugin on two workers, over three tests: the jitted one's compiles are counted,
   the child's half CPU-second lands on the test that started it, and the printed table's
-  modules and totals are the sums of the rows the workers wrote."""
+  modules and totals are the sums of the rows the workers wrote. The jitted program run
+  again after jax's in-memory caches are cleared is counted as loaded (a fresh persistent
+  cache)."""
   for name, text in _TIMELINE_TESTS.items():
     (tmp_path / name).write_text(textwrap.dedent(text))
   out_dir = tmp_path / "timeline"
   out_dir.mkdir()
-  env = cpu_env(JAX_ENABLE_COMPILATION_CACHE="false", **{suite_timeline.DIR_ENV: out_dir})
+  env = cpu_env(JAX_COMPILATION_CACHE_DIR=tmp_path / "cache", **{suite_timeline.DIR_ENV: out_dir})
   proc = subprocess.run(
     [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider"]
     + ["-p", "benchmarks.suite_timeline", f"--rootdir={tmp_path}", str(tmp_path)],
@@ -360,9 +365,14 @@ def test_suite_timeline_counts_compiles_and_child_cpu_and_adds_up(tmp_path):
     "test_jit.py::test_compiles",
     "test_jit.py::test_nothing",
   ]
-  assert rows["test_jit.py::test_compiles"]["programs"] >= 1
-  assert rows["test_jit.py::test_compiles"]["compile_s"] > 0
-  assert rows["test_jit.py::test_nothing"]["programs"] == 0
+  compiles = rows["test_jit.py::test_compiles"]
+  assert compiles["programs"] >= 3 and compiles["compile_s"] > 0  # ones, f, f loaded
+  assert compiles["loaded"] == 1
+  assert (
+    rows["test_jit.py::test_nothing"]["programs"]
+    == rows["test_jit.py::test_nothing"]["loaded"]
+    == 0
+  )
   child = rows["test_child.py::test_child"]
   assert 0.5 <= child["child_cpu_s"] <= child["wall_s"]
   assert rows["test_jit.py::test_compiles"]["child_cpu_s"] == 0
