@@ -39,10 +39,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 # Scripts that tests launch may import test modules (and so this file) again: keep the
 # flags and the cache they were given.
 import tiny  # noqa: E402  (after PYTHONPATH and the env above)
-from tiny import TEST_XLA_FLAGS  # noqa: E402
 
-if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+if tiny.TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {tiny.TEST_XLA_FLAGS}".strip()
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _cache = tiny.kept_compile_cache()
   if _cache is None:
