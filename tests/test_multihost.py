@@ -56,7 +56,9 @@ DRIVER = f"STEPS = {STEPS}\n" + textwrap.dedent("""
     from odetransformer import errors
     from odetransformer.train import steps, loop
     from odetransformer.train.checkpoint.manager import Checkpointer
-    from tiny import config_flags, reused_compiled_steps, tiny_config
+    from tiny import (config_flags, every_process_writes_the_compile_cache,
+                      reused_compiled_steps, tiny_config)
+    every_process_writes_the_compile_cache()
 
     c = tiny_config(os.environ["ODET_CACHE"], num_train_steps=STEPS)
     c.eval_every_steps = int(os.environ.get("ODET_EVAL_AT", 0))   # 0: at step STEPS only

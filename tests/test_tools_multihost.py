@@ -41,6 +41,8 @@ EVAL_FLAGS = ("--batch_size=6", "--max_batches=2")  # 6 rows (2 input shards): p
 
 DRIVER = textwrap.dedent("""
     import contextlib, dataclasses, io, json, os, sys
+    from tiny import every_process_writes_the_compile_cache
+    every_process_writes_the_compile_cache()
     from odetransformer.runtime import host
     host.initialize_distributed()        # what main.py and the tools do first
     import jax
