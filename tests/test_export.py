@@ -32,16 +32,24 @@ from tiny import tiny_config
 _MODULES = tempfile.mkdtemp(prefix="odet_hf_modules_")
 atexit.register(shutil.rmtree, _MODULES, ignore_errors=True)
 os.environ.setdefault("HF_MODULES_CACHE", _MODULES)
-torch = pytest.importorskip(
-  "torch",
-  reason="export's --verify and these tests need torch "
-  "and transformers (pip install -r requirements-export.txt)",
-)
-transformers = pytest.importorskip("transformers")
-# Tiny models: one thread per op is faster than two on a shared 2-core machine.
-torch.set_num_threads(1)
-# Comes with transformers: after its importorskip (hence the noqa).
-from safetensors import safe_open  # noqa: E402
+# torch and transformers are imported when the first test here runs, not when the suite is
+# collected (every pytest worker collects every module: seconds each).
+torch = transformers = safe_open = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_and_transformers():
+  global torch, transformers, safe_open
+  torch = pytest.importorskip(
+    "torch",
+    reason="export's --verify and these tests need torch "
+    "and transformers (pip install -r requirements-export.txt)",
+  )
+  transformers = pytest.importorskip("transformers")
+  # Tiny models: one thread per op is faster than two on a shared 2-core machine.
+  torch.set_num_threads(1)
+  from safetensors import safe_open  # comes with transformers: after its importorskip
+
 
 pytestmark = [pytest.mark.xdist_group("test_export"), pytest.mark.slow]
 MAX_LEN = 48  # room for a prompt and 32 generated tokens (learned positions)
