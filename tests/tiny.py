@@ -254,8 +254,9 @@ def run_on_8_cpu_devices(script_text: str, tmp_path, timeout: int):
 
 @contextlib.contextmanager
 def reused_compiled_steps():
-  """Within the block, runs in this process whose config is the same share one jitted
-  train step, eval step and parameter norm, as one run's steps serve all its calls.
+  """Within the block, runs in this process whose config is the same share one state
+  layout and jitted init, train step, eval step and parameter norm, as one run's steps
+  serve all its calls (each init call still creates a fresh state).
 
   Each `loop.train_and_evaluate` builds its steps anew, so a second run of the same
   config traces and lowers them again and loads them from the persistent compilation
@@ -264,8 +265,10 @@ def reused_compiled_steps():
   step builder returns the function it built for the same layout (its structure, shapes
   and shardings: a model config, optimizer or mesh of its own is another program),
   schedule, rules and options. jax retraces such a function when its arguments' pytree
-  or shapes differ, as within one run. Not for code that patches the model's own
-  functions between runs: a step built before the patch would not see it."""
+  or shapes differ, as within one run. The layout and init are also keyed by the logical
+  axis rules, the PRNG and the model package's functions (a test that patches one gets
+  its own); the steps are not: a step built before such a patch would not see it."""
+  from flax.core import spmd
   import jax  # lazy: conftest imports this module before jax
 
   from odetransformer.train import optimizer, steps
@@ -283,10 +286,33 @@ def reused_compiled_steps():
   def optim_key(optim, num_train_steps, **kw):
     return (optim.to_json(sort_keys=True), num_train_steps, tuple(sorted(kw.items())))
 
-  # name -> (its module, the key of its arguments)
+  def model_code():
+    """The identities of the model package's functions and methods: a test that patches
+    one (test_reliability's other array layout) builds other programs."""
+    return hash(
+      tuple(
+        id(member)
+        for name, module in sorted(sys.modules.items())
+        if name.startswith("odetransformer.model.")
+        for value in vars(module).values()
+        for member in ([value, *vars(value).values()] if isinstance(value, type) else [value])
+        if callable(member)
+      )
+    )
+
+  def context():  # what tracing reads besides the arguments
+    return repr(spmd.get_logical_axis_rules()), jax.config.jax_default_prng_impl, model_code()
+
+  # name -> (its module, the key of its arguments). The optimizer `tx` is keyed by
+  # identity (the memoised create_optimizer's), as the schedule is.
   builders = {
     "create_optimizer": (optimizer, optim_key),
     "learning_rate_schedule": (optimizer, optim_key),
+    "state_layout": (steps, lambda cfg, tx, seed, mesh: (repr(cfg), tx, seed, mesh, context())),
+    "make_init": (
+      steps,
+      lambda layout, cfg, tx, seed: (layout_key(layout), repr(cfg), tx, seed, context()),
+    ),
     "make_train_step": (
       steps,
       lambda layout, schedule, rules, **kw: (

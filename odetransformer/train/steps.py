@@ -83,15 +83,23 @@ def state_layout(cfg: ModelConfig, tx, seed: int, mesh) -> StateLayout:
   )
 
 
-def create_train_state(layout: StateLayout, cfg: ModelConfig, tx, seed: int, mesh):
-  """The TrainState of `layout` (from `state_layout` with the same arguments), created
-  directly in its shardings inside one jit. Must run under `nnx.logical_axis_rules`."""
+def make_init(layout: StateLayout, cfg: ModelConfig, tx, seed: int) -> Callable:
+  """The jitted () -> TrainState of `layout` (from `state_layout` with the same
+  arguments): model and optimizer created directly in their shardings. Call it under
+  `jax.set_mesh(mesh)` and `nnx.logical_axis_rules`."""
   init_fn = _init_fn(cfg, tx, seed)
 
   @functools.partial(jax.jit, out_shardings=layout.shardings)
   def init():
     return nnx.state(init_fn())
 
+  return init
+
+
+def create_train_state(layout: StateLayout, cfg: ModelConfig, tx, seed: int, mesh):
+  """The TrainState of `layout` (from `state_layout` with the same arguments), created
+  directly in its shardings inside one jit. Must run under `nnx.logical_axis_rules`."""
+  init = make_init(layout, cfg, tx, seed)
   with jax.set_mesh(mesh):
     return init()
 
