@@ -265,9 +265,9 @@ def reused_compiled_steps():
   step builder returns the function it built for the same layout (its structure, shapes
   and shardings: a model config, optimizer or mesh of its own is another program),
   schedule, rules and options. jax retraces such a function when its arguments' pytree
-  or shapes differ, as within one run. The layout and init are also keyed by the logical
-  axis rules, the PRNG and the model package's functions (a test that patches one gets
-  its own); the steps are not: a step built before such a patch would not see it."""
+  or shapes differ, as within one run. Every key also holds the logical-axis rules in
+  force, the PRNG and the identities of the model package's functions: a test that
+  patches one of them gets a layout, init and steps of its own."""
   from flax.core import spmd
   import jax  # lazy: conftest imports this module before jax
 
@@ -303,16 +303,13 @@ def reused_compiled_steps():
   def context():  # what tracing reads besides the arguments
     return repr(spmd.get_logical_axis_rules()), jax.config.jax_default_prng_impl, model_code()
 
-  # name -> (its module, the key of its arguments). The optimizer `tx` is keyed by
-  # identity (the memoised create_optimizer's), as the schedule is.
+  # name -> (its module, the key of its arguments; `context()` is added to every key). The
+  # optimizer `tx` is keyed by identity (the memoised create_optimizer's), as the schedule is.
   builders = {
     "create_optimizer": (optimizer, optim_key),
     "learning_rate_schedule": (optimizer, optim_key),
-    "state_layout": (steps, lambda cfg, tx, seed, mesh: (repr(cfg), tx, seed, mesh, context())),
-    "make_init": (
-      steps,
-      lambda layout, cfg, tx, seed: (layout_key(layout), repr(cfg), tx, seed, context()),
-    ),
+    "state_layout": (steps, lambda cfg, tx, seed, mesh: (repr(cfg), tx, seed, mesh)),
+    "make_init": (steps, lambda layout, cfg, tx, seed: (layout_key(layout), repr(cfg), tx, seed)),
     "make_train_step": (
       steps,
       lambda layout, schedule, rules, **kw: (
@@ -328,7 +325,7 @@ def reused_compiled_steps():
 
   def reused(name, build, key_of):
     def build_once(*args, **kwargs):
-      key = (name, key_of(*args, **kwargs))
+      key = (name, key_of(*args, **kwargs), context())
       if key not in memo:
         memo[key] = build(*args, **kwargs)
       return memo[key]
