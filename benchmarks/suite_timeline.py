@@ -9,9 +9,11 @@ A test's figures include its fixtures' setup and teardown (a module fixture coun
 test that made it). Each process that runs tests (pytest-xdist's workers, or pytest
 itself without -n) appends one JSON line per test to a file of its own in
 $SUITE_TIMELINE_DIR (default: a fresh temporary directory, named at the end); after the
-run the table lists each module's summed figures, slowest first, then the totals and the
-slowest tests. Child CPU counts the processes a test started and waited for (those
-killed and reaped count too; the workers' own threads are in its CPU).
+run the table lists each module's summed figures, slowest first, then the totals, the
+slowest tests, and the jitted functions whose programs took longest to compile (those
+compiled, not loaded: where a first run's extra time goes). Child CPU counts the
+processes a test started and waited for (those killed and reaped count too; the workers'
+own threads are in its CPU); their compiles are not named.
 """
 
 import collections
@@ -28,7 +30,9 @@ DIR_ENV = "SUITE_TIMELINE_DIR"
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # compiled, or loaded
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # loaded from the persistent cache
 FIELDS = ("wall_s", "cpu_s", "child_cpu_s", "compile_s", "programs", "loaded")
-_compiles = {"seconds": 0.0, "programs": 0, "loaded": 0}
+# The running counts, and the programs compiled (not loaded) during the current test by
+# the jitted function's name: [count, seconds].
+_compiles = {"seconds": 0.0, "programs": 0, "loaded": 0, "compiled": {}, "hit": False}
 
 
 def _cpu() -> tuple:
@@ -36,17 +40,23 @@ def _cpu() -> tuple:
   return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
 
-def _on_duration(event, duration, **kwargs):
+def _on_duration(event, duration, fun_name="?", **kwargs):
   del kwargs
   if event == COMPILE_EVENT:
     _compiles["seconds"] += duration
     _compiles["programs"] += 1
+    if not _compiles["hit"]:  # jax reports a load's cache hit before its duration
+      entry = _compiles["compiled"].setdefault(fun_name, [0, 0.0])
+      entry[0] += 1
+      entry[1] += duration
+    _compiles["hit"] = False
 
 
 def _on_event(event, **kwargs):
   del kwargs
   if event == CACHE_HIT_EVENT:
     _compiles["loaded"] += 1
+    _compiles["hit"] = True
 
 
 def pytest_configure(config):
@@ -67,6 +77,7 @@ def pytest_runtest_protocol(item, nextitem):
     _compiles["listening"] = True
   wall, (cpu, child) = time.monotonic(), _cpu()
   seconds, programs, loaded = (_compiles[k] for k in ("seconds", "programs", "loaded"))
+  _compiles["compiled"] = {}
   yield
   cpu_now, child_now = _cpu()
   row = {
@@ -77,6 +88,7 @@ def pytest_runtest_protocol(item, nextitem):
     "compile_s": _compiles["seconds"] - seconds,
     "programs": _compiles["programs"] - programs,
     "loaded": _compiles["loaded"] - loaded,
+    "compiled": _compiles["compiled"],
   }
   worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
   with open(pathlib.Path(os.environ[DIR_ENV], f"{worker}.jsonl"), "a", encoding="utf-8") as f:
@@ -99,6 +111,16 @@ def module_totals(rows) -> dict:
     for field in FIELDS:
       module[field] += row[field]
     module["tests"] += 1
+  return dict(totals)
+
+
+def compiled_by_name(rows) -> dict:
+  """Jitted function name -> [programs compiled (not loaded), their seconds], summed."""
+  totals = collections.defaultdict(lambda: [0, 0.0])
+  for row in rows:
+    for name, (count, seconds) in row["compiled"].items():
+      totals[name][0] += count
+      totals[name][1] += seconds
   return dict(totals)
 
 
@@ -125,6 +147,13 @@ def table(rows, slowest: int = 15) -> list:
       f"  {row['wall_s']:6.1f} {row['cpu_s']:6.1f} {row['child_cpu_s']:6.1f} "
       f"{row['compile_s']:6.1f}  {row['test']}"
     )
+  compiled = sorted(compiled_by_name(rows).items(), key=lambda kv: -kv[1][1])
+  lines.append(
+    f"compiled, not loaded: {sum(n for _, (n, _) in compiled)} programs; the slowest "
+    "jitted functions (compile s, programs):"
+  )
+  for name, (count, seconds) in compiled[:slowest]:
+    lines.append(f"  {seconds:6.1f} {count:6}  {name}")
   return lines
 
 

@@ -368,8 +368,12 @@ def test_suite_timeline_counts_compiles_and_child_cpu_and_adds_up(tmp_path):
   compiles = rows["test_jit.py::test_compiles"]
   assert compiles["programs"] >= 3 and compiles["compile_s"] > 0  # ones, f, f loaded
   assert compiles["loaded"] == 1
+  # Those compiled, by name: f once (its second run loaded), and jnp.ones's program.
+  assert compiles["compiled"]["jit(<lambda>)"][0] == 1
+  assert sum(n for n, _ in compiles["compiled"].values()) == compiles["programs"] - 1
+  assert sum(s for _, s in compiles["compiled"].values()) < compiles["compile_s"]
   nothing = rows["test_jit.py::test_nothing"]
-  assert nothing["programs"] == nothing["loaded"] == 0
+  assert nothing["programs"] == nothing["loaded"] == 0 and nothing["compiled"] == {}
   child = rows["test_child.py::test_child"]
   assert 0.5 <= child["child_cpu_s"] <= child["wall_s"]
   assert rows["test_jit.py::test_compiles"]["child_cpu_s"] == 0
@@ -378,6 +382,7 @@ def test_suite_timeline_counts_compiles_and_child_cpu_and_adds_up(tmp_path):
   start = next(i for i, line in enumerate(lines) if "suite timeline (" in line) + 1
   expected = suite_timeline.table(suite_timeline.read_rows(out_dir))
   assert lines[start : start + len(expected)] == expected
+  assert f"compiled, not loaded: {compiles['programs'] - 1} programs;" in proc.stdout
   total = _find(r"^all\s+3\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)", proc.stdout)
   assert _num(total.group(3)) == pytest.approx(
     sum(r["child_cpu_s"] for r in rows.values()), abs=0.05
