@@ -1018,6 +1018,36 @@ def test_flipped_bits_are_reported_as_corruption_and_fall_back(reference, cache,
   params_equal(params, reference["params"][1])  # bit-exact after the detour
 
 
+_FALL_BACK_AND_COLLECT = """
+import gc, sys
+from odetransformer.train import loading
+# Its newest checkpoint is corrupt: each load falls back. How many reads a failed restore
+# abandons depends on timing (at times none): five loads abandon some.
+for _ in range(5):
+  model = loading.load_model(sys.argv[1])
+print(model.step)
+del model
+gc.collect()  # closes the array reads that the failed restore abandoned
+"""
+
+
+def test_reads_abandoned_by_a_corrupt_checkpoint_print_nothing(reference, tmp_path, run_command):
+  """A tool falling back from a corrupt checkpoint says so in its warning lines, and no
+  more: when the garbage collector closed the failed restore's abandoned array reads,
+  orbax turned each into an exception that Python printed with its TensorStore spec
+  (dozens of ~100-line tracebacks, at whatever later moment the collector ran)."""
+  wd = tmp_path / "wd"
+  shutil.copytree(reference["workdir"], wd)
+  _flip_a_bit(wd / "checkpoints" / "8")
+  script = tmp_path / "fall_back.py"
+  script.write_text(_FALL_BACK_AND_COLLECT)
+  proc, _ = run_command([script, wd])
+  assert proc.returncode == 0 and proc.stdout.split() == ["7"], proc.stderr[-3000:]
+  assert "checkpoints/8 is corrupt" in proc.stderr and "using step 7" in proc.stderr
+  assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_failed_save_is_one_line(run_copy, cache, run_command):
   """The checkpoint directory replaced by a file mid-run (as when a disk is gone): one
   line naming the step, exit 2; orbax's ~200 traceback lines are not printed."""

@@ -4,9 +4,11 @@
 tracebacks orbax logs for a failed background save. `quiet_orbax_tracebacks` also
 drops, from `sys.excepthook` and `sys.unraisablehook`, the "Event loop is closed"
 tracebacks that every read or write still pending prints after a failed save or
-restore. `--verbose` on the command line keeps them all.
+restore, and those of the reads a failed restore abandoned, whenever the garbage
+collector closes them. `--verbose` on the command line keeps them all.
 """
 
+import inspect
 import logging as std_logging
 import sys
 
@@ -82,6 +84,19 @@ def _closed_loop_callback(exc_type, exc, tb) -> bool:
   return tb is not None and "asyncio" in tb.tb_frame.f_code.co_filename
 
 
+def _abandoned_orbax_read(args) -> bool:
+  """An orbax coroutine closed by the garbage collector (GeneratorExit) that raised
+  instead: what each array read a failed restore abandoned (a corrupt checkpoint, the
+  previous one read instead) prints, with its TensorStore spec, at whatever later
+  moment the collector runs; the failure itself is reported once, elsewhere."""
+  obj = args.object
+  return (
+    inspect.iscoroutine(obj)
+    and "/orbax/" in obj.cr_code.co_filename
+    and isinstance(getattr(args.exc_value, "__cause__", None), GeneratorExit)
+  )
+
+
 def quiet_orbax_tracebacks():
   """Orbax's tracebacks of a failed save or restore as single lines (not with
   --verbose); installed once."""
@@ -99,7 +114,8 @@ def quiet_orbax_tracebacks():
   unraisable = sys.unraisablehook
 
   def unraisablehook(args):
-    if not _closed_loop_callback(args.exc_type, args.exc_value, args.exc_traceback):
+    closed_loop = _closed_loop_callback(args.exc_type, args.exc_value, args.exc_traceback)
+    if not closed_loop and not _abandoned_orbax_read(args):
       unraisable(args)
 
   sys.unraisablehook = unraisablehook
