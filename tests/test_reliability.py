@@ -1034,8 +1034,8 @@ gc.collect()  # closes the array reads that the failed restore abandoned
 def test_reads_abandoned_by_a_corrupt_checkpoint_print_nothing(reference, tmp_path, run_command):
   """A tool falling back from a corrupt checkpoint says so in its warning lines, and no
   more: when the garbage collector closed the failed restore's abandoned array reads,
-  orbax turned each into an exception that Python printed with its TensorStore spec
-  (dozens of ~100-line tracebacks, at whatever later moment the collector ran)."""
+  orbax turned each into an exception that Python printed, a long traceback ending in
+  its TensorStore spec, at whatever later moment the collector ran."""
   wd = tmp_path / "wd"
   shutil.copytree(reference["workdir"], wd)
   _flip_a_bit(wd / "checkpoints" / "8")

@@ -268,7 +268,7 @@ def reused_compiled_steps():
   or shapes differ, as within one run. Every key also holds the logical-axis rules in
   force, the PRNG and the identities of the model package's functions: a test that
   patches one of them gets a layout, init and steps of its own."""
-  from flax.core import spmd
+  from flax.core import spmd  # lazy, as jax below
   import jax  # lazy: conftest imports this module before jax
 
   from odetransformer.train import optimizer, steps
