@@ -123,13 +123,19 @@ class Trainer:
   """The product's train step for one model config on all local devices."""
 
   def __init__(
-    self, cfg: ModelConfig, num_train_steps: int = 1000, seed: int = 0, allocate: bool = True
+    self,
+    cfg: ModelConfig,
+    num_train_steps: int = 1000,
+    seed: int = 0,
+    allocate: bool = True,
+    devices=None,
   ):
     """`allocate=False`: the state stays abstract (shapes and shardings), for `lower`
-    only: nothing is initialised or placed on the devices."""
+    only: nothing is initialised or placed on the devices. `devices`: the mesh's
+    (default all of jax's; a compile-only topology's for `benchmarks.gpu_compile`)."""
     config = default_config.get_config()
     self.cfg = cfg
-    self.mesh = sharding.make_mesh(config.mesh)
+    self.mesh = sharding.make_mesh(config.mesh, devices)
     self.rules = sharding.logical_axis_rules(config.mesh)
     tx = optimizer.create_optimizer(config.optim, num_train_steps, ode=cfg.is_ode)
     schedule = optimizer.learning_rate_schedule(config.optim, num_train_steps)
@@ -160,11 +166,12 @@ class Trainer:
       self.state, metrics = self.step_fn(self.state, batch, self.rng)
     return metrics
 
-  def lower(self, batch):
-    """The lowered (not yet compiled) train step, for memory/size analysis."""
+  def lower(self, batch, rng=None):
+    """The lowered (not yet compiled) train step, for memory/size analysis (`batch` and
+    `rng` may be ShapeDtypeStructs)."""
     jitted = self.step_fn.__wrapped__
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(sharding.activation_rules(self.rules)):
-      return jitted.lower(self.state, batch, self.rng)
+      return jitted.lower(self.state, batch, self.rng if rng is None else rng)
 
 
 def block(tree):
