@@ -67,6 +67,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.llama_block = "paper"  # 'paper' | 'reference' (the authors' code)
   config.model.train_time_grid = "fixed"  # | 'random_shift' | 'random_offset' | 'random_uniform'
   config.model.remat_policy = "none"  # tiny activations: recomputing buys nothing
+  config.model.layer_loop = "auto"  # GPUs: unrolled (no loop copies); TPU, CPU: a scan
   config.model.dtype = "float32"  # CPU: bf16 is emulated and slower
   config.model.attention_impl = "auto"  # | 'xla' | 'cudnn' | 'splash'
   config.model.param_dtype = "float32"  # parameters

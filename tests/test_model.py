@@ -610,6 +610,40 @@ def test_remat_policies_same_gradients():
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["diffeqformer", "transformer"])
+def test_unrolled_layer_loop_equals_the_scan(kind):
+  """model.layer_loop='unrolled' (GPUs' default) runs the same steps as the scan: the
+  same loss and gradients, and no loop left in the program."""
+  toks = tokens(17)
+  out = {}
+  for loop in ("scan", "unrolled"):
+    model = create_model(dataclasses.replace(TINY, kind=kind, layer_loop=loop), seed=18)
+
+    def loss_fn(m):
+      s, w = token_cross_entropy(m(toks), toks)
+      return s / w
+
+    step = nnx.jit(nnx.value_and_grad(loss_fn))
+    out[loop] = step(model)
+    graphdef, state = nnx.split(model)
+    text = jax.jit(lambda st, g=graphdef: loss_fn(nnx.merge(g, st))).lower(state).as_text()
+    assert ("stablehlo.while" in text) == (loop == "scan"), loop
+  (l_scan, g_scan), (l_unrolled, g_unrolled) = out["scan"], out["unrolled"]
+  np.testing.assert_allclose(float(l_unrolled), float(l_scan), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g_unrolled), jax.tree.leaves(g_scan)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+
+
+def test_auto_layer_loop_unrolls_on_gpus_only():
+  k = solvers.MAX_AUTO_UNROLL
+  assert solvers.loop_unroll("auto", 12, "cuda") == 12
+  assert solvers.loop_unroll("auto", k, "rocm") == k
+  assert solvers.loop_unroll("auto", k + 1, "cuda") == 1  # any-N at many steps: a scan
+  assert solvers.loop_unroll("auto", 12, "tpu") == solvers.loop_unroll("auto", 12, "cpu") == 1
+  assert solvers.loop_unroll("scan", 12, "cuda") == 1
+  assert solvers.loop_unroll("unrolled", 12, "cpu") == 12
+
+
 def test_dropout_and_bf16():
   cfg = dataclasses.replace(TINY, dropout_rate=0.1, dtype="bfloat16")
   model = create_model(cfg, seed=16)

@@ -30,6 +30,7 @@ LLAMA_BLOCKS = ("paper", "reference")
 REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = ("float32", "bfloat16", "float64")  # float64: numerical checks
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
+LAYER_LOOPS = ("auto", "scan", "unrolled")
 DEFAULT_DEPTH = 6  # K or L when a config sets neither
 
 # Old name -> new name, for one release (`migrate_model_fields`).
@@ -121,6 +122,18 @@ class ModelConfig:
   remat_policy: str = _field(
     "full", ("'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'")
   )
+  layer_loop: str = _field(
+    "auto",
+    (
+      "how the K solver steps (L layers) run: 'scan' = one lax.scan, whose program and "
+      "compile time do not grow with K; 'unrolled' = each step its own code: on a GPU no "
+      "loop copies (a scan slices the stacked weights and saved activations with a "
+      "device copy per step and stacks them back), for a compile that grows with K "
+      "(benchmarks/README.md, 'The train step compiled for an H100'); 'auto' = unrolled "
+      "on GPUs up to "
+      "solvers.MAX_AUTO_UNROLL steps, a scan on TPU and CPU and beyond that"
+    ),
+  )
   dtype: str = _field(
     "float32", ("compute dtype: 'float32' | 'bfloat16' (params stay param_dtype)")
   )
@@ -202,6 +215,7 @@ class ModelConfig:
     choice("remat_policy", REMAT)
     choice("dtype", DTYPES)
     choice("attention_impl", ATTENTION_IMPLS)
+    choice("layer_loop", LAYER_LOOPS)
     choice("param_dtype", DTYPES)
     choice("state_dtype", DTYPES)
     depth, other = self.depth_field, self.unused_depth_field

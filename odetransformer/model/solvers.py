@@ -6,8 +6,9 @@ where `inputs` is whatever the field needs at one time (for DiffEqFormer: the la
 weights W(t) generated beforehand; for a test: the scalar t). Stage times of step k are
 `t_k + c_s·dt` with the method's nodes `c` (see `STAGE_NODES`), so a caller evaluates
 its time-dependent inputs at `stage_times(K, method, step_time)` — for the hypernetwork
-that is one batched GEMM — and the scan slices them per step. Nothing is unrolled:
-program size and compile time do not grow with K.
+that is one batched GEMM — and the scan slices them per step. By default nothing is
+unrolled: program size and compile time do not grow with K (`model.layer_loop` unrolls it
+where that serves, `loop_unroll`).
 
 Two conventions place the nodes within a step (`model.step_time`, `stage_nodes`):
 
@@ -96,6 +97,22 @@ REMAT_POLICIES = {
   "dots_saveable": jax.checkpoint_policies.dots_saveable,
   "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+# layer_loop='auto' unrolls the loop on GPUs up to this many steps: compile time grows
+# with the steps unrolled (benchmarks/README.md), and a solve at many more steps (any-N
+# evaluation at 2K or 4K steps) stays a scan.
+MAX_AUTO_UNROLL = 48
+
+
+def loop_unroll(layer_loop: str, num_steps: int, platform: str) -> int:
+  """lax.scan's `unroll` for `model.layer_loop` on `platform`: K (every step its own
+  code, no loop) or 1 (one scan)."""
+  if layer_loop == "unrolled" or (
+    layer_loop == "auto" and platform in ("cuda", "rocm") and num_steps <= MAX_AUTO_UNROLL
+  ):
+    return num_steps
+  return 1
 
 
 def stage_times(num_steps: int, method: str, step_time: str = "start"):
@@ -201,6 +218,7 @@ def fixed_step_solve(
   eval_inputs=None,
   num_steps: int | None = None,
   eval_outputs: bool = False,
+  unroll: int = 1,
 ):
   """Integrates dx/dt = field(x, inputs(t)) with K fixed steps.
 
@@ -226,6 +244,8 @@ def fixed_step_solve(
       float dt).
     eval_outputs: the field returns `(dx/dt, output)`; the outputs of every evaluation
       are returned stacked [K, E, ...] (e.g. a KV cache's updated slots).
+    unroll: `jax.lax.scan`'s: steps per loop iteration; K unrolls the whole loop
+      (`loop_unroll`). The same values either way.
   Returns:
     x_K, followed by [x_0 … x_{K-1}] with return_trajectory and by the outputs with
     eval_outputs (a tuple when either is asked for).
@@ -270,6 +290,6 @@ def fixed_step_solve(
     x_next, out = step(x, *xs_k) if per_step else step(x, xs_k)
     return x_next, ((x if return_trajectory else None), out)
 
-  x, (traj, outs) = jax.lax.scan(body, x0, xs, length=num_steps)
+  x, (traj, outs) = jax.lax.scan(body, x0, xs, length=num_steps, unroll=unroll)
   results = (x,) + ((traj,) if return_trajectory else ()) + ((outs,) if eval_outputs else ())
   return results if len(results) > 1 else x

@@ -307,6 +307,7 @@ class LanguageModel(nnx.Module):
       return_trajectory=return_trajectory,
       eval_inputs=keys,
       num_steps=k,
+      unroll=solvers.loop_unroll(cfg.layer_loop, k, blocks._platform()),
     )
     if return_trajectory:
       x, traj = out

@@ -28,7 +28,14 @@ from odetransformer.train.checkpoint.paths import (
 # Model fields that may change between a run and its resumption: no effect on the
 # checkpointed arrays or on what they mean (vocab_size is the tokenizer's, compared as
 # data.vocab_size).
-RESUMABLE_MODEL_FIELDS = ("vocab_size", "remat_policy", "dtype", "state_dtype", "attention_impl")
+RESUMABLE_MODEL_FIELDS = (
+  "vocab_size",
+  "remat_policy",
+  "dtype",
+  "state_dtype",
+  "attention_impl",
+  "layer_loop",
+)
 # The data settings that decide what the run trains on and with which tokenizer.
 FINGERPRINT_DATA_FIELDS = (
   "source",
