@@ -8,6 +8,12 @@ the suite runs on CPU (conftest), so run them with JAX_PLATFORMS=cuda or tpu the
 """
 
 import dataclasses
+import functools
+import importlib.util
+import itertools
+import json
+import pathlib
+import re
 
 from flax import nnx
 import jax
@@ -161,6 +167,247 @@ def test_platform_kernel_compiled_equals_the_reference(kernel, dtype, tolerance,
   out = jax.jit(lambda q, k, v: blocks.dot_product_attention(q, k, v, mask, kernel))(q, k, v)
   want = reference_attention(*(np.asarray(x, np.float32) for x in (q, k, v)), seg)
   np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.matmul_precision("highest")
+@pytest.mark.skipif(
+  PLATFORM != "cuda",
+  reason="cuDNN attention needs an NVIDIA GPU (run with JAX_PLATFORMS=cuda on one)",
+)
+@pytest.mark.parametrize("documents", ["within the bound", "over the bound"])
+def test_cudnn_packed_layout_equals_xla_with_gradients(documents):
+  """cuDNN in its packed layout against the XLA kernel on the same bfloat16 inputs (in
+  float32): output and q, k, v gradients, on rows of three documents, one, two then id-0
+  padding, and id-0 padding then a token per document, then one: within
+  PACKED_MAX_SEGMENTS documents a row (the packed layout runs), and over it (the batch
+  takes the dense mask)."""
+  if blocks._compute_capability() < (9, 0):
+    pytest.skip("cuDNN's packed layout needs Hopper or newer (older GPUs get the dense mask)")
+  q, k, v, seg = _inputs(b=4, h=64)
+  seg[2, 50:] = 2
+  seg[2, 100:] = 0
+  m = blocks.PACKED_MAX_SEGMENTS
+  singles = m - 2 if documents == "within the bound" else m + 20
+  seg[3, :5] = 0
+  seg[3, 5 : 5 + singles] = np.arange(1, singles + 1)
+  seg[3, 5 + singles :] = singles + 1
+  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+  w = jnp.asarray(np.random.default_rng(3).standard_normal(q.shape), jnp.float32)
+  mask = blocks.attention_mask(jnp.asarray(seg))
+
+  def out_and_grads(kernel, q, k, v):
+    def loss(q, k, v):
+      out = blocks.dot_product_attention(q, k, v, mask, kernel)
+      return jnp.sum(out.astype(jnp.float32) * w), out
+
+    grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return (out, *grads)
+
+  cudnn = jax.jit(functools.partial(out_and_grads, "cudnn")).lower(q, k, v).compile()
+  calls = _fmha_calls(cudnn.as_text())
+  assert {c["max_seg_per_batch"] for _, _, c in calls} == {1, m}, calls  # packed + dense
+  got = cudnn(q, k, v)
+  want = jax.jit(functools.partial(out_and_grads, "xla"))(
+    *(x.astype(jnp.float32) for x in (q, k, v))
+  )
+  for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * max(1.0, np.abs(b).max()), err_msg=name)
+
+
+# --------------------------------------------------------------------------------------
+# cuDNN's packed layout (segment lengths and offsets)
+# --------------------------------------------------------------------------------------
+def reference_packed_segments(segment_ids, max_segments):
+  """(seqlen [b, M], offsets [b, M+1]) of each row's runs of equal ids, -1 past them."""
+  seg = np.asarray(segment_ids)
+  seqlen = np.full((seg.shape[0], max_segments), -1, np.int32)
+  offsets = np.full((seg.shape[0], max_segments + 1), -1, np.int32)
+  for row, ids in enumerate(seg):
+    lengths = [len(list(run)) for _, run in itertools.groupby(ids.tolist())]
+    seqlen[row, : len(lengths)] = lengths
+    offsets[row, : len(lengths)] = np.cumsum([0] + lengths[:-1])
+  return seqlen, offsets
+
+
+_LAYOUTS = {
+  "one document": [1] * 8,
+  "three documents": [1, 1, 1, 2, 2, 3, 3, 3],
+  "a token per document": [1, 2, 3, 4, 5, 6, 7, 8],
+  "padding at both ends": [0, 0, 1, 1, 1, 2, 0, 0],
+  "padding after": [1, 1, 2, 2, 2, 0, 0, 0],
+}
+
+
+def _random_rows(b=6, length=64, seed=0):
+  """Packed rows of random document lengths, some with id-0 padding at either end."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for _ in range(b):
+    lengths = rng.integers(1, 12, size=length)
+    ids = np.repeat(np.arange(1, length + 1), lengths)[:length]
+    if rng.random() < 0.5:
+      ids[: rng.integers(1, 5)] = 0
+    if rng.random() < 0.5:
+      ids[length - rng.integers(1, 5) :] = 0
+    rows.append(ids)
+  return np.stack(rows).astype(np.int32)
+
+
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_packed_segments_equal_the_reference(layout):
+  seg = np.asarray([_LAYOUTS[layout], _LAYOUTS["three documents"]], np.int32)
+  fewest = max(len(list(itertools.groupby(ids))) for ids in seg.tolist())
+  for max_segments in sorted({fewest, 8, 12}):  # the bound taken exactly, l, above l
+    got = jax.jit(blocks.packed_segments, static_argnums=1)(jnp.asarray(seg), max_segments)
+    for g, want in zip(got, reference_packed_segments(seg, max_segments)):
+      assert g.dtype == jnp.int32
+      np.testing.assert_array_equal(np.asarray(g), want, err_msg=f"{layout}, M={max_segments}")
+
+
+def test_packed_segments_of_random_rows_equal_the_reference():
+  """Also under a bound M below some rows' segment count: those rows keep their first M
+  segments, and the others (and the offsets' last entry, always -1) are untouched."""
+  seg = _random_rows()
+  got = blocks.packed_segments(jnp.asarray(seg), seg.shape[1])
+  for g, want in zip(got, reference_packed_segments(seg, seg.shape[1])):
+    np.testing.assert_array_equal(np.asarray(g), want)
+  seqlen, offsets = blocks.packed_segments(jnp.asarray(seg), 5)
+  want_seqlen, want_offsets = reference_packed_segments(seg, seg.shape[1])
+  np.testing.assert_array_equal(np.asarray(seqlen), want_seqlen[:, :5])
+  np.testing.assert_array_equal(np.asarray(offsets)[:, :5], want_offsets[:, :5])
+  assert (np.asarray(offsets)[:, 5] == -1).all() and (want_seqlen[:, 5] > 0).any()
+
+
+def test_packed_segments_mean_what_the_dense_mask_means():
+  """Every token in exactly one segment, and two tokens in the same one exactly where
+  `SegmentMask.dense` lets them attend (the kernel's causality aside), except padding
+  at both ends of a row: two segments, where the dense mask joins them (id 0 both)."""
+  seg = np.concatenate([_random_rows(length=8, seed=1), np.asarray(list(_LAYOUTS.values()))])
+  seqlen, offsets = (np.asarray(x) for x in blocks.packed_segments(jnp.asarray(seg), 8))
+  label = np.full(seg.shape, -1)
+  for row in range(seg.shape[0]):
+    count = int((seqlen[row] >= 0).sum())
+    assert (seqlen[row, count:] == -1).all() and (offsets[row, count:] == -1).all()
+    for s in range(count):
+      start, n = offsets[row, s], seqlen[row, s]
+      assert n > 0 and (label[row, start : start + n] == -1).all()
+      label[row, start : start + n] = s
+  assert (label >= 0).all()
+  same = label[:, :, None] == label[:, None, :]
+  dense = np.asarray(blocks.SegmentMask(jnp.asarray(seg)).dense())[:, 0]
+  padding_apart = (seg[:, :, None] == 0) & (seg[:, None, :] == 0) & ~same
+  assert padding_apart.any()  # a row padded at both ends is among them
+  np.testing.assert_array_equal(same, dense & ~padding_apart)
+
+
+def _fmha_calls(hlo_text):
+  """(target, operand shapes, cudnn_fmha_backend_config) of each cuDNN attention call in
+  compiled HLO text."""
+  calls = []
+  for line in hlo_text.splitlines():
+    target = re.search(r'custom_call_target="(__cudnn\$fmha\w*)"', line)
+    if target is None:
+      continue
+    operands = re.search(r"custom-call\((.*?)\), custom_call_target", line).group(1)
+    layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, api_version", line).group(1)
+    shapes = re.findall(r"(\w+\[[\d,]*\])\{", layouts)
+    assert len(shapes) == operands.count("%"), line
+    config = json.loads(line.split("backend_config=", 1)[1])["cudnn_fmha_backend_config"]
+    calls.append((target.group(1), shapes, config))
+  return calls
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+  importlib.util.find_spec("jax_cuda12_plugin") is None,
+  reason="compiling for an NVIDIA GPU on this host needs jax's CUDA plugin "
+  "(jax-cuda12-plugin), which is not installed",
+)
+def test_cudnn_packed_layout_compiles_for_an_h100_without_a_mask_operand(monkeypatch):
+  """Packed rows' cuDNN calls compiled for an H100 on this CPU: forward and backward take
+  segment lengths [b, M] and offsets [b, M+1] (max_seg_per_batch = M =
+  PACKED_MAX_SEGMENTS), no bias or mask operand, beside the dense fallback for a batch
+  with a fuller row; with the batch split over two GPUs, each its own rows' (segment ids
+  given replicated). Before Hopper the kernel takes the dense mask as a bias operand
+  [b, 1, l, l] (what every GPU got before the packed layout).
+
+  jax's check for the packed layout reads the compute capability of its default backend
+  (this host's CPU), not of the GPU compiled for: here it answers for the H100 (9.0)."""
+  from jax._src import config as jax_config
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+  from jax.experimental import topologies
+
+  assert jax.default_backend() == "cpu"  # conftest: the suite runs on CPU
+  h100 = pathlib.Path(__file__).parents[1] / "benchmarks" / "gpu" / "h100_sxm.txtpb"
+  b, length, n, h = 2, 128, 2, 64
+
+  def compiled(fn, topology):
+    """The cuDNN attention calls of fn(q, k, v, segment_ids), compiled for H100s."""
+    devices = topologies.get_topology_desc(
+      platform="cuda", topology=topology, target_config=h100.read_text()
+    ).devices
+    capability = tuple(int(x) for x in devices[0].compute_capability.split("."))
+    monkeypatch.setattr(
+      cudnn_attention,
+      "check_compute_capability",
+      lambda c: capability >= tuple(int(x) for x in c.split(".")),
+    )
+    mesh = sharding.make_mesh(default.get_config().mesh, devices)
+    rules = sharding.activation_rules(sharding.logical_axis_rules())
+    spec = sharding.logical_to_spec(("batch", None, "heads", None), rules)
+    put = lambda spec: jax.sharding.NamedSharding(mesh, spec)  # noqa: E731
+    qkv = jax.ShapeDtypeStruct((b, length, n, h), jnp.bfloat16, sharding=put(spec))
+    seg = jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=put(jax.sharding.PartitionSpec()))
+    # Never written to the compilation cache: a compile-only executable cannot be loaded
+    # back (jax warns on reading it).
+    with (
+      jax.set_mesh(mesh),
+      nnx.logical_axis_rules(rules),
+      jax_config.persistent_cache_min_compile_time_secs(1e9),
+    ):
+      assert blocks._platform() == "cuda"
+      fresh = lambda *args: fn(*args)  # noqa: E731  (traced anew: not jit's cached trace)
+      return _fmha_calls(jax.jit(fresh).lower(qkv, qkv, qkv, seg).compile().as_text())
+
+  def forward(q, k, v, seg):
+    return blocks.dot_product_attention(q, k, v, blocks.attention_mask(seg), "cudnn")
+
+  def gradients(q, k, v, seg):
+    loss = lambda *qkv: jnp.sum(forward(*qkv, seg).astype(jnp.float32))  # noqa: E731
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  qkv = f"bf16[{b},{length},{n},{h}]"
+  m = blocks.PACKED_MAX_SEGMENTS
+  rows, offsets = f"s32[{b},{m}]", f"s32[{b},{m + 1}]"
+  stats = f"f32[{b * m},{n},{length}]"  # softmax statistics [b * M, n, l]
+  bias = f"bf16[{b},1,{length},{length}]"
+  calls = compiled(forward, "1x1x1") + compiled(gradients, "1x1x1")
+  targets = sorted(target for target, _, _ in calls)
+  # Each call is a conditional: the packed layout when every row holds at most M
+  # documents, the dense mask (a bias operand) otherwise.
+  packed = ["__cudnn$fmhaSoftmax"] * 2 + ["__cudnn$fmhaSoftmaxBackward"]
+  dense = ["__cudnn$fmhaScaleBiasSoftmax"] * 2 + ["__cudnn$fmhaScaleBiasSoftmaxBackward"]
+  assert targets == sorted(packed + dense), targets
+  for target, shapes, config in calls:
+    assert config["mask_type"] == "CAUSAL", config
+    assert config["fmha_scale"] == pytest.approx(1 / np.sqrt(h))
+    if target == "__cudnn$fmhaSoftmax":  # q, k, v, seqlen (q, kv), offsets (q, kv)
+      assert config["max_seg_per_batch"] == m, config
+      assert shapes == [qkv] * 3 + [rows] * 2 + [offsets] * 2, shapes
+    elif target == "__cudnn$fmhaSoftmaxBackward":  # + statistics, dO, O
+      assert config["max_seg_per_batch"] == m, config
+      assert shapes == [qkv] * 3 + [stats, qkv, qkv] + [rows] * 2 + [offsets] * 2, shapes
+    else:
+      assert config["max_seg_per_batch"] == 1 and bias in shapes, (config, shapes)
+
+  (shapes,) = [s for t, s, _ in compiled(forward, "1x2x1") if t == "__cudnn$fmhaSoftmax"]
+  assert shapes[3:] == [f"s32[1,{m}]"] * 2 + [f"s32[1,{m + 1}]"] * 2, shapes  # a row a GPU
+
+  monkeypatch.setattr(blocks, "_compute_capability", lambda: (8, 0))  # an A100
+  ((target, shapes, config),) = compiled(forward, "1x1x1")
+  assert target == "__cudnn$fmhaScaleBiasSoftmax" and config["max_seg_per_batch"] == 1, target
+  assert shapes == [qkv] * 3 + [f"bf16[{b},1,{length},{length}]"], shapes
 
 
 # --------------------------------------------------------------------------------------

@@ -9,11 +9,13 @@ Shape suffixes: b batch, l/s query/key length, d width, n heads, h head dim, f m
 """
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
 from flax.core import spmd as core_spmd
 import jax
+from jax._src import mesh as mesh_lib
 import jax.numpy as jnp
 
 from odetransformer.errors import ConfigError
@@ -61,16 +63,52 @@ def layer_param_specs(cfg: ModelConfig) -> dict:
 
 def norm(x_bld, scale_d, shift_d: jax.Array | None, eps: float, center: bool = True):
   """LayerNorm (with shift) or RMSNorm (shift None), computed in float32 or wider;
-  `center=False` with a shift is an RMSNorm plus a shift (the reference Llama block's)."""
-  wide = jnp.promote_types(x_bld.dtype, jnp.float32)
-  x = x_bld.astype(wide)
-  if shift_d is not None and center:
-    x = x - jnp.mean(x, axis=-1, keepdims=True)
-  x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
-  x = x * scale_d.astype(wide)
-  if shift_d is not None:
-    x = x + shift_d.astype(wide)
-  return x.astype(x_bld.dtype)
+  `center=False` with a shift is an RMSNorm plus a shift (the reference Llama block's).
+
+  Its backward is written out (`_norm_bwd`): from x and the saved per-row statistics,
+  one pass for the two row means it needs and one that writes dx, where autodiff
+  recomputes the statistics and writes the gradient's pieces in several more passes."""
+  shift = jnp.zeros_like(scale_d) if shift_d is None else shift_d
+  return _norm(x_bld, scale_d, shift, eps, bool(shift_d is not None and center))
+
+
+def _norm_stats(x_bld, eps: float, center: bool):
+  """(x in float32 or wider, its per-row mean (0 when not centred), 1/rms of x − mean)."""
+  x = x_bld.astype(jnp.promote_types(x_bld.dtype, jnp.float32))
+  mean = jnp.mean(x, axis=-1, keepdims=True) if center else jnp.zeros_like(x[..., :1])
+  xc = x - mean
+  return x, mean, jax.lax.rsqrt(jnp.mean(jnp.square(xc), axis=-1, keepdims=True) + eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _norm(x_bld, scale_d, shift_d, eps: float, center: bool):
+  return _norm_fwd(x_bld, scale_d, shift_d, eps, center)[0]
+
+
+def _norm_fwd(x_bld, scale_d, shift_d, eps, center):
+  x, mean, rstd = _norm_stats(x_bld, eps, center)
+  wide = x.dtype
+  y = (x - mean) * rstd * scale_d.astype(wide) + shift_d.astype(wide)
+  return y.astype(x_bld.dtype), (x_bld, scale_d, shift_d, mean, rstd)
+
+
+def _norm_bwd(eps, center, residuals, dy_bld):
+  x_bld, scale_d, shift_d, mean, rstd = residuals
+  # The barrier keeps XLA from merging x̂ with the forward's (which would store it).
+  x = jax.lax.optimization_barrier(x_bld).astype(mean.dtype)
+  x_hat = (x - mean) * rstd
+  dy = dy_bld.astype(mean.dtype)
+  g = dy * scale_d.astype(mean.dtype)
+  g_xhat = jnp.mean(g * x_hat, axis=-1, keepdims=True)
+  g_mean = jnp.mean(g, axis=-1, keepdims=True) if center else 0.0
+  dx = rstd * (g - g_mean - x_hat * g_xhat)
+  rows = tuple(range(dy.ndim - 1))
+  d_scale = jnp.sum(dy * x_hat, axis=rows).astype(scale_d.dtype)
+  d_shift = jnp.sum(dy, axis=rows).astype(shift_d.dtype)
+  return dx.astype(x_bld.dtype), d_scale, d_shift
+
+
+_norm.defvjp(_norm_fwd, _norm_bwd)
 
 
 REFERENCE_LLAMA_NORM_EPS = 1e-6  # the authors' Llama DiffEqFormer's block RMSNorms
@@ -124,6 +162,44 @@ def attention_mask(segment_ids_bl) -> SegmentMask | None:
   return None if segment_ids_bl is None else SegmentMask(segment_ids_bl)
 
 
+def packed_segments(segment_ids_bl, max_segments: int):
+  """cuDNN's packed layout of packed rows: (seqlen [b, M], offsets [b, M+1]) int32, M =
+  `max_segments` (static): the length and the first token of each segment of a row,
+  -1 past its last segment (offsets: past its last segment's start; no end offset), as
+  jax's cuDNN attention takes them (`q_seqlen`, `q_offsets`; see `_cudnn_packed_attention`).
+
+  A segment is a maximal run of equal consecutive ids: a document (ids are contiguous in
+  packed rows), padding (id 0) included, whose tokens attend among themselves as in the
+  dense mask. An id that comes back after another is a new segment (the dense mask would
+  join the two runs; packing never makes such rows).
+
+  M must be at least every row's number of segments: the segments past the M-th are left
+  out (their tokens' output undefined), and how many a row holds is only known from the
+  data: `dot_product_attention` checks the batch on the device and runs the dense mask
+  for a batch with a fuller row. The cost of M, from jax 0.10.2's lowering
+  (`fused_attention_stablehlo`): cuDNN's softmax statistics, the forward's residual kept
+  for the backward, are float32 [b * M, heads, l], allocated whole: at M = l (the bound
+  that holds for every row: a document may be one token) the size of a float32 score
+  matrix, 805 MB a layer at GPT-2 small, 16 x 1024."""
+  b, length = segment_ids_bl.shape
+  seg = segment_ids_bl
+  starts_bl = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+  index_bl = jnp.cumsum(starts_bl, axis=1, dtype=jnp.int32) - 1  # each token's segment
+  k = jnp.arange(max_segments + 1, dtype=jnp.int32)
+  # Segment k's first token (l past the last): one scatter, no loop (searchsorted's is one
+  # kernel per step, per layer).
+  first_bk = (
+    jnp.full((b, max_segments + 1), length, jnp.int32)
+    .at[jnp.arange(b)[:, None], index_bl]
+    .min(jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length)), mode="drop")
+  )
+  count_b1 = index_bl[:, -1:] + 1
+  seqlen = jnp.where(k[:-1] < count_b1, first_bk[:, 1:] - first_bk[:, :-1], -1)
+  # Never an M+1-th start: a row over the bound must not shift the next rows' offsets.
+  offsets = jnp.where((k < count_b1) & (k < max_segments), first_bk, -1)
+  return seqlen.astype(jnp.int32), offsets.astype(jnp.int32)
+
+
 # --------------------------------------------------------------------------------------
 # Attention kernels (`model.attention_impl`)
 # --------------------------------------------------------------------------------------
@@ -131,8 +207,13 @@ SPLASH_BLOCK = 128  # the splash kernel's tile of queries and keys (TPU lanes)
 
 
 def _platform() -> str:
-  """'cuda', 'rocm', 'tpu' or 'cpu': the platform of jax's default devices."""
-  device = jax.devices()[0]
+  """'cuda', 'rocm', 'tpu' or 'cpu': the platform of the devices the program is built
+  for: the mesh in context (`jax.set_mesh`; a compile-only topology's devices when
+  compiling for a GPU or TPU on a CPU host), else jax's default devices."""
+  # jax.sharding.get_mesh() refuses to run under jit; the concrete mesh is what
+  # jax.set_mesh put in context (private, hence the fallback to the default devices).
+  mesh = getattr(mesh_lib, "get_concrete_mesh", lambda: None)()
+  device = jax.devices()[0] if mesh is None or mesh.empty else mesh.devices.flat[0]
   if device.platform == "gpu":
     return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
   return device.platform
@@ -192,16 +273,84 @@ def dot_product_attention(
 ):
   """Causal attention of [b, l, heads, head_dim] q, k, v within `mask`'s documents, by
   `kernel` ('xla', 'cudnn' or 'splash'; `interpret` runs splash's Pallas kernel in
-  the interpreter, on any platform)."""
+  the interpreter, on any platform).
+
+  cuDNN takes packed rows in its packed layout (segment lengths and offsets,
+  `_cudnn_packed_attention`) on Hopper and newer, with no [b, 1, l, s] mask, when no row
+  of the batch holds more than PACKED_MAX_SEGMENTS documents (checked on the device: a
+  batch with a fuller row takes the dense mask); older GPUs (no packed layout) and the
+  XLA kernel get the dense mask."""
   if kernel == "splash":
     return _splash_attention(q_blnh, k_bsnh, v_bsnh, mask, interpret)
-  return jax.nn.dot_product_attention(
+
+  def dense(q, k, v, *segment_ids):
+    return jax.nn.dot_product_attention(
+      q,
+      k,
+      v,
+      mask=SegmentMask(segment_ids[0]).dense() if segment_ids else None,
+      is_causal=True,
+      implementation=kernel,
+    )
+
+  if kernel == "cudnn" and mask is not None and _compute_capability() >= (9, 0):
+    # The packed layout holds at most PACKED_MAX_SEGMENTS documents a row (its cost grows
+    # with that bound, `packed_segments`); a batch with a fuller row takes the dense mask.
+    seg = mask.segment_ids_bl
+    most = jnp.max(jnp.sum(seg[:, 1:] != seg[:, :-1], axis=1)) + 1
+    return jax.lax.cond(
+      most <= PACKED_MAX_SEGMENTS, _cudnn_packed_attention, dense, q_blnh, k_bsnh, v_bsnh, seg
+    )
+  return dense(q_blnh, k_bsnh, v_bsnh, *(() if mask is None else (mask.segment_ids_bl,)))
+
+
+def _compute_capability() -> tuple:
+  """(major, minor) of the NVIDIA GPU the program is built for (the device `_platform`
+  reads: the mesh's in context, else jax's default), (0, 0) for other devices."""
+  mesh = getattr(mesh_lib, "get_concrete_mesh", lambda: None)()
+  device = jax.devices()[0] if mesh is None or mesh.empty else mesh.devices.flat[0]
+  version = str(getattr(device, "compute_capability", "0.0"))
+  return tuple(int(x) for x in version.split(".")[:2])
+
+
+# Documents a packed row may hold in cuDNN's packed layout (`packed_segments`' M): its
+# softmax statistics are float32 [b * M, heads, l], M/l of a float32 score matrix.
+PACKED_MAX_SEGMENTS = 16
+
+
+def _cudnn_packed_attention(q_blnh, k_bsnh, v_bsnh, segment_ids_bl):
+  """cuDNN's fused causal attention within each row's segments (`packed_segments`, M =
+  PACKED_MAX_SEGMENTS: rows of at most that many documents, `dot_product_attention`),
+  given to the kernel as segment lengths and offsets: no mask or bias operand.
+
+  A private jax API, `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`
+  (`jax.nn.dot_product_attention` takes no segments), pinned at jax 0.10.2: its arguments
+  and its -1 padding convention may change with jax. Tested against the XLA path
+  (tests/test_attention.py: outputs and gradients on an NVIDIA GPU; the compiled custom
+  calls, forward and backward, for an H100 on any host).
+
+  cuDNN's packed layout needs Hopper or newer (jax raises otherwise). jax checks the
+  compute capability of its default backend, not of the devices the program is built
+  for: compiling for a GPU on a CPU host (a compile-only topology) fails that check."""
+  # lazy: the cuDNN lowering, only for attention_impl='cudnn' on packed rows
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+  seqlen_bm, offsets_bm = packed_segments(segment_ids_bl, PACKED_MAX_SEGMENTS)
+  # Rows sharded like q's batch: the lowering turns each shard's [b, M] into cuDNN's
+  # flat layout with that shard's batch.
+  seqlen_bm = constrain(seqlen_bm, ("batch", None))
+  offsets_bm = constrain(offsets_bm, ("batch", None))
+  return cudnn_attention.dot_product_attention(
     q_blnh,
     k_bsnh,
     v_bsnh,
-    mask=None if mask is None else mask.dense(),
-    is_causal=True,
-    implementation=kernel,
+    q_seqlen=seqlen_bm,
+    kv_seqlen=seqlen_bm,
+    q_offsets=offsets_bm,
+    kv_offsets=offsets_bm,
+    scale=1.0 / math.sqrt(q_blnh.shape[-1]),
+    mask_type=cudnn_attention.MaskType.CAUSAL,
+    qkv_layout="BTNH",
   )
 
 
@@ -342,11 +491,49 @@ def _dense_attention(q_blnh, k_bsnh, v_bsnh, allowed_b1ls):
   return jnp.einsum("bnls,bsnh->blnh", probs.astype(v_bsnh.dtype), v_bsnh)
 
 
+_GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_A = 0.044715
+
+
+@jax.custom_vjp
+def gelu(x):
+  """GELU, tanh form (GPT-2's; `jax.nn.gelu(x, approximate=True)`), its math in float32
+  or wider and its result in x's dtype.
+
+  The backward recomputes tanh from x, which the matmul before wrote anyway, instead of
+  keeping it from the forward: autodiff would write tanh for every hidden unit in the
+  forward and read it back in the backward (two more passes over the [b, l, mlp]
+  activations per layer when nothing is rematerialised).
+  """
+  return _gelu_parts(x)[0].astype(x.dtype)
+
+
+def _gelu_parts(x):
+  x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  t = jnp.tanh(_GELU_C * (x + _GELU_A * x * x * x))
+  return 0.5 * x * (1.0 + t), x, t
+
+
+def _gelu_fwd(x):
+  return gelu(x), x
+
+
+def _gelu_bwd(x, g):
+  # The barrier keeps XLA from merging this tanh with the forward's (common
+  # subexpressions), which would bring back the saved tanh.
+  _, xw, t = _gelu_parts(jax.lax.optimization_barrier(x))
+  dy = 0.5 * (1.0 + t) + 0.5 * xw * (1.0 - t * t) * _GELU_C * (1.0 + 3.0 * _GELU_A * xw * xw)
+  return ((g.astype(dy.dtype) * dy).astype(x.dtype),)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)
+
+
 def ffn(x_bld, p, cfg: ModelConfig):
   """GELU MLP (gpt) or SwiGLU (llama)."""
   hidden = jnp.einsum("bld,df->blf", x_bld, p["w1"])
   if cfg.family == "gpt2":
-    hidden = jax.nn.gelu(hidden + p["b1"], approximate=True)
+    hidden = gelu(hidden + p["b1"])
   else:
     hidden = jax.nn.silu(hidden) * jnp.einsum("bld,df->blf", x_bld, p["w3"])
   hidden = constrain(hidden, ("batch", "length", "mlp"))

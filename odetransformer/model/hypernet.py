@@ -119,13 +119,12 @@ class WeightGenerator(nnx.Module):
     """[K, d_t] codes -> [K, *shape] weights in `dtype`: one GEMM, f32 accumulation.
     `axes` are the weight's logical axes (its ParamSpec's); `param_rules` as in
     `generate_weights`."""
+    # The GEMM in float32 (or wider) on P as stored: casting P to a bfloat16 copy first
+    # would write and read that copy (and pad d_t for the tensor cores) every step, for a
+    # contraction of d_t alone whose FLOPs do not matter; W(t) is rounded once, at the end.
+    wide = jnp.promote_types(dtype, jnp.float32)
     w = generate_weights(
-      h_kd.astype(dtype),
-      self.proj[...].astype(dtype),
-      self.base[...],
-      axes,
-      jnp.promote_types(dtype, jnp.float32),
-      param_rules,
+      h_kd.astype(wide), self.proj[...].astype(wide), self.base[...], axes, wide, param_rules
     )
     return w.astype(dtype)
 

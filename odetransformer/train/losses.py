@@ -10,11 +10,60 @@ import jax
 import jax.numpy as jnp
 
 
+@jax.custom_vjp
 def _nll(logits_blv, targets_bl):
-  """Per-token negative log-likelihood, in float32 (or wider)."""
-  logits = logits_blv.astype(jnp.promote_types(logits_blv.dtype, jnp.float32))
+  """Per-token negative log-likelihood, in float32 (or wider), of logits in any dtype.
+
+  The math is float32 inside the fused kernels, never a float32 copy of the logits: the
+  forward reads them once in their own dtype (the softmax's max and sum), the backward
+  writes d logits once, in the logits' dtype, from the logits and the saved log-sum-exp
+  (softmax − one-hot, the one-hot an iota compare: no scatter into a [b, l, vocab]
+  buffer). Autodiff of the same formula would keep a float32 copy of the bfloat16
+  logits for the backward and write a float32 gradient before converting it; the
+  values are the same (tests/test_losses.py checks them against autodiff).
+  """
+  return _nll_fwd(logits_blv, targets_bl)[0]
+
+
+def _wide(x):
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _logsumexp(x):
+  """log Σ exp(x) over the last axis in one pass: a reduction of (running max, sum of
+  exp(x − max)) pairs, so the logits are read once, not once for the max and again for
+  the sum."""
+
+  def combine(a, b):
+    (m_a, s_a), (m_b, s_b) = a, b
+    m = jnp.maximum(m_a, m_b)
+    # Where a side holds the max its sum is kept as is (no exp(-inf - -inf)).
+    scale_a = jnp.where(m_a == m, s_a, s_a * jnp.exp(m_a - m))
+    scale_b = jnp.where(m_b == m, s_b, s_b * jnp.exp(m_b - m))
+    return m, scale_a + scale_b
+
+  init = (jnp.asarray(-jnp.inf, x.dtype), jnp.asarray(0, x.dtype))
+  m, total = jax.lax.reduce((x, jnp.ones_like(x)), init, combine, (x.ndim - 1,))
+  return m + jnp.log(total)
+
+
+def _nll_fwd(logits_blv, targets_bl):
+  logits = _wide(logits_blv)
+  lse = _logsumexp(logits)
   picked = jnp.take_along_axis(logits, targets_bl[..., None], axis=-1)[..., 0]
-  return jax.nn.logsumexp(logits, axis=-1) - picked
+  return lse - picked, (logits_blv, targets_bl, lse)
+
+
+def _nll_bwd(residuals, g_bl):
+  logits_blv, targets_bl, lse = residuals
+  probs = jnp.exp(_wide(logits_blv) - lse[..., None])
+  vocab = jax.lax.broadcasted_iota(targets_bl.dtype, logits_blv.shape, logits_blv.ndim - 1)
+  one_hot = (vocab == targets_bl[..., None]).astype(probs.dtype)
+  d_logits = (probs - one_hot) * g_bl[..., None].astype(probs.dtype)
+  return d_logits.astype(logits_blv.dtype), None
+
+
+_nll.defvjp(_nll_fwd, _nll_bwd)
 
 
 def _weights(weights_bl, like):
