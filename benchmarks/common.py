@@ -149,16 +149,17 @@ class Trainer:
     self.batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
     self.rng = jax.random.key(seed)
 
-  def batch(self, b: int, length: int, seed: int = 0):
+  def batch(self, b: int, length: int, seed: int = 0, packed: bool = False):
+    """Random tokens [b, length]: one document a row (no segment ids: causal attention,
+    as nanoGPT trains), or `packed` documents as the input pipeline makes them
+    (segment ids, positions from 0 in each: `PACKED_DOCUMENTS` a row, lengths drawn)."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, self.cfg.vocab_size, (b, length + 1)).astype(np.int32)
-    host = {
-      "inputs": tokens[:, :-1],
-      "targets": tokens[:, 1:],
-      "segment_ids": np.ones((b, length), np.int32),
-      "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)),
-      "weights": np.ones((b, length), np.float32),
-    }
+    positions = np.broadcast_to(np.arange(length, dtype=np.int32), (b, length))
+    host = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": positions}
+    if packed:
+      host["segment_ids"], host["positions"] = packed_rows(rng, b, length)
+    host["weights"] = np.ones((b, length), np.float32)
     return jax.device_put(host, self.batch_sharding)
 
   def step(self, batch):
@@ -172,6 +173,22 @@ class Trainer:
     jitted = self.step_fn.__wrapped__
     with jax.set_mesh(self.mesh), nnx.logical_axis_rules(sharding.activation_rules(self.rules)):
       return jitted.lower(self.state, batch, self.rng if rng is None else rng)
+
+
+PACKED_DOCUMENTS = 4  # documents a packed row holds in `Trainer.batch(..., packed=True)`
+
+
+def packed_rows(rng, b: int, length: int):
+  """(segment ids 1…n, positions restarting at 0 in each document) [b, length] of rows
+  holding PACKED_DOCUMENTS documents each, cut at random points."""
+  segment_ids = np.zeros((b, length), np.int32)
+  positions = np.zeros((b, length), np.int32)
+  for row in range(b):
+    cuts = np.sort(rng.choice(np.arange(1, length), PACKED_DOCUMENTS - 1, replace=False))
+    for i, (start, end) in enumerate(zip([0, *cuts], [*cuts, length])):
+      segment_ids[row, start:end] = i + 1
+      positions[row, start:end] = np.arange(end - start)
+  return segment_ids, positions
 
 
 def block(tree):

@@ -67,6 +67,13 @@ def define_flags(define) -> None:
     "goes (matmul, attention, other fusions, copies, idle)",
   )
   define("integer", "profile_steps", 5, "Steps traced per model and batch with --profile.")
+  define(
+    "bool",
+    "packed",
+    False,
+    "feed packed rows (segment ids, several documents a row, as the input pipeline makes "
+    "them) instead of one document a row (causal attention only, as nanoGPT trains)",
+  )
 
 
 def parse_args(argv=None):
@@ -151,7 +158,7 @@ def main(argv=None):
     peak *= jax.device_count()  # as the training log: XLA:CPU's devices share the host
   headline = {}
   for i, b in enumerate(args.batches):
-    batches = {kind: t.batch(b, length) for kind, t in trainers.items()}
+    batches = {kind: t.batch(b, length, packed=args.packed) for kind, t in trainers.items()}
     headline[b] = time_batch(args, trainers, batches, nano.get(b), peak)
     if i == 0:
       time_forward(args, trainers, batches["transformer"]["inputs"], b * length)
@@ -172,7 +179,8 @@ def time_batch(args, trainers: dict, batches: dict, nano, peak: float) -> float:
   """Times (and with --profile traces) every model at one batch; prints its lines and
   returns the DiffEqFormer/GPT tokens/s ratio."""
   b, length = batches["transformer"]["inputs"].shape
-  print(f"-- batch {b} × seq {length}, {args.dtype}, remat {args.remat}", flush=True)
+  rows = "packed rows" if "segment_ids" in batches["transformer"] else "one document a row"
+  print(f"-- batch {b} × seq {length}, {args.dtype}, remat {args.remat}, {rows}", flush=True)
   rounds = common.time_rounds(
     {kind: (lambda k=kind: trainers[k].step(batches[k])) for kind in trainers}, rounds=args.rounds
   )

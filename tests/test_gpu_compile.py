@@ -51,9 +51,10 @@ def compile_for_h100(fn, *shapes):
   mesh = jax.sharding.Mesh(h100_devices(), ("x",))
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   structs = [jax.ShapeDtypeStruct(s, d, sharding=rep) for s, d in shapes]
-  # Not through the tests' compilation cache: a compile-only executable cannot be loaded
-  # back (jax warns on reading one).
-  with jax_config.enable_compilation_cache(False):
+  # Never written to the tests' compilation cache: a compile-only executable cannot be
+  # loaded back (jax warns on reading one). Under the mesh: the model and loss pick their
+  # GPU paths from its devices.
+  with jax_config.persistent_cache_min_compile_time_secs(1e9), jax.set_mesh(mesh):
     return jax.jit(fn).lower(*structs).compile().as_text()
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 46 on one GPU: our GPT and the DiffEqFormer against nanoGPT, side by side in one
+# Issues 46 and 59 on one GPU: our GPT and the DiffEqFormer against nanoGPT, side by side in one
 # run, with the profile split; then the tests that touch the model on the GPU.
 #
 #   bash benchmarks/gpu/speed.sh pack          # here, once: nanoGPT's model.py into $PACK
@@ -51,9 +51,11 @@ throughput() {
   else
     # The issue's table: batch 16 with dots_saveable, 32 without remat; the authors' d_t 20
     # (owt-small) for the targets and the gpt2-small preset's d_t 96 for its bytes floor.
-    runs=("--preset=owt-small --dtype=bfloat16 --seq_len=1024 --batches=16 --remat=dots_saveable --rounds=5"
+    # Issue 59: plain causal rows (as nanoGPT trains) at 16 and 32 x 1024, remat none
+    # (the layer loop unrolled on a GPU, model.layer_loop='auto'), then packed rows.
+    runs=("--preset=owt-small --dtype=bfloat16 --seq_len=1024 --batches=16 --remat=none --rounds=5"
           "--preset=owt-small --dtype=bfloat16 --seq_len=1024 --batches=32 --remat=none --rounds=5"
-          "--preset=gpt2-small --dtype=bfloat16 --seq_len=1024 --batches=16 --remat=dots_saveable --rounds=5")
+          "--preset=owt-small --dtype=bfloat16 --seq_len=1024 --batches=16 --remat=none --rounds=5 --packed")
   fi
   local i=0
   for r in "${runs[@]}"; do

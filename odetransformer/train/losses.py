@@ -9,6 +9,8 @@ adapter alike, so they all measure the same thing.
 import jax
 import jax.numpy as jnp
 
+from odetransformer.model import blocks
+
 
 @jax.custom_vjp
 def _nll(logits_blv, targets_bl):
@@ -58,12 +60,28 @@ def _nll_bwd(residuals, g_bl):
   logits_blv, targets_bl, lse = residuals
   probs = jnp.exp(_wide(logits_blv) - lse[..., None])
   vocab = jax.lax.broadcasted_iota(targets_bl.dtype, logits_blv.shape, logits_blv.ndim - 1)
-  one_hot = (vocab == targets_bl[..., None]).astype(probs.dtype)
-  d_logits = (probs - one_hot) * g_bl[..., None].astype(probs.dtype)
+  d_nll = jnp.where(vocab == targets_bl[..., None], probs - 1, probs)  # softmax − one-hot
+  d_logits = d_nll * g_bl[..., None].astype(probs.dtype)
   return d_logits.astype(logits_blv.dtype), None
 
 
 _nll.defvjp(_nll_fwd, _nll_bwd)
+
+
+def _nll_autodiff(logits_blv, targets_bl):
+  """`_nll` by autodiff: the formula as written (two passes for the log-sum-exp, a
+  gather and its scatter), which XLA:CPU keeps in less memory than `_nll`'s own
+  backward (one logits-sized buffer fewer at its peak)."""
+  logits = _wide(logits_blv)
+  picked = jnp.take_along_axis(logits, targets_bl[..., None], axis=-1)[..., 0]
+  return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+def _token_nll(logits_blv, targets_bl):
+  """Per-token NLL by the path that serves the platform the program is built for:
+  `_nll`'s fused backward on GPUs, autodiff elsewhere (the same values)."""
+  fused = blocks._platform() in ("cuda", "rocm")
+  return (_nll if fused else _nll_autodiff)(logits_blv, targets_bl)
 
 
 def _weights(weights_bl, like):
@@ -72,7 +90,7 @@ def _weights(weights_bl, like):
 
 def token_cross_entropy(logits_blv, targets_bl, weights_bl=None):
   """Returns (sum of weighted token NLL, sum of weights), in float32 (or wider)."""
-  nll = _nll(logits_blv, targets_bl)
+  nll = _token_nll(logits_blv, targets_bl)
   w = _weights(weights_bl, nll)
   return jnp.sum(nll * w), jnp.sum(w)
 
@@ -81,7 +99,7 @@ def token_scores(logits_blv, targets_bl, weights_bl=None) -> dict:
   """Per row [B]: 'nll' (Σ weighted token NLL), 'weight' (Σ weights), 'correct'
   (Σ weights of targets that are the argmax) and 'greedy' (every weighted target is
   the argmax: the continuation is what greedy decoding would produce)."""
-  nll = _nll(logits_blv, targets_bl)
+  nll = _token_nll(logits_blv, targets_bl)
   w = _weights(weights_bl, nll)
   hit = jnp.argmax(logits_blv, axis=-1) == targets_bl
   return {
