@@ -36,7 +36,7 @@ from flax import nnx  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, hlo_bytes  # noqa: E402
 from configs import default as default_config  # noqa: E402
 from odetransformer import errors  # noqa: E402
 from odetransformer.model import config as config_lib  # noqa: E402
@@ -68,26 +68,8 @@ TINY = dict(
   batch=8,
 )
 
-_DTYPE_BYTES = {
-  "pred": 1,
-  "s8": 1,
-  "u8": 1,
-  "s16": 2,
-  "u16": 2,
-  "f16": 2,
-  "bf16": 2,
-  "s32": 4,
-  "u32": 4,
-  "f32": 4,
-  "s64": 8,
-  "u64": 8,
-  "f64": 8,
-  "c64": 8,
-  "c128": 16,
-  "f8e4m3fn": 1,
-  "f8e5m2": 1,
-  "token": 0,
-}
+# Bytes per element of each HLO dtype (one table for the HLO readers).
+_DTYPE_BYTES = hlo_bytes.DTYPE_BYTES
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 # `%name = <shape> <op>(<operands>), attrs` (the shape may be a tuple).
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
@@ -101,7 +83,7 @@ def shape_bytes(text: str) -> int:
     if dtype not in _DTYPE_BYTES:
       continue
     total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-  return total
+  return int(total)
 
 
 def _collective_kind(op: str):

@@ -44,7 +44,9 @@ GB = 1e9
 
 
 def define_flags(define) -> None:
-  common.define_common_flags(define, remat="dots_saveable")
+  # remat 'none': with the layer loop unrolled (model.layer_loop, on GPUs) the fewest
+  # bytes, where memory allows (benchmarks/README.md).
+  common.define_common_flags(define, remat="none")
   define("string", "kinds", "transformer,diffeqformer", "model kinds, comma-separated")
   define("string", "target", DEFAULT_TARGET, "XLA GPU target config (text proto)")
   define("bool", "packed", False, "feed packed documents (segment ids) instead of none")
