@@ -160,6 +160,23 @@ def _microbatches(batch, num: int, batch_spec):
   return jax.tree.map(split, batch)
 
 
+# XLA options of the train step on GPUs. XLA's dot merger joins matmuls that share an
+# operand into one GEMM over their concatenated weights (the attention's q, k, v; the
+# parallel block's two backward matmuls of one dy), which writes a concatenated input
+# and slices the output apart: more bytes a step than the GEMMs it saves
+# (benchmarks/README.md, "The train step compiled for an H100"). TPU and CPU keep XLA's
+# defaults.
+GPU_TRAIN_STEP_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+
+
+def train_step_compiler_options(layout: StateLayout) -> dict | None:
+  """The XLA options of the train step for the devices its state lives on (GPUs:
+  GPU_TRAIN_STEP_OPTIONS; elsewhere none)."""
+  sharding = jax.tree.leaves(layout.shardings)[0]
+  on_gpu = sharding.mesh.devices.flat[0].platform == "gpu"
+  return dict(GPU_TRAIN_STEP_OPTIONS) if on_gpu else None
+
+
 def make_train_step(
   layout: StateLayout,
   schedule: Callable,
@@ -256,7 +273,12 @@ def make_train_step(
 
   return _with_rules(
     sharding_lib.activation_rules(rules),
-    jax.jit(train_step, donate_argnums=(0,), out_shardings=(layout.shardings, None)),
+    jax.jit(
+      train_step,
+      donate_argnums=(0,),
+      out_shardings=(layout.shardings, None),
+      compiler_options=train_step_compiler_options(layout),
+    ),
   )
 
 
