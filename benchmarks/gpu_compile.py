@@ -16,7 +16,8 @@ The attention kernel is chosen for the target (its devices are the mesh's), not 
 host. `--packed` feeds packed documents (segment ids); without it the batch has none, as
 an unpacked batch: cuDNN's plain causal kernel. Last line:
 `h100 train step (P, bf16, B x L): transformer C copies, G GB; diffeqformer C copies, G GB`
-(per step; G in units of 1e9 bytes).
+(per step; G in units of 1e9 bytes). With ODET_GPU_COMPILE_DUMP=DIR, XLA's dump of the
+train step (optimized HLO, thunk sequence, buffer assignment) is kept in DIR.
 """
 
 import os
@@ -59,7 +60,7 @@ def define_flags(define) -> None:
   )
   define("integer", "top", 0, "list the N kernels that move most bytes per step")
   define("string", "json", "", "also write the figures to this JSON file")
-  define("string", "overrides", "", "model config fields, e.g. scan_unroll=1,loss_dtype=float32")
+  define("string", "overrides", "", "model config fields, e.g. layer_loop=scan,remat_policy=full")
 
 
 def topology(target: str):
@@ -187,9 +188,14 @@ def main(argv=None):
   args = errors.parse_flags(define_flags, argv, doc=__doc__)
   kinds = [k for k in args.kinds.split(",") if k]
   overrides = {}
+  fields = common.model_config(args, "transformer")
   for item in filter(None, args.overrides.split(",")):
     key, _, value = item.partition("=")
-    overrides[key] = type(getattr(common.model_config(args, "transformer"), key))(value)
+    if not hasattr(fields, key):
+      raise errors.UserError(
+        f"--overrides: {key!r} is not a model config field; see model/config.py"
+      )
+    overrides[key] = type(getattr(fields, key))(value)
   b, length = common.shape(args)
   results = {}
   with _dump_dir() as dump:
