@@ -68,9 +68,7 @@ TINY = dict(
   batch=8,
 )
 
-# Bytes per element of each HLO dtype (one table for the HLO readers).
-_DTYPE_BYTES = hlo_bytes.DTYPE_BYTES
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_ARRAY = hlo_bytes.ARRAY_SHAPE
 # `%name = <shape> <op>(<operands>), attrs` (the shape may be a tuple).
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
 _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
@@ -78,12 +76,7 @@ _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
 
 def shape_bytes(text: str) -> int:
   """Bytes of an HLO shape (an array `f32[4,8]{1,0}` or a tuple of them)."""
-  total = 0
-  for dtype, dims in _ARRAY.findall(text):
-    if dtype not in _DTYPE_BYTES:
-      continue
-    total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-  return int(total)
+  return int(hlo_bytes.array_bytes(text))
 
 
 def _collective_kind(op: str):
@@ -133,7 +126,7 @@ def parse_collectives(hlo_text: str) -> dict:
         parts = _ARRAY.findall(shape)
         half = parts[len(parts) // 2 :]
         nbytes = sum(
-          _DTYPE_BYTES.get(t, 0) * math.prod(int(d) for d in dims.split(",") if d)
+          hlo_bytes.DTYPE_BYTES.get(t, 0) * math.prod(int(d) for d in dims.split(",") if d)
           for t, dims in half
         )
       else:

@@ -53,7 +53,8 @@ DTYPE_BYTES = {
   "c128": 16,
   "token": 0,
 }
-_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+# An array in an HLO shape: (dtype, dims), e.g. f32[4,8]{1,0} -> ("f32", "4,8").
+ARRAY_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _COMP_HEAD = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INST = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 # Opcodes that launch nothing (control flow, views, tuples).
@@ -142,7 +143,7 @@ def array_bytes(shape_text: str, skip_scratch: bool = False) -> float:
   """Bytes of every array in an HLO shape (a tuple's elements summed); `skip_scratch`
   leaves out u8/s8 arrays (a custom call's workspace)."""
   total = 0.0
-  for dtype, dims in _ARRAY.findall(shape_text):
+  for dtype, dims in ARRAY_SHAPE.findall(shape_text):
     if dtype not in DTYPE_BYTES or (skip_scratch and dtype in ("u8", "s8")):
       continue
     total += DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
@@ -336,7 +337,7 @@ _ELEMENTWISE = {
 
 
 def _elements(shape_text: str) -> int:
-  m = _ARRAY.search(shape_text)
+  m = ARRAY_SHAPE.search(shape_text)
   return math.prod(int(d) for d in m.group(2).split(",") if d) if m else 0
 
 
@@ -428,7 +429,7 @@ def kernel_bytes(module: Module, comp_insts: dict, inst: Inst) -> float:
 # FLOPs
 # --------------------------------------------------------------------------------------
 def _dims(shape_text: str) -> list:
-  m = _ARRAY.search(shape_text)
+  m = ARRAY_SHAPE.search(shape_text)
   return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
@@ -591,7 +592,7 @@ def attention_kernels(module: Module) -> list:
       cfg = inst.json_attr("backend_config").get("cudnn_fmha_backend_config", {})
       mask = str(cfg.get("mask_type", "")).lower().replace("_", " ") or "no mask"
       packed = int(cfg.get("max_seg_per_batch", 1) or 1) > 1
-      bias = "Bias" in inst.target or "bias" in json.dumps(cfg).lower() and "bias" in inst.target
+      bias = "Bias" in inst.target  # e.g. __cudnn$fmhaScaleBiasSoftmax
       desc = f"cudnn {mask}"
       if packed:
         desc += ", packed (segment offsets)"

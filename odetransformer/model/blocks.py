@@ -162,6 +162,15 @@ def attention_mask(segment_ids_bl) -> SegmentMask | None:
   return None if segment_ids_bl is None else SegmentMask(segment_ids_bl)
 
 
+def _segment_index(segment_ids_bl):
+  """[b, l] int32: each token's segment (0, 1, …), a segment being a maximal run of equal
+  consecutive ids; the last column + 1 is the row's number of segments."""
+  seg = segment_ids_bl
+  first = jnp.ones((seg.shape[0], 1), bool)
+  starts_bl = jnp.concatenate([first, seg[:, 1:] != seg[:, :-1]], axis=1)
+  return jnp.cumsum(starts_bl, axis=1, dtype=jnp.int32) - 1
+
+
 def packed_segments(segment_ids_bl, max_segments: int):
   """cuDNN's packed layout of packed rows: (seqlen [b, M], offsets [b, M+1]) int32, M =
   `max_segments` (static): the length and the first token of each segment of a row,
@@ -182,9 +191,7 @@ def packed_segments(segment_ids_bl, max_segments: int):
   that holds for every row: a document may be one token) the size of a float32 score
   matrix, 805 MB a layer at GPT-2 small, 16 x 1024."""
   b, length = segment_ids_bl.shape
-  seg = segment_ids_bl
-  starts_bl = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-  index_bl = jnp.cumsum(starts_bl, axis=1, dtype=jnp.int32) - 1  # each token's segment
+  index_bl = _segment_index(segment_ids_bl)
   k = jnp.arange(max_segments + 1, dtype=jnp.int32)
   # Segment k's first token (l past the last): one scatter, no loop (searchsorted's is one
   # kernel per step, per layer).
@@ -206,14 +213,19 @@ def packed_segments(segment_ids_bl, max_segments: int):
 SPLASH_BLOCK = 128  # the splash kernel's tile of queries and keys (TPU lanes)
 
 
-def _platform() -> str:
-  """'cuda', 'rocm', 'tpu' or 'cpu': the platform of the devices the program is built
-  for: the mesh in context (`jax.set_mesh`; a compile-only topology's devices when
-  compiling for a GPU or TPU on a CPU host), else jax's default devices."""
+def _target_device():
+  """A device of those the program is built for: the mesh's in context (`jax.set_mesh`;
+  a compile-only topology's devices when compiling for a GPU or TPU on a CPU host), else
+  jax's default device."""
   # jax.sharding.get_mesh() refuses to run under jit; the concrete mesh is what
   # jax.set_mesh put in context (private, hence the fallback to the default devices).
   mesh = getattr(mesh_lib, "get_concrete_mesh", lambda: None)()
-  device = jax.devices()[0] if mesh is None or mesh.empty else mesh.devices.flat[0]
+  return jax.devices()[0] if mesh is None or mesh.empty else mesh.devices.flat[0]
+
+
+def _platform() -> str:
+  """'cuda', 'rocm', 'tpu' or 'cpu': the platform of `_target_device`."""
+  device = _target_device()
   if device.platform == "gpu":
     return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
   return device.platform
@@ -297,7 +309,7 @@ def dot_product_attention(
     # The packed layout holds at most PACKED_MAX_SEGMENTS documents a row (its cost grows
     # with that bound, `packed_segments`); a batch with a fuller row takes the dense mask.
     seg = mask.segment_ids_bl
-    most = jnp.max(jnp.sum(seg[:, 1:] != seg[:, :-1], axis=1)) + 1
+    most = jnp.max(_segment_index(seg)[:, -1]) + 1
     return jax.lax.cond(
       most <= PACKED_MAX_SEGMENTS, _cudnn_packed_attention, dense, q_blnh, k_bsnh, v_bsnh, seg
     )
@@ -305,11 +317,9 @@ def dot_product_attention(
 
 
 def _compute_capability() -> tuple:
-  """(major, minor) of the NVIDIA GPU the program is built for (the device `_platform`
-  reads: the mesh's in context, else jax's default), (0, 0) for other devices."""
-  mesh = getattr(mesh_lib, "get_concrete_mesh", lambda: None)()
-  device = jax.devices()[0] if mesh is None or mesh.empty else mesh.devices.flat[0]
-  version = str(getattr(device, "compute_capability", "0.0"))
+  """(major, minor) of the NVIDIA GPU the program is built for (`_target_device`),
+  (0, 0) for other devices."""
+  version = str(getattr(_target_device(), "compute_capability", "0.0"))
   return tuple(int(x) for x in version.split(".")[:2])
 
 

@@ -130,8 +130,7 @@ class ModelConfig:
       "loop copies (a scan slices the stacked weights and saved activations with a "
       "device copy per step and stacks them back), for a compile that grows with K "
       "(benchmarks/README.md, 'The train step compiled for an H100'); 'auto' = unrolled "
-      "on GPUs up to "
-      "solvers.MAX_AUTO_UNROLL steps, a scan on TPU and CPU and beyond that"
+      "on GPUs up to solvers.MAX_AUTO_UNROLL steps, a scan on TPU and CPU and beyond that"
     ),
   )
   dtype: str = _field(

@@ -22,7 +22,7 @@ def _nll(logits_blv, targets_bl):
   (softmax − one-hot, the one-hot an iota compare: no scatter into a [b, l, vocab]
   buffer). Autodiff of the same formula would keep a float32 copy of the bfloat16
   logits for the backward and write a float32 gradient before converting it; the
-  values are the same (tests/test_losses.py checks them against autodiff).
+  values are the same (tests/test_custom_vjp.py checks them against autodiff).
   """
   return _nll_fwd(logits_blv, targets_bl)[0]
 
@@ -49,11 +49,15 @@ def _logsumexp(x):
   return m + jnp.log(total)
 
 
+def _picked(logits_blv, targets_bl):
+  """The targets' logits [b, l]."""
+  return jnp.take_along_axis(logits_blv, targets_bl[..., None], axis=-1)[..., 0]
+
+
 def _nll_fwd(logits_blv, targets_bl):
   logits = _wide(logits_blv)
   lse = _logsumexp(logits)
-  picked = jnp.take_along_axis(logits, targets_bl[..., None], axis=-1)[..., 0]
-  return lse - picked, (logits_blv, targets_bl, lse)
+  return lse - _picked(logits, targets_bl), (logits_blv, targets_bl, lse)
 
 
 def _nll_bwd(residuals, g_bl):
@@ -73,8 +77,7 @@ def _nll_autodiff(logits_blv, targets_bl):
   gather and its scatter), which XLA:CPU keeps in less memory than `_nll`'s own
   backward (one logits-sized buffer fewer at its peak)."""
   logits = _wide(logits_blv)
-  picked = jnp.take_along_axis(logits, targets_bl[..., None], axis=-1)[..., 0]
-  return jax.nn.logsumexp(logits, axis=-1) - picked
+  return jax.nn.logsumexp(logits, axis=-1) - _picked(logits, targets_bl)
 
 
 def _token_nll(logits_blv, targets_bl):
