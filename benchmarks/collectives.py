@@ -3,13 +3,13 @@
 Compiles the product's real train step (`steps.make_train_step` on a real TrainState,
 AdamW with clipping, donated state) for both models and both families on 8 host CPU
 devices, on the meshes (data, fsdp, tensor) = (1,8,1), (2,4,1) and (1,2,4). Nothing is
-run: the optimised HLO of each step is parsed and the bytes of every all-gather,
-reduce-scatter, all-reduce, all-to-all and collective-permute are summed by kind, once
-as written in the program (static) and once weighted by the trip counts of the while
-loops they sit in (the solver's scan: what a step really moves). Each collective counts
-the bytes of its full (unsharded) buffer: an all-gather's result, a reduce-scatter's
-operand, the others' result. Per-device memory is XLA's `memory_analysis()` of the same
-compiled step: arguments + outputs − aliased + temporaries.
+run: the optimised HLO of each step is parsed (`odetransformer.tools.hlo_stats`) and the
+bytes of every all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute
+are summed by kind, once as written in the program (static) and once weighted by the
+trip counts of the while loops they sit in (the solver's scan: what a step really
+moves). Each collective counts the bytes of its full (unsharded) buffer: an all-gather's
+result, a reduce-scatter's operand, the others' result. Per-device memory is XLA's
+`memory_analysis()` of the same compiled step: arguments + outputs − aliased + temporaries.
 
 Last line: `diffeqformer/gpt collective bytes: max ratio R over meshes` (weighted bytes;
 target ≤ 1.10), and the memory target is DiffEqFormer ≤ 1.10 × GPT + the ODE's own
@@ -21,9 +21,7 @@ their float32 gradient and Adam moments), which a GPT of the same shape does not
   python -m benchmarks.collectives --meshes=1,8,1 --families=llama
 """
 
-import collections
 import math
-import re
 
 from benchmarks.host_devices import force_host_devices
 
@@ -36,16 +34,16 @@ from flax import nnx  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import common, hlo_bytes  # noqa: E402
+from benchmarks import common  # noqa: E402
 from configs import default as default_config  # noqa: E402
 from odetransformer import errors  # noqa: E402
 from odetransformer.model import config as config_lib  # noqa: E402
-from odetransformer.tools import memory  # noqa: E402
+from odetransformer.tools import hlo_stats, memory  # noqa: E402
 from odetransformer.train import optimizer as optimizer_lib  # noqa: E402
 from odetransformer.train import sharding as sharding_lib  # noqa: E402
 from odetransformer.train import steps  # noqa: E402
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+KINDS = hlo_stats.COLLECTIVES
 MESHES = ((1, 8, 1), (2, 4, 1), (1, 2, 4))
 MiB = 2**20
 
@@ -67,104 +65,6 @@ TINY = dict(
   seq_len=128,
   batch=8,
 )
-
-_ARRAY = hlo_bytes.ARRAY_SHAPE
-# `%name = <shape> <op>(<operands>), attrs` (the shape may be a tuple).
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
-_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
-
-
-def shape_bytes(text: str) -> int:
-  """Bytes of an HLO shape (an array `f32[4,8]{1,0}` or a tuple of them)."""
-  return int(hlo_bytes.array_bytes(text))
-
-
-def _collective_kind(op: str):
-  """'all-gather' for all-gather / all-gather-start; None for -done and other ops."""
-  for kind in KINDS:
-    if op == kind or op == kind + "-start":
-      return kind
-  return None
-
-
-def parse_collectives(hlo_text: str) -> dict:
-  """Collective bytes of an optimised HLO module, by kind.
-
-  Returns {'static': {kind: bytes}, 'weighted': {kind: bytes}, 'unknown_trip_counts': n}:
-  static counts each instruction once; weighted multiplies it by the trip counts of the
-  while loops around it (XLA's `known_trip_count`; a loop without one counts once and
-  is reported in `unknown_trip_counts`).
-  """
-  comps = {}  # name -> {'bytes': Counter, 'calls': [(callee, multiplier)]}
-  entry, current, shapes = None, None, {}
-  unknown = 0
-  for line in hlo_text.splitlines():
-    m = _COMP.match(line)
-    if m:
-      current = m.group(1)
-      comps[current] = {"bytes": collections.Counter(), "calls": []}
-      shapes = {}
-      if line.startswith("ENTRY"):
-        entry = current
-      continue
-    if current is None:
-      continue
-    if line.strip() == "}":
-      current = None
-      continue
-    m = _INSTR.match(line)
-    if not m:
-      continue
-    name, shape, op, rest = m.groups()
-    shapes[name] = shape
-    kind = _collective_kind(op)
-    if kind is not None:
-      if kind == "reduce-scatter":  # the full buffer is the operand
-        operand = rest.split(")", 1)[0].split(",")[0].strip().lstrip("%")
-        nbytes = shape_bytes(shapes.get(operand, "")) or shape_bytes(shape)
-      elif op.endswith("-start"):  # (operands..., results...): the result half
-        parts = _ARRAY.findall(shape)
-        half = parts[len(parts) // 2 :]
-        nbytes = sum(
-          hlo_bytes.DTYPE_BYTES.get(t, 0) * math.prod(int(d) for d in dims.split(",") if d)
-          for t, dims in half
-        )
-      else:
-        nbytes = shape_bytes(shape)
-      comps[current]["bytes"][kind] += nbytes
-    trips = 1
-    if op == "while":
-      t = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
-      if t:
-        trips = int(t.group(1))
-      else:
-        unknown += 1
-    for attr in ("body", "condition", "calls", "to_apply"):
-      for callee in re.findall(rf"\b{attr}=%?([\w.\-]+)", rest):
-        comps[current]["calls"].append((callee, trips if attr == "body" else 1))
-    branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
-    if branches:
-      for callee in branches.group(1).split(","):
-        comps[current]["calls"].append((callee.strip().lstrip("%"), 1))
-
-  def total(name, weighted, seen=()):
-    if name not in comps or name in seen:
-      return collections.Counter()
-    out = collections.Counter(comps[name]["bytes"])
-    for callee, mult in comps[name]["calls"]:
-      sub = total(callee, weighted, seen + (name,))
-      for k, v in sub.items():
-        out[k] += v * (mult if weighted else 1)
-    return out
-
-  if entry is None:
-    raise ValueError("no ENTRY computation in the HLO text")
-  static, weighted = total(entry, False), total(entry, True)
-  return {
-    "static": {k: static.get(k, 0) for k in KINDS},
-    "weighted": {k: weighted.get(k, 0) for k in KINDS},
-    "unknown_trip_counts": unknown,
-  }
 
 
 def make_config(preset: dict, kind: str, family: str, mesh_shape, remat: str):
@@ -214,7 +114,7 @@ def measure(config, devices) -> dict:
     - stats.alias_size_in_bytes
     + stats.temp_size_in_bytes
   )
-  out = parse_collectives(compiled.as_text())
+  out = hlo_stats.parse_step(compiled.as_text())
   estimate = memory.memory_report(config, compile_step=False, devices=devices).total_bytes
   out.update(peak=peak, temp=stats.temp_size_in_bytes, hyper=hypernet_bytes(ts), estimate=estimate)
   return out

@@ -31,30 +31,15 @@ import json
 import math
 import re
 
-DTYPE_BYTES = {
-  "pred": 1,
-  "s4": 0.5,
-  "u4": 0.5,
-  "s8": 1,
-  "u8": 1,
-  "s16": 2,
-  "u16": 2,
-  "s32": 4,
-  "u32": 4,
-  "s64": 8,
-  "u64": 8,
-  "f16": 2,
-  "bf16": 2,
-  "f32": 4,
-  "f64": 8,
-  "f8e4m3fn": 1,
-  "f8e5m2": 1,
-  "c64": 8,
-  "c128": 16,
-  "token": 0,
-}
-# An array in an HLO shape: (dtype, dims), e.g. f32[4,8]{1,0} -> ("f32", "4,8").
-ARRAY_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+from odetransformer.tools import hlo_stats
+
+# Shapes are read as odetransformer.tools.hlo_stats reads them (the product's reader of
+# collectives, which the pre-flight prints).
+DTYPE_BYTES, ARRAY_SHAPE, array_bytes = (
+  hlo_stats.DTYPE_BYTES,
+  hlo_stats.ARRAY_SHAPE,
+  hlo_stats.array_bytes,
+)
 _COMP_HEAD = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INST = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 # Opcodes that launch nothing (control flow, views, tuples).
@@ -137,17 +122,6 @@ CATEGORIES = (
   "optimizer",
   "other",
 )
-
-
-def array_bytes(shape_text: str, skip_scratch: bool = False) -> float:
-  """Bytes of every array in an HLO shape (a tuple's elements summed); `skip_scratch`
-  leaves out u8/s8 arrays (a custom call's workspace)."""
-  total = 0.0
-  for dtype, dims in ARRAY_SHAPE.findall(shape_text):
-    if dtype not in DTYPE_BYTES or (skip_scratch and dtype in ("u8", "s8")):
-      continue
-    total += DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-  return total
 
 
 def _split_shape(rest: str):

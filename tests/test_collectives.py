@@ -1,4 +1,5 @@
-"""benchmarks/collectives.py: its HLO parser against hand-built programs, and its run.
+"""The collectives reader (odetransformer.tools.hlo_stats) against hand-built programs, and
+benchmarks/collectives.py's run.
 
 Both run in one subprocess with 8 host devices (XLA_FLAGS must be set before jax loads);
 the bad mesh runs the benchmark as a program (`python -m benchmarks.collectives`).
@@ -30,7 +31,7 @@ _PARSER_SCRIPT = textwrap.dedent("""
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from benchmarks.collectives import parse_collectives
+    from odetransformer.tools.hlo_stats import parse_step as parse_collectives
 
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     split, whole = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
