@@ -38,9 +38,9 @@ import jax.numpy as jnp  # noqa: E402
 
 from benchmarks import common, hlo_bytes  # noqa: E402
 from odetransformer import errors  # noqa: E402
+from odetransformer.tools import compile_targets  # noqa: E402
 
-TARGETS = pathlib.Path(__file__).resolve().parent / "gpu"
-DEFAULT_TARGET = str(TARGETS / "h100_sxm.txtpb")
+DEFAULT_TARGET = str(compile_targets.H100_TARGET)
 GB = 1e9
 
 
@@ -82,14 +82,7 @@ def topology(target: str):
       f"cannot make a CUDA compile target ({str(e).splitlines()[0][:160]}); install "
       "requirements-compile.txt and run with JAX_PLATFORMS=cpu"
     ) from None
-  # jax's cuDNN attention checks the compute capability of its default backend (this
-  # host's CPU), not of the GPU compiled for: answer for the target.
-  from jax._src.cudnn import fused_attention_stablehlo  # lazy: as above
-
-  target_cc = tuple(int(x) for x in devices[0].compute_capability.split("."))
-  fused_attention_stablehlo.check_compute_capability = lambda cc: (
-    target_cc >= tuple(int(x) for x in cc.split("."))
-  )
+  compile_targets.answer_cudnn_for(devices[0])
   return devices
 
 

@@ -12,7 +12,6 @@ import functools
 import importlib.util
 import itertools
 import json
-import pathlib
 import re
 
 from flax import nnx
@@ -25,6 +24,7 @@ from configs import default
 from odetransformer.errors import ConfigError
 from odetransformer.model import blocks
 from odetransformer.model import config as config_lib
+from odetransformer.tools import compile_targets
 from odetransformer.train import sharding
 
 from tiny import run_on_8_cpu_devices
@@ -339,7 +339,7 @@ def test_cudnn_packed_layout_compiles_for_an_h100_without_a_mask_operand(monkeyp
   from jax.experimental import topologies
 
   assert jax.default_backend() == "cpu"  # conftest: the suite runs on CPU
-  h100 = pathlib.Path(__file__).parents[1] / "benchmarks" / "gpu" / "h100_sxm.txtpb"
+  h100 = compile_targets.H100_TARGET
   b, length, n, h = 2, 128, 2, 64
 
   def compiled(fn, topology):

@@ -21,6 +21,7 @@ import pytest
 
 from benchmarks import hlo_bytes
 from odetransformer.model import blocks
+from odetransformer.tools import compile_targets
 from odetransformer.train import losses, steps
 
 pytestmark = pytest.mark.slow
@@ -35,7 +36,7 @@ if not HAVE_PLUGIN:
   ]
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-TARGET = REPO_ROOT / "benchmarks" / "gpu" / "h100_sxm.txtpb"
+TARGET = compile_targets.H100_TARGET
 
 
 def h100_devices():

@@ -43,7 +43,7 @@ def small_config():
   return c
 
 
-def _cli(tmp_path, *args, timeout=150):
+def _cli(tmp_path, *args, timeout=150, returncode=0):
   out = tmp_path / "report.json"
   env = cpu_env()
   r = subprocess.run(
@@ -54,7 +54,9 @@ def _cli(tmp_path, *args, timeout=150):
     text=True,
     timeout=timeout,
   )
-  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.returncode == returncode, r.stderr[-3000:]
+  if returncode:
+    return r.stdout, r.stderr, json.loads(out.read_text())
   return r.stdout, json.loads(out.read_text())
 
 
@@ -135,16 +137,21 @@ def test_compiled_cli_on_four_fake_devices(tmp_path):
 
 @pytest.mark.slow
 def test_large_config_uses_the_analytic_path_and_a_verdict(tmp_path):
-  stdout, rep = _cli(
+  """...and a config that does not fit ends with the one line naming what to change,
+  exit 2 (the report is written first)."""
+  stdout, stderr, rep = _cli(
     tmp_path,
     "--config=configs/owt_large.py",
     "--num_devices=8",
     "--device_memory_gib=1",
     timeout=60,
+    returncode=2,
   )
   assert not rep["compiled"] and rep["num_params"] > 1_000_000_000
   assert rep["mesh_shape"]["fsdp"] == 8
   assert "DOES NOT FIT" in stdout and not rep["fits"]
+  (line,) = stderr.strip().splitlines()
+  assert line.startswith("error: does not fit: ") and "per device, 1 GiB there" in line
 
 
 @pytest.mark.slow

@@ -104,6 +104,8 @@ def test_the_wheel_holds_the_two_packages_and_imports_without_the_checkout(tmp_p
     for p in (ROOT / package).rglob("*.py")
   }
   assert modules <= names, sorted(modules - names)
+  data = {p.relative_to(ROOT).as_posix() for p in (ROOT / "odetransformer").rglob("*.txtpb")}
+  assert data and data <= names, sorted(data - names)  # the H100's compile target
 
   site = tmp_path / "site"
   subprocess.run(

@@ -61,6 +61,12 @@ def layer_params(cfg: ModelConfig) -> int:
   return total
 
 
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int, num_steps: int | None = None):
+  """The attention scores' share of `flops_per_token`: 6·K·seq·d (causal)."""
+  evals = solvers.num_evals(cfg.solver) if cfg.is_ode else 1
+  return 6.0 * (num_steps or cfg.depth) * evals * seq_len * cfg.d_model
+
+
 def flops_per_token(
   cfg: ModelConfig, seq_len: int, num_steps: int | None = None, tokens_per_batch: int | None = None
 ) -> float:
@@ -74,7 +80,7 @@ def flops_per_token(
   evals = solvers.num_evals(cfg.solver) if cfg.is_ode else 1
   lp = layer_params(cfg)
   flops = 6.0 * (k * evals * lp + cfg.d_model * cfg.vocab_size)
-  flops += 6.0 * k * evals * seq_len * cfg.d_model
+  flops += attention_flops_per_token(cfg, seq_len, num_steps)
   if cfg.kind == "diffeqformer" and tokens_per_batch:
     stages = len(solvers.STAGE_NODES[cfg.solver])  # distinct stage times (rk4: 3)
     flops += 6.0 * k * stages * cfg.time_embed_dim * lp / tokens_per_batch

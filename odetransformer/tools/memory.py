@@ -1,7 +1,17 @@
 """Will it fit? Per-device memory of a config's training state on an N-device mesh.
 
+  python -m odetransformer.memory --config=configs/owt_medium.py --compile_for=v5e-256
   python -m odetransformer.memory --config=configs/owt_large.py --num_devices=64 \
       [--config.mesh.shape=1,-1,1] [--device_memory_gib=80] [--compile | --nocompile]
+
+Pre-flight (`--compile_for=TARGET`: v5e-N, v5p-N, h100xN; `compile_targets`): the real
+train and eval steps, with the config's mesh and remat, are compiled for that TPU slice
+or H100 cluster on this CPU by its own compiler (requirements-compile.txt), which needs
+no hardware. It prints per-chip argument, output and temporary memory against the
+chip's, FITS or DOES NOT FIT, the planner's estimate beside the compiled figure, the
+collectives a step runs (count and bytes by kind, `hlo_stats`), the compile time, and on
+TPU the compiler's estimated step time and the MFU it implies. A config that does not
+fit ends with one line naming what to change and exit status 2 (so launch/ refuses it).
 
 Run as a program, this module makes `--num_devices` fake CPU devices
 (`XLA_FLAGS=--xla_force_host_platform_device_count=N`, set before jax is imported) and
@@ -27,14 +37,15 @@ same way `loop.train_and_evaluate` does. Then either
   the compiled step"). `--compile` compiles for fake CPU devices too: for a GPU or TPU
   number, compile on the target itself.
 
-The verdict compares the total against `--device_memory_gib` (default 80, an H100;
-e.g. 141 for an H200, 32 for a TPU v4 chip, 16 for v5e, 95 for v5p). The CPU compiler
-does not make the same fusion and rematerialisation choices as the GPU/TPU ones, so
-treat even the compiled numbers as approximate (roughly ±20 %, not measured here).
+The verdict compares the total against `--device_memory_gib` (default: the target's chip,
+else 80, an H100; e.g. 141 for an H200, 32 for a TPU v4 chip, 16 for v5e, 95 for v5p).
+Fake CPU devices do not make the GPU/TPU compilers' fusion and rematerialisation
+choices: for an accelerator, `--compile_for` gives its compiler's figure.
 
 `--json=PATH` also writes the numbers as JSON (used by the tests).
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -65,6 +76,19 @@ def _force_host_device_count(argv) -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # fake devices are CPU devices
 
 
+def _compile_only_platform(argv) -> None:
+  """`--compile_for`: compile-only devices need jax on its CPU platform (no driver
+  probe); for an H100, every matmul a cuBLAS call, as autotuning picks on one
+  (benchmarks/gpu_compile.py)."""
+  target = next((a.split("=", 1)[1] for a in argv if a.startswith("--compile_for=")), None)
+  if target:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if target.startswith("h100"):
+      os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false"
+      ).strip()
+
+
 if __name__ == "__main__":
   if "jax" in sys.modules:  # cannot happen with `python -m`; guard against misuse
     print(
@@ -72,15 +96,20 @@ if __name__ == "__main__":
       file=sys.stderr,
     )
   _force_host_device_count(sys.argv)
+  _compile_only_platform(sys.argv)
 
 # jax reads XLA_FLAGS once, when it is imported: these imports come after the
 # `_force_host_device_count` above.
 from flax import nnx  # noqa: E402
 import jax  # noqa: E402
+from jax._src import config as jax_config  # noqa: E402  (the persistent cache's threshold)
 import jax.numpy as jnp  # noqa: E402
 
 from odetransformer import errors  # noqa: E402
+from odetransformer.model import blocks  # noqa: E402
 from odetransformer.model import config as config_lib  # noqa: E402
+from odetransformer.model.param_count import attention_flops_per_token, flops_per_token  # noqa: E402
+from odetransformer.tools import compile_targets, hlo_stats  # noqa: E402
 from odetransformer.tools.memory_temporaries import temporaries_estimate  # noqa: E402
 from odetransformer.train import loop, steps  # noqa: E402
 from odetransformer.train import optimizer as optimizer_lib  # noqa: E402
@@ -109,6 +138,11 @@ class MemoryReport:
   device_memory_gib: float = 80.0
   temporaries: dict | None = None  # analytic estimate by kind (`temporaries_estimate`)
   eval_xla: dict | None = None  # compiled: the eval step's memory_analysis() fields
+  estimate_bytes: int = 0  # the planner's (analytic) total, beside a compiled one
+  target: str = ""  # `--compile_for`: the slice compiled for
+  hlo: dict | None = None  # compiled: collectives and (TPU) cycles, `hlo_stats.parse_step`
+  step_seconds: float = 0.0  # TPU: the compiler's estimated step time (0: none)
+  mfu: float = 0.0  # the MFU that step time implies
 
   @property
   def state_bytes(self) -> int:
@@ -183,6 +217,7 @@ def memory_report(
   compile_max_params: int = DEFAULT_COMPILE_MAX_PARAMS,
   device_memory_gib: float = 80.0,
   devices=None,
+  target: compile_targets.Target | None = None,
 ) -> MemoryReport:
   """Per-device memory of training `config` on `devices` (default: all of jax.devices()).
 
@@ -191,7 +226,13 @@ def memory_report(
       data.vocab_size (the tokenizer's size at training time).
     compile_step: True = lower and compile the train step; False = analytic; None =
       compile when the model has fewer than `compile_max_params` parameters.
+    target: a slice to compile for (`compile_targets.parse`): its compile-only devices
+      (unless `devices` are given), always compiled; the report adds its step's
+      collectives and, on TPU, the compiler's estimated step time and MFU.
   """
+  if target is not None:
+    devices = compile_targets.devices(target) if devices is None else devices
+    compile_step = True
   devices = list(jax.devices() if devices is None else devices)
   try:
     mesh = sharding_lib.make_mesh(config.mesh, devices)
@@ -226,18 +267,79 @@ def memory_report(
     temporaries=temporaries,
   )
 
+  report.estimate_bytes = report.total_bytes
   if compile_step is None:
     compile_step = num_params < compile_max_params
   if not compile_step:
     return report
 
   t0 = time.perf_counter()
-  report.xla = _xla_stats(compile_train_step(config, cfg, ts, mesh, rules))
+  try:
+    compiled = compile_train_step(config, cfg, ts, mesh, rules)
+  except errors.UserError:
+    raise
+  except Exception as e:  # noqa: BLE001 (a target's compiler failing: one line)
+    if target is None:
+      raise
+    raise errors.UserError(compile_failure(e, cfg, config.seq_len, target)) from e
+  report.compile_seconds = time.perf_counter() - t0
+  report.xla = _xla_stats(compiled)
   report.activation_bytes = report.xla["temp_size_in_bytes"]
   report.compiled = True
-  report.compile_seconds = time.perf_counter() - t0
+  report.hlo = hlo_stats.parse_step(compiled.as_text())
+  if target is not None:
+    report.target = target.name
+    if target.clock_hz and report.hlo["cycles"]:
+      _estimate_step_time(report, config, cfg, target)
   report.eval_xla = _xla_stats(compile_eval_step(config, ts, mesh, rules))
   return report
+
+
+KERNEL_NAMES = {"splash": "Pallas splash attention (Mosaic)", "cudnn": "cuDNN flash attention"}
+
+
+def compile_failure(e: Exception, cfg, seq_len: int, target) -> str:
+  """The line for a train step `target`'s compiler rejected: what failed and, when a
+  fused attention kernel did (named in the error, or the kernel the run uses), the
+  fallback to XLA's attention."""
+  text = str(e).strip()
+  first = (text.splitlines() or [type(e).__name__])[0][:200]
+  lowered = text.lower()
+  named = (
+    "splash"
+    if any(w in lowered for w in ("mosaic", "tpu_custom_call", "pallas", "splash"))
+    else "cudnn"
+    if any(w in lowered for w in ("cudnn", "fmha"))
+    else None
+  )
+  try:
+    kernel = named or blocks.attention_kernel(cfg, seq_len, target.platform)
+  except errors.ConfigError as config_error:
+    return f"the train step does not compile for {target.name}: {config_error}"
+  where = f"the train step does not compile for {target.name}: {first}"
+  if kernel not in KERNEL_NAMES:
+    return where
+  return (
+    f"{where}; {'it is' if named else 'it may be'} the {KERNEL_NAMES[kernel]} kernel: "
+    "--config.model.attention_impl=xla falls back to XLA's attention"
+  )
+
+
+def _estimate_step_time(report, config, cfg, target) -> None:
+  """The compiler's estimate of one step on a TPU chip and the MFU it implies.
+
+  Its kernels' estimated cycles (`hlo_stats`) at the chip's clock, plus, for each Pallas
+  kernel (splash attention: the compiler has no estimate for Mosaic calls), the
+  attention FLOPs of its share at the chip's peak. Collectives are taken as overlapped.
+  """
+  tokens = config.global_batch_size * config.seq_len
+  fpt = flops_per_token(cfg, config.seq_len, tokens_per_batch=tokens)
+  seconds = compile_targets.step_seconds(target, report.hlo["cycles"])
+  if report.hlo["uncosted_kernels"]:
+    attention = attention_flops_per_token(cfg, config.seq_len) * tokens / report.num_devices
+    seconds += attention / target.peak_flops
+  report.step_seconds = seconds
+  report.mfu = fpt * tokens / (seconds * target.peak_flops * report.num_devices)
 
 
 def abstract_batch(config, mesh, rules, batch_size=None) -> dict:
@@ -280,9 +382,16 @@ def compile_eval_step(config, ts, mesh, rules):
 
 def _compile(step, mesh, rules, *abstract_args):
   """A `steps.make_*_step` compiled on abstract arguments. Its wrapper applies the
-  activation rules when called; lowering bypasses it, so they are applied here."""
+  activation rules when called; lowering bypasses it, so they are applied here. A
+  program compiled for devices this process does not have (`--compile_for`) never goes
+  into jax's persistent compilation cache: it could not be loaded back."""
   jitted = getattr(step, "__wrapped__", step)
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding_lib.activation_rules(rules)):
+  foreign = mesh.devices.flat[0].platform != jax.default_backend()
+  with (
+    jax.set_mesh(mesh),
+    nnx.logical_axis_rules(sharding_lib.activation_rules(rules)),
+    jax_config.persistent_cache_min_compile_time_secs(1e9) if foreign else contextlib.nullcontext(),
+  ):
     return jitted.lower(*abstract_args).compile()
 
 
@@ -332,18 +441,36 @@ def format_report(r: MemoryReport) -> str:
         f"{tmp['after the scan'] / GIB:.3f} GiB: gradients, one phase of head / "
         "layer / embedding, and during the backward pass the saved activations)"
       )
+  if r.compiled and r.estimate_bytes:
+    lines.append(
+      f"  planner's estimate  {gib(r.estimate_bytes)}  (compiled / estimate "
+      f"{r.total_bytes / r.estimate_bytes:.2f}; `--nocompile` prints its parts)"
+    )
+  if r.hlo:
+    lines.append(f"  collectives         {format_collectives(r.hlo)}")
+  if r.step_seconds:
+    lines.append(
+      f"  step time           {r.step_seconds * 1e3:9.1f} ms  (the TPU compiler's estimate: "
+      f"its kernels' cycles, Pallas kernels at peak FLOP/s, collectives overlapped) "
+      f"-> MFU {100 * r.mfu:.0f}%"
+    )
   verdict = "FITS" if r.fits else "DOES NOT FIT"
+  where = f"per {r.target} chip" if r.target else "per device"
   lines.append(
     f"  total               {gib(r.total_bytes)}  of {r.device_memory_gib:g} GiB "
-    f"per device: {verdict} ({100 * r.total_bytes / (r.device_memory_gib * GIB):.0f}%)"
+    f"{where}: {verdict} ({100 * r.total_bytes / (r.device_memory_gib * GIB):.0f}%)"
   )
-  if not r.fits:
-    lines.append(
-      "  hint: more fsdp shards (config.mesh.shape), tensor parallelism for wide "
-      "models, model.remat_policy=full, a smaller global_batch_size per device or "
-      "optim.grad_accum_steps > 1"
-    )
   return "\n".join(lines)
+
+
+def format_collectives(hlo: dict) -> str:
+  """'all-gather 29 (0.287 GB), all-reduce 17 (...)' per step (loops times their trips)."""
+  parts = [
+    f"{kind} {hlo['counts'][kind]:,} ({hlo['weighted'][kind] / 1e9:.3f} GB)"
+    for kind in hlo_stats.COLLECTIVES
+    if hlo["counts"][kind]
+  ]
+  return (", ".join(parts) or "none") + " per step"
 
 
 def main(argv, flag_values=None):
@@ -358,17 +485,38 @@ def main(argv, flag_values=None):
       f"({jax.devices()[0].platform}); run as `python -m odetransformer.memory` so "
       "XLA_FLAGS is set before jax loads"
     )
+  target = None
+  if flag_values.compile_for:
+    if flag_values.num_devices:
+      raise errors.UserError("--compile_for and --num_devices: give one (the target has its own)")
+    target = compile_targets.parse(flag_values.compile_for)
   config = errors.load_config_flag(flag_values["config"])
+  memory_gib = flag_values.device_memory_gib or (target.memory_gib if target else 80.0)
+  if target:
+    print(
+      f"compiling the train and eval steps for {target.name} ({target.chips} chips, "
+      f"{target.memory_gib:g} GiB each) on this CPU ...",
+      flush=True,
+    )
   report = memory_report(
     config,
     compile_step=flag_values.compile,
     compile_max_params=flag_values.compile_max_params,
-    device_memory_gib=flag_values.device_memory_gib,
+    device_memory_gib=memory_gib,
+    target=target,
   )
   print(format_report(report))
   if flag_values.json:
     with open(flag_values.json, "w") as f:
       json.dump(report.to_dict(), f, indent=2)
+  if not report.fits:
+    from odetransformer.tools.out_of_memory import advice  # lazy: it imports this module
+
+    raise errors.UserError(
+      f"does not fit: {report.total_bytes / GIB:.2f} GiB per "
+      f"{'chip of ' + report.target if report.target else 'device'}, "
+      f"{memory_gib:g} GiB there; {advice(config)}"
+    )
 
 
 def define_flags(flag_values=None):
@@ -379,7 +527,18 @@ def define_flags(flag_values=None):
     "config", None, "Training config file (configs/*.py).", flag_values=fv, lock_config=True
   )
   define("integer", "num_devices", 0, "Fake CPU devices to plan for (0 = the real ones).")
-  define("float", "device_memory_gib", 80.0, "Memory per device (H100: 80).")
+  define(
+    "string",
+    "compile_for",
+    "",
+    f"Compile for this TPU slice or H100 cluster on this CPU ({compile_targets.EXAMPLES}).",
+  )
+  define(
+    "float",
+    "device_memory_gib",
+    0.0,
+    "Memory per device (default: the --compile_for chip's, else 80, an H100).",
+  )
   define(
     "bool",
     "compile",

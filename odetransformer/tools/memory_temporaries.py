@@ -20,6 +20,19 @@ def _axis_size(mesh, rules, name) -> int:
   return sharding_lib.mesh_axis_size(mesh, dict(rules).get(name))
 
 
+def _logit_bytes(platform: str, cb: int) -> int:
+  """Bytes per logit the head holds at its peak, by the loss path and compiler of the
+  platform (`losses._token_nll`): on GPUs the fused loss keeps the logits and writes
+  their gradient in the compute dtype; XLA:TPU fuses the float32 upcast into the
+  softmax (the logits in the compute dtype, their gradient in float32); XLA:CPU keeps
+  float32 logits and gradient and, when narrower, compute-dtype copies of both."""
+  if platform in ("gpu", "cuda", "rocm"):
+    return 2 * cb
+  if platform == "tpu":
+    return cb + 4
+  return 8 + (2 * cb if cb < 4 else 0)
+
+
 def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
   """Per-device bytes the compiled train step holds besides its arguments (the analytic
   path's stand-in for XLA's temporaries), by kind, and their peak.
@@ -36,8 +49,8 @@ def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
   * saved activations: per solver evaluation (or layer), what the remat policy keeps:
     the residual input ('full'), or also the matmul outputs and attention scores
     ('dots_*'), or also the elementwise intermediates ('none');
-  * head: the logits [b, T, V/tp] and their gradient in float32, and in the compute
-    dtype too when it is narrower; the embedding gathered over fsdp (tied head; the
+  * head: the logits [b, T, V/tp] and their gradient, in the dtypes the platform's loss
+    path keeps (`_logit_bytes`); the embedding gathered over fsdp (tied head; the
     untied head likewise) in c bytes and its float32 gradient;
   * layer: one step's (or layer's) weights gathered over fsdp, twice in c bytes
     (forward and recomputation) and once as a float32 gradient, and the intermediates
@@ -95,7 +108,7 @@ def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
   if cfg.family == "gpt2":
     emb += gathered((cfg.max_len, d), ("length", "embed"))
   head = 0 if cfg.tie_embeddings else gathered((d, v), ("embed", "vocab"))
-  logit_bytes = 8 + (2 * cb if cb < 4 else 0)
+  logit_bytes = _logit_bytes(mesh.devices.flat[0].platform, cb)
   out["head"] = tokens * (v // tp_vocab) * logit_bytes + (emb + head) * (cb + 4)
   layer = sum(gathered(spec.shape, spec.axes) for spec in blocks.layer_param_specs(cfg).values())
   recomputed = (matmul_outs + elementwise) if cfg.remat_policy != "none" else 0
