@@ -106,3 +106,22 @@ main_py_args() {
   fi
   MAIN_ARGS+=("${EXTRA[@]}")
 }
+
+# preflight ROOT TARGET PYTHON: compiles the run's train step (CONFIG and its --config.*
+# overrides in EXTRA) for TARGET on this machine's CPU with PYTHON
+# (`python -m odetransformer.memory --compile_for=TARGET`; the compilers come from
+# requirements-compile.txt) and dies unless it compiles and fits. Prints the command
+# with DRY_RUN=1.
+preflight() {
+  local root="$1" target="$2" py="$3" overrides=() arg
+  for arg in "${EXTRA[@]+"${EXTRA[@]}"}"; do
+    [[ "$arg" == --config.* ]] && overrides+=("$arg")
+  done
+  echo "pre-flight: compiling the train step of $CONFIG for $target on this CPU" \
+       "(--skip_preflight skips it)"
+  if ! run_in "$root" "$py" -m odetransformer.memory --config="$CONFIG" \
+      --compile_for="$target" "${overrides[@]+"${overrides[@]}"}"; then
+    die "refusing to launch: the pre-flight for $target failed (its error is above);" \
+        "change the config, or pass --skip_preflight"
+  fi
+}

@@ -19,6 +19,11 @@ HOST:PORT of node 0, which every node must reach. main.py sees
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID and calls
 jax.distributed.initialize(); JAX_LOCAL_DEVICE_IDS selects each process's GPUs.
 
+Before any process starts, the run's train step is compiled for the whole cluster on
+this machine's CPU (`python -m odetransformer.memory --compile_for=h100xN` with the
+venv's python; jax[cuda12] brings the compiler): a config that does not compile or fit
+is refused in one line. With --hosts it runs once, here, before the nodes start.
+
 With --hosts, this script ssh's to every host (passwordless ssh; the same checkout
 path and venv on each), runs itself there with the right --node_rank (node 0 = the
 first host = coordinator), prefixes and streams their logs, and stops all of them
@@ -43,6 +48,10 @@ options (flag, or the environment variable in brackets; default after '='):
                         shared disk, set it up once (one node, --setup) before --hosts
   --nccl_socket_if IF   NCCL_SOCKET_IFNAME, e.g. eth0 [NCCL_SOCKET_IFNAME]
   --nccl_ib_hca LIST    NCCL_IB_HCA, e.g. mlx5 [NCCL_IB_HCA]
+  --preflight_target T  what the pre-flight compiles for [PREFLIGHT_TARGET] =
+                        h100x<num_nodes x gpus_per_node> (the GPUs are H100s)
+  --skip_preflight      do not compile the train step for the cluster first
+                        (other GPUs than H100s) [SKIP_PREFLIGHT=1]
   --dry_run             print the commands instead of running them [DRY_RUN=1]
   -h, --help            this text
 Everything after `--` (and any --config.* flag) is passed to main.py.
@@ -70,11 +79,14 @@ GPUS_PER_NODE="${GPUS_PER_NODE:-}"
 VENV="${VENV:-.venv}"
 SETUP="${SETUP:-0}"
 DRY_RUN="${DRY_RUN:-0}"
+PREFLIGHT_TARGET="${PREFLIGHT_TARGET:-}"
+SKIP_PREFLIGHT="${SKIP_PREFLIGHT:-0}"
 PROG=gpu_multinode.sh
 OPTIONS=("${COMMON_OPTIONS[@]}" --num_nodes=NUM_NODES --node_rank=NODE_RANK
          --coordinator=COORDINATOR --port=COORD_PORT --hosts=HOSTS
          --procs_per_node=PROCS_PER_NODE --gpus_per_node=GPUS_PER_NODE --venv=VENV
-         --setup=SETUP=1 --nccl_socket_if=+NCCL_SOCKET_IFNAME --nccl_ib_hca=+NCCL_IB_HCA)
+         --setup=SETUP=1 --nccl_socket_if=+NCCL_SOCKET_IFNAME --nccl_ib_hca=+NCCL_IB_HCA
+         --preflight_target=PREFLIGHT_TARGET --skip_preflight=SKIP_PREFLIGHT=1)
 parse_args "$@"
 
 require WORKDIR --workdir
@@ -97,6 +109,10 @@ if [[ -n "$HOSTS" ]]; then
   [[ "$SETUP" == 1 ]] && pass+=(--setup)
   [[ -n "${NCCL_SOCKET_IFNAME:-}" ]] && pass+=(--nccl_socket_if "$NCCL_SOCKET_IFNAME")
   [[ -n "${NCCL_IB_HCA:-}" ]] && pass+=(--nccl_ib_hca "$NCCL_IB_HCA")
+  if [[ "$SKIP_PREFLIGHT" != 1 ]]; then  # once, here: the nodes skip it
+    preflight "$ROOT" "${PREFLIGHT_TARGET:-h100x$((n * ${GPUS_PER_NODE:-8}))}" "$VENV/bin/python"
+  fi
+  pass+=(--skip_preflight)
   pids=()
   for rank in "${!HOST_LIST[@]}"; do
     host="${HOST_LIST[$rank]}"
@@ -151,6 +167,9 @@ main_py_args
 cd "$ROOT"
 if [[ "$SETUP" == 1 || ! -x "$VENV/bin/python" ]]; then
   install_venv "$ROOT" "$VENV" cuda12
+fi
+if [[ "$SKIP_PREFLIGHT" != 1 ]]; then
+  preflight "$ROOT" "${PREFLIGHT_TARGET:-h100x$((NUM_NODES * GPUS_PER_NODE))}" "$VENV/bin/python"
 fi
 pids=()
 for ((local_rank = 0; local_rank < PROCS_PER_NODE; local_rank++)); do

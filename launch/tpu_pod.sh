@@ -13,7 +13,10 @@ usage() {
   cat <<'EOF'
 usage: launch/tpu_pod.sh --name NAME --zone ZONE --workdir gs://BUCKET/RUN [options] [-- --config.x=y ...]
 
-Creates (or reuses) the TPU VM slice NAME, copies this checkout to every worker,
+First, on this machine's CPU, compiles the run's train step for the slice (--accelerator;
+v5e/v5litepod and v5p slices: `python -m odetransformer.memory --compile_for=TYPE`, which
+needs `pip install -r requirements-compile.txt` here) and refuses in one line when it does
+not compile or fit. Then creates (or reuses) the TPU VM slice NAME, copies this checkout to every worker,
 installs a venv with jax[tpu] at the jax version requirements.txt pins, and
 requirements.txt, then runs on --worker=all:
   python main.py --config=CONFIG --workdir=WORKDIR [--config.* overrides]
@@ -40,6 +43,8 @@ options (flag, or the environment variable in brackets; default after '='):
   --branch REF           branch/tag/commit with --repo [BRANCH] = main
   --jax_spec SPEC        pip spec [JAX_SPEC] = jax[tpu]==(requirements.txt's jax pin)
   --skip_setup           reuse the code and venv already on the workers [SKIP_SETUP=1]
+  --skip_preflight       do not compile the train step for the slice first [SKIP_PREFLIGHT=1]
+  --python PATH          the python of the pre-flight [PREFLIGHT_PYTHON] = .venv/bin/python
   --babysit              retry until main.py exits 0 [BABYSIT=1]
   --max_restarts N       give up after N retries [MAX_RESTARTS] = 100
   --retry_sleep S        seconds between retries [RETRY_SLEEP] = 60
@@ -71,6 +76,8 @@ REPO="${REPO:-}"
 BRANCH="${BRANCH:-main}"
 JAX_SPEC="${JAX_SPEC:-jax[tpu]==$JAX_PIN}"
 SKIP_SETUP="${SKIP_SETUP:-0}"
+SKIP_PREFLIGHT="${SKIP_PREFLIGHT:-0}"
+PREFLIGHT_PYTHON="${PREFLIGHT_PYTHON:-.venv/bin/python}"
 BABYSIT="${BABYSIT:-0}"
 MAX_RESTARTS="${MAX_RESTARTS:-100}"
 RETRY_SLEEP="${RETRY_SLEEP:-60}"
@@ -80,6 +87,7 @@ PROG=tpu_pod.sh
 OPTIONS=("${COMMON_OPTIONS[@]}" --name=NAME --zone=ZONE --project=PROJECT
          --accelerator=ACCELERATOR --version=VERSION --spot=SPOT=1 --code_dir=CODE_DIR
          --repo=REPO --branch=BRANCH --jax_spec=JAX_SPEC --skip_setup=SKIP_SETUP=1
+         --skip_preflight=SKIP_PREFLIGHT=1 --python=PREFLIGHT_PYTHON
          --babysit=BABYSIT=1 --max_restarts=MAX_RESTARTS --retry_sleep=RETRY_SLEEP
          --delete_when_done=DELETE_WHEN_DONE=1)
 parse_args "$@"
@@ -160,6 +168,13 @@ train_once() {
   # (TPU_WORKER_HOSTNAMES -> main.py calls jax.distributed.initialize()).
   ssh_all "cd $CODE_DIR && .venv/bin/python main.py$quoted 2>&1 | tee -a train.log; exit \${PIPESTATUS[0]}"
 }
+
+if [[ "$SKIP_PREFLIGHT" != 1 ]]; then
+  case "$ACCELERATOR" in
+    v5e-*|v5litepod-*|v5p-*) preflight "$ROOT" "$ACCELERATOR" "$PREFLIGHT_PYTHON" ;;
+    *) echo "pre-flight: no compile target for $ACCELERATOR (v5e, v5litepod, v5p); skipped" ;;
+  esac
+fi
 
 attempt=0
 while true; do

@@ -304,3 +304,84 @@ def test_parse_args_misuse_is_one_line_exit_2(args, error):
 def test_parse_args_help_prints_usage_and_stops():
   r = _parse("--a", "x", "-h", "--zz")
   assert (r.returncode, r.stdout) == (0, "usage: t\n")
+
+
+def test_tpu_pod_compiles_for_the_slice_before_creating_it(tmp_path):
+  """The pre-flight (odetransformer.memory --compile_for=<accelerator>, with the run's
+  --config.* overrides) comes before any gcloud command; --skip_preflight drops it; a
+  slice the compiler cannot describe (v4) is said to be skipped."""
+  args = ["--name", "t", "--zone", "z", "--workdir", "gs://b/run", "--skip_setup"]
+  out = _dry_run(
+    "launch/tpu_pod.sh",
+    [*args, "--accelerator", "v5p-128", "--config.seed=7", "--", "--config.mesh.shape=1,-1,1"],
+    tmp_path,
+  ).replace("\\", "")
+  lines = out.splitlines()
+  pre = next(i for i, line in enumerate(lines) if "odetransformer.memory" in line)
+  assert "--config=configs/owt_small.py --compile_for=v5p-128 --config.seed=7" in lines[pre]
+  assert "--config.mesh.shape=1,-1,1" in lines[pre]
+  assert pre < next(i for i, line in enumerate(lines) if "gcloud" in line)
+  out = _dry_run(
+    "launch/tpu_pod.sh", [*args, "--accelerator", "v5p-128", "--skip_preflight"], tmp_path
+  )
+  assert "odetransformer.memory" not in out
+  out = _dry_run("launch/tpu_pod.sh", [*args, "--accelerator", "v4-8"], tmp_path)
+  assert "odetransformer.memory" not in out and "no compile target for v4-8" in out
+
+
+def _failing_preflight(tmp_path):
+  """A stand-in for the pre-flight's python: the one line a config that does not fit
+  ends with, exit 2 (what odetransformer.memory does), and a mark that it ran."""
+  fake = tmp_path / "python"
+  fake.write_text(
+    "#!/bin/bash\n"
+    f'echo "$*" > {tmp_path}/ran\n'
+    'echo "error: does not fit: 20.00 GiB per chip of v5e-16, 16 GiB there" >&2\n'
+    "exit 2\n"
+  )
+  fake.chmod(0o755)
+  return fake
+
+
+def test_tpu_pod_refuses_a_config_that_does_not_fit(tmp_path):
+  """Not a dry run: the refusal comes before gcloud is called (there is none here)."""
+  r = subprocess.run(
+    [
+      "/bin/bash",
+      str(ROOT / "launch/tpu_pod.sh"),
+      "--name=t",
+      "--zone=z",
+      "--workdir=gs://b/run",
+      "--accelerator=v5e-16",
+      f"--python={_failing_preflight(tmp_path)}",
+    ],
+    env=_offline_env(tmp_path),
+    cwd=str(ROOT),
+    capture_output=True,
+    text=True,
+    timeout=30,
+  )
+  assert r.returncode == 2, r.stdout + r.stderr
+  assert "--compile_for=v5e-16" in (tmp_path / "ran").read_text()
+  err = r.stderr.strip().splitlines()
+  assert err[-2].startswith("error: does not fit")
+  assert err[-1].startswith("tpu_pod.sh: refusing to launch: the pre-flight for v5e-16 failed")
+  assert "gcloud" not in r.stdout + r.stderr
+
+
+def test_multinode_hosts_compile_once_for_the_whole_cluster(tmp_path):
+  out = _dry_run(
+    "launch/gpu_multinode.sh",
+    ["--workdir", "/shared/run", "--hosts", "n0,n1", "--gpus_per_node", "8"],
+    tmp_path,
+  )
+  assert out.count("odetransformer.memory") == 1 and "--compile_for=h100x16" in out
+  ssh = [line for line in out.splitlines() if line.startswith("+ ssh")]
+  assert len(ssh) == 2 and all("--skip_preflight" in line for line in ssh)
+  # One node started by hand compiles for the cluster it is part of.
+  out = _dry_run(
+    "launch/gpu_multinode.sh",
+    ["--workdir", "/shared/run", "--num_nodes", "8", "--gpus_per_node", "8"],
+    tmp_path,
+  )
+  assert "--compile_for=h100x64" in out
