@@ -325,6 +325,22 @@ def compile_failure(e: Exception, cfg, seq_len: int, target) -> str:
   )
 
 
+def advice(config) -> str:
+  """What to change when a step does not fit, in the order that costs the run least
+  (this report's last line, and main.py's when XLA runs out of memory)."""
+  model, optim = config.model, config.optim
+  changes = [
+    f"--config.model.remat_policy=full (now {model.remat_policy!r})"
+    if model.get("remat_policy", "full") != "full"
+    else None,
+    f"--config.optim.grad_accum_steps={2 * int(optim.grad_accum_steps)} (the same "
+    f"global batch in {2 * int(optim.grad_accum_steps)} passes) or a smaller "
+    f"--config.global_batch_size (now {config.global_batch_size})",
+    "more devices in --config.mesh.shape (FSDP shards the parameters and AdamW state)",
+  ]
+  return "lower it with " + ", or ".join(c for c in changes if c)
+
+
 def _estimate_step_time(report, config, cfg, target) -> None:
   """The compiler's estimate of one step on a TPU chip and the MFU it implies.
 
@@ -510,8 +526,6 @@ def main(argv, flag_values=None):
     with open(flag_values.json, "w") as f:
       json.dump(report.to_dict(), f, indent=2)
   if not report.fits:
-    from odetransformer.tools.out_of_memory import advice  # lazy: it imports this module
-
     raise errors.UserError(
       f"does not fit: {report.total_bytes / GIB:.2f} GiB per "
       f"{'chip of ' + report.target if report.target else 'device'}, "

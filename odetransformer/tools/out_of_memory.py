@@ -61,21 +61,6 @@ def _planned_bytes(config, device_memory_gib: float) -> int | None:
     return None
 
 
-def advice(config) -> str:
-  """What to change, in the order that costs the run least."""
-  model, optim = config.model, config.optim
-  steps = [
-    f"--config.model.remat_policy=full (now {model.remat_policy!r})"
-    if model.get("remat_policy", "full") != "full"
-    else None,
-    f"--config.optim.grad_accum_steps={2 * int(optim.grad_accum_steps)} (the same "
-    f"global batch in {2 * int(optim.grad_accum_steps)} passes) or a smaller "
-    f"--config.global_batch_size (now {config.global_batch_size})",
-    "more devices in --config.mesh.shape (FSDP shards the parameters and AdamW state)",
-  ]
-  return "lower it with " + ", or ".join(s for s in steps if s)
-
-
 def out_of_memory_error(e: BaseException, config, device=None) -> errors.UserError | None:
   """`e` as a one-line UserError when it is XLA running out of memory, else None."""
   oom = find_out_of_memory(e)
@@ -106,4 +91,6 @@ def out_of_memory_error(e: BaseException, config, device=None) -> errors.UserErr
     if device.device_kind == device.platform
     else f"{device.device_kind} ({device.platform})"
   )
-  return errors.UserError(f"out of memory on {name}: {what} {where}; {plan}; {advice(config)}")
+  return errors.UserError(
+    f"out of memory on {name}: {what} {where}; {plan}; {memory.advice(config)}"
+  )
