@@ -79,6 +79,8 @@ _HLO = textwrap.dedent("""\
     %w2 = (s32[], f32[8,128]) while(%init), condition=%cond, body=%body
     %rs = f32[2,128]{1,0} reduce-scatter(%ar), dimensions={0}, to_apply=%add
     %c1 = f32[8,128]{1,0} all-gather(f32[1,128]{1,0} %x), frontend_attributes={chain_id="7"}
+    %rss = ((f32[8,128]{1,0}, f32[16]{0}), (f32[1,128]{1,0}, f32[2]{0})) reduce-scatter-start(%x, %y)
+    %ars = (f32[8,128]{1,0}, f32[16]{0}) all-reduce-start(%x, %y), to_apply=%add
     %c2 = f32[8,128]{1,0} all-gather(f32[1,128]{1,0} %x), frontend_attributes={chain_id="7"}
     ROOT %r = f32[8,128]{1,0} get-tuple-element(%w), index=1
   }
@@ -96,12 +98,14 @@ def test_reader_weights_collectives_and_cycles_by_trip_counts():
   assert s["weighted"]["all-gather"] == 9 * gather + gather
   # -start: the result half of (operand, result), without the u32[] contexts
   assert s["weighted"]["collective-permute"] == 9 * permute
-  assert s["weighted"]["all-reduce"] == whole
-  assert s["weighted"]["reduce-scatter"] == whole  # its operand: the full buffer
+  # Combined -start ops: a reduce-scatter's operands (the first half of its tuple), an
+  # all-reduce's results (its whole shape).
+  assert s["weighted"]["all-reduce"] == whole + (whole + 16 * 4)
+  assert s["weighted"]["reduce-scatter"] == whole + (whole + 16 * 4)
   assert s["counts"] == {
     "all-gather": 10,
-    "reduce-scatter": 1,
-    "all-reduce": 1,
+    "reduce-scatter": 2,
+    "all-reduce": 2,
     "all-to-all": 0,
     "collective-permute": 9,
   }

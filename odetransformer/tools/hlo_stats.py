@@ -77,12 +77,21 @@ def _collective_kind(op: str):
 
 
 def _collective_bytes(kind, op, shape, rest, shapes) -> float:
-  if kind == "reduce-scatter":  # the full buffer is the operand
-    operand = rest.split(")", 1)[0].split(",")[0].strip().lstrip("%")
-    return array_bytes(shapes.get(operand, "")) or array_bytes(shape)
-  if op.endswith("-start"):  # (operands..., results..., [u32[] contexts]): the results
+  """The full buffers of one (possibly combined) collective."""
+  if op.endswith("-start") and kind != "all-reduce":
+    # ((operands...), (results...)[, u32[] contexts]): a reduce-scatter's operands, the
+    # others' results. (An all-reduce-start's shape is its results alone.)
     parts = [(t, d) for t, d in ARRAY_SHAPE.findall(shape) if d or t not in ("u32", "s32")]
-    return array_bytes(" ".join(f"{t}[{d}]" for t, d in parts[len(parts) // 2 :]))
+    half = len(parts) // 2
+    chosen = parts[:half] if kind == "reduce-scatter" else parts[half:]
+    return array_bytes(" ".join(f"{t}[{d}]" for t, d in chosen))
+  if kind == "reduce-scatter":  # the full buffers are its operands
+    operands = rest.split(")", 1)[0].split(",")
+    full = sum(
+      array_bytes(o) if "[" in o else array_bytes(shapes.get(o.strip().lstrip("%"), ""))
+      for o in operands
+    )
+    return full or array_bytes(shape)
   return array_bytes(shape)
 
 
