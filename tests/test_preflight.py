@@ -214,6 +214,29 @@ def test_splash_attention_lowers_for_a_tpu_slice(segments):
 
 @pytest.mark.slow
 @needs("cuda")
+@pytest.mark.parametrize("target", ["h100x8", "h100x64"])
+def test_cudnn_attention_of_packed_rows_runs_on_each_gpus_rows_forward_and_backward(target):
+  """Packed rows take a lax.cond (cuDNN's packed layout, or the dense mask for a fuller
+  row): every cuDNN call of both branches, forward and backward, holds one GPU's rows.
+  The backward calls once ran on the whole global batch on every GPU (the cond's
+  residuals carried no sharding)."""
+  b, devices = 128, int(target.split("x")[1])
+  text = _compiled_attention(target, "cudnn", segments=True, b=b)
+  calls = [line for line in text.splitlines() if "__cudnn$fmha" in line]
+  targets = {line.split('custom_call_target="')[1].split('"')[0] for line in calls}
+  assert targets == {
+    "__cudnn$fmhaSoftmax",
+    "__cudnn$fmhaSoftmaxBackward",
+    "__cudnn$fmhaScaleBiasSoftmax",
+    "__cudnn$fmhaScaleBiasSoftmaxBackward",
+  }, targets
+  for line in calls:
+    layouts = line.split("operand_layout_constraints={", 1)[1]
+    assert layouts.startswith(f"bf16[{b // devices},256,4,64]"), line[:200]
+
+
+@pytest.mark.slow
+@needs("cuda")
 def test_cudnn_causal_attention_lowers_for_h100s_without_a_mask_operand():
   """An unpacked batch (no segment ids): cuDNN's causal flash attention, forward and
   backward, on two H100s, its mask the kernel's own (no bias operand). The packed layout

@@ -311,9 +311,32 @@ def dot_product_attention(
     seg = mask.segment_ids_bl
     most = jnp.max(_segment_index(seg)[:, -1]) + 1
     return jax.lax.cond(
-      most <= PACKED_MAX_SEGMENTS, _cudnn_packed_attention, dense, q_blnh, k_bsnh, v_bsnh, seg
+      most <= PACKED_MAX_SEGMENTS,
+      _batch_sharded(_cudnn_packed_attention),
+      _batch_sharded(dense),
+      q_blnh,
+      k_bsnh,
+      v_bsnh,
+      seg,
     )
   return dense(q_blnh, k_bsnh, v_bsnh, *(() if mask is None else (mask.segment_ids_bl,)))
+
+
+def _batch_sharded(attention):
+  """`attention(q, k, v, segment_ids)` with q, k, v and its output held to the model's
+  activation sharding inside a `lax.cond` branch. The cuDNN calls are partitioned by
+  jax's custom_partitioning from their operands' shardings; in the cond's backward
+  branches those are residuals and cotangents of unknown sharding, and the backward
+  kernels ran on the whole global batch on every GPU (compiled for 8 and 64 H100s).
+  The constraints pin q, k, v (saved for the backward) and, through their transpose,
+  the cotangents of the output and of q, k, v."""
+
+  def sharded(q, k, v, segment_ids):
+    names = ("batch", "length", "heads", "kv")
+    q, k, v = (constrain(x, names) for x in (q, k, v))
+    return constrain(attention(q, k, v, segment_ids), names)
+
+  return sharded
 
 
 def _compute_capability() -> tuple:
