@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -179,7 +180,9 @@ def _compiled_attention(target_name, kernel, segments, b=4, length=256, n=4, h=6
     jnp.bfloat16,
     sharding=put(sharding.logical_to_spec(("batch", None, "heads", None), rules)),
   )
-  seg = jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=put(jax.sharding.PartitionSpec()))
+  seg = jax.ShapeDtypeStruct(  # split like the batch, as the train step's
+    (b, length), jnp.int32, sharding=put(sharding.logical_to_spec(("batch", None), rules))
+  )
 
   def forward(q, k, v, s):
     mask = blocks.attention_mask(s) if segments else None
@@ -217,11 +220,15 @@ def test_splash_attention_lowers_for_a_tpu_slice(segments):
 @pytest.mark.parametrize("target", ["h100x8", "h100x64"])
 def test_cudnn_attention_of_packed_rows_runs_on_each_gpus_rows_forward_and_backward(target):
   """Packed rows take a lax.cond (cuDNN's packed layout, or the dense mask for a fuller
-  row): every cuDNN call of both branches, forward and backward, holds one GPU's rows.
-  The backward calls once ran on the whole global batch on every GPU (the cond's
-  residuals carried no sharding)."""
-  b, devices = 128, int(target.split("x")[1])
+  row): every cuDNN call of both branches, forward and backward, holds one GPU's rows,
+  and no array of the program holds the global batch. Under a global cond, the backward
+  calls ran on the whole batch on every GPU (the cond's residuals and outputs were
+  replicated); the cond now runs per GPU."""
+  b, devices = 512, int(target.split("x")[1])
   text = _compiled_attention(target, "cudnn", segments=True, b=b)
+  assert not re.search(rf"\b[a-z0-9]+\[{b},", text), sorted(
+    set(re.findall(rf"\b[a-z0-9]+\[{b},[0-9,]*\]", text))
+  )
   calls = [line for line in text.splitlines() if "__cudnn$fmha" in line]
   targets = {line.split('custom_call_target="')[1].split('"')[0] for line in calls}
   assert targets == {

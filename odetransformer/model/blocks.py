@@ -308,35 +308,15 @@ def dot_product_attention(
   if kernel == "cudnn" and mask is not None and _compute_capability() >= (9, 0):
     # The packed layout holds at most PACKED_MAX_SEGMENTS documents a row (its cost grows
     # with that bound, `packed_segments`); a batch with a fuller row takes the dense mask.
-    seg = mask.segment_ids_bl
-    most = jnp.max(_segment_index(seg)[:, -1]) + 1
-    return jax.lax.cond(
-      most <= PACKED_MAX_SEGMENTS,
-      _batch_sharded(_cudnn_packed_attention),
-      _batch_sharded(dense),
-      q_blnh,
-      k_bsnh,
-      v_bsnh,
-      seg,
-    )
+    # Per shard (each GPU decides for its own rows): under a mesh, a lax.cond of
+    # partitioned cuDNN calls replicated their residuals and outputs (the backward
+    # kernels ran on the global batch on every GPU).
+    def choose(q, k, v, seg):
+      most = jnp.max(_segment_index(seg)[:, -1]) + 1
+      return jax.lax.cond(most <= PACKED_MAX_SEGMENTS, _cudnn_packed_attention, dense, q, k, v, seg)
+
+    return _per_shard(choose, q_blnh, k_bsnh, v_bsnh, mask.segment_ids_bl)
   return dense(q_blnh, k_bsnh, v_bsnh, *(() if mask is None else (mask.segment_ids_bl,)))
-
-
-def _batch_sharded(attention):
-  """`attention(q, k, v, segment_ids)` with q, k, v and its output held to the model's
-  activation sharding inside a `lax.cond` branch. The cuDNN calls are partitioned by
-  jax's custom_partitioning from their operands' shardings; in the cond's backward
-  branches those are residuals and cotangents of unknown sharding, and the backward
-  kernels ran on the whole global batch on every GPU (compiled for 8 and 64 H100s).
-  The constraints pin q, k, v (saved for the backward) and, through their transpose,
-  the cotangents of the output and of q, k, v."""
-
-  def sharded(q, k, v, segment_ids):
-    names = ("batch", "length", "heads", "kv")
-    q, k, v = (constrain(x, names) for x in (q, k, v))
-    return constrain(attention(q, k, v, segment_ids), names)
-
-  return sharded
 
 
 def _compute_capability() -> tuple:
@@ -362,17 +342,14 @@ def _cudnn_packed_attention(q_blnh, k_bsnh, v_bsnh, segment_ids_bl):
   (tests/test_attention.py: outputs and gradients on an NVIDIA GPU; the compiled custom
   calls, forward and backward, for an H100 on any host).
 
-  cuDNN's packed layout needs Hopper or newer (jax raises otherwise). jax checks the
+  It runs per shard (`_per_shard`): one device's rows. cuDNN's packed layout needs
+  Hopper or newer (jax raises otherwise). jax checks the
   compute capability of its default backend, not of the devices the program is built
   for: compiling for a GPU on a CPU host (a compile-only topology) fails that check."""
   # lazy: the cuDNN lowering, only for attention_impl='cudnn' on packed rows
   from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
   seqlen_bm, offsets_bm = packed_segments(segment_ids_bl, PACKED_MAX_SEGMENTS)
-  # Rows sharded like q's batch: the lowering turns each shard's [b, M] into cuDNN's
-  # flat layout with that shard's batch.
-  seqlen_bm = constrain(seqlen_bm, ("batch", None))
-  offsets_bm = constrain(offsets_bm, ("batch", None))
   return cudnn_attention.dot_product_attention(
     q_blnh,
     k_bsnh,
@@ -390,8 +367,7 @@ def _cudnn_packed_attention(q_blnh, k_bsnh, v_bsnh, segment_ids_bl):
 def _splash_attention(q_blnh, k_bsnh, v_bsnh, mask: SegmentMask | None, interpret):
   """The Pallas TPU splash kernel: causal blocks skipped, segment ids compared in-tile.
 
-  Under a mesh it runs per shard (`shard_map`): batch and heads split as the activation
-  rules split them, the sequence whole."""
+  Under a mesh it runs per shard (`_per_shard`: Mosaic kernels are not partitioned)."""
   # lazy: the Pallas TPU kernels, only for attention_impl='splash'
   from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
@@ -426,12 +402,21 @@ def _splash_attention(q_blnh, k_bsnh, v_bsnh, mask: SegmentMask | None, interpre
     return jax.vmap(one)(q, k, v, *seg).transpose(0, 2, 1, 3)
 
   args = (q_blnh, k_bsnh, v_bsnh) + (() if mask is None else (mask.segment_ids_bl,))
+  return _per_shard(per_shard, *args)
+
+
+def _per_shard(attention, q_blnh, k_bsnh, v_bsnh, *segment_ids_bl):
+  """`attention(q, k, v, *segment_ids)` run on each device's shard under a mesh
+  (`shard_map`: batch and heads split as the activation rules split them, the sequence
+  whole), as is without one. Fused kernels that the partitioner would not split, or
+  would split badly inside control flow, see one device's rows."""
+  args = (q_blnh, k_bsnh, v_bsnh, *segment_ids_bl)
   if jax.sharding.get_abstract_mesh().empty:
-    return per_shard(*args)
+    return attention(*args)
   qkv = core_spmd.apply_rules(jax.sharding.PartitionSpec("batch", None, "heads", None), None)
   rows = core_spmd.apply_rules(jax.sharding.PartitionSpec("batch", None), None)
-  specs = (qkv,) * 3 + (rows,) * (len(args) - 3)
-  return jax.shard_map(per_shard, in_specs=specs, out_specs=qkv, check_vma=False)(*args)
+  specs = (qkv,) * 3 + (rows,) * len(segment_ids_bl)
+  return jax.shard_map(attention, in_specs=specs, out_specs=qkv, check_vma=False)(*args)
 
 
 def qkv_projections(x_bld, p, cfg: ModelConfig, positions_bl):
