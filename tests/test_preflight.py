@@ -311,6 +311,27 @@ def test_preflight_refuses_what_does_not_fit_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
+@needs("tpu")
+def test_a_step_the_tpu_compiler_cannot_fit_is_a_verdict_not_a_failure(tmp_path):
+  """XLA:TPU refuses a program larger than the chip's HBM (RESOURCE_EXHAUSTED at compile
+  time): the report is the planner's, DOES NOT FIT, and the one line quotes the compiler
+  and names what to change, exit 2 (not a kernel blamed)."""
+  r, rep = _memory(
+    tmp_path,
+    "--config=configs/default.py",
+    "--compile_for=v5e-16",
+    "--config.global_batch_size=65536",
+    "--config.eval_batch_size=16",
+  )
+  assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
+  assert not rep["fits"] and not rep["compiled"] and "RESOURCE_EXHAUSTED" in rep["compile_oom"]
+  assert "the v5e-16 compiler ran out of memory" in r.stdout and "DOES NOT FIT" in r.stdout
+  (line,) = r.stderr.strip().splitlines()
+  assert line.startswith("error: does not fit: the v5e-16 compiler ran out of memory")
+  assert "global_batch_size (now 65536)" in line and "attention" not in line
+
+
+@pytest.mark.slow
 def test_preflight_without_the_compiler_says_what_to_install(tmp_path):
   """libtpu hidden (a package of that name that fails to import): one line naming
   requirements-compile.txt, exit 2."""

@@ -143,6 +143,7 @@ class MemoryReport:
   hlo: dict | None = None  # compiled: collectives and (TPU) cycles, `hlo_stats.parse_step`
   step_seconds: float = 0.0  # TPU: the compiler's estimated step time (0: none)
   mfu: float = 0.0  # the MFU that step time implies
+  compile_oom: str = ""  # the target's compiler refused the step: more than its memory
 
   @property
   def state_bytes(self) -> int:
@@ -161,7 +162,7 @@ class MemoryReport:
 
   @property
   def fits(self) -> bool:
-    return self.total_bytes <= self.device_memory_gib * GIB
+    return not self.compile_oom and self.total_bytes <= self.device_memory_gib * GIB
 
   def to_dict(self) -> dict:
     d = dataclasses.asdict(self)
@@ -281,6 +282,13 @@ def memory_report(
   except Exception as e:  # noqa: BLE001 (a target's compiler failing: one line)
     if target is None:
       raise
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+      # XLA:TPU refuses a program larger than the chip's HBM: a verdict, not a failure.
+      report.compile_oom = text.strip().splitlines()[0][:300]
+      report.target = target.name
+      report.compile_seconds = time.perf_counter() - t0
+      return report
     raise errors.UserError(compile_failure(e, cfg, config.seq_len, target)) from e
   report.compile_seconds = time.perf_counter() - t0
   report.xla = _xla_stats(compiled)
@@ -470,6 +478,10 @@ def format_report(r: MemoryReport) -> str:
       f"its kernels' cycles, Pallas kernels at peak FLOP/s, collectives overlapped) "
       f"-> MFU {100 * r.mfu:.0f}%"
     )
+  if r.compile_oom:
+    lines.append(
+      f"  compiled            the {r.target} compiler ran out of memory: {r.compile_oom}"
+    )
   verdict = "FITS" if r.fits else "DOES NOT FIT"
   where = f"per {r.target} chip" if r.target else "per device"
   lines.append(
@@ -526,11 +538,14 @@ def main(argv, flag_values=None):
     with open(flag_values.json, "w") as f:
       json.dump(report.to_dict(), f, indent=2)
   if not report.fits:
-    raise errors.UserError(
-      f"does not fit: {report.total_bytes / GIB:.2f} GiB per "
+    why = (
+      f"the {report.target} compiler ran out of memory ({report.compile_oom})"
+      if report.compile_oom
+      else f"{report.total_bytes / GIB:.2f} GiB per "
       f"{'chip of ' + report.target if report.target else 'device'}, "
-      f"{memory_gib:g} GiB there; {advice(config)}"
+      f"{memory_gib:g} GiB there"
     )
+    raise errors.UserError(f"does not fit: {why}; {advice(config)}")
 
 
 def define_flags(flag_values=None):
