@@ -205,10 +205,22 @@ def _compiled_attention(target_name, kernel, segments, b=4, length=256, n=4, h=6
 @pytest.mark.slow
 @needs("tpu")
 @pytest.mark.parametrize("segments", [False, True])
-def test_splash_attention_lowers_for_a_tpu_slice(segments):
+def test_splash_attention_lowers_for_a_tpu_slice(segments, tmp_path):
   """Pallas's splash kernel, forward and backward, compiled by the TPU compiler (Mosaic)
-  for a v5e-4 (run per shard by shard_map: Mosaic kernels are not partitioned)."""
-  text = _compiled_attention("v5e-4", "splash", segments)
+  for a v5e-4 (run per shard by shard_map: Mosaic kernels are not partitioned).
+
+  In a child process: loading libtpu registers its profiler plugin, after which a CPU
+  trace in the same process misses its programs (tests/test_profile_split.py)."""
+  out = tmp_path / "hlo.txt"
+  script = (
+    "import pathlib, sys; sys.path.insert(0, 'tests'); import test_preflight as t; "
+    f"pathlib.Path({str(out)!r}).write_text(t._compiled_attention('v5e-4', 'splash', {segments}))"
+  )
+  r = subprocess.run(
+    [sys.executable, "-c", script], cwd=ROOT, env=cpu_env(), capture_output=True, text=True
+  )
+  assert r.returncode == 0, r.stderr[-3000:]
+  text = out.read_text()
   calls = [line for line in text.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
   names = " ".join(line.split("=", 1)[0] for line in calls)
   assert "splash_mha_fwd" in names and "splash_mha_dkv" in names, names
