@@ -213,11 +213,13 @@ def test_splash_attention_lowers_for_a_tpu_slice(segments, tmp_path):
   trace in the same process misses its programs (tests/test_profile_split.py)."""
   out = tmp_path / "hlo.txt"
   script = (
-    "import pathlib, sys; sys.path.insert(0, 'tests'); import test_preflight as t; "
+    "import pathlib, test_preflight as t; "
     f"pathlib.Path({str(out)!r}).write_text(t._compiled_attention('v5e-4', 'splash', {segments}))"
   )
+  env = cpu_env()
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests"), env.get("PYTHONPATH")]))
   r = subprocess.run(
-    [sys.executable, "-c", script], cwd=ROOT, env=cpu_env(), capture_output=True, text=True
+    [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True
   )
   assert r.returncode == 0, r.stderr[-3000:]
   text = out.read_text()
