@@ -36,7 +36,7 @@ GPT's parameters at the same shape; the parameter line says how many times.
 `--eval_text=FILE,...` also scores each final checkpoint on other held-out text files,
 one line per file and seed.
 
-GPT-2 small on one GPU (issue 47): `--config=FILE[:VARIANT]` builds the runs from an
+GPT-2 small on one GPU: `--config=FILE[:VARIANT]` builds the runs from an
 experiment config instead of a preset: its model, optimizer, batch and dtype
 (configs/wikipedia_small.py: the authors' GPT-2 small settings, batch 64 x 1024, bf16).
 Then each seed trains one whole epoch by default, each run in one training call whose

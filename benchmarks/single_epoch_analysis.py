@@ -1,4 +1,4 @@
-"""The analysis stage of `benchmarks.single_epoch` (issue 47, item 6): Section 5's
+"""The analysis stage of `benchmarks.single_epoch`: Section 5's
 views of the first seed's trained DiffEqFormer (spectra, Lyapunov map, clustering), drawn
 into D/analysis by the `odetransformer.analysis` package, and App. C.8's clustering
 measure along the model's own trajectory."""

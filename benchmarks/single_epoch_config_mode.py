@@ -1,4 +1,4 @@
-"""The --config mode of `benchmarks.single_epoch` (GPT-2 small on one GPU, issue 47): the
+"""The --config mode of `benchmarks.single_epoch` (GPT-2 small on one GPU): the
 order of its runs (every seed trains the models one whole epoch by default, each in one
 training call), its header lines (tokenizer, device, model and optimizer), the wall
 times, and the report's last lines: the mean ± spread of the per-seed perplexity ratios

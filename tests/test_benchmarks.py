@@ -893,7 +893,7 @@ def test_single_epoch_resumes_and_serves_no_token_twice(single_epoch_runs):
 def test_any_n_and_finetuning_from_single_epoch_runs(
   single_epoch_runs, tmp_path, monkeypatch, capsys
 ):
-  """Issue 36's any-N and Fig. 5 stages start from the scale run's checkpoints without
+  """The any-N and Fig. 5 stages start from the scale run's checkpoints without
   training them again: any_n --runs scores the DiffEqFormer at every N (at N = K the
   single-epoch benchmark's own test perplexity), adaptive_finetune --pretrained_* takes
   K, depth, width and tokenizer from the runs, and its 'before' row is the pre-trained

@@ -1,4 +1,4 @@
-"""Issue 34's names: ModelConfig is the one source of defaults, and old names migrate.
+"""Config names: ModelConfig is the one source of defaults, and old names migrate.
 
 Old -> new: model.kind 'gpt' -> 'transformer', model.flavour -> model.family ('gpt' ->
 'gpt2'), model.num_steps -> model.solver_steps (ODE kinds) / model.num_layers (discrete

@@ -1,4 +1,4 @@
-"""Issue 31 items 1-2: a gs:// workdir works like a local one, against a GCS emulator.
+"""A gs:// workdir works like a local one, against a GCS emulator.
 
 A run on `gs://<bucket>/run` (stopped, its newest checkpoint corrupted, then continued by
 main.py) is checked against an uninterrupted local run, then read by the tools; the

@@ -1,4 +1,4 @@
-"""Issue 31 item 4 / issue 32 items 1, 4 and 6: every committed checkpoint carries its
+"""Checkpoint integrity: every committed checkpoint carries its
 integrity record (written as part of the save), a hard kill never leaves a committed
 checkpoint that restores unchecked (checked on the run that test_reliability's SIGKILL
 test kills: test_sigkill_then_same_command_resumes_bit_exact), a checkpoint without its

@@ -1,9 +1,9 @@
-"""Issue 5, "a run never loses work": SIGKILL + restart is bit-exact, SIGTERM saves and
+"""A run never loses work: SIGKILL + restart is bit-exact, SIGTERM saves and
 exits 0, divergence stops with the last good checkpoint intact, checkpoints move
 between 8 and 1 devices, corrupt checkpoints are skipped, and bad input is one line
 with nothing written.
 
-Issue 23, "no silent data loss, no hang, one line for every bad input" (section 7):
+No silent data loss, no hang, one line for every bad input (section 7):
 each misuse case runs the real command in a process of its own (main.py or a tool's
 module, run as `python` runs it: CommandServer) and checks its exit status, its single
 `error:` line (no traceback) and that the workdir is exactly as it was."""
@@ -157,7 +157,7 @@ def reference(cache, tmp_path_factory):
 def test_sigkill_then_same_command_resumes_bit_exact(reference, cache, tmp_path, run_command):
   """Killed right after a commit, then started again with the same command: it resumes
   from the newest checkpoint, bit for bit. The killed run's checkpoints are also
-  test_integrity's (issue 32 item 1): every committed one carries its integrity record
+  test_integrity's: every committed one carries its integrity record
   (the old checksums.json was written only at the next save), and a byte flipped in the
   newest one's weights is refused and the read falls back to the previous (on a copy)."""
   wd = tmp_path / "wd"
@@ -543,7 +543,7 @@ def test_main_subprocess_one_line_exit_2_nothing_written(trained, cache, tmp_pat
 
 
 # --------------------------------------------------------------------------------------
-# 7. Issue 23: every misuse ends in the right behaviour or one line, exit 2, nothing
+# 7. Every misuse ends in the right behaviour or one line, exit 2, nothing
 #    written. Most cases stop before any compilation: well under a second each, once the
 #    libraries are imported.
 # --------------------------------------------------------------------------------------

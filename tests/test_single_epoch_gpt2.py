@@ -1,4 +1,4 @@
-"""Issue 47 items 1 and 6 at toy size: the one-command GPT-2 small single-epoch comparison
+"""At toy size: the one-command GPT-2 small single-epoch comparison
 (`benchmarks.single_epoch --config=configs/wikipedia_small.py`), run with the config's
 `:tiny` variant on a slice of the wikipedia-2015 files, and the GPU script's dry run: the
 script's call trains seed 0, the one command here adds seed 1 (seed 0 read back)."""

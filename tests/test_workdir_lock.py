@@ -1,4 +1,4 @@
-"""Issue 31 item 3 and issue 32 item 2: the workdir lock on object storage (against a
+"""The workdir lock on object storage (against a
 GCS emulator), a run that stops when its lock is no longer its own, and start-up cleanup
 that deletes only unfinished saves whose writer is known to have ended."""
 
