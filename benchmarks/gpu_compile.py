@@ -65,8 +65,6 @@ def define_flags(define) -> None:
 
 def topology(target: str):
   """Compile-only devices of one GPU described by the text proto at `target`."""
-  from jax.experimental import topologies  # lazy: only when compiling for a GPU
-
   try:
     spec = pathlib.Path(target).read_text()
   except OSError as e:
@@ -74,16 +72,12 @@ def topology(target: str):
       f"--target={target}: cannot read it ({e.strerror}); pass a GPU target config text proto"
     ) from None
   try:
-    devices = topologies.get_topology_desc(
-      platform="cuda", topology="1x1x1", target_config=spec
-    ).devices
+    return compile_targets.cuda_devices(spec, "1x1x1")
   except Exception as e:  # noqa: BLE001 (one line for any plugin failure)
     raise errors.UserError(
       f"cannot make a CUDA compile target ({str(e).splitlines()[0][:160]}); install "
       "requirements-compile.txt and run with JAX_PLATFORMS=cpu"
     ) from None
-  compile_targets.answer_cudnn_for(devices[0])
-  return devices
 
 
 def batch_structs(trainer, b: int, length: int, packed: bool) -> dict:

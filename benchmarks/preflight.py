@@ -13,23 +13,20 @@ ends; a rerun skips the rows already there (a long table resumes).
   python -m benchmarks.preflight --json=$HOME/preflight.json --replan  # the planner anew
 """
 
-import os
 import sys
 
-# Before jax: compile-only devices need the CPU platform (no driver probe); an H100's
-# matmuls as cuBLAS calls, as odetransformer.memory --compile_for does.
+from odetransformer.tools import compile_targets  # imports no jax
+
+# Before jax: as odetransformer.memory --compile_for sets it up (TPU and H100 targets).
 if getattr(sys.modules["__main__"].__spec__, "name", "") == "benchmarks.preflight":
-  os.environ["JAX_PLATFORMS"] = "cpu"
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false"
-  ).strip()
+  compile_targets.compile_only_environment(("tpu", "cuda"))
 
 import importlib  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 
 from odetransformer import errors  # noqa: E402
-from odetransformer.tools import compile_targets, memory  # noqa: E402
+from odetransformer.tools import memory  # noqa: E402
 
 KINDS = ("diffeqformer", "transformer")
 GIB = 2**30
@@ -70,7 +67,7 @@ def planned_gib(r: dict) -> float:
 def row(config_name: str, kind: str, target_name: str) -> dict:
   config = _config(config_name, kind)
   target = compile_targets.parse(target_name)
-  r = memory.memory_report(config, target=target, device_memory_gib=target.memory_gib)
+  r = memory.memory_report(config, target=target)
   return {
     "config": config_name,
     "kind": kind,

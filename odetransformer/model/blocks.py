@@ -225,7 +225,11 @@ def _target_device():
 
 def _platform() -> str:
   """'cuda', 'rocm', 'tpu' or 'cpu': the platform of `_target_device`."""
-  device = _target_device()
+  return device_platform(_target_device())
+
+
+def device_platform(device) -> str:
+  """'cuda', 'rocm', 'tpu' or 'cpu': `device`'s (jax says 'gpu' for both GPU kinds)."""
   if device.platform == "gpu":
     return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
   return device.platform

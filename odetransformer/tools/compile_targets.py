@@ -116,6 +116,31 @@ def parse(name: str) -> Target:
   raise errors.UserError(f"--compile_for={name}: unknown target; one of {EXAMPLES}")
 
 
+def compile_only_environment(platforms) -> None:
+  """Before jax is imported: compile-only devices need jax on its CPU platform (no driver
+  probe); for an H100, every matmul a cuBLAS call, as autotuning picks on one at these
+  sizes (no Triton GEMM, untuned without a GPU). `platforms`: those compiled for."""
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  if "cuda" in platforms:
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false"
+    ).strip()
+
+
+def cuda_devices(target_config: str, topology: str) -> list:
+  """Compile-only GPUs of a target config text proto (`slices x hosts x GPUs per host`),
+  with jax's cuDNN check answering for them (`answer_cudnn_for`)."""
+  from jax.experimental import topologies  # lazy: only when compiling for a GPU
+
+  devs = list(
+    topologies.get_topology_desc(
+      platform="cuda", topology=topology, target_config=target_config
+    ).devices
+  )
+  answer_cudnn_for(devs[0])
+  return devs
+
+
 def devices(target: Target) -> list:
   """Compile-only devices of `target` (no hardware needed); a UserError saying what to
   install when its compiler is missing."""
@@ -132,13 +157,13 @@ def devices(target: Target) -> list:
       # takes a lock file otherwise, and a second process fails).
       for key, value in _OFF_TPU_VM.items():
         os.environ.setdefault(key, value)
-      topo = topologies.get_topology_desc(topology_name=target.topology, platform="tpu")
+      devs = list(
+        topologies.get_topology_desc(topology_name=target.topology, platform="tpu").devices
+      )
     else:
       import jax_plugins.xla_cuda12  # noqa: F401  (the CUDA compiler)
 
-      topo = topologies.get_topology_desc(
-        platform="cuda", topology=target.topology, target_config=H100_TARGET.read_text()
-      )
+      devs = cuda_devices(H100_TARGET.read_text(), target.topology)
   except ImportError:
     raise errors.UserError(
       f"compiling for {target.name} needs the {target.platform.upper()} compiler, which "
@@ -149,13 +174,10 @@ def devices(target: Target) -> list:
       f"cannot make the compile target {target.name} "
       f"({str(e).strip().splitlines()[0][:160]}); run with JAX_PLATFORMS=cpu and {INSTALL}"
     ) from None
-  devs = list(topo.devices)
   if len(devs) != target.chips:
     raise errors.UserError(
       f"--compile_for={target.name}: the compiler made {len(devs)} devices, expected {target.chips}"
     )
-  if target.platform == "cuda":
-    answer_cudnn_for(devs[0])
   return devs
 
 

@@ -58,6 +58,8 @@ from absl import flags
 from ml_collections import config_flags
 import numpy as np
 
+from odetransformer.tools import compile_targets  # imports no jax (used before it loads)
+
 
 def _force_host_device_count(argv) -> None:
   """Sets XLA_FLAGS for `--num_devices` (must run before jax is imported)."""
@@ -77,16 +79,10 @@ def _force_host_device_count(argv) -> None:
 
 
 def _compile_only_platform(argv) -> None:
-  """`--compile_for`: compile-only devices need jax on its CPU platform (no driver
-  probe); for an H100, every matmul a cuBLAS call, as autotuning picks on one
-  (benchmarks/gpu_compile.py)."""
+  """`--compile_for`: `compile_targets.compile_only_environment` for its platform."""
   target = next((a.split("=", 1)[1] for a in argv if a.startswith("--compile_for=")), None)
   if target:
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    if target.startswith("h100"):
-      os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false"
-      ).strip()
+    compile_targets.compile_only_environment(("cuda",) if target.startswith("h100") else ("tpu",))
 
 
 if __name__ == "__main__":
@@ -109,7 +105,7 @@ from odetransformer import errors  # noqa: E402
 from odetransformer.model import blocks  # noqa: E402
 from odetransformer.model import config as config_lib  # noqa: E402
 from odetransformer.model.param_count import attention_flops_per_token, flops_per_token  # noqa: E402
-from odetransformer.tools import compile_targets, hlo_stats  # noqa: E402
+from odetransformer.tools import hlo_stats  # noqa: E402
 from odetransformer.tools.memory_temporaries import temporaries_estimate  # noqa: E402
 from odetransformer.train import loop, steps  # noqa: E402
 from odetransformer.train import optimizer as optimizer_lib  # noqa: E402
@@ -216,7 +212,7 @@ def memory_report(
   *,
   compile_step: bool | None = None,
   compile_max_params: int = DEFAULT_COMPILE_MAX_PARAMS,
-  device_memory_gib: float = 80.0,
+  device_memory_gib: float | None = None,
   devices=None,
   target: compile_targets.Target | None = None,
 ) -> MemoryReport:
@@ -227,6 +223,8 @@ def memory_report(
       data.vocab_size (the tokenizer's size at training time).
     compile_step: True = lower and compile the train step; False = analytic; None =
       compile when the model has fewer than `compile_max_params` parameters.
+    device_memory_gib: the verdict's memory per device (default: the target chip's,
+      else 80, an H100).
     target: a slice to compile for (`compile_targets.parse`): its compile-only devices
       (unless `devices` are given), always compiled; the report adds its step's
       collectives and, on TPU, the compiler's estimated step time and MFU.
@@ -234,6 +232,7 @@ def memory_report(
   if target is not None:
     devices = compile_targets.devices(target) if devices is None else devices
     compile_step = True
+  device_memory_gib = device_memory_gib or (target.memory_gib if target else 80.0)
   devices = list(jax.devices() if devices is None else devices)
   try:
     mesh = sharding_lib.make_mesh(config.mesh, devices)
@@ -266,6 +265,7 @@ def memory_report(
     compiled=False,
     device_memory_gib=device_memory_gib,
     temporaries=temporaries,
+    target=target.name if target else "",
   )
 
   report.estimate_bytes = report.total_bytes
@@ -282,11 +282,9 @@ def memory_report(
   except Exception as e:  # noqa: BLE001 (a target's compiler failing: one line)
     if target is None:
       raise
-    text = str(e)
-    if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+    if is_out_of_memory(str(e)):
       # XLA:TPU refuses a program larger than the chip's HBM: a verdict, not a failure.
-      report.compile_oom = text.strip().splitlines()[0][:300]
-      report.target = target.name
+      report.compile_oom = str(e).strip().splitlines()[0][:300]
       report.compile_seconds = time.perf_counter() - t0
       return report
     raise errors.UserError(compile_failure(e, cfg, config.seq_len, target)) from e
@@ -295,12 +293,17 @@ def memory_report(
   report.activation_bytes = report.xla["temp_size_in_bytes"]
   report.compiled = True
   report.hlo = hlo_stats.parse_step(compiled.as_text())
-  if target is not None:
-    report.target = target.name
-    if target.clock_hz and report.hlo["cycles"]:
-      _estimate_step_time(report, config, cfg, target)
+  if target is not None and target.clock_hz and report.hlo["cycles"]:
+    _estimate_step_time(report, config, cfg, target)
   report.eval_xla = _xla_stats(compile_eval_step(config, ts, mesh, rules))
   return report
+
+
+def is_out_of_memory(message: str) -> bool:
+  """Whether an XLA error says it ran out of memory: RESOURCE_EXHAUSTED from an allocator
+  or a compiler (XLA:TPU refusing a program larger than HBM), XLA:CPU's dispatch's
+  'INTERNAL: ... Out of memory allocating N bytes'."""
+  return "RESOURCE_EXHAUSTED" in message or "out of memory" in message.lower()
 
 
 KERNEL_NAMES = {"splash": "Pallas splash attention (Mosaic)", "cudnn": "cuDNN flash attention"}
@@ -519,7 +522,6 @@ def main(argv, flag_values=None):
       raise errors.UserError("--compile_for and --num_devices: give one (the target has its own)")
     target = compile_targets.parse(flag_values.compile_for)
   config = errors.load_config_flag(flag_values["config"])
-  memory_gib = flag_values.device_memory_gib or (target.memory_gib if target else 80.0)
   if target:
     print(
       f"compiling the train and eval steps for {target.name} ({target.chips} chips, "
@@ -530,7 +532,7 @@ def main(argv, flag_values=None):
     config,
     compile_step=flag_values.compile,
     compile_max_params=flag_values.compile_max_params,
-    device_memory_gib=memory_gib,
+    device_memory_gib=flag_values.device_memory_gib,
     target=target,
   )
   print(format_report(report))
@@ -543,7 +545,7 @@ def main(argv, flag_values=None):
       if report.compile_oom
       else f"{report.total_bytes / GIB:.2f} GiB per "
       f"{'chip of ' + report.target if report.target else 'device'}, "
-      f"{memory_gib:g} GiB there"
+      f"{report.device_memory_gib:g} GiB there"
     )
     raise errors.UserError(f"does not fit: {why}; {advice(config)}")
 

@@ -26,7 +26,7 @@ def _logit_bytes(platform: str, cb: int) -> int:
   their gradient in the compute dtype; XLA:TPU fuses the float32 upcast into the
   softmax (the logits in the compute dtype, their gradient in float32); XLA:CPU keeps
   float32 logits and gradient and, when narrower, compute-dtype copies of both."""
-  if platform in ("gpu", "cuda", "rocm"):
+  if platform in ("cuda", "rocm"):
     return 2 * cb
   if platform == "tpu":
     return cb + 4
@@ -108,7 +108,7 @@ def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
   if cfg.family == "gpt2":
     emb += gathered((cfg.max_len, d), ("length", "embed"))
   head = 0 if cfg.tie_embeddings else gathered((d, v), ("embed", "vocab"))
-  logit_bytes = _logit_bytes(mesh.devices.flat[0].platform, cb)
+  logit_bytes = _logit_bytes(blocks.device_platform(mesh.devices.flat[0]), cb)
   out["head"] = tokens * (v // tp_vocab) * logit_bytes + (emb + head) * (cb + 4)
   layer = sum(gathered(spec.shape, spec.axes) for spec in blocks.layer_param_specs(cfg).values())
   recomputed = (matmul_outs + elementwise) if cfg.remat_policy != "none" else 0

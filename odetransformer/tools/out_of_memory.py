@@ -28,11 +28,7 @@ def find_out_of_memory(e: BaseException) -> BaseException | None:
   seen = set()
   while e is not None and id(e) not in seen:
     seen.add(id(e))
-    # RESOURCE_EXHAUSTED from an allocator; XLA:CPU's dispatch says INTERNAL: ... Out of
-    # memory allocating N bytes.
-    if isinstance(e, jax.errors.JaxRuntimeError) and (
-      "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
-    ):
+    if isinstance(e, jax.errors.JaxRuntimeError) and memory.is_out_of_memory(str(e)):
       return e
     e = e.__cause__ or e.__context__
   return None
