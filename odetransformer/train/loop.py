@@ -49,7 +49,8 @@ def train_and_evaluate(
     {'start_step': step resumed from (0 if fresh), 'step': final step, 'train': last
     logged train scalars, 'eval': last eval scalars, 'loss_history': [(step, train
     loss)] at each log line, 'num_params': parameter count, 'data_state': the training
-    iterator's state at 'step'}.
+    iterator's state at 'step', 'preempted': True when SIGTERM or Ctrl-C stopped the run
+    early, after saving a checkpoint}.
   """
   run = setup.check_run(config, workdir)  # every check that needs no data; no writes
   config = run.config
@@ -240,7 +241,7 @@ def _train(
     )
 
   train_scalars, eval_scalars, history, train_metrics = {}, {}, [], None
-  step = start_step
+  step, preempted = start_step, False
   if start_step >= last:
     metrics_lib.log(f"already at step {start_step} >= num_train_steps={last}")
   elif start_step == 0 and config.get("init_from"):
@@ -291,5 +292,6 @@ def _train(
     "eval": eval_scalars,
     "loss_history": history,
     "num_params": num_params,
+    "preempted": preempted,
     "data_state": train_iter.get_state() if hasattr(train_iter, "get_state") else None,
   }
