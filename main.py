@@ -32,7 +32,7 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from odetransformer import errors
+from odetransformer import cli_flags, errors
 from odetransformer.runtime import host, hugepages
 from odetransformer.runtime.logs import quiet_library_logs
 
@@ -59,11 +59,11 @@ _cpu_by_default = False  # whether this process set JAX_PLATFORMS=cpu (host.defa
 
 
 def _parse_flags(argv: list) -> list:
-  """`errors.parse_absl_flags`, where a request for help exits 0 (absl's help exits 1)
+  """`cli_flags.parse_absl_flags`, where a request for help exits 0 (absl's help exits 1)
   and -h means --help."""
   argv = [("--help" if arg == "-h" else arg) for arg in argv]
   try:
-    return errors.parse_absl_flags(argv)
+    return cli_flags.parse_absl_flags(argv)
   except SystemExit as e:
     asked = any(arg.lstrip("-") in _HELP_FLAGS for arg in argv[1:] if arg.startswith("-"))
     if e.code == 1 and asked:
@@ -76,7 +76,7 @@ def main(argv):
     raise errors.UserError(
       f"unexpected arguments {argv[1:]}; flags take the form --name=value (see --helpshort)"
     )
-  config = errors.load_config_flag(_CONFIG)
+  config = cli_flags.load_config_flag(_CONFIG)
   quiet_library_logs()  # orbax and TFDS: warnings and errors only
   import jax  # lazy: after flag parsing (grain workers read absl flags) and JAX_PLATFORMS
 

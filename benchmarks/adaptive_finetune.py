@@ -80,7 +80,7 @@ from benchmarks.adaptive_finetune_runs import (
   run_dir,
   split_text,
 )
-from odetransformer import errors
+from odetransformer import cli_flags, errors
 from odetransformer.errors import ConfigError
 from odetransformer.model.config import model_config
 from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
@@ -89,7 +89,7 @@ from odetransformer.train.checkpoint.paths import CONFIG_FILE
 
 
 def define_flags(define) -> None:
-  """This command's flags (errors.parse_flags)."""
+  """This command's flags (cli_flags.parse_flags)."""
   define(
     "string",
     "out",
@@ -166,7 +166,7 @@ def define_flags(define) -> None:
 def parse_args(argv=None):
   """The flags of `argv` (without the program name; default sys.argv[1:]), checked: a
   bad value is a UserError naming the fix."""
-  args = errors.parse_flags(define_flags, argv, doc=__doc__)
+  args = cli_flags.parse_flags(define_flags, argv, doc=__doc__)
   args.pretrained = bool(args.pretrained_diffeqformer or args.pretrained_gpt)
   defaults = (
     {}

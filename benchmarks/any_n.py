@@ -34,7 +34,7 @@ from absl import logging
 
 from benchmarks import common
 from configs import default
-from odetransformer import errors
+from odetransformer import cli_flags, errors
 from odetransformer.errors import UserError
 from odetransformer.model import config as config_lib
 from odetransformer.model.solvers import STEP_TIMES
@@ -87,7 +87,7 @@ def make_config(args, mode: str, seed: int, cache_dir: str):
 
 
 def define_flags(define) -> None:
-  """This command's flags (errors.parse_flags)."""
+  """This command's flags (cli_flags.parse_flags)."""
   define("integer", "seeds", 3, "number of seeds, both modes each")
   define(
     "integer",
@@ -142,7 +142,7 @@ def define_flags(define) -> None:
 def parse_args(argv=None):
   """The flags of `argv` (without the program name; default sys.argv[1:]), checked: a
   bad value is a UserError naming the fix."""
-  args = errors.parse_flags(define_flags, argv, doc=__doc__)
+  args = cli_flags.parse_flags(define_flags, argv, doc=__doc__)
   args.runs = [r for r in args.runs.split(",") if r]
   if args.data and not args.runs:
     raise UserError("--data applies to --runs only; the trained runs score on their eval split")

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from odetransformer import errors
+from odetransformer import cli_flags, errors
 from odetransformer.runtime import fileio
 from odetransformer.runtime.logs import quiet_library_logs
 from odetransformer.train.checkpoint.integrity import (
@@ -151,14 +151,14 @@ VARIANTS = {
 
 
 def define_flags(define) -> None:
-  """This command's flags (errors.parse_flags)."""
+  """This command's flags (cli_flags.parse_flags)."""
   define("float", "gib", 1.0, "state size in GiB")
   define("integer", "repeats", 3, "save and restore rounds of every variant")
   define("string", "dir", "", "where to write (default: a temporary directory on the local disk)")
 
 
 def main(argv=None):
-  args = errors.parse_flags(define_flags, argv, doc=__doc__)
+  args = cli_flags.parse_flags(define_flags, argv, doc=__doc__)
   quiet_library_logs()
   model, opt = make_states(args.gib)
   nbytes = sum(x.nbytes for x in jax.tree.leaves((model, opt)))

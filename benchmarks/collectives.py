@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from configs import default as default_config  # noqa: E402
-from odetransformer import errors  # noqa: E402
+from odetransformer import cli_flags, errors  # noqa: E402
 from odetransformer.model import config as config_lib  # noqa: E402
 from odetransformer.tools import hlo_stats, memory  # noqa: E402
 from odetransformer.train import optimizer as optimizer_lib  # noqa: E402
@@ -121,7 +121,7 @@ def measure(config, devices) -> dict:
 
 
 def define_flags(define) -> None:
-  """This command's flags (errors.parse_flags)."""
+  """This command's flags (cli_flags.parse_flags)."""
   define("bool", "tiny", False, "seconds-sized shapes (tests)")
   define(
     "string",
@@ -134,7 +134,7 @@ def define_flags(define) -> None:
 
 
 def main(argv=None):
-  args = errors.parse_flags(define_flags, argv, doc=__doc__)
+  args = cli_flags.parse_flags(define_flags, argv, doc=__doc__)
   if jax.device_count() != NUM_DEVICES:
     raise errors.UserError(
       f"jax has {jax.device_count()} devices, not {NUM_DEVICES}; run as a "

@@ -98,7 +98,7 @@ PRESETS = {
 
 
 def define_common_flags(define, remat: str = "dots_saveable") -> None:
-  """The flags every model benchmark shares (`define` as `errors.parse_flags` passes it);
+  """The flags every model benchmark shares (`define` as `cli_flags.parse_flags` passes it);
   `remat` is the default of --remat."""
   define("enum", "preset", "bench-small", "Model and shape preset.", enum_values=sorted(PRESETS))
   define("enum", "dtype", "float32", "Compute dtype.", enum_values=["float32", "bfloat16"])

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from odetransformer import errors
+from odetransformer import cli_flags, errors
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README_WORKDIR = "/tmp/odet_default"
@@ -138,13 +138,13 @@ def check_run(quoted: list, workdir: str, timeout: float = 3600) -> tuple:
 
 
 def define_flags(define) -> None:
-  """This command's flags (errors.parse_flags)."""
+  """This command's flags (cli_flags.parse_flags)."""
   define("string", "workdir", "", "Run directory (default: a fresh temporary one).")
   define("integer", "through_step", 0, "Check the quoted lines up to this step (0 = all).")
 
 
 def main(argv=None) -> int:
-  args = errors.parse_flags(define_flags, argv, doc=__doc__)
+  args = cli_flags.parse_flags(define_flags, argv, doc=__doc__)
   if args.through_step < 0:
     raise errors.UserError(f"--through_step={args.through_step} must be >= 0 (0 = all)")
   quoted = quoted_lines((ROOT / "README.md").read_text(encoding="utf-8"))

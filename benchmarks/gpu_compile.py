@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks import common, hlo_bytes  # noqa: E402
-from odetransformer import errors  # noqa: E402
+from odetransformer import cli_flags, errors  # noqa: E402
 from odetransformer.tools import compile_targets  # noqa: E402
 
 DEFAULT_TARGET = str(compile_targets.H100_TARGET)
@@ -172,7 +172,7 @@ def report(kind: str, r: dict, top: int) -> str:
 
 
 def main(argv=None):
-  args = errors.parse_flags(define_flags, argv, doc=__doc__)
+  args = cli_flags.parse_flags(define_flags, argv, doc=__doc__)
   kinds = [k for k in args.kinds.split(",") if k]
   overrides = {}
   fields = common.model_config(args, "transformer")

@@ -31,7 +31,7 @@ import jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.collectives import MESHES, make_config  # noqa: E402
 from configs import owt_small  # noqa: E402
-from odetransformer import errors  # noqa: E402
+from odetransformer import cli_flags, errors  # noqa: E402
 from odetransformer.tools import memory  # noqa: E402
 
 MiB = 2**20
@@ -52,13 +52,13 @@ def configs(shape: str, kind: str, mesh, remats):
 
 
 def define_flags(define) -> None:
-  """This command's flags (errors.parse_flags)."""
+  """This command's flags (cli_flags.parse_flags)."""
   define("string", "shapes", "bench-small,owt_small", f"comma-separated, from {', '.join(SHAPES)}")
   define("string", "remat", ",".join(REMATS), "remat policies of bench-small (owt_small: its own)")
 
 
 def main(argv=None):
-  args = errors.parse_flags(define_flags, argv, doc=__doc__)
+  args = cli_flags.parse_flags(define_flags, argv, doc=__doc__)
   remats = [r for r in args.remat.split(",") if r]
   if not remats or any(r not in REMATS for r in remats):
     raise errors.UserError(f"--remat={args.remat!r}: choose from {', '.join(REMATS)}")

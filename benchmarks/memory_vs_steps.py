@@ -17,20 +17,20 @@ between the two largest K.
 """
 
 from benchmarks import common
-from odetransformer import errors
+from odetransformer import cli_flags, errors
 from odetransformer.model.param_count import layer_params
 
 MiB = 2**20
 
 
 def define_flags(define) -> None:
-  """This command's flags (errors.parse_flags)."""
+  """This command's flags (cli_flags.parse_flags)."""
   common.define_common_flags(define, remat="full")
   define("string", "steps", "6,12,24", "comma-separated K = L values compiled")
 
 
 def main(argv=None):
-  args = errors.parse_flags(define_flags, argv, doc=__doc__)
+  args = cli_flags.parse_flags(define_flags, argv, doc=__doc__)
   b, length = common.shape(args)
   try:
     ks = [int(k) for k in args.steps.split(",")]

@@ -21,11 +21,11 @@ import os
 import statistics
 import time
 
-from odetransformer import errors
+from odetransformer import cli_flags, errors
 
 
 def define_flags(define) -> None:
-  """This command's flags (errors.parse_flags)."""
+  """This command's flags (cli_flags.parse_flags)."""
   define("string", "nanogpt", None, "a nanoGPT checkout (holds model.py)", required=True)
   define("integer", "batch", None, "batch size", required=True)
   define("integer", "seq_len", None, "sequence length", required=True)
@@ -46,7 +46,7 @@ def define_flags(define) -> None:
 
 
 def parse_args(argv=None):
-  return errors.parse_flags(define_flags, argv, doc=__doc__)
+  return cli_flags.parse_flags(define_flags, argv, doc=__doc__)
 
 
 def load_nanogpt(directory: str):

@@ -28,7 +28,7 @@ import jax
 from benchmarks import common  # huge pages as main.py
 from input_pipeline import config as config_lib
 from input_pipeline import create_datasets
-from odetransformer import errors
+from odetransformer import cli_flags, errors
 
 
 def pipeline_tokens_per_s(
@@ -150,7 +150,7 @@ def train_tokens_per_s(args, batches, num_timed: int = 3) -> float:
 
 
 def define_flags(define) -> None:
-  """This command's flags (errors.parse_flags)."""
+  """This command's flags (cli_flags.parse_flags)."""
   common.define_common_flags(define)
   define("integer", "batches", 400, "timed pipeline batches")
   define("integer", "scaling_batch", 16, "global batch of the per-host section (a multiple of 4)")
@@ -158,7 +158,7 @@ def define_flags(define) -> None:
 
 
 def main(argv=None):
-  args = errors.parse_flags(define_flags, argv, doc=__doc__)
+  args = cli_flags.parse_flags(define_flags, argv, doc=__doc__)
   for name in ("valid.txt", "test.txt"):
     if not os.path.isfile(os.path.join(args.data_dir, name)):
       raise errors.UserError(

@@ -25,7 +25,7 @@ import importlib  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 
-from odetransformer import errors  # noqa: E402
+from odetransformer import cli_flags, errors  # noqa: E402
 from odetransformer.tools import memory  # noqa: E402
 
 KINDS = ("diffeqformer", "transformer")
@@ -107,7 +107,7 @@ def table(rows: list) -> str:
 
 
 def main(argv=None):
-  args = errors.parse_flags(define_flags, argv, doc=__doc__)
+  args = cli_flags.parse_flags(define_flags, argv, doc=__doc__)
   path = pathlib.Path(args.json) if args.json else None
   rows = json.loads(path.read_text()) if path and path.exists() else []
   if args.replan:

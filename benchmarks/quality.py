@@ -28,7 +28,7 @@ from absl import logging
 
 from benchmarks import common
 from configs import default
-from odetransformer import errors
+from odetransformer import cli_flags, errors
 from odetransformer.model.config import FAMILIES, LLAMA_BLOCKS
 from odetransformer.model.solvers import STEP_TIMES
 
@@ -66,7 +66,7 @@ def make_config(args, kind: str, seed: int, cache_dir: str):
 
 
 def define_flags(define) -> None:
-  """This command's flags (errors.parse_flags)."""
+  """This command's flags (cli_flags.parse_flags)."""
   define("integer", "seeds", 3, "seeds 0..N-1, both models each")
   define("integer", "steps", 600, "training steps of each run")
   define("enum", "family", "gpt2", "model family of both runs", enum_values=list(FAMILIES))
@@ -116,7 +116,7 @@ def define_flags(define) -> None:
 def parse_args(argv=None):
   """The flags of `argv` (without the program name; default sys.argv[1:]), checked: a
   bad value is a UserError naming the fix."""
-  args = errors.parse_flags(define_flags, argv, doc=__doc__)
+  args = cli_flags.parse_flags(define_flags, argv, doc=__doc__)
   if args.data_dir:
     args.train_text = args.train_text or os.path.join(args.data_dir, "valid.txt")
     args.eval_text = args.eval_text or os.path.join(args.data_dir, "test.txt")

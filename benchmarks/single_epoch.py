@@ -87,14 +87,14 @@ from benchmarks.single_epoch_corpus import TrainingText, max_single_epoch_steps,
 from benchmarks.single_epoch_report import model_label as model_label  # the tests read it here
 from benchmarks.single_epoch_report import print_eval_texts, print_table_and_parameters, write_table
 from benchmarks.single_epoch_runs import KINDS, make_config, run_points
-from odetransformer import errors
+from odetransformer import cli_flags, errors
 from odetransformer.errors import UserError
 from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
 from odetransformer.runtime.logs import quiet_library_logs
 
 
 def define_flags(define) -> None:
-  """This command's flags (errors.parse_flags)."""
+  """This command's flags (cli_flags.parse_flags)."""
   define(
     "string",
     "data_dir",
@@ -209,7 +209,7 @@ def define_flags(define) -> None:
 def parse_args(argv=None):
   """The flags of `argv` (without the program name; default sys.argv[1:]), checked: a
   bad value is a UserError naming the fix."""
-  args = errors.parse_flags(define_flags, argv, doc=__doc__)
+  args = cli_flags.parse_flags(define_flags, argv, doc=__doc__)
   for name in ("valid.txt", "test.txt"):
     if not os.path.isfile(os.path.join(args.data_dir, name)):
       raise UserError(

@@ -30,7 +30,7 @@ from flax import nnx
 import jax
 
 from benchmarks import common, profile_split
-from odetransformer import errors
+from odetransformer import cli_flags, errors
 from odetransformer.model.config import KINDS
 from odetransformer.model.materialize import materialize
 from odetransformer.model.param_count import count_params, flops_per_token
@@ -38,7 +38,7 @@ from odetransformer.train import metrics
 
 
 def define_flags(define) -> None:
-  """This command's flags (errors.parse_flags)."""
+  """This command's flags (cli_flags.parse_flags)."""
   common.define_common_flags(define)
   define("integer", "rounds", 10, "Timed rounds.")
   define(
@@ -77,7 +77,7 @@ def define_flags(define) -> None:
 
 
 def parse_args(argv=None):
-  args = errors.parse_flags(define_flags, argv, doc=__doc__)
+  args = cli_flags.parse_flags(define_flags, argv, doc=__doc__)
   args.also = [k for k in args.also.split(",") if k]
   baselines = [k for k in KINDS if k not in ("diffeqformer", "transformer")]
   for kind in args.also:

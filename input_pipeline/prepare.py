@@ -22,7 +22,7 @@ from input_pipeline import cache, corpora, sources
 from input_pipeline import config as config_lib
 from input_pipeline import tokenizer as tokenizer_lib
 from input_pipeline.errors import DataError
-from odetransformer import errors
+from odetransformer import cli_flags
 
 
 def prepare(
@@ -84,7 +84,7 @@ def main(argv, flag_values=None):
 def define_flags(flag_values=None):
   """Defines this command's flags in `flag_values` (default: absl's global FLAGS)."""
   fv = flags.FLAGS if flag_values is None else flag_values
-  define = errors.definer(fv)
+  define = cli_flags.definer(fv)
   define("string", "dataset", None, "'openwebtext', 'wikitext103' or 'tfds:<name>'.", required=True)
   define("string", "data_dir", None, "TFDS data_dir to write to.", required=True)
   define("string", "raw_dir", None, "Raw files downloaded by hand (optional).")
@@ -100,4 +100,4 @@ def define_flags(flag_values=None):
 
 
 if __name__ == "__main__":
-  errors.run_absl_tool(main, define_flags)
+  cli_flags.run_absl_tool(main, define_flags)

@@ -17,7 +17,7 @@ import shutil
 import ml_collections
 import pytest
 
-from odetransformer import errors
+from odetransformer import cli_flags, errors
 from odetransformer.model import config as config_lib
 from odetransformer.tools import evaluate
 from odetransformer.train import loading, loop
@@ -143,13 +143,13 @@ def test_an_old_fingerprint_matches_the_same_run_under_new_names():
 
 def test_old_tool_flag_is_rewritten_with_a_warning(caplog):
   with caplog.at_level(logging.WARNING):
-    argv = errors.renamed_flags(
+    argv = cli_flags.renamed_flags(
       ["prog", "--num_steps=2,3", "--num_steps", "4", "--step=1"], {"solver_steps", "step"}
     )
   assert argv == ["prog", "--solver_steps=2,3", "--solver_steps", "4", "--step=1"]
   assert "--num_steps is deprecated" in caplog.records[0].getMessage()
   # A command whose own flag is still called num_steps (e.g. analysis.clustering) keeps it.
-  assert errors.renamed_flags(["--num_steps=3"], {"num_steps"}) == ["--num_steps=3"]
+  assert cli_flags.renamed_flags(["--num_steps=3"], {"num_steps"}) == ["--num_steps=3"]
 
 
 # The old code's numbers for the fixtures, from the code at 3bd2d70 (tests/fixtures/old34

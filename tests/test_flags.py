@@ -2,7 +2,7 @@
 from one definition (`loading.define_load_flags`), and a bad flag is one line.
 
 The commands are found, not listed: every module of the repository with a `__main__`
-block. Those on `errors.parse_flags` (analysis, benchmarks) are run in this process, one
+block. Those on `cli_flags.parse_flags` (analysis, benchmarks) are run in this process, one
 after another, which is what their own FlagValues allow; the tools on absl's global FLAGS
 (main.py's style) parse into a fresh FlagValues of their own flags.
 """
@@ -14,7 +14,7 @@ import re
 from absl import flags
 import pytest
 
-from odetransformer import errors
+from odetransformer import cli_flags, errors
 from odetransformer.train import loading
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def commands():
 
 
 PARSE_FLAGS = [name for name, text in commands() if "def define_flags(define)" in text]
-GLOBAL_FLAGS = [name for name, text in commands() if "\n  errors.run_absl_tool(" in text]
+GLOBAL_FLAGS = [name for name, text in commands() if "\n  cli_flags.run_absl_tool(" in text]
 
 
 def test_no_module_uses_argparse():
@@ -73,7 +73,7 @@ def test_loading_flags_have_one_definition():
   defining = [str(p.relative_to(ROOT)) for p in sources() if shared.search(p.read_text())]
   assert defining == ["odetransformer/train/loading.py"]
   fv = flags.FlagValues()
-  loading.define_load_flags(errors.definer(fv))
+  loading.define_load_flags(cli_flags.definer(fv))
   assert set(fv) == {"workdir", "step", "mesh_shape", "checkpoint_allow_unverified", "verbose"}
   users = {name for name, text in commands() if "loading.define_load_flags(define)" in text}
   assert {
@@ -103,7 +103,7 @@ def test_a_bad_flag_is_one_line(name, capsys):
 def test_a_bad_flag_of_a_global_flags_tool_is_one_line(name):
   fv = importlib.import_module(name).define_flags(flags.FlagValues())
   with pytest.raises(errors.UserError) as e:
-    errors.parse_absl_flags([name, "--no_such_flag=1"], fv)
+    cli_flags.parse_absl_flags([name, "--no_such_flag=1"], fv)
   assert errors.describe(e.value) == (
     "Unknown command line flag 'no_such_flag'; see --helpshort for the flags"
   )
@@ -114,13 +114,13 @@ def test_a_missing_required_flag_or_a_stray_argument_is_one_line():
     define("string", "out", None, "Output directory.", required=True)
 
   with pytest.raises(errors.UserError) as e:
-    errors.parse_flags(define_flags, [])
+    cli_flags.parse_flags(define_flags, [])
   assert errors.describe(e.value) == (
     "--out is required; pass --out=<value> (--helpshort lists the flags)"
   )
-  assert errors.parse_flags(define_flags, ["--out", "d"]).out == "d"
+  assert cli_flags.parse_flags(define_flags, ["--out", "d"]).out == "d"
   with pytest.raises(errors.UserError) as e:
-    errors.parse_flags(define_flags, ["--out=d", "stray"])
+    cli_flags.parse_flags(define_flags, ["--out=d", "stray"])
   assert errors.describe(e.value) == (
     "unexpected arguments ['stray']; flags take the form --name=value"
   )

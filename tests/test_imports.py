@@ -98,9 +98,10 @@ def test_no_import_circle():
 # Imports only go down: each room may import the rooms listed for it (and itself).
 LAYERS = {
   "odetransformer.errors": (),
+  "odetransformer.cli_flags": ("odetransformer.errors",),
   "odetransformer.runtime": ("odetransformer.errors",),
   "odetransformer.model": ("odetransformer.errors",),
-  "input_pipeline": ("odetransformer.errors", "odetransformer.runtime"),
+  "input_pipeline": ("odetransformer.errors", "odetransformer.cli_flags", "odetransformer.runtime"),
   "odetransformer.train": (
     "odetransformer.errors",
     "odetransformer.runtime",
@@ -109,6 +110,7 @@ LAYERS = {
   ),
   "odetransformer.analysis": (
     "odetransformer.errors",
+    "odetransformer.cli_flags",
     "odetransformer.runtime",
     "odetransformer.model",
     "input_pipeline",
@@ -116,6 +118,7 @@ LAYERS = {
   ),
   "odetransformer.tools": (
     "odetransformer.errors",
+    "odetransformer.cli_flags",
     "odetransformer.runtime",
     "odetransformer.model",
     "input_pipeline",

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from odetransformer import errors
+from odetransformer import cli_flags, errors
 from odetransformer.runtime import fileio
 
 NUM_TOKENS = 40
@@ -328,7 +328,7 @@ def write_outputs(results: dict, out_dir: str, settings: dict) -> dict:
 
 # -------------------------------------------------------------------------------- CLI
 def define_flags(define) -> None:
-  """This command's flags (`errors.parse_flags`)."""
+  """This command's flags (`cli_flags.parse_flags`)."""
   define("string", "out", None, "Output directory (local or gs://...).", required=True)
   define("integer", "seed", 0, "Initial tokens and weight draws.")
   define("integer", "num_draws", 8, "Random W0 draws per case.")
@@ -342,7 +342,7 @@ def define_flags(define) -> None:
 
 def parse_args(argv):
   """The flags of `argv` (without the program name; None: sys.argv[1:])."""
-  return errors.parse_flags(
+  return cli_flags.parse_flags(
     define_flags,
     argv,
     doc="App. C.8: attention-only token dynamics on the sphere, weights β(t)·W0.",

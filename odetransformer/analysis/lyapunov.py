@@ -17,7 +17,7 @@ import re
 from absl import logging
 import jax
 
-from odetransformer import errors
+from odetransformer import cli_flags, errors
 
 # Re-exported: tests and benchmarks/single_epoch_analysis.py use them as lyapunov.NAME.
 from odetransformer.analysis.lyapunov_exponents import (  # noqa: F401
@@ -68,7 +68,7 @@ def piece_text(sp, token_id: int) -> str:
 
 # -------------------------------------------------------------------------------- CLI
 def define_flags(define) -> None:
-  """This command's flags (`errors.parse_flags`); the loading ones from
+  """This command's flags (`cli_flags.parse_flags`); the loading ones from
   `loading.define_load_flags`."""
   define("string", "text", None, "The text to analyse.", required=True)
   define(
@@ -94,8 +94,8 @@ def define_flags(define) -> None:
 
 def parse_args(argv):
   """The flags of `argv` (without the program name; None: sys.argv[1:]); the old
-  --num_steps still parses as --solver_steps, with a warning (`errors.parse_flags`)."""
-  return errors.parse_flags(
+  --num_steps still parses as --solver_steps, with a warning (`cli_flags.parse_flags`)."""
+  return cli_flags.parse_flags(
     define_flags,
     argv,
     doc="Token sensitivity of one output position by Lyapunov exponents, beside the attention map.",

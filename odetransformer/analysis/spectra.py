@@ -26,7 +26,7 @@ import json
 import jax
 import numpy as np
 
-from odetransformer import errors
+from odetransformer import cli_flags, errors
 from odetransformer.analysis import fields
 from odetransformer.runtime import fileio, host
 from odetransformer.train import loading
@@ -274,7 +274,7 @@ def write_outputs(spectra: Spectra, out_dir: str) -> dict:
 
 # -------------------------------------------------------------------------------- CLI
 def define_flags(define) -> None:
-  """This command's flags (`errors.parse_flags`); the loading ones from
+  """This command's flags (`cli_flags.parse_flags`); the loading ones from
   `loading.define_load_flags`."""
   define(
     "string",
@@ -289,7 +289,7 @@ def define_flags(define) -> None:
 
 def parse_args(argv):
   """The flags of `argv` (without the program name; None: sys.argv[1:])."""
-  return errors.parse_flags(
+  return cli_flags.parse_flags(
     define_flags,
     argv,
     doc="Eigenvalues of W_QK, W_OV per head and of W_1 W_2, along t or per layer.",

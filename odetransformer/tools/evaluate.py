@@ -31,7 +31,7 @@ import os
 from absl import flags
 import jax
 
-from odetransformer import errors
+from odetransformer import cli_flags
 from odetransformer.errors import UserError
 from odetransformer.model.config import model_config
 from odetransformer.runtime import fileio, host
@@ -199,7 +199,7 @@ def main(argv, flag_values=None):
 def define_flags(flag_values=None):
   """Defines this command's flags in `flag_values` (default: absl's global FLAGS)."""
   fv = flags.FLAGS if flag_values is None else flag_values
-  define = errors.definer(fv)
+  define = cli_flags.definer(fv)
   define(
     "string",
     "solver_steps",
@@ -224,4 +224,4 @@ def define_flags(flag_values=None):
 
 
 if __name__ == "__main__":
-  errors.run_absl_tool(main, define_flags)
+  cli_flags.run_absl_tool(main, define_flags)

@@ -43,7 +43,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from odetransformer import errors
+from odetransformer import cli_flags
 from odetransformer.errors import UserError
 from odetransformer.model.config import model_config
 from odetransformer.model.transformer import LanguageModel
@@ -312,7 +312,7 @@ def main(argv, flag_values=None):
 
 def define_flags(flag_values=None):
   fv = flags.FLAGS if flag_values is None else flag_values
-  define = errors.definer(fv)
+  define = cli_flags.definer(fv)
   define("string", "out", None, "Directory to write the Hugging Face model into.", required=True)
   define(
     "integer",
@@ -342,4 +342,4 @@ def define_flags(flag_values=None):
 
 
 if __name__ == "__main__":
-  errors.run_absl_tool(main, define_flags)
+  cli_flags.run_absl_tool(main, define_flags)

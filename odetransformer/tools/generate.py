@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from odetransformer import errors
+from odetransformer import cli_flags
 from odetransformer.errors import UserError
 from odetransformer.model.config import model_config
 from odetransformer.model.decode import Decoder, KVCache
@@ -397,7 +397,7 @@ def main(argv, flag_values=None):
 def define_flags(flag_values=None):
   """Defines this command's flags in `flag_values` (default: absl's global FLAGS)."""
   fv = flags.FLAGS if flag_values is None else flag_values
-  define = errors.definer(fv)
+  define = cli_flags.definer(fv)
   define("string", "prompt", "", "Text to continue ('' = start a new document).")
   define("integer", "solver_steps", None, "Solver steps N (ODE kinds; default: the training K).")
   define("integer", "max_new_tokens", 64, "Tokens to sample (stops early at eos).")
@@ -411,4 +411,4 @@ def define_flags(flag_values=None):
 
 
 if __name__ == "__main__":
-  errors.run_absl_tool(main, define_flags)
+  cli_flags.run_absl_tool(main, define_flags)

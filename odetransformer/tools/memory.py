@@ -101,7 +101,7 @@ import jax  # noqa: E402
 from jax._src import config as jax_config  # noqa: E402  (the persistent cache's threshold)
 import jax.numpy as jnp  # noqa: E402
 
-from odetransformer import errors  # noqa: E402
+from odetransformer import cli_flags, errors  # noqa: E402
 from odetransformer.model import blocks  # noqa: E402
 from odetransformer.model import config as config_lib  # noqa: E402
 from odetransformer.model.param_count import attention_flops_per_token, flops_per_token  # noqa: E402
@@ -521,7 +521,7 @@ def main(argv, flag_values=None):
     if flag_values.num_devices:
       raise errors.UserError("--compile_for and --num_devices: give one (the target has its own)")
     target = compile_targets.parse(flag_values.compile_for)
-  config = errors.load_config_flag(flag_values["config"])
+  config = cli_flags.load_config_flag(flag_values["config"])
   if target:
     print(
       f"compiling the train and eval steps for {target.name} ({target.chips} chips, "
@@ -553,7 +553,7 @@ def main(argv, flag_values=None):
 def define_flags(flag_values=None):
   """Defines this command's flags in `flag_values` (default: absl's global FLAGS)."""
   fv = flags.FLAGS if flag_values is None else flag_values
-  define = errors.definer(fv)
+  define = cli_flags.definer(fv)
   config_flags.DEFINE_config_file(
     "config", None, "Training config file (configs/*.py).", flag_values=fv, lock_config=True
   )
@@ -590,4 +590,4 @@ def define_flags(flag_values=None):
 
 
 if __name__ == "__main__":
-  errors.run_absl_tool(main, define_flags)
+  cli_flags.run_absl_tool(main, define_flags)
