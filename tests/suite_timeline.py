@@ -3,7 +3,9 @@ time, the CPU time of the process that ran it and of the processes it started, a
 time XLA spent compiling (and how many programs, of them how many were loaded from the
 persistent compilation cache instead), then prints a table per test module.
 
-  python -m pytest -q -n 2 -p benchmarks.suite_timeline tests
+  python -m pytest -q -n 2 -p tests.suite_timeline tests
+
+(from the repository root, where `tests` imports as a package; `.ci/run` adds it.)
 
 A test's figures include its fixtures' setup and teardown (a module fixture counts in the
 test that made it). Each process that runs tests (pytest-xdist's workers, or pytest

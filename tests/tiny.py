@@ -74,7 +74,8 @@ TEST_XLA_FLAGS = session_xla_flags()
 
 # The tests' compiled programs are kept between sessions, as pip keeps its downloads: a
 # second run of the suite (an edit, a fresh clone on the same machine) loads most of them
-# instead of compiling them again (the figures: benchmarks/README.md, "Test suite").
+# instead of compiling them again (how many each module compiles and loads: pytest's
+# `-p tests.suite_timeline`, tests/suite_timeline.py).
 COMPILE_CACHE_ENV = "ODET_TEST_COMPILE_CACHE"  # a directory, or "off": the session's own
 COMPILE_CACHE_LIMIT_BYTES = 1 << 30  # past this, the oldest entries go at a session's start
 
