@@ -5,6 +5,7 @@ rotting between the occasions they are run for real (the GPU command of the READ
 included) and check that each reported figure is the one its own lines imply.
 """
 
+import ast
 import contextlib
 import importlib
 import io
@@ -22,7 +23,9 @@ from conftest import shared_data_path, shared_reference_path
 import jax
 import pytest
 
-from benchmarks import adaptive_finetune, any_n, common, quality, single_epoch
+from benchmarks import any_n, common, quality
+from benchmarks.adaptive_finetune import cli as adaptive_finetune
+from benchmarks.single_epoch import cli as single_epoch
 from input_pipeline import local_text, pipeline
 from odetransformer.errors import UserError, describe
 from odetransformer.model import config as config_lib
@@ -68,12 +71,19 @@ _JAX_SETTINGS = (
 )
 
 
+def _program(module):
+  """What `python -m benchmarks.<module>` runs: the module, or a benchmark package's `cli`
+  (its `__main__` runs `cli.main`)."""
+  program = importlib.import_module(f"benchmarks.{module}")
+  return program if hasattr(program, "main") else importlib.import_module(f"{program.__name__}.cli")
+
+
 def _run_here(module, argv, monkeypatch, capsys) -> str:
   """stdout of `python -m benchmarks.<module> argv...` run in this process (no start-up of
   its own), with the 'rbg' PRNG as `_launch`; absl's verbosity, which the benchmarks
   lower, and the jax settings of `_JAX_SETTINGS` are restored after. For benchmarks that
   change no other global state."""
-  main = importlib.import_module(f"benchmarks.{module}").main
+  main = _program(module).main
   monkeypatch.setattr(sys, "argv", [module, *argv])
   settings = {name: getattr(jax.config, name) for name in _JAX_SETTINGS}
   verbosity = absl_logging.get_verbosity()
@@ -108,19 +118,28 @@ def _assert_printed_ratio(ratio, num, den, unit=0.01, ratio_unit=0.001, context=
 
 
 def test_benchmarks_are_a_package_of_modules_named_apart_from_the_code():
-  """Each runs as `python -m benchmarks.NAME` without patching sys.path, and none is named
-  like a package or module of the code it measures (a script run by path would import
-  itself instead of it)."""
-  files = [p for p in (ROOT / "benchmarks").glob("*.py") if p.name != "__init__.py"]
-  assert files and (ROOT / "benchmarks" / "__init__.py").is_file()
+  """Each runs as `python -m benchmarks.NAME` without patching sys.path: a module, or a
+  package of its parts whose `__main__` runs `cli.main` and whose `__init__` imports
+  nothing (`python -m` imports it before `__main__`, and common.py's huge-pages re-exec
+  must see the program). No module or package is named like a package or module of the
+  code it measures (a script run by path would import itself instead of it)."""
+  bench = ROOT / "benchmarks"
+  assert (bench / "__init__.py").is_file()
+  packages = [p for p in bench.iterdir() if (p / "__init__.py").is_file()]
+  assert {p.name for p in packages} >= {"single_epoch", "adaptive_finetune"}
+  for package in packages:
+    assert (package / "__main__.py").is_file() and (package / "cli.py").is_file(), package
+    tree = ast.parse((package / "__init__.py").read_text(encoding="utf-8"))
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)], package
+  files = [p for p in bench.rglob("*.py") if p.name not in ("__init__.py", "__main__.py")]
   for path in files:
-    assert "sys.path" not in path.read_text(encoding="utf-8"), path.name
+    assert "sys.path" not in path.read_text(encoding="utf-8"), path
   measured = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
   measured |= {
     p.stem for pkg in ("odetransformer", "input_pipeline") for p in (ROOT / pkg).rglob("*.py")
   }
   assert "memory" in measured and "input_pipeline" in measured
-  assert not {p.stem for p in files} & measured
+  assert not ({p.stem for p in files} | {p.name for p in packages}) & measured
 
 
 @pytest.mark.slow

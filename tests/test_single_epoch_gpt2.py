@@ -15,7 +15,8 @@ import types
 from conftest import ROOT, shared_data_path
 import pytest
 
-from benchmarks import common, single_epoch
+from benchmarks import common
+from benchmarks.single_epoch import cli as single_epoch
 from configs import owt_small, wikipedia_small
 from odetransformer.errors import UserError, describe
 from odetransformer.train import loading

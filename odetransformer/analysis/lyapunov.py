@@ -19,7 +19,7 @@ import jax
 
 from odetransformer import cli_flags, errors
 
-# Re-exported: tests and benchmarks/single_epoch_analysis.py use them as lyapunov.NAME.
+# Re-exported: tests and benchmarks/single_epoch/analysis.py use them as lyapunov.NAME.
 from odetransformer.analysis.lyapunov_exponents import (  # noqa: F401
   Sensitivity,
   attention_to,

@@ -13,7 +13,7 @@ import jax
 import ml_collections
 
 from benchmarks import common
-from benchmarks.single_epoch_corpus import TrainingText
+from benchmarks.single_epoch.corpus import TrainingText
 from configs import default
 from odetransformer.errors import UserError
 from odetransformer.train import evaluation, loading

@@ -6,16 +6,16 @@ on the test split and on every --eval_text."""
 
 import time
 
-from benchmarks.single_epoch_analysis import analyse_or_say_why_not
-from benchmarks.single_epoch_corpus import TrainingText, single_epoch_check
-from benchmarks.single_epoch_report import (
+from benchmarks.single_epoch.analysis import analyse_or_say_why_not
+from benchmarks.single_epoch.corpus import TrainingText, single_epoch_check
+from benchmarks.single_epoch.report import (
   mean_spread,
   model_label,
   print_eval_texts,
   print_table_and_parameters,
   write_curves,
 )
-from benchmarks.single_epoch_runs import KINDS, describe_device, run_whole
+from benchmarks.single_epoch.runs import KINDS, describe_device, run_whole
 
 
 def main_config(args, root: str, config, text: TrainingText, began: float) -> None:

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from benchmarks import common
-from benchmarks.single_epoch_runs import run_name
+from benchmarks.single_epoch.runs import run_name
 from odetransformer.analysis import clustering, fields, lyapunov, spectra
 from odetransformer.errors import UserError
 from odetransformer.train import loading

@@ -7,7 +7,7 @@ import os
 import statistics
 
 from benchmarks import common
-from benchmarks.single_epoch_runs import KINDS, SPLITS
+from benchmarks.single_epoch.runs import KINDS, SPLITS
 
 
 def write_table(root: str, curves: dict, tokens_per_step: int) -> list:

@@ -58,10 +58,6 @@ interrupted benchmark continues where it stopped; runs of other code or another 
 (a fine-tuning run: or from another pre-trained run) are moved aside and trained
 afresh; a persistent compilation cache in --out (or JAX_COMPILATION_CACHE_DIR's, when
 set) lets later seeds skip XLA compilation.
-
-This module holds the command line and the order of the runs; the runs' configs, training
-and scores are in `adaptive_finetune_runs`, the table, PNG and ratio line in
-`adaptive_finetune_report`.
 """
 
 import os
@@ -70,8 +66,8 @@ import time
 from absl import logging
 import jax
 
-from benchmarks.adaptive_finetune_report import write_report
-from benchmarks.adaptive_finetune_runs import (
+from benchmarks.adaptive_finetune.report import write_report
+from benchmarks.adaptive_finetune.runs import (
   METHODS,
   before_finetuning,
   finetune,
@@ -332,7 +328,3 @@ def main(argv=None):
     print(f"seed {seed} done at {time.perf_counter() - t0:.0f} s", flush=True)
 
   write_report(args, seeds, ode, start_ppl, gpt)
-
-
-if __name__ == "__main__":
-  errors.run_cli(main)

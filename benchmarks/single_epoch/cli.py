@@ -64,12 +64,6 @@ checkpoints are the starting point of the other single-epoch measurements:
   python -m benchmarks.adaptive_finetune --finetune_text=T --out=D2 \
       --pretrained_diffeqformer=D/diffeqformer_seed0_steps3000 \
       --pretrained_gpt=D/transformer_seed0_steps3000
-
-This module holds the command line and the order of the runs of the preset mode; the
---config mode's are in `single_epoch_config_mode`, one run's config, training and scores
-in `single_epoch_runs`, the epoch's count and check in `single_epoch_corpus`, the
-tables, PNG and ratio lines in `single_epoch_report`, and the analysis stage in
-`single_epoch_analysis`.
 """
 
 import glob
@@ -81,13 +75,13 @@ import time
 from absl import logging
 
 from benchmarks import common
-from benchmarks.single_epoch_analysis import analyse_or_say_why_not
-from benchmarks.single_epoch_config_mode import main_config
-from benchmarks.single_epoch_corpus import TrainingText, max_single_epoch_steps, single_epoch_check
-from benchmarks.single_epoch_report import model_label as model_label  # the tests read it here
-from benchmarks.single_epoch_report import print_eval_texts, print_table_and_parameters, write_table
-from benchmarks.single_epoch_runs import KINDS, make_config, run_points
-from odetransformer import cli_flags, errors
+from benchmarks.single_epoch.analysis import analyse_or_say_why_not
+from benchmarks.single_epoch.config_mode import main_config
+from benchmarks.single_epoch.corpus import TrainingText, max_single_epoch_steps, single_epoch_check
+from benchmarks.single_epoch.report import model_label as model_label  # the tests read it here
+from benchmarks.single_epoch.report import print_eval_texts, print_table_and_parameters, write_table
+from benchmarks.single_epoch.runs import KINDS, make_config, run_points
+from odetransformer import cli_flags
 from odetransformer.errors import UserError
 from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
 from odetransformer.runtime.logs import quiet_library_logs
@@ -410,7 +404,3 @@ def main(argv=None):
     f"single-epoch diffeqformer/gpt test perplexity ratio: {ratio:.3f} "
     f"(steps {args.steps}, tokens {args.steps * tokens_per_step:,})"
   )
-
-
-if __name__ == "__main__":
-  errors.run_cli(main)
