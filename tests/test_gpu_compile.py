@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import hlo_bytes
+from benchmarks.gpu_compile import hlo_bytes
 from odetransformer.model import blocks
 from odetransformer.tools import compile_targets
 from odetransformer.train import losses, steps

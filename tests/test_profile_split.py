@@ -1,11 +1,12 @@
-"""benchmarks.profile_split: a trace's device ops summed by kind, against hand-made traces
-whose answer is known, and against a real XLA:CPU trace of a known program."""
+"""benchmarks.throughput.profile_split: a trace's device ops summed by kind, against
+hand-made traces whose answer is known, and against a real XLA:CPU trace of a known
+program."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import profile_split
+from benchmarks.throughput import profile_split
 
 
 def _meta(pid, name):

@@ -1,7 +1,7 @@
 """nanoGPT's train step, timed: the anchor `benchmarks.throughput --nanogpt=DIR` runs
 beside our models, in a child process of its own (torch and jax never share the card).
 
-  python -m benchmarks.nanogpt_step --nanogpt=DIR --batch=16 --seq_len=1024 \
+  python -m benchmarks.throughput.nanogpt_step --nanogpt=DIR --batch=16 --seq_len=1024 \
       [--vocab=50304 --layers=12 --heads=12 --d_model=768]
 
 DIR is a checkout of karpathy/nanoGPT: its `model.py` (GPT, GPTConfig) is imported from

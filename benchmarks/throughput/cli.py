@@ -12,10 +12,10 @@ the GPT forward (target ≥ 0.98). Last line: `ode/gpt train tokens/s ratio: X.X
   python -m benchmarks.throughput --also=parallel,shared   # where the ODE's extra time goes
 
 `--nanogpt=DIR` (a checkout of karpathy/nanoGPT, never copied here) times nanoGPT's own
-train step (`benchmarks.nanogpt_step`: torch.compile on CUDA, bf16 autocast, fused AdamW)
+train step (`nanogpt_step`: torch.compile on CUDA, bf16 autocast, fused AdamW)
 at each batch in a child process before jax takes the device, and prints each of our
 models' tokens/s over nanoGPT's. `--profile` traces `--profile_steps` steps of each model
-at each batch and prints where the step's time goes (`benchmarks.profile_split`: matmul,
+at each batch and prints where the step's time goes (`profile_split`: matmul,
 attention, other fusions, copies, idle, and the costliest ops).
 """
 
@@ -29,7 +29,8 @@ import tempfile
 from flax import nnx
 import jax
 
-from benchmarks import common, profile_split
+from benchmarks import common
+from benchmarks.throughput import profile_split
 from odetransformer import cli_flags, errors
 from odetransformer.model.config import KINDS
 from odetransformer.model.materialize import materialize
@@ -107,12 +108,12 @@ def parse_args(argv=None):
 
 def nanogpt_step(args, batch: int, length: int) -> dict:
   """nanoGPT's train step at the preset's shape, timed in a child process
-  (`benchmarks.nanogpt_step`): its JSON line as a dict."""
+  (`nanogpt_step`): its JSON line as a dict."""
   model = common.PRESETS[args.preset]["model"]
   cmd = [
     sys.executable,
     "-m",
-    "benchmarks.nanogpt_step",
+    "benchmarks.throughput.nanogpt_step",
     f"--nanogpt={args.nanogpt}",
     f"--batch={batch}",
     f"--seq_len={length}",
@@ -253,7 +254,3 @@ def time_forward(args, trainers: dict, tokens_in, tokens: int) -> None:
   for name, s in fwd.items():
     print(f"{name:13s} forward: {s * 1e3:8.1f} ms {tokens / s:10,.0f} tokens/s")
   print(f"materialised/gpt forward tokens/s ratio: {fwd['transformer'] / fwd['materialised']:.2f}")
-
-
-if __name__ == "__main__":
-  errors.run_cli(main)

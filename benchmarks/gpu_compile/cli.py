@@ -1,12 +1,12 @@
 """The real train step compiled for an H100 on a CPU machine: where every byte of a step goes.
 
 XLA compiles for a GPU from a target description alone (`--target`, default the H100 SXM
-spec shipped beside this file). This command builds the product's train step
+spec in odetransformer/tools/targets/). This command builds the product's train step
 (`steps.make_train_step`, the code `main.py` runs: AdamW with clipping, donation,
 sharding constraints) for our GPT and the DiffEqFormer at a preset's shape, compiles it
 for that target without a GPU, and prints per step: kernels launched, fusions, device
 copies (count and bytes), cuBLAS and cuDNN calls, the attention kernel chosen, bytes
-accessed by category (`benchmarks.hlo_bytes`), FLOPs, temporaries and the compile time.
+accessed by category (`hlo_bytes`), FLOPs, temporaries and the compile time.
 
   pip install -r requirements.txt -r requirements-compile.txt      # the CUDA compiler
   python -m benchmarks.gpu_compile --preset=owt-small --batch=16    # both models
@@ -20,25 +20,20 @@ an unpacked batch: cuDNN's plain causal kernel. Last line:
 train step (optimized HLO, thunk sequence, buffer assignment) is kept in DIR.
 """
 
+import contextlib
+import glob
 import os
-import sys
+import pathlib
+import tempfile
+import time
 
-# Before jax: compile-only CUDA devices need the CPU platform (no driver probe).
-if getattr(sys.modules["__main__"].__spec__, "name", "") == "benchmarks.gpu_compile":
-  os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+import jax.numpy as jnp
 
-import contextlib  # noqa: E402
-import glob  # noqa: E402
-import pathlib  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from benchmarks import common, hlo_bytes  # noqa: E402
-from odetransformer import cli_flags, errors  # noqa: E402
-from odetransformer.tools import compile_targets  # noqa: E402
+from benchmarks import common
+from benchmarks.gpu_compile import hlo_bytes
+from odetransformer import cli_flags, errors
+from odetransformer.tools import compile_targets
 
 DEFAULT_TARGET = str(compile_targets.H100_TARGET)
 GB = 1e9
@@ -215,7 +210,3 @@ def main(argv=None):
     )
   )
   return results
-
-
-if __name__ == "__main__":
-  errors.run_cli(main)
