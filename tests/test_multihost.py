@@ -52,7 +52,7 @@ DRIVER = f"STEPS = {STEPS}\n" + textwrap.dedent("""
     import json, os, sys
     import time
     T0 = time.time()
-    import main as main_lib
+    from odetransformer.tools import train as main_lib
     from odetransformer import errors
     from odetransformer.train import steps, loop
     from odetransformer.train.checkpoint.manager import Checkpointer

@@ -5,6 +5,8 @@ probe, the matmul-precision marker and the TF32 emulation used to find where it 
 """
 
 import importlib.metadata
+import importlib.util
+import inspect
 import json
 import os
 import pathlib
@@ -68,6 +70,52 @@ def test_no_test_edits_sys_path():
     if edit.search(line)
   ]
   assert not offenders, offenders
+
+
+def _declared_scripts() -> dict:
+  """pyproject.toml's [project.scripts]: {script: "module:function"}."""
+  tomllib = pytest.importorskip("tomllib", reason="tomllib is in Python 3.11+")
+  return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
+
+
+def test_every_console_script_runs_its_command_module_as_python_m_does(monkeypatch):
+  """Each script pyproject declares resolves to a function that takes no argument and
+  runs, as `__main__`, the module `odetransformer.scripts.SCRIPTS` names for it (an
+  existing module); the two lists hold the same scripts."""
+  from odetransformer import scripts
+
+  declared = _declared_scripts()
+  assert set(declared) == set(scripts.SCRIPTS)
+  ran = []
+  monkeypatch.setattr(scripts.runpy, "run_module", lambda name, **kw: ran.append((name, kw)))
+  for script, target in declared.items():
+    module_name, _, attr = target.partition(":")
+    function = getattr(importlib.import_module(module_name), attr)
+    assert callable(function), target
+    assert not [
+      p for p in inspect.signature(function).parameters.values() if p.default is p.empty
+    ], f"{target} needs arguments"
+    ran.clear()
+    function()
+    assert ran == [(scripts.SCRIPTS[script], {"run_name": "__main__", "alter_sys": True})]
+    assert importlib.util.find_spec(scripts.SCRIPTS[script]) is not None, script
+
+
+def test_every_command_the_readme_gives_has_a_console_script():
+  """Each `python -m <module>` of the installed packages that README.md and
+  launch/README.md give (and the trainer, `python main.py`, which runs
+  odetransformer.tools.train) is what a console script runs; benchmarks are not
+  installed."""
+  from odetransformer import scripts
+
+  text = "".join((ROOT / f).read_text(encoding="utf-8") for f in ("README.md", "launch/README.md"))
+  commands = set(re.findall(r"python3? -m ((?:odetransformer|input_pipeline)[\w.]*)", text))
+  assert "odetransformer.evaluate" in commands and "odetransformer.analysis.spectra" in commands
+  assert "python main.py" in text and "main.py" in scripts.__doc__
+  commands.add("odetransformer.tools.train")
+  assert commands <= set(scripts.SCRIPTS.values()), sorted(commands - set(scripts.SCRIPTS.values()))
+  main_py = (ROOT / "main.py").read_text(encoding="utf-8")
+  assert 'run_module("odetransformer.tools.train", run_name="__main__"' in main_py
 
 
 @pytest.mark.slow
@@ -153,6 +201,24 @@ def test_the_wheel_holds_the_two_packages_and_imports_without_the_checkout(tmp_p
   )
   # absl prints a tool's usage (its module docstring and flags) for --help, and exits 1.
   assert "--workdir" in r.stdout and "Traceback" not in r.stderr, r.stderr[-2000:]
+  # The console scripts are installed, and run their command as `python -m` does: its
+  # docstring and its own flags for --helpshort.
+  installed = {p.name for p in (site / "bin").iterdir()}
+  assert set(_declared_scripts()) <= installed, installed
+  for script, first_line in [
+    ("odet-evaluate", "Perplexity of a trained model"),
+    ("odet-train", "Trains (or resumes) a model from a config file."),
+  ]:
+    r = subprocess.run(
+      [sys.executable, str(site / "bin" / script), "--helpshort"],
+      cwd=tmp_path,
+      env=dict(env, JAX_PLATFORMS="cpu"),
+      capture_output=True,
+      text=True,
+      timeout=300,
+    )
+    assert r.stdout.startswith(first_line), (script, r.stdout[:500], r.stderr[-2000:])
+    assert "--workdir" in r.stdout and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------------------
