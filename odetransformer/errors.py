@@ -10,7 +10,7 @@ runs its main function through `run_cli`, the one place that turns a UserError i
 on stderr and exit status 2 (`describe`: no class name; a config value's error that
 names no fix gets where to change it). `--verbose` on the command line shows the traceback
 instead. Anything else is a bug and keeps its traceback. The exit statuses every command
-shares are here too (`EXIT_USER_ERROR`, `EXIT_INTERRUPTED`).
+shares are here too (`EXIT_USER_ERROR`, `EXIT_STOPPED_EARLY`, `EXIT_INTERRUPTED`).
 
 How a command reads its flags (and turns a bad one into a UserError):
 `odetransformer/cli_flags.py`.
@@ -24,6 +24,10 @@ import sys
 import traceback
 
 EXIT_USER_ERROR = 2
+# A run that SIGTERM or Ctrl-C stopped after saving a checkpoint: not finished, and the
+# same command resumes it (sysexits.h's EX_TEMPFAIL, "try again later"), told apart from a
+# finished run (0) by a scheduler or a babysitting loop.
+EXIT_STOPPED_EARLY = 75
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 

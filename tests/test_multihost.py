@@ -20,7 +20,8 @@ sigterm + part2 and part2's evaluation equal ref's (1e-5), and at every step the
 processes held disjoint halves whose concatenation is ref's global batch (also after the
 resume); the processes' document sources served disjoint documents; only process 0 logs
 progress and evaluation, and the TensorBoard scalars and checkpoints are written once;
-the SIGTERM stops both processes at the same step, exit 0; the 1-process resume of the
+the SIGTERM stops both processes at the same step, exit status 75 (stopped early,
+resumable: errors.EXIT_STOPPED_EARLY); the 1-process resume of the
 2-process checkpoint continues its two input shards exactly.
 """
 
@@ -36,6 +37,7 @@ import time
 
 import pytest
 
+from odetransformer import errors
 from odetransformer.train import metrics as metrics_lib
 from odetransformer.train.checkpoint.paths import finalized_steps
 
@@ -116,12 +118,14 @@ DRIVER = f"STEPS = {STEPS}\n" + textwrap.dedent("""
     # The reference's second run (ODET_THEN_RESUME) has the first one's config and mesh: it
     # takes the steps that run jitted instead of tracing them again.
     with reused_compiled_steps():
+      code = 0
       try:
         errors.run_cli(main_lib._run)       # what `python main.py ...` runs
-      except SystemExit as e:               # absl's app.run exits when main returns
-        assert e.code in (None, 0), e.code
+      except SystemExit as e:               # absl's app.run exits with main's status
+        code = e.code or 0
       import jax
-      out = {"process_index": jax.process_index(), "process_count": jax.process_count(),
+      out = {"exit_status": code,
+             "process_index": jax.process_index(), "process_count": jax.process_count(),
              "device_count": jax.device_count(), "local_devices": jax.local_device_count(),
              "start_step": result["start_step"], "step": result["step"],
              "losses": [[s, float(l)] for s, l in result["loss_history"]],
@@ -281,10 +285,11 @@ def test_topology(runs):
 def test_sigterm_to_one_process_stops_both_at_the_same_step(runs, base):
   """A real preemption notice (SIGTERM) reaching only process 1 of 2: through JAX's
   preemption-sync service both processes stop at the same step, the checkpoint of that
-  step is written (to gs://), and both exit 0 — no process is left waiting in a
-  collective."""
+  step is written (to gs://), and both end with the stopped-early status (75, main.py's
+  for a run to resume) — no process is left waiting in a collective."""
   _, sigterm, _, workdir, stopped = runs
   assert [(r["start_step"], r["step"]) for r in sigterm] == [(0, stopped)] * 2
+  assert [r["exit_status"] for r in sigterm] == [errors.EXIT_STOPPED_EARLY] * 2
   assert 1 <= stopped < STEPS
   assert stopped in finalized_steps(workdir)
   assert f"stopping at step {stopped} after preemption" in (base / "sigterm_0.log").read_text()
@@ -293,6 +298,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(runs, base):
 def test_preempted_then_resumed(runs):
   _, _, part2, _, stopped = runs
   assert [(r["start_step"], r["step"]) for r in part2] == [(stopped, stopped + 2)] * 2
+  assert [r["exit_status"] for r in part2] == [errors.EXIT_STOPPED_EARLY] * 2
 
 
 def test_losses_and_evaluation_equal_single_process(runs):

@@ -1,7 +1,7 @@
-"""A run never loses work: SIGKILL + restart is bit-exact, SIGTERM saves and
-exits 0, divergence stops with the last good checkpoint intact, checkpoints move
-between 8 and 1 devices, corrupt checkpoints are skipped, and bad input is one line
-with nothing written.
+"""A run never loses work: SIGKILL + restart is bit-exact, SIGTERM saves and exits 75
+(stopped early, resumable), divergence stops with the last good checkpoint intact,
+checkpoints move between 8 and 1 devices, corrupt checkpoints are skipped, and bad input
+is one line with nothing written.
 
 No silent data loss, no hang, one line for every bad input (section 7):
 each misuse case runs the real command in a process of its own (main.py or a tool's
@@ -212,9 +212,11 @@ def test_sigkill_then_same_command_resumes_bit_exact(reference, cache, tmp_path,
 
 
 # --------------------------------------------------------------------------------------
-# 2. SIGTERM: a checkpoint at the signalled step, exit 0, bounded time
+# 2. SIGTERM: a checkpoint at the signalled step, exit 75 (stopped early), bounded time
 # --------------------------------------------------------------------------------------
-def test_sigterm_saves_at_current_step_and_exits_zero(cache, tmp_path, run_command):
+def test_sigterm_saves_at_current_step_and_exits_stopped_early(cache, tmp_path, run_command):
+  """Saved at the signalled step, the run ends with status 75 (errors.EXIT_STOPPED_EARLY:
+  resumable), not the 0 of a finished run, so that a scheduler can tell them apart."""
   wd = tmp_path / "wd"
   proc = start_and_wait_for_checkpoint(
     main_cmd(wd, cache, LONG_RUN_STEPS, "--config.checkpoint_every_steps=1"), wd, server=run_command
@@ -222,7 +224,7 @@ def test_sigterm_saves_at_current_step_and_exits_zero(cache, tmp_path, run_comma
   proc.send_signal(signal.SIGTERM)
   t = time.monotonic()
   _, err = proc.communicate(timeout=60)
-  assert proc.returncode == 0, err[-3000:]
+  assert proc.returncode == errors.EXIT_STOPPED_EARLY == 75, err[-3000:]
   assert time.monotonic() - t < 30
   line = [l for l in err.splitlines() if "after preemption; checkpoint saved" in l]
   assert len(line) == 1, err[-3000:]
@@ -1082,7 +1084,7 @@ def test_ctrl_c_saves_like_sigterm_and_twice_exits_at_once(run_copy, cache, tmp_
   )
   proc.send_signal(signal.SIGINT)
   _, err = proc.communicate(timeout=60)
-  assert proc.returncode == 0, err[-3000:]
+  assert proc.returncode == errors.EXIT_STOPPED_EARLY, err[-3000:]
   line = [l for l in err.splitlines() if "after preemption; checkpoint saved" in l]
   assert len(line) == 1, err[-3000:]
   step = int(line[0].split("stopping at step ")[1].split()[0])

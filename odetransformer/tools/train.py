@@ -12,9 +12,12 @@ another model, tokenizer or data, checkpoints none of which restores, a failed s
 diverged (NaN/inf) run, a shape that does not fit the device's memory — prints one line
 to stderr and exits with status 2 (add --verbose for the traceback); such errors are
 found before anything is written to the workdir, or leave its checkpoints as they were.
-SIGTERM or Ctrl-C saves a checkpoint at the current step and exits 0 (a second
-Ctrl-C exits at once); a run killed outright resumes from its newest complete checkpoint
-when started again with the same command.
+Exit status: 0 when the run reached num_train_steps; 2 for a user's mistake (above); 75
+when SIGTERM or Ctrl-C stopped it early after saving a checkpoint at the current step
+(EX_TEMPFAIL of sysexits.h: not finished, run the same command again to resume it; a
+scheduler or babysitter tells it from a finished run by this status); 130 when a second
+Ctrl-C ends it at once, without saving. A run killed outright resumes from its newest
+complete checkpoint when started again with the same command.
 
 On a machine without GPU or TPU, JAX_PLATFORMS=cpu is set unless you set JAX_PLATFORMS
 yourself (JAX then skips probing accelerator runtimes). ODET_HUGEPAGES=1 makes a CPU run
@@ -106,7 +109,7 @@ def main(argv):
   from odetransformer.train import loop  # lazy: after flag parsing (grain workers read absl flags)
 
   try:
-    loop.train_and_evaluate(config, _WORKDIR.value)  # a UserError: one line (run_cli)
+    result = loop.train_and_evaluate(config, _WORKDIR.value)  # a UserError: one line (run_cli)
   except errors.UserError:
     raise
   except Exception as e:  # XLA out of memory: one line too
@@ -114,6 +117,8 @@ def main(argv):
     if oom is None:
       raise
     raise oom from e
+  # app.run exits with main's return value: 0 (None) for a finished run.
+  return errors.EXIT_STOPPED_EARLY if result.get("preempted") else None
 
 
 def _run():
