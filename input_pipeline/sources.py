@@ -42,18 +42,23 @@ class Corpus:
   content_hash: str
 
 
-def expand_globs(patterns: str, what: str) -> list[str]:
-  """Comma-separated globs -> sorted unique files; a glob matching nothing is a DataError."""
+def expand_globs(patterns: str, what: str = "", flag: str = "") -> list[str]:
+  """Comma-separated globs -> sorted unique files; no glob, or one matching nothing, is a
+  DataError naming where the globs came from: the config key `data.<what>`, or `flag`,
+  the command-line flag that gave them (e.g. evaluate's `--data=local:`, which it then
+  passes on as both data.train_files and data.eval_files)."""
   globs = [p.strip() for p in patterns.split(",") if p.strip()]
   if not globs:
+    if flag:
+      raise DataError(f"{flag} names no file; fix: pass {flag}<glob of text files>")
     raise DataError(f"data.{what} is empty; fix: set --config.data.{what}=<glob of text files>")
   files = set()
   for g in globs:
     matches = [m for m in glob.glob(os.path.expanduser(g), recursive=True) if os.path.isfile(m)]
     if not matches:
       raise DataError(
-        f"data.{what}: no file matches {g!r}; fix: check the path "
-        "(globs are relative to the working directory)"
+        f"{flag + patterns if flag else 'data.' + what}: no file matches {g!r}; fix: check "
+        "the path (globs are relative to the working directory)"
       )
     files.update(os.path.abspath(m) for m in matches)
   return sorted(files)

@@ -105,6 +105,19 @@ def test_evaluate_refuses(workdir, flag, needle):
   assert needle in refusal(evaluate, workdir, flag)
 
 
+def test_evaluate_names_its_data_flag_for_files_that_are_not_there(workdir, tmp_path):
+  """--data=local:GLOB becomes the run's data.train_files and data.eval_files, but a glob
+  that matches nothing is reported as the flag the user typed, before loading."""
+  glob = str(tmp_path / "nowhere" / "*.txt")
+  assert refusal(evaluate, workdir, f"--data=local:{glob}") == (
+    f"--data=local:{glob}: no file matches {glob!r}; fix: check the path (globs are "
+    "relative to the working directory)"
+  )
+  assert refusal(evaluate, workdir, "--data=local:") == (
+    "--data=local: names no file; fix: pass --data=local:<glob of text files>"
+  )
+
+
 def test_solver_steps_on_a_discrete_run_is_refused_before_loading(tmp_path):
   c = tiny_config(tmp_path / "cache")
   c.model.kind = "transformer"

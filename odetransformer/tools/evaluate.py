@@ -40,7 +40,16 @@ from odetransformer.train import loading
 
 # The scorer and the data of every evaluation (train/evaluation.py), re-exported (hence
 # the noqa); the command only parses flags and prints.
-from odetransformer.train.evaluation import EvalData, Result, eval_data, evaluate, evaluate_model  # noqa: F401
+from odetransformer.train.evaluation import (  # noqa: F401
+  LOCAL_DATA_PREFIX,
+  EvalData,
+  Result,
+  eval_data,
+  evaluate,
+  evaluate_model,
+)
+
+LOCAL_DATA_FLAG = f"--data={LOCAL_DATA_PREFIX}"  # text files to score instead of the run's
 
 
 # --------------------------------------------------------------------------------------
@@ -102,6 +111,10 @@ def check_flags(f) -> tuple:
   loading.parse_mesh_shape(f.mesh_shape)
   if f.plot:
     check_writable(f.plot, "plot")
+  if f.data.startswith(LOCAL_DATA_PREFIX):  # its files exist (named by this flag, not by
+    from input_pipeline import sources  # the data.*_files it becomes); lazy: grain, TFDS
+
+    sources.expand_globs(f.data[len(LOCAL_DATA_PREFIX) :], flag=LOCAL_DATA_FLAG)
   config = loading.load_run_config(f.workdir)
   cfg = model_config(config, vocab_size=config.data.get("vocab_size"))
   for n in steps:
