@@ -236,13 +236,16 @@ def test_command_lines_report_a_missing_run(module, tmp_path):
 def test_evaluate_command_line_plots_the_printed_table(
   run, eval_file, tmp_path, capsys, monkeypatch
 ):
-  """--plot writes a PNG whose one curve is the printed perplexities against N."""
+  """--plot writes a PNG whose one curve is the printed perplexities against N, and says
+  where in one line: a relative path as the absolute one it wrote (here, the current
+  directory's)."""
   figures = []
   plot_table = evaluate.plot_table
   monkeypatch.setattr(
     evaluate, "plot_table", lambda *a, **k: figures.append(plot_table(*a, **k)) or figures[-1]
   )
   path = tmp_path / "ppl.png"
+  monkeypatch.chdir(tmp_path)
   fv = evaluate.define_flags(flags.FlagValues())
   fv(
     [
@@ -251,13 +254,14 @@ def test_evaluate_command_line_plots_the_printed_table(
       "--solver_steps=1,3,6",
       f"--data=local:{eval_file}",
       "--batch_size=4",
-      f"--plot={path}",
+      "--plot=ppl.png",
     ]
   )
   evaluate.main([], fv)
   out = capsys.readouterr().out
   rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
-  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot: {path}" in out
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert [l for l in out.splitlines() if "ppl.png" in l] == [f"plot written to {path}"]
   (curve,) = [line for line in figures[0].axes[0].lines if line.get_marker() == "o"]
   assert list(curve.get_xdata()) == [int(r[0]) for r in rows] == [1, 3, 6]
   np.testing.assert_allclose(curve.get_ydata(), [float(r[3]) for r in rows], atol=5e-4)

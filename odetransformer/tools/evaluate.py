@@ -15,7 +15,9 @@ and masked. Text is always tokenized with the run's own tokenizer.
 ODE checkpoints are evaluated at each N of `--solver_steps` (default: the training K) by
 the model's own N-step solve; discrete models only at their own depth. One compiled
 scorer per N; every batch has the same shape. `--plot=PATH` also draws the table
-(perplexity against N, the training K marked) as a PNG.
+(perplexity against N, the training K marked) as a PNG at PATH, a local path (relative
+to the current directory: `--plot=W/ppl.png` keeps it beside the run) or a gs:// URL,
+and prints the path it wrote (made absolute).
 
 The model is restored sharded on the run's mesh (`config.mesh.shape` over all devices)
 or `--mesh_shape`; batches go in as global arrays split over its batch axes (padded
@@ -206,7 +208,7 @@ def main(argv, flag_values=None):
   if f.plot and jax.process_index() == 0:
     fig = plot_table(results, cfg.depth, title=f"{f.workdir} (step {loaded.step})")
     fileio.write_figure(f.plot, fig, format="png", dpi=120)
-    say(f"plot: {f.plot}")
+    say(f"plot written to {os.path.abspath(f.plot) if fileio.is_local(f.plot) else f.plot}")
 
 
 def define_flags(flag_values=None):
@@ -231,7 +233,13 @@ def define_flags(flag_values=None):
   define("integer", "seq_len", 0, "Tokens per row (0 = the run's seq_len).")
   define("integer", "batch_size", 0, "Rows per batch (0 = the run's eval_batch_size).")
   define("integer", "max_batches", 0, "Stop after this many batches (0 = the whole split).")
-  define("string", "plot", "", "Also write perplexity against N as a PNG to this path.")
+  define(
+    "string",
+    "plot",
+    "",
+    "Also write perplexity against N as a PNG to this path (a relative one is relative to "
+    "the current directory; e.g. <workdir>/ppl.png) or gs:// URL.",
+  )
   loading.define_load_flags(define)
   return fv
 
