@@ -734,8 +734,8 @@ def _single_epoch_text(tmp_path):
 
 @pytest.fixture(scope="module")
 def single_epoch_runs(tmp_path_factory):
-  """Tiny single-epoch runs of both models, 4 steps (not the issue's 200: the same code
-  paths in seconds), scored and checkpointed every 2: one command stopped at step 2
+  """Tiny single-epoch runs of both models, 4 steps (not a real run's hundreds: the same
+  code paths in seconds), scored and checkpointed every 2: one command stopped at step 2
   (--stop_after), then the same command without it, which continues. Both the resume
   test and the any-N / fine-tuning stages (which start from these runs' checkpoints)
   read them: the runs are trained once per module, not once per test."""
@@ -765,7 +765,7 @@ def single_epoch_runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.xdist_group("single_epoch")
 def test_single_epoch_resumes_and_serves_no_token_twice(single_epoch_runs):
-  """Tiny shape, 4 steps (not the issue's 200: the same code paths in seconds), scored
+  """Tiny shape, 4 steps (not a real run's hundreds: the same code paths in seconds), scored
   every 2: a run stopped at step 2 continues there (its step-2 scores read back, not
   retrained), the table and the last line are the scored lines', and a step count past
   one epoch is refused at exactly the count the run announced."""

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issues 46 and 59 on one GPU: our GPT and the DiffEqFormer against nanoGPT, side by side in one
+# The speed targets on one GPU: our GPT and the DiffEqFormer against nanoGPT, side by side in one
 # run, with the profile split; then the tests that touch the model on the GPU.
 #
 #   bash benchmarks/gpu/speed.sh pack          # here, once: nanoGPT's model.py into $PACK
@@ -49,9 +49,9 @@ throughput() {
   if [[ "$TINY" == 1 ]]; then
     runs=("--preset=tiny --rounds=1 --batches=1,2 --profile_steps=2")
   else
-    # The issue's table: batch 16 with dots_saveable, 32 without remat; the authors' d_t 20
+    # The baseline's table: batch 16 with dots_saveable, 32 without remat; the authors' d_t 20
     # (owt-small) for the targets and the gpt2-small preset's d_t 96 for its bytes floor.
-    # Issue 59: plain causal rows (as nanoGPT trains) at 16 and 32 x 1024, remat none
+    # Now: plain causal rows (as nanoGPT trains) at 16 and 32 x 1024, remat none
     # (the layer loop unrolled on a GPU, model.layer_loop='auto'), then packed rows.
     runs=("--preset=owt-small --dtype=bfloat16 --seq_len=1024 --batches=16 --remat=none --rounds=5"
           "--preset=owt-small --dtype=bfloat16 --seq_len=1024 --batches=32 --remat=none --rounds=5"
@@ -70,7 +70,7 @@ throughput() {
 }
 
 tests() {
-  # The tests that touch the model, attention, train step and decode (issue 46 item 4).
+  # The tests that touch the model, attention, train step and decode, run on the GPU.
   local files=(tests/test_model.py tests/test_attention.py tests/test_train.py
                tests/test_generate.py tests/test_reference.py tests/test_time_grid.py)
   # cpu too: jax.debug.callback (a test of dropout masks) runs its callback on a CPU device.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 47 on one GPU: DiffEqFormer vs GPT at GPT-2 small size, one epoch of Wikipedia
+# GPT-2 small on one GPU: DiffEqFormer vs GPT at GPT-2 small size, one epoch of Wikipedia
 # (configs/wikipedia_small.py), seeds 0..SEEDS-1, the analysis PNGs of seed 0's
 # DiffEqFormer; everything it prints and draws lands in $OUT.
 #

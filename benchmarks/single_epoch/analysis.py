@@ -38,7 +38,7 @@ def trained_dispersion(model, res) -> dict:
 
 
 def analyse(workdir: str, out: str, args) -> dict:
-  """Item 6 of the issue: Section 5's views of one trained DiffEqFormer, written to `out`
+  """Section 5's views of one trained DiffEqFormer (the paper's Fig. 2, 3), written to `out`
   by the analysis package (spectra_{qk,ov,ff}.png, lyapunov.png/.html, App. C.8's
   simulation clustering.png and clustering_dispersion.png) and the clustering measure
   along the model's own trajectory (clustering_trained.png/.json); returns name -> path."""
