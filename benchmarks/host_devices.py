@@ -1,5 +1,6 @@
 """`XLA_FLAGS` for N fake host CPU devices; call before jax creates its backends (the
-benchmarks that compile for a mesh of 8 devices on one CPU do, when run as programs)."""
+benchmarks that compile for a mesh of 8 devices on one CPU do, when run as programs).
+Apart from common.py, the other shared module, because that one imports jax."""
 
 import os
 import re
