@@ -101,7 +101,7 @@ def hypernet_bytes(ts) -> int:
 def measure(config, devices) -> dict:
   """Collective bytes and memory of one compiled train step."""
   mesh = sharding_lib.make_mesh(config.mesh, devices)
-  rules = sharding_lib.logical_axis_rules(config.mesh)
+  rules = sharding_lib.logical_axis_rules(config.mesh.rules)
   cfg = config_lib.model_config(config, config.data.vocab_size)
   tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps, ode=cfg.is_ode)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):

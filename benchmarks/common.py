@@ -136,7 +136,7 @@ class Trainer:
     config = default_config.get_config()
     self.cfg = cfg
     self.mesh = sharding.make_mesh(config.mesh, devices)
-    self.rules = sharding.logical_axis_rules(config.mesh)
+    self.rules = sharding.logical_axis_rules(config.mesh.rules)
     tx = optimizer.create_optimizer(config.optim, num_train_steps, ode=cfg.is_ode)
     schedule = optimizer.learning_rate_schedule(config.optim, num_train_steps)
     with nnx.logical_axis_rules(self.rules):

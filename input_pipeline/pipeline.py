@@ -104,7 +104,7 @@ def input_shards(
   data_cfg: ml_collections.ConfigDict, global_batch_size: int, process_count: int
 ) -> int:
   """`data.input_shards` (0: one per process), checked against the batch and processes."""
-  n = data_cfg.get("input_shards", 0) or process_count
+  n = int(data_cfg.input_shards) or process_count
   if n < 0 or n % process_count:
     raise DataError(
       f"data.input_shards={n} must be a positive multiple of the process count "

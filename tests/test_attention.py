@@ -477,7 +477,7 @@ from test_attention import _inputs
 c = default.get_config()
 c.mesh.shape = (2, 2, 2)
 mesh = sharding.make_mesh(c.mesh)
-rules = sharding.activation_rules(sharding.logical_axis_rules(c.mesh))
+rules = sharding.activation_rules(sharding.logical_axis_rules(c.mesh.rules))
 q, k, v, seg = _inputs(b=4)
 seg[2, 40:] = 7
 w = np.random.default_rng(2).standard_normal(q.shape).astype(np.float32)

@@ -12,13 +12,16 @@ import pytest
 from configs import default
 from odetransformer.model.config import ModelConfig
 from odetransformer.model.transformer import create_model
+from odetransformer.errors import ConfigError
 from odetransformer.train import optimizer
+from odetransformer.train.run_config import OptimConfig
 
 
-def _optim(**kw):
+def _optim(**kw) -> OptimConfig:
+  """configs/default.py's optimizer section with `kw` changed, typed (and checked)."""
   c = default.get_config().optim
   c.update(kw)
-  return c
+  return OptimConfig(**c.to_dict())
 
 
 def test_schedule_warmup_peak_cosine_floor():
@@ -38,10 +41,10 @@ def test_schedule_warmup_peak_cosine_floor():
 def test_constant_schedule_and_bad_names():
   sched = optimizer.learning_rate_schedule(_optim(schedule="constant", learning_rate=2.0), 100)
   assert float(sched(50)) == pytest.approx(2.0)
-  with pytest.raises(optimizer.OptimConfigError):
-    optimizer.learning_rate_schedule(_optim(schedule="linear"), 100)
-  with pytest.raises(optimizer.OptimConfigError):
-    optimizer.create_optimizer(_optim(b2=1.0), 100)
+  with pytest.raises(ConfigError, match="optim.schedule='linear' is unknown"):
+    _optim(schedule="linear")
+  with pytest.raises(ConfigError, match=r"optim.b2=1.0 must be in \[0, 1\)"):
+    _optim(b2=1.0)
 
 
 def _mask_by_path(kind, family):
@@ -221,5 +224,5 @@ def test_weight_decay_auto_follows_the_model_kind(ode, decays_w):
   upd, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
   np.testing.assert_allclose(upd["embed"], -0.05 * np.ones((2, 2)), rtol=1e-6)
   np.testing.assert_allclose(upd["w"], -0.05 * np.ones((2, 2)) * decays_w, rtol=1e-6)
-  with pytest.raises(optimizer.OptimConfigError, match="weight_decay_on"):
-    optimizer.create_optimizer(_optim(weight_decay_on="all"), 10)
+  with pytest.raises(ConfigError, match="weight_decay_on"):
+    _optim(weight_decay_on="all")

@@ -42,7 +42,7 @@ def test_default_mesh_is_auto_and_covers_every_logical_axis():
   mesh = sharding.make_mesh(config.mesh)
   assert mesh.axis_names == sharding.MESH_AXES
   assert all(str(t).endswith("Auto") for t in mesh.axis_types)
-  rules = dict(sharding.logical_axis_rules(config.mesh))
+  rules = dict(sharding.logical_axis_rules(config.mesh.rules))
   assert set(LOGICAL_AXES) <= set(rules)
   assert rules["batch"] == ("data", "fsdp") and rules["embed"] == "fsdp"
   assert rules["heads"] == rules["mlp"] == rules["vocab"] == "tensor"
@@ -54,7 +54,7 @@ def test_rules_overrides_from_config_strings():
   config.mesh.rules.embed = ""  # replicate
   config.mesh.rules.batch = "data"
   config.mesh.rules.mlp = "fsdp,tensor"
-  rules = dict(sharding.logical_axis_rules(config.mesh))
+  rules = dict(sharding.logical_axis_rules(config.mesh.rules))
   assert rules["embed"] is None and rules["batch"] == "data"
   assert rules["mlp"] == ("fsdp", "tensor")
   assert sharding.logical_to_spec(("batch", "length", "mlp"), tuple(rules.items())) == P(
@@ -66,7 +66,7 @@ def test_unknown_mesh_axis_in_rules_is_an_error():
   config = default.get_config()
   config.mesh.rules.embed = "model"
   with pytest.raises(sharding.MeshError, match="unknown mesh axes"):
-    sharding.logical_axis_rules(config.mesh)
+    sharding.logical_axis_rules(config.mesh.rules)
 
 
 def test_activation_rules_drop_the_batch_axes():
@@ -97,7 +97,7 @@ def test_generated_weights_follow_the_parameter_rules_activations_the_rules_in_f
   follows the rules in force."""
   c = tiny_config("/unused")
   cfg = config_lib.model_config(c, 64)
-  rules = sharding.logical_axis_rules(c.mesh)
+  rules = sharding.logical_axis_rules(c.mesh.rules)
   mesh = jax.sharding.AbstractMesh(
     (1, 2, 1), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3
   )
@@ -164,7 +164,7 @@ batches = [{"inputs": rng.integers(0, 64, (8, 32)).astype(np.int32),
 def run(shape, devices):
   c.mesh.shape = shape
   mesh = sharding.make_mesh(c.mesh, devices)
-  rules = sharding.logical_axis_rules(c.mesh)
+  rules = sharding.logical_axis_rules(c.mesh.rules)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     ts, state = steps.init_train_state(cfg, tx, 0, mesh)
     created = [np.asarray(x) for x in jax.tree.leaves(state["model"])]
@@ -232,7 +232,7 @@ def run(name, shape, devices, start=None):
   c.mesh.shape = shape
   cfg = config_lib.model_config(c, 64)
   mesh = sharding.make_mesh(c.mesh, devices)
-  rules = sharding.logical_axis_rules(c.mesh)
+  rules = sharding.logical_axis_rules(c.mesh.rules)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     if start is None:
       if name == "ode_gpt" and created_model is not None:

@@ -214,7 +214,7 @@ def test_train_step_solves_on_the_grid_drawn_from_its_rng():
   c.model.solver_steps = c.model.num_layers = 3
   cfg = config_lib.model_config(c, 64)
   mesh = sharding_lib.make_mesh(c.mesh)
-  rules = sharding_lib.logical_axis_rules(c.mesh)
+  rules = sharding_lib.logical_axis_rules(c.mesh.rules)
   rng = np.random.default_rng(2)
   batch = {
     "inputs": rng.integers(0, 64, (2, 16)).astype(np.int32),

@@ -280,7 +280,7 @@ def test_step_loss_grad_norm_and_clipping_use_the_true_gradient(overrides, accum
   lr = 100.0
   tx = optax.chain(optax.clip_by_global_norm(max_norm), optax.sgd(lr))
   mesh = sharding_lib.make_mesh(c.mesh)
-  rules = sharding_lib.logical_axis_rules(c.mesh)
+  rules = sharding_lib.logical_axis_rules(c.mesh.rules)
   rng = np.random.default_rng(1)
   batch = {
     "inputs": rng.integers(0, 64, (4, 16)).astype(np.int32),
@@ -339,7 +339,7 @@ def test_skipped_nonfinite_step_leaves_the_state_exactly_as_it_was():
   tx = optimizer_lib.create_optimizer(c.optim, 10)
   sched = optimizer_lib.learning_rate_schedule(c.optim, 10)
   mesh = sharding_lib.make_mesh(c.mesh)
-  rules = sharding_lib.logical_axis_rules(c.mesh)
+  rules = sharding_lib.logical_axis_rules(c.mesh.rules)
   rng = np.random.default_rng(0)
   a, b = (
     {

@@ -39,7 +39,6 @@ from odetransformer.analysis.lyapunov_report import (  # noqa: F401
 )
 from odetransformer.runtime import fileio, host
 from odetransformer.train import loading
-from odetransformer.train.checkpoint.fingerprint import load_config
 
 
 # ------------------------------------------------------------------------ tokenizer
@@ -49,7 +48,7 @@ def load_tokenizer(workdir: str, path: str | None = None):
   from input_pipeline import tokenizer as tokenizer_lib
 
   if path:
-    return tokenizer_lib.load(path, int(load_config(workdir).data.vocab_size))
+    return tokenizer_lib.load(path, loading.load_run_config(workdir).data.vocab_size)
   return loading.load_tokenizer(workdir)
 
 

@@ -281,11 +281,11 @@ class ModelConfig:
         raise ValueError(f"model.{name}={getattr(self, name)} must be >= 0")
 
   @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict) -> "ModelConfig":
-    """Builds the model config from `config.model` (old names migrated, with a warning);
-    unknown keys are an error."""
+  def from_config(cls, config, warn: bool = True) -> "ModelConfig":
+    """Builds the model config from `config.model` (a ConfigDict or dict; old names
+    migrated, with a warning when `warn`); unknown keys are an error."""
     fields = {f.name for f in dataclasses.fields(cls)}
-    values = migrate_model_fields(dict(config))
+    values = migrate_model_fields(dict(config), warn)
     targets = values.get("lora_targets")
     if isinstance(targets, str):
       values["lora_targets"] = tuple(t.strip() for t in targets.split(",") if t.strip())
@@ -329,18 +329,18 @@ class ModelConfig:
     return "sequential" if self.kind == "transformer" else "parallel"
 
 
-def _warn_renamed(old: str, new: str) -> None:
+def warn_renamed(old: str, new: str) -> None:
   logging.warning("%s is deprecated and will be removed in the next release: use %s", old, new)
 
 
 def migrate_model_fields(values: dict, warn: bool = True) -> dict:
   """`values` (a model config as a dict) with old names and values replaced by new ones;
   one warning line per old name found (`warn`). New-name dicts come back unchanged; a
-  warning when the depth field the kind does not use is set to another value than the
+  warning (`warn`) when the depth field the kind does not use is set to another value than the
   one it uses (a config may carry K for its ODE beside L for its baseline).
   """
   values = dict(values)
-  say = _warn_renamed if warn else lambda old, new: None
+  say = warn_renamed if warn else lambda old, new: None
   kind = values.get("kind", ModelConfig.kind)
   if kind in OLD_KINDS:
     say(f"model.kind={kind!r}", f"model.kind={OLD_KINDS[kind]!r}")
@@ -359,7 +359,7 @@ def migrate_model_fields(values: dict, warn: bool = True) -> dict:
   if num_steps is not None:
     say(f"model.num_steps={num_steps}", f"model.{depth}={num_steps} (kind={kind!r})")
     values[depth] = num_steps
-  if values.get(depth) is not None and values.get(other) not in (None, values[depth]):
+  if warn and values.get(depth) is not None and values.get(other) not in (None, values[depth]):
     logging.warning(
       "model.%s=%s is not used by kind=%r: its depth is model.%s=%s",
       other,
@@ -385,36 +385,6 @@ def default_model_config() -> ml_collections.ConfigDict:
   c.flavour = ml_collections.config_dict.placeholder(str)
   c.num_steps = ml_collections.config_dict.placeholder(int)
   return c
-
-
-def migrate_config(
-  config: ml_collections.ConfigDict, warn: bool = True
-) -> ml_collections.ConfigDict:
-  """A copy of a run's config with `model` (and `finetune`) under their new names, one
-  warning line per old name (`warn`); configs with new names come back equal.
-
-  `finetune.num_steps` (0 = keep the pre-trained K) became `finetune.solver_steps`
-  (None = keep it).
-  """
-  config = ml_collections.ConfigDict(config.to_dict())
-  if "model" in config:
-    values = migrate_model_fields(config.model.to_dict(), warn)  # old keys popped
-    model = default_model_config()
-    for old in DEPRECATED_KEYS:
-      del model[old]
-    model.update(values)
-    config.model = model
-  finetune = config.get("finetune")
-  if finetune is not None and "num_steps" in finetune:
-    n = finetune.num_steps
-    with finetune.unlocked():
-      del finetune["num_steps"]
-      if n is not None:
-        new = int(n) or None
-        if warn:
-          _warn_renamed(f"finetune.num_steps={n}", f"finetune.solver_steps={new}")
-        finetune.solver_steps = new
-  return config
 
 
 def model_config(config: ml_collections.ConfigDict, vocab_size=None) -> ModelConfig:

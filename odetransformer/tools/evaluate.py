@@ -35,7 +35,6 @@ import jax
 
 from odetransformer import cli_flags
 from odetransformer.errors import UserError
-from odetransformer.model.config import model_config
 from odetransformer.runtime import fileio, host
 from odetransformer.runtime.logs import quiet_tool_logs
 from odetransformer.train import loading
@@ -118,7 +117,7 @@ def check_flags(f) -> tuple:
 
     sources.expand_globs(f.data[len(LOCAL_DATA_PREFIX) :], flag=LOCAL_DATA_FLAG)
   config = loading.load_run_config(f.workdir)
-  cfg = model_config(config, vocab_size=config.data.get("vocab_size"))
+  cfg = config.model
   for n in steps:
     if n is not None and not cfg.is_ode and n != cfg.depth:
       raise UserError(
@@ -126,7 +125,7 @@ def check_flags(f) -> tuple:
         f"{cfg.depth} layers, which runs only at that depth; leave "
         "--solver_steps out"
       )
-  seq_len = f.seq_len or int(config.seq_len)
+  seq_len = f.seq_len or config.batch.seq_len
   if cfg.family == "gpt2" and seq_len > cfg.max_len:
     raise UserError(
       f"--seq_len={seq_len} exceeds the model's {cfg.max_len} learned "

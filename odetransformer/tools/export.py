@@ -45,7 +45,6 @@ import numpy as np
 
 from odetransformer import cli_flags
 from odetransformer.errors import UserError
-from odetransformer.model.config import model_config
 from odetransformer.model.transformer import LanguageModel
 from odetransformer.runtime import fileio
 from odetransformer.runtime.logs import quiet_tool_logs
@@ -113,7 +112,7 @@ def export(
     loaded.model,
     sp_model,
     out,
-    context=int(loaded.config.seq_len),
+    context=loaded.config.batch.seq_len,
     num_steps=num_steps,
     dtype=dtype,
     workdir=workdir,
@@ -276,7 +275,7 @@ def main(argv, flag_values=None):
     )
   check_out(f.out, f.overwrite)
   config = loading.load_run_config(f.workdir)  # refusals before loading anything
-  check_exportable(model_config(config, vocab_size=config.data.get("vocab_size")), f.solver_steps)
+  check_exportable(config.model, f.solver_steps)
   if f.verify:
     try:
       import torch  # noqa: F401  lazy: optional deps, checked only for --verify

@@ -32,7 +32,6 @@ import numpy as np
 
 from odetransformer import cli_flags
 from odetransformer.errors import UserError
-from odetransformer.model.config import model_config
 from odetransformer.model.decode import Decoder, KVCache
 from odetransformer.runtime import host
 from odetransformer.runtime.logs import quiet_tool_logs
@@ -294,11 +293,7 @@ def check_flags(f) -> None:
     raise UserError("--prompt is not valid UTF-8 text; pass the prompt in UTF-8") from e
   loading.parse_mesh_shape(f.mesh_shape)
   config = loading.load_run_config(f.workdir)
-  cfg = (
-    model_config(config, vocab_size=config.data.get("vocab_size"))
-    if f.solver_steps is not None
-    else None
-  )
+  cfg = config.model if f.solver_steps is not None else None
   if cfg is not None and not cfg.is_ode and f.solver_steps != cfg.depth:
     raise UserError(
       f"--solver_steps={f.solver_steps}: this run is a discrete {cfg.kind!r} "
@@ -349,9 +344,8 @@ def main(argv, flag_values=None):
     f"trained at K={cfg.depth}; decoding {how} ({time.perf_counter() - t0:.1f}s)"
   )
   num_params = sum(x.size for x in jax.tree.leaves(nnx.state(loaded.model, nnx.Param)))
-  tokens = (
-    loaded.step * loaded.config.get("global_batch_size", 0) * loaded.config.get("seq_len", 0)
-  ) or None
+  batch = loaded.config.batch
+  tokens = (loaded.step * batch.global_batch_size * batch.seq_len) or None
   print_(what_to_expect(num_params, loaded.step, tokens))
 
   prompt_ids = sp.encode(flags_.prompt) if flags_.prompt else []

@@ -101,7 +101,7 @@ class ODETransformerLM(TemplateLM):
       )
       model, rules = loaded.model, loaded.rules
       tokenizer = loading.load_tokenizer(str(workdir), loaded.config)
-      default_len = int(loaded.config.seq_len)
+      default_len = loaded.config.batch.seq_len
     else:
       if tokenizer is None:
         raise ValueError("pass tokenizer= with model=")

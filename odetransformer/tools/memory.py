@@ -103,13 +103,13 @@ import jax.numpy as jnp  # noqa: E402
 
 from odetransformer import cli_flags, errors  # noqa: E402
 from odetransformer.model import blocks  # noqa: E402
-from odetransformer.model import config as config_lib  # noqa: E402
 from odetransformer.model.param_count import attention_flops_per_token, flops_per_token  # noqa: E402
 from odetransformer.tools import hlo_stats  # noqa: E402
 from odetransformer.tools.memory_temporaries import temporaries_estimate  # noqa: E402
-from odetransformer.train import loop, steps  # noqa: E402
 from odetransformer.train import optimizer as optimizer_lib  # noqa: E402
+from odetransformer.train import setup, steps  # noqa: E402
 from odetransformer.train import sharding as sharding_lib  # noqa: E402
+from odetransformer.train.run_config import RunConfig  # noqa: E402
 
 GIB = 1024**3
 DEFAULT_COMPILE_MAX_PARAMS = 50_000_000
@@ -234,14 +234,17 @@ def memory_report(
     compile_step = True
   device_memory_gib = device_memory_gib or (target.memory_gib if target else 80.0)
   devices = list(jax.devices() if devices is None else devices)
+  settings = RunConfig.from_config(config)
   try:
-    mesh = sharding_lib.make_mesh(config.mesh, devices)
-    rules = sharding_lib.logical_axis_rules(config.mesh)
+    mesh = sharding_lib.make_mesh(settings.mesh, devices)
   except sharding_lib.MeshError as e:
     raise errors.ConfigError(str(e)) from e
-  loop.check_config(config, mesh, rules)
-  cfg = config_lib.model_config(config, config.data.vocab_size)
-  tx = optimizer_lib.create_optimizer(config.optim, config.num_train_steps, ode=cfg.is_ode)
+  rules = settings.mesh.rules
+  setup.check_config(settings, mesh)
+  cfg = dataclasses.replace(settings.model, vocab_size=settings.data.vocab_size)
+  tx = optimizer_lib.create_optimizer(
+    settings.optim, settings.schedule.num_train_steps, ode=cfg.is_ode
+  )
 
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     ts = steps.state_layout(cfg, tx, config.seed, mesh)

@@ -24,13 +24,13 @@ import time
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from odetransformer.errors import UserError
 from odetransformer.model.transformer import LanguageModel
 from odetransformer.train import loading, sharding
 from odetransformer.train.losses import token_scores
+from odetransformer.train.run_config import RunConfig
 
 # The keys of a batch the model reads; `weights` defaults to ones.
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights")
@@ -191,7 +191,7 @@ class EvalData:
 
 def eval_data(
   workdir: str,
-  config: ml_collections.ConfigDict,
+  config: RunConfig,
   *,
   data: str = "",
   split: str = "",
@@ -206,7 +206,7 @@ def eval_data(
 
   Args:
     workdir: the run (its data cache is reused).
-    config: the run's ConfigDict.
+    config: the run's settings (`loading.load_run_config`).
     data: '' (the run's source), a `data.source` string, or 'local:<globs>'.
     split: eval split for TFDS-style sources ('' = the run's, or the source's default).
     data_dir: TFDS data_dir ('' = the run's).
@@ -216,31 +216,33 @@ def eval_data(
   """
   import input_pipeline  # lazy: grain and TFDS only where data is read (not lm_eval, generate)
 
-  d = ml_collections.ConfigDict(config.data.to_dict())
-  d.tokenizer_path = tokenizer_path or loading.tokenizer_path(workdir, config)
+  d = {"tokenizer_path": tokenizer_path or loading.tokenizer_path(workdir, config)}
+  source = config.data.source
   if data.startswith(LOCAL_DATA_PREFIX):
     globs = data[len(LOCAL_DATA_PREFIX) :]
-    d.source, d.eval_files, d.train_files = "local", globs, globs  # train: unused, must exist
+    source = d["source"] = "local"
+    d["eval_files"] = d["train_files"] = globs  # train: unused, must exist
   elif data:
-    d.source = data
+    source = d["source"] = data
   if split:
-    if d.source in ("embedded", "local"):
+    if source in ("embedded", "local"):
       raise UserError(
-        f"--split applies to TFDS-style sources, not {d.source!r}; "
+        f"--split applies to TFDS-style sources, not {source!r}; "
         "evaluate other text with --data=local:<glob>"
       )
-    d.eval_split = split
+    d["eval_split"] = split
   if data_dir:
-    d.data_dir = data_dir
-  d.eval_max_batches = int(max_batches)
-  seq_len = int(seq_len or config.seq_len)
-  batch_size = int(batch_size or config.eval_batch_size)
+    d["data_dir"] = data_dir
+  d["eval_max_batches"] = int(max_batches)
+  d = dataclasses.replace(config.data, **d)
+  seq_len = int(seq_len or config.batch.seq_len)
+  batch_size = int(batch_size or config.eval.batch_size)
   ds = input_pipeline.create_datasets(
     d,
     seq_len=seq_len,
     global_batch_size=batch_size,
     eval_batch_size=batch_size,
-    seed=int(config.seed),
+    seed=config.batch.seed,
     workdir=workdir,
     process_index=0,
     process_count=1,

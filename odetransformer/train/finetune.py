@@ -29,12 +29,13 @@ import numpy as np
 
 from odetransformer.errors import ConfigError
 from odetransformer.model import blocks, lora
-from odetransformer.model.config import ModelConfig, model_config
+from odetransformer.model.config import ModelConfig
 from odetransformer.model.materialize import materialize
 from odetransformer.runtime import fileio
-from odetransformer.train import loading, sharding
+from odetransformer.train import loading
 from odetransformer.train.checkpoint.fingerprint import load_config
 from odetransformer.train.checkpoint.paths import CONFIG_FILE
+from odetransformer.train.run_config import RunConfig
 
 METHODS = ("continuous", "full", "lora")
 LORA_INITS = ("zero_b", "small")
@@ -49,35 +50,35 @@ class FinetuneError(ConfigError):
   """A fine-tuning config that cannot start from its `init_from` run."""
 
 
-def pretrained_config(config):
-  """(pre-training run ConfigDict, its ModelConfig)."""
-  src = config.init_from
-  if not src or not fileio.exists(fileio.join(src, CONFIG_FILE)):
+def pretrained_config(init_from: str) -> RunConfig:
+  """The pre-training run's settings (its model at its data's vocabulary size)."""
+  if not init_from or not fileio.exists(fileio.join(init_from, CONFIG_FILE)):
     raise FinetuneError(
-      f"init_from={src!r} is not a training workdir "
+      f"init_from={init_from!r} is not a training workdir "
       f"({CONFIG_FILE} missing); point it at a main.py run"
     )
-  pre = load_config(src)
-  return pre, model_config(pre, vocab_size=pre.data.vocab_size)
+  pre = RunConfig.from_config(load_config(init_from), recorded=True)
+  return pre.replace(model=dataclasses.replace(pre.model, vocab_size=pre.data.vocab_size))
 
 
-def finetune_model_config(config) -> ModelConfig:
-  """The model the fine-tuning run trains (depends on method and N)."""
-  _, pre = pretrained_config(config)
+def finetune_model_config(config: RunConfig, pre: ModelConfig | None = None) -> ModelConfig:
+  """The model the fine-tuning run `config` trains (depends on method and N); `pre`: the
+  pre-trained model (default: read from `config.finetune.init_from`)."""
   ft = config.finetune
+  pre = pretrained_config(ft.init_from).model if pre is None else pre
   method = ft.method
   if method not in METHODS:
     raise FinetuneError(f"finetune.method={method!r} is unknown; choose one of {list(METHODS)}")
-  if ft.get("lora_init", "zero_b") not in LORA_INITS:
+  if ft.lora_init not in LORA_INITS:
     raise FinetuneError(
       f"finetune.lora_init={ft.lora_init!r} is unknown; choose one of {list(LORA_INITS)}"
     )
   fields = _SHAPE_FIELDS + (_TIME_FIELDS if pre.kind == "diffeqformer" else ())
   for field in fields:
-    if field in config.model and config.model[field] != getattr(pre, field):
+    if getattr(config.model, field) != getattr(pre, field):
       raise FinetuneError(
-        f"model.{field}={config.model[field]!r} differs from the pre-trained model's "
-        f"{getattr(pre, field)!r} (init_from={config.init_from}); remove the override"
+        f"model.{field}={getattr(config.model, field)!r} differs from the pre-trained "
+        f"model's {getattr(pre, field)!r} (init_from={ft.init_from}); remove the override"
       )
   n = int(ft.solver_steps or 0) or pre.depth
   if n <= 0:
@@ -86,9 +87,9 @@ def finetune_model_config(config) -> ModelConfig:
       "fine-tune at, or leave it unset for the pre-trained K"
     )
   keep = dict(
-    dropout_rate=float(config.model.get("dropout_rate", pre.dropout_rate)),
-    remat_policy=config.model.get("remat_policy", pre.remat_policy),
-    dtype=config.model.get("dtype", pre.dtype),
+    dropout_rate=config.model.dropout_rate,
+    remat_policy=config.model.remat_policy,
+    dtype=config.model.dtype,
   )
   if method == "continuous":
     if not pre.is_ode:
@@ -121,70 +122,61 @@ def finetune_model_config(config) -> ModelConfig:
     lora_rank=int(ft.lora_rank),
     lora_alpha=float(ft.lora_alpha),
     lora_targets=tuple(t.strip() for t in str(ft.targets).split(",") if t.strip()),
-    lora_train_embeddings=bool(ft.get("train_embeddings", False)),
+    lora_train_embeddings=ft.train_embeddings,
   )
 
 
-def prepare_config(config):
-  """Fills what a fine-tuning run inherits: model fields (for the record) and tokenizer."""
-  pre, _ = pretrained_config(config)
-  cfg = finetune_model_config(config)
-  with config.unlocked():
-    for field in dataclasses.fields(cfg):
-      value = getattr(cfg, field.name)
-      config.model[field.name] = ",".join(value) if isinstance(value, tuple) else value
-    # A discrete model materialised from an ODE has no K: the pre-trained K would stay
-    # in the record as the depth field its kind does not use, differing from its depth,
-    # and every read of the config would warn about a setting the user never made.
-    # Left out, it reads as unset (None); a run recorded with it still resumes (a key
-    # only one fingerprint has is not compared).
-    if config.model.get(cfg.unused_depth_field) not in (None, cfg.depth):
-      del config.model[cfg.unused_depth_field]
-    tokenizer = fileio.join(config.init_from, loading.TOKENIZER_FILE)
-    if not config.data.get("tokenizer_path"):
-      config.data.tokenizer_path = (
-        fileio.local_copy(tokenizer)
-        if fileio.exists(tokenizer)
-        else pre.data.get("tokenizer_path", "")
-      )
-    if int(config.data.vocab_size) != int(pre.data.vocab_size):
-      raise FinetuneError(
-        f"data.vocab_size={config.data.vocab_size} differs from the "
-        f"pre-trained run's {pre.data.vocab_size}; remove the override (the "
-        "pre-trained run's tokenizer is reused)"
-      )
-  return config
+def prepare(config: RunConfig) -> RunConfig:
+  """`config` with what a fine-tuning run inherits filled in: the model it trains (for
+  the record too) and the pre-trained run's tokenizer."""
+  init_from = config.finetune.init_from
+  pre = pretrained_config(init_from)
+  cfg = finetune_model_config(config, pre.model)
+  data = config.data
+  if not data.tokenizer_path:
+    tokenizer = fileio.join(init_from, loading.TOKENIZER_FILE)
+    path = fileio.local_copy(tokenizer) if fileio.exists(tokenizer) else pre.data.tokenizer_path
+    data = dataclasses.replace(data, tokenizer_path=path)
+  if data.vocab_size != pre.data.vocab_size:
+    raise FinetuneError(
+      f"data.vocab_size={data.vocab_size} differs from the "
+      f"pre-trained run's {pre.data.vocab_size}; remove the override (the "
+      "pre-trained run's tokenizer is reused)"
+    )
+  return config.replace(model=cfg, data=data)
 
 
-def initial_model_state(config, cfg: ModelConfig, mesh=None) -> nnx.State:
+def initial_model_state(config: RunConfig, cfg: ModelConfig, mesh=None) -> nnx.State:
   """The pre-trained weights transformed for this method (values for `nnx.update`).
 
   Restored sharded on `mesh` (default: the pre-training run's mesh on this job's
   devices) under this run's logical-axis rules, and transformed there. Leaves it lacks
   (LoRA factors with 'zero_b') keep the new model's initialisation.
   """
-  rules = sharding.logical_axis_rules(config.get("mesh"))
   loaded = loading.load_model(
-    config.init_from,
+    config.finetune.init_from,
     mesh=mesh,
-    rules=rules,
-    allow_unverified=bool(config.get("checkpoint_allow_unverified", False)),
+    rules=config.mesh.rules,
+    allow_unverified=config.checkpoint.allow_unverified,
   )
   model = loaded.model
   if config.finetune.method != "continuous" and model.config.is_ode:
     model = materialize(model, cfg.depth, fold_dt=False)
   state = nnx.state(model)
-  if cfg.lora_rank and config.finetune.get("lora_init", "zero_b") == "small":
+  if cfg.lora_rank and config.finetune.lora_init == "small":
     state = nnx.State(
       {
         **nnx.to_pure_dict(state),
-        "stack": {**nnx.to_pure_dict(state)["stack"], "lora": small_lora_factors(cfg, config.seed)},
+        "stack": {
+          **nnx.to_pure_dict(state)["stack"],
+          "lora": small_lora_factors(cfg, config.batch.seed),
+        },
       }
     )
   return state
 
 
-def place_initial_weights(config, cfg: ModelConfig, model_state: nnx.State) -> tuple:
+def place_initial_weights(config: RunConfig, cfg: ModelConfig, model_state: nnx.State) -> tuple:
   """Fills `model_state` in place with the `init_from` run's (transformed) weights.
 
   `model_state` is this run's model state: of the leaves the source has, only shape,

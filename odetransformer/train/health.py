@@ -102,10 +102,10 @@ def divergence_hint(optim_config=None) -> str:
   if optim_config is None:
     return "lower optim.learning_rate or set optim.grad_clip_norm"
   lr = f"lower optim.learning_rate (now {optim_config.learning_rate})"
-  clip = float(optim_config.get("grad_clip_norm", 0.0))
+  clip = optim_config.grad_clip_norm
   if clip <= 0:
     return f"{lr} or turn on clipping with optim.grad_clip_norm (e.g. 1.0; now off)"
-  if int(optim_config.get("skip_nonfinite_steps", 0)) <= 0:
+  if optim_config.skip_nonfinite_steps <= 0:
     return (
       f"{lr}, lower optim.grad_clip_norm (now {clip:g}), or skip rare non-finite "
       "steps with optim.skip_nonfinite_steps (e.g. 3)"

@@ -17,11 +17,10 @@ from absl import logging
 from flax import nnx
 import jax
 from jax.experimental import multihost_utils
-import ml_collections
 import numpy as np
 
-from odetransformer.errors import UserError
-from odetransformer.model.config import ModelConfig, model_config
+from odetransformer.errors import ConfigError, UserError
+from odetransformer.model.config import ModelConfig
 from odetransformer.model.transformer import LanguageModel, create_model
 from odetransformer.runtime import fileio
 from odetransformer.train import sharding
@@ -29,6 +28,7 @@ from odetransformer.train.checkpoint.fingerprint import load_config
 from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
 from odetransformer.train.checkpoint.paths import CONFIG_FILE, TOKENIZER_FILE
 from odetransformer.train.checkpoint.restore import restore_model_state
+from odetransformer.train.run_config import MeshConfig, RunConfig
 
 MESH_SHAPE_HELP = (
   "Device mesh (data,fsdp,tensor) to load the model on, e.g. 1,-1,1 "
@@ -40,7 +40,7 @@ MESH_SHAPE_HELP = (
 class Loaded:
   model: LanguageModel
   model_config: ModelConfig
-  config: object  # the run's ml_collections.ConfigDict
+  config: RunConfig  # the run's settings (`load_run_config`)
   step: int
   mesh: jax.sharding.Mesh | None = None  # the model's arrays live on it
   rules: tuple = ()  # the logical-axis rules they follow
@@ -78,7 +78,7 @@ def parse_mesh_shape(text: str) -> tuple:
   return shape
 
 
-def run_mesh(config, mesh_shape: str = "", devices=None) -> jax.sharding.Mesh:
+def run_mesh(config: RunConfig, mesh_shape: str = "", devices=None) -> jax.sharding.Mesh:
   """The mesh a tool loads run `config` on, over `devices` (default: all of the job's).
 
   `mesh_shape` (a `--mesh_shape` value) when given, else the run's `mesh.shape`; when
@@ -88,12 +88,12 @@ def run_mesh(config, mesh_shape: str = "", devices=None) -> jax.sharding.Mesh:
   override = parse_mesh_shape(mesh_shape)
   if override:
     try:
-      return sharding.make_mesh(ml_collections.ConfigDict({"shape": override}), devices)
+      return sharding.make_mesh(MeshConfig(shape=override), devices)
     except sharding.MeshError as e:
       raise UserError(f"--mesh_shape={mesh_shape}: {e}") from e
-  run_shape = tuple((config.get("mesh") or {}).get("shape", ())) or (1, -1, 1)
+  run_shape = config.mesh.shape
   try:
-    return sharding.make_mesh(ml_collections.ConfigDict({"shape": run_shape}), devices)
+    return sharding.make_mesh(config.mesh, devices)
   except sharding.MeshError as e:
     logging.warning(
       "the run's mesh.shape=%s does not fit these %d devices (%s): loading "
@@ -103,15 +103,21 @@ def run_mesh(config, mesh_shape: str = "", devices=None) -> jax.sharding.Mesh:
       e,
       len(devices),
     )
-    return sharding.make_mesh(ml_collections.ConfigDict({"shape": (1, -1, 1)}), devices)
+    return sharding.make_mesh(MeshConfig(shape=(1, -1, 1)), devices)
 
 
-def load_run_config(workdir: str):
-  """The run's config.json (a ConfigDict); a missing or unreadable one is a UserError.
-  Cheap: tools validate their flags against it before loading anything."""
+def load_run_config(workdir: str) -> RunConfig:
+  """The settings of the run in `workdir` (its config.json), the model at the data's
+  vocabulary size; a missing or unreadable one is a UserError. Cheap: tools validate
+  their flags against it before loading anything."""
   fileio.check_encodable(workdir, "--workdir")
   try:
-    return load_config(workdir)
+    config = RunConfig.from_config(load_config(workdir), recorded=True)
+    return config.replace(
+      model=dataclasses.replace(config.model, vocab_size=config.data.vocab_size)
+    )
+  except ConfigError as e:
+    raise UserError(f"{fileio.join(workdir, CONFIG_FILE)}: {e}") from e
   except (FileNotFoundError, NotADirectoryError) as e:
     raise UserError(
       f"{workdir} holds no training run ({CONFIG_FILE} "
@@ -142,13 +148,9 @@ def load_model(
   `allow_unverified`).
   """
   config = load_run_config(workdir)
-  cfg = model_config(config, vocab_size=config.data.get("vocab_size"))
+  cfg = config.model
   mesh = run_mesh(config, mesh_shape) if mesh is None else mesh
-  if rules is None:
-    try:
-      rules = sharding.logical_axis_rules(config.get("mesh"))
-    except sharding.MeshError as e:
-      raise UserError(f"{fileio.join(workdir, CONFIG_FILE)}: {e}") from e
+  rules = config.mesh.rules if rules is None else rules
   with nnx.logical_axis_rules(rules):
     graphdef, abstract = nnx.get_abstract_model(lambda: create_model(cfg), mesh)
   state, restored_step = restore_model_state(workdir, abstract, step, allow_unverified)
@@ -187,7 +189,7 @@ def to_host(x, dtype=None) -> np.ndarray:
   return np.asarray(x, dtype)
 
 
-def tokenizer_path(workdir: str, config=None) -> str:
+def tokenizer_path(workdir: str, config: RunConfig | None = None) -> str:
   """The .model file of a run's tokenizer (a local copy of a remote one: SentencePiece
   reads local files).
 
@@ -198,17 +200,17 @@ def tokenizer_path(workdir: str, config=None) -> str:
   path = fileio.join(workdir, TOKENIZER_FILE)
   if fileio.exists(path):
     return fileio.local_copy(path)
-  config = load_config(workdir) if config is None else config
-  if config.data.get("tokenizer_path") and fileio.exists(config.data.tokenizer_path):
+  config = load_run_config(workdir) if config is None else config
+  if config.data.tokenizer_path and fileio.exists(config.data.tokenizer_path):
     return fileio.local_copy(config.data.tokenizer_path)
   import input_pipeline  # lazy: grain and tensorflow_datasets (~2 s), only for this fallback
 
   ds = input_pipeline.create_datasets(
     config.data,
-    seq_len=int(config.seq_len),
+    seq_len=config.batch.seq_len,
     global_batch_size=1,
     eval_batch_size=1,
-    seed=int(config.seed),
+    seed=config.batch.seed,
     workdir=workdir,
     process_index=0,
     process_count=1,
@@ -222,10 +224,10 @@ def tokenizer_path(workdir: str, config=None) -> str:
   return ds.tokenizer_path
 
 
-def load_tokenizer(workdir: str, config=None):
+def load_tokenizer(workdir: str, config: RunConfig | None = None):
   """The run's SentencePiece processor (pad=0, unk=1, bos=2, eos=3)."""
   # lazy: input_pipeline imports grain and tfds (~2 s), which model-only tools never need
   from input_pipeline import tokenizer as tokenizer_lib
 
-  config = load_config(workdir) if config is None else config
-  return tokenizer_lib.load(tokenizer_path(workdir, config), int(config.data.vocab_size))
+  config = load_run_config(workdir) if config is None else config
+  return tokenizer_lib.load(tokenizer_path(workdir, config), config.data.vocab_size)

@@ -99,8 +99,8 @@ def rules_to_config(rules=DEFAULT_RULES) -> dict:
   return {name: fmt(target) for name, target in rules}
 
 
-def logical_axis_rules(mesh_config=None) -> tuple:
-  """Rules for `nnx.logical_axis_rules`: DEFAULT_RULES with `mesh.rules` overrides.
+def logical_axis_rules(overrides: Mapping | None = None) -> tuple:
+  """Rules for `nnx.logical_axis_rules`: DEFAULT_RULES with `overrides` (`mesh.rules`).
 
   `mesh.rules` maps a logical name to a mesh axis ('fsdp'), several ('data,fsdp'),
   or none ('' or None: replicated). Every logical name must end up with a rule: flax
@@ -108,10 +108,7 @@ def logical_axis_rules(mesh_config=None) -> tuple:
   with a cryptic error.
   """
   rules = dict(DEFAULT_RULES)
-  overrides: Mapping = {}
-  if mesh_config is not None and mesh_config.get("rules") is not None:
-    overrides = dict(mesh_config.rules)
-  for name, value in overrides.items():
+  for name, value in dict(overrides or {}).items():
     rules[name] = _as_mesh_axes(value)
   missing = [n for n in LOGICAL_AXES if n not in rules]
   if missing:

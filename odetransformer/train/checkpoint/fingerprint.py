@@ -15,7 +15,7 @@ import jax
 import ml_collections
 
 from odetransformer.errors import ConfigError
-from odetransformer.model.config import migrate_config, migrate_model_fields
+from odetransformer.model.config import migrate_model_fields
 from odetransformer.runtime import fileio
 from odetransformer.train.checkpoint.paths import (
   CONFIG_FILE,
@@ -24,6 +24,7 @@ from odetransformer.train.checkpoint.paths import (
   finalized_steps,
   read_json,
 )
+from odetransformer.train.run_config import migrate_config
 
 # Model fields that may change between a run and its resumption: no effect on the
 # checkpointed arrays or on what they mean (vocab_size is the tokenizer's, compared as
@@ -63,15 +64,20 @@ def file_sha256(path: str) -> str:
   return fileio.sha256(path)
 
 
-def fingerprint(config, tokenizer_sha256: str | None = None, data_hash: str | None = None) -> dict:
+def fingerprint(record, tokenizer_sha256: str | None = None, data_hash: str | None = None) -> dict:
   """What a run's checkpoints depend on, as plain JSON values.
+
+  `record`: the run's config as it records it (`RunConfig.record`, a dict; or a
+  ConfigDict).
 
   The model config (less `RESUMABLE_MODEL_FIELDS`), the data source and split and the
   settings that train its tokenizer, the batch shape and seed (`RESUME_FIELDS`), the
   tokenizer file's sha256 and the training data's content hash (each None while not
   known yet).
   """
-  plain = json.loads(config.to_json_best_effort())
+  if isinstance(record, ml_collections.ConfigDict):
+    record = record.to_dict()
+  plain = json.loads(json.dumps(record, default=list))
   model = {k: v for k, v in plain.get("model", {}).items() if k not in RESUMABLE_MODEL_FIELDS}
   data = {k: plain.get("data", {}).get(k) for k in FINGERPRINT_DATA_FIELDS}
   resume = {k: plain.get(k) for k in RESUME_FIELDS}
@@ -127,7 +133,7 @@ def stored_fingerprint(workdir: str) -> tuple | None:
     if isinstance(meta.get("fingerprint"), dict):
       return step, meta["fingerprint"]
     if isinstance(meta.get("config"), dict):
-      return step, fingerprint(ml_collections.ConfigDict(meta["config"]))
+      return step, fingerprint(meta["config"])
   return None
 
 
@@ -135,14 +141,14 @@ def tokenizer_sha256(path: str | None) -> str | None:
   return fileio.sha256(path) if path and fileio.isfile(path) else None
 
 
-def check_resumable(config, workdir: str) -> dict | None:
+def check_resumable(record: dict, tokenizer_path: str, workdir: str, accept_changes: bool):
   """ConfigError when `workdir` holds checkpoints of another model, data or tokenizer,
-  or of other batch settings.
+  or of other batch settings (unless `accept_changes`: `resume_with_changes`).
 
-  Compares this config with the fingerprint the newest checkpoint records: model
-  fields, data source and split, batch shape and seed, and — when
-  `data.tokenizer_path` names a file — its hash; otherwise the settings that would
-  train the tokenizer. Runs before anything is written (no tokenizer trained, no
+  Compares the run's config (`record`, as `fingerprint` takes it) with the fingerprint
+  the newest checkpoint records: model fields, data source and split, batch shape and
+  seed, and — when `tokenizer_path` names a file — its hash; otherwise the settings that
+  would train the tokenizer. Runs before anything is written (no tokenizer trained, no
   config.json rewritten), so a refused workdir stays exactly as it was. Returns the
   stored fingerprint (None: no checkpoint).
   """
@@ -150,26 +156,27 @@ def check_resumable(config, workdir: str) -> dict | None:
   if found is None:
     return None
   step, stored = found
-  _refuse_if_different(
-    config,
-    workdir,
-    step,
-    stored,
-    fingerprint(config, tokenizer_sha256(config.data.get("tokenizer_path"))),
-  )
+  new = fingerprint(record, tokenizer_sha256(tokenizer_path))
+  _refuse_if_different(accept_changes, workdir, step, stored, new)
   return stored
 
 
 def check_tokenizer(
-  config, tokenizer_path: str, workdir: str, stored: dict | None, data_hash: str | None = None
+  record: dict,
+  tokenizer_path: str,
+  workdir: str,
+  stored: dict | None,
+  data_hash: str | None = None,
+  accept_changes: bool = False,
 ) -> dict:
   """The run's fingerprint, with its tokenizer's hash and its training data's content
   hash (`Datasets.content_hash`); ConfigError when a resumed run's tokenizer file or
   data differ from the checkpoints' (before the tokenizer is copied into the workdir).
   """
-  new = fingerprint(config, tokenizer_sha256(tokenizer_path), data_hash)
+  new = fingerprint(record, tokenizer_sha256(tokenizer_path), data_hash)
   if stored is not None:
-    diffs = _refuse_if_different(config, workdir, finalized_steps(workdir)[-1], stored, new)
+    step = finalized_steps(workdir)[-1]
+    diffs = _refuse_if_different(accept_changes, workdir, step, stored, new)
     if diffs:
       logging.warning(
         "resuming with changes (resume_with_changes=true): %s; the run no longer continues exactly",
@@ -178,9 +185,11 @@ def check_tokenizer(
   return new
 
 
-def _refuse_if_different(config, workdir: str, step: int, stored: dict, new: dict) -> list:
-  """ConfigError naming the differences, unless there are none or all are accepted by
-  `resume_with_changes`; returns the accepted ones."""
+def _refuse_if_different(
+  accept_changes: bool, workdir: str, step: int, stored: dict, new: dict
+) -> list:
+  """ConfigError naming the differences, unless there are none or all are accepted
+  (`accept_changes`: `resume_with_changes`); returns the accepted ones."""
   diffs = fingerprint_diffs(stored, new)
   if not diffs:
     return []
@@ -190,7 +199,7 @@ def _refuse_if_different(config, workdir: str, step: int, stored: dict, new: dic
       f"tokenizer ({'; '.join(diffs)}); resume with the same settings, start a new "
       "--workdir, or fine-tune from this run with --config.init_from"
     )
-  if not config.get("resume_with_changes", False):
+  if not accept_changes:
     raise ConfigError(
       f"{workdir} holds checkpoints (step {step}) trained on other data or batch "
       f"settings ({'; '.join(diffs)}); resume with the same settings, pass "
@@ -210,13 +219,16 @@ def save_tokenizer(src: str, workdir: str):
   fileio.copy(src, path)
 
 
-def save_config(config, workdir: str):
-  """Writes `<workdir>/config.json` (process 0 only)."""
+def save_config(record, workdir: str):
+  """Writes `<workdir>/config.json` (process 0 only): `record`, the run's config as a
+  dict (`RunConfig.record`) or a ConfigDict."""
   if jax.process_index() != 0:
     return
+  if not isinstance(record, ml_collections.ConfigDict):
+    record = ml_collections.ConfigDict(record)
   fileio.makedirs(workdir)
   fileio.write_text_atomic(
-    fileio.join(workdir, CONFIG_FILE), config.to_json_best_effort(indent=2, sort_keys=True)
+    fileio.join(workdir, CONFIG_FILE), record.to_json_best_effort(indent=2, sort_keys=True)
   )
 
 

@@ -39,7 +39,6 @@ from flax import nnx
 import jax
 import orbax.checkpoint as ocp
 
-from odetransformer.errors import UserError
 from odetransformer.runtime import fileio, logs, multihost, workdir_lock
 from odetransformer.train.checkpoint import integrity
 from odetransformer.train.checkpoint.paths import (
@@ -53,16 +52,6 @@ from odetransformer.train.checkpoint.paths import (
   unfinished_steps,
 )
 from odetransformer.train.checkpoint.restore import restore_newest
-
-
-def validate_options(config):
-  """UserError for checkpoint settings that would lose work (checked before any write)."""
-  keep = config.get("checkpoint_max_to_keep", 3)
-  if keep is not None and (not isinstance(keep, int) or keep < 1):
-    raise UserError(
-      f"checkpoint_max_to_keep={keep!r} would keep no checkpoint (not even "
-      "the final one); use a positive count, e.g. 3"
-    )
 
 
 def _owner_path(workdir: str, step: int) -> str:
