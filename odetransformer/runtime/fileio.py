@@ -98,6 +98,11 @@ def is_local(p: PathLike) -> bool:
   return "://" not in os.fspath(p)
 
 
+def absolute(p: PathLike) -> str:
+  """`p` as a user finds it from anywhere: a local path made absolute, a URL as it is."""
+  return os.path.abspath(p) if is_local(p) else os.fspath(p)
+
+
 def same_file(a: PathLike, b: PathLike) -> bool:
   """Whether `a` and `b` name the same file (a relative local path is resolved)."""
   if is_local(a) and is_local(b):

@@ -207,7 +207,7 @@ def main(argv, flag_values=None):
   if f.plot and jax.process_index() == 0:
     fig = plot_table(results, cfg.depth, title=f"{f.workdir} (step {loaded.step})")
     fileio.write_figure(f.plot, fig, format="png", dpi=120)
-    say(f"plot written to {os.path.abspath(f.plot) if fileio.is_local(f.plot) else f.plot}")
+    say(f"plot written to {fileio.absolute(f.plot)}")
 
 
 def define_flags(flag_values=None):
