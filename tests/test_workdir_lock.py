@@ -19,9 +19,19 @@ from test_reliability import (
 from test_train import fast_compiles  # noqa: F401  (fast_compiles: autouse fixture, the rbg PRNG)
 
 from odetransformer.runtime import fileio
-from odetransformer.runtime.workdir_lock import WorkdirInUseError, WorkdirLock
+from odetransformer.runtime.workdir_lock import (
+  CHECKPOINTS,
+  LOCK_FILE,
+  WorkdirInUseError,
+  WorkdirLock,
+)
 from odetransformer.train.checkpoint.manager import Checkpointer
-from odetransformer.train.checkpoint.paths import OWNERS_DIR, finalized_steps, unfinished_steps
+from odetransformer.train.checkpoint.paths import (
+  CHECKPOINT_DIR,
+  OWNERS_DIR,
+  finalized_steps,
+  unfinished_steps,
+)
 
 
 @pytest.mark.slow
@@ -124,3 +134,56 @@ def test_run_whose_lock_file_was_replaced_stops_in_one_line(tmp_path, shared_dat
     other.release()
     if proc.poll() is None:
       proc.send_signal(signal.SIGKILL)
+
+
+def _tree(wd) -> list:
+  """Every file under `wd`, relative ('/'-separated), with the workdir's own entries."""
+  return fileio.walk_files(wd)
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "gs"])
+def test_a_failed_start_leaves_nothing_it_created(remote, request, tmp_path, caplog):
+  """What a start writes before its first step (the data cache, tokenizer, config,
+  TensorBoard directory, an empty checkpoints/) goes again when it fails there, with the
+  lock file and a workdir it created; what was there before stays, and so does all of a
+  run that got to its first step or wrote a checkpoint, or that ended without an error."""
+  base = f"{request.getfixturevalue('gcs_bucket')}/failed-start" if remote else str(tmp_path)
+
+  def start(wd, *, step=False, checkpoint=False, failed=True):
+    lock = WorkdirLock(wd).acquire()
+    for name in ("data_cache/prepared/local-1/train.array_record", "tokenizer.model"):
+      fileio.write_text_atomic(fileio.join(wd, name), "x")
+    fileio.write_text_atomic(fileio.join(wd, "tensorboard", "events.out"), "x")
+    fileio.makedirs(fileio.join(wd, CHECKPOINTS))  # as orbax's manager makes it
+    if checkpoint:
+      fileio.write_text_atomic(fileio.join(wd, CHECKPOINTS, "2", "model", "x"), "x")
+    if step:
+      lock.mark_started()
+    with caplog.at_level("INFO"):
+      lock.release(failed_start=failed)
+
+  fresh = fileio.join(base, "fresh")
+  start(fresh)
+  assert not fileio.exists(fresh) and _tree(fresh) == []
+  assert "removed what it had created in" in caplog.text and "data_cache" in caplog.text
+
+  # A workdir that held a file, a data cache and an emptied lock of an earlier run.
+  old = fileio.join(base, "old")
+  fileio.write_text_atomic(fileio.join(old, "notes.txt"), "mine")
+  fileio.write_text_atomic(fileio.join(old, "data_cache", "kept"), "mine")
+  if not remote:  # (on gs:// a released lock is deleted, not emptied)
+    fileio.write_text_atomic(fileio.join(old, LOCK_FILE), "")
+  before = _tree(old)
+  start(old)
+  # New files inside an entry that was there (data_cache/prepared) are not told apart.
+  assert _tree(old) == sorted(before + ["data_cache/prepared/local-1/train.array_record"])
+  assert fileio.read_text(fileio.join(old, "notes.txt")) == "mine"
+
+  for kept in (dict(step=True), dict(checkpoint=True), dict(failed=False)):
+    wd = fileio.join(base, "kept-" + "-".join(kept))
+    start(wd, **kept)
+    assert {"data_cache", "tokenizer.model", "tensorboard"} <= set(fileio.listdir(wd)), kept
+
+
+def test_the_lock_names_the_checkpoint_directory_the_checkpointer_writes():
+  assert CHECKPOINTS == CHECKPOINT_DIR

@@ -13,6 +13,14 @@ into it (it stopped at a data error) removes the file and the directory again. O
 filesystem without flock support (some network mounts) the lock is skipped with a
 warning.
 
+A failed start leaves nothing behind that it created: a run that ends on an error before
+its first train step (`mark_started`) and wrote no checkpoint tells `release` so
+(`failed_start=True`), which removes what the run added to the workdir since it took the
+lock (its data cache, tokenizer, config.json, TensorBoard directory), the lock file if the
+run created it, and the workdir if the run created it. What the workdir held before is
+never touched; a run that got to its first step keeps everything (its logs say how it
+failed).
+
 Object stores (`gs://`): flock means nothing there. The lock is the object `.lock`,
 created only if absent (a generation precondition), holding the same record plus a
 heartbeat that a daemon thread rewrites every `heartbeat_s` seconds, each time only if
@@ -44,6 +52,9 @@ from odetransformer.errors import UserError
 from odetransformer.runtime import fileio
 
 LOCK_FILE = ".lock"
+# The run's checkpoints (train/checkpoint/paths.CHECKPOINT_DIR): a run that added anything
+# there keeps all it wrote, whatever `release` is told.
+CHECKPOINTS = "checkpoints"
 HEARTBEAT_S = 60.0  # how often a remote lock's heartbeat is rewritten
 STALE_S = 600.0  # a remote lock without a heartbeat for this long is taken over
 
@@ -99,7 +110,9 @@ class WorkdirLock:
   After `acquire`: `record` is this run's record (None when disabled or skipped) and
   `previous` the record of a former holder whose lock this run took over (None when it
   found no holder), with `gone`: whether that holder is known to have ended (a PID of
-  this host that no longer exists, or a stale heartbeat).
+  this host that no longer exists, or a stale heartbeat). `started`: whether the run
+  reported its first train step (`mark_started`); until then `release(failed_start=True)`
+  removes what the run created.
   """
 
   def __init__(
@@ -123,6 +136,9 @@ class WorkdirLock:
     self._lost = ""  # why the lock is no longer this run's
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
+    self.started = False
+    self._found: set | None = None  # the workdir's entries before acquire (None: unknown)
+    self._found_checkpoints: set = set()
 
   def acquire(self) -> "WorkdirLock":
     """Takes the lock or raises a one-line UserError (in use, not a directory, not
@@ -135,11 +151,46 @@ class WorkdirLock:
       "started": time.time(),
       "run": uuid.uuid4().hex,
     }
+    self._found, self._found_checkpoints = self._entries(), self._checkpoint_entries()
     if fileio.is_local(self.workdir):
       self._acquire_flock(record)
     else:
       self._acquire_object(record)
     return self
+
+  def mark_started(self):
+    """The run's first train step is done: from now on a failure keeps what it wrote."""
+    self.started = True
+
+  # -- what a failed start created ------------------------------------------------------
+  def _entries(self) -> set | None:
+    """The names in the workdir ({} when it does not exist; None when it cannot be
+    listed: then nothing is ever removed)."""
+    try:
+      return set(fileio.listdir(self.workdir))
+    except Exception:  # not a directory, no access: acquire reports it
+      return None
+
+  def _checkpoint_entries(self) -> set:
+    try:
+      return set(fileio.listdir(fileio.join(self.workdir, CHECKPOINTS)))
+    except Exception:
+      return set()
+
+  def _remove_created(self) -> list:
+    """Removes the workdir's entries that were not there when the lock was taken (the
+    lock file aside: `release` handles it); returns their names."""
+    created = sorted(set(fileio.listdir(self.workdir)) - self._found - {LOCK_FILE})
+    for name in created:
+      entry = fileio.join(self.workdir, name)
+      try:
+        if fileio.isdir(entry):
+          fileio.rmtree(entry)
+        else:
+          fileio.remove(entry)
+      except Exception as e:
+        logging.warning("cannot remove %s, which the failed start created (%s)", entry, e)
+    return created
 
   # -- local: flock ---------------------------------------------------------------------
   def _acquire_flock(self, record: dict):
@@ -307,8 +358,36 @@ class WorkdirLock:
         "run or let it finish, then resume with the same command"
       )
 
-  def release(self):
-    """Clears the lock if it is still this run's (the next run sees no previous holder)."""
+  def release(self, failed_start: bool = False):
+    """Clears the lock if it is still this run's (the next run sees no previous holder).
+
+    `failed_start`: the run is ending on an error. Unless it reached its first train
+    step (`mark_started`) or added a checkpoint, what it created since `acquire` is
+    removed (module docstring): its new entries in the workdir, the lock file it created,
+    and the workdir it created. Nothing that was there before.
+    """
+    clean = (
+      failed_start
+      and not self.started
+      and self.record is not None
+      and self._found is not None
+      and self._checkpoint_entries() <= self._found_checkpoints
+    )
+    if clean:
+      try:
+        self._lost = self._lost or (
+          self._check_flock() if self._fd is not None else self._check_object()
+        )
+      except Exception as e:  # cannot tell whether the workdir is still this run's
+        self._lost = self._lost or f"cannot be checked ({type(e).__name__})"
+      clean = not self._lost
+    if clean:
+      removed = self._remove_created()
+      logging.info(
+        "the run failed before its first step: removed what it had created in %s (%s)",
+        self.workdir,
+        ", ".join(removed + ([] if LOCK_FILE in self._found else [LOCK_FILE])) or "nothing",
+      )
     self._stop.set()
     if self._thread is not None:
       self._thread.join()
@@ -328,6 +407,8 @@ class WorkdirLock:
         if self._created_dir and os.listdir(self.workdir) == [LOCK_FILE]:
           os.remove(self.path)
           os.rmdir(self.workdir)
+        elif clean and LOCK_FILE not in self._found:
+          os.remove(self.path)
     except OSError:
       pass  # e.g. the directory was removed: nothing left to tidy
     fcntl.flock(self._fd, fcntl.LOCK_UN)
