@@ -974,3 +974,24 @@ def test_single_epoch_detects_a_second_epoch(tmp_path):
   assert read > epoch["documents"]
   with pytest.raises(UserError, match="served twice"):
     single_epoch.single_epoch_check(config, epoch, steps, read)
+
+
+@pytest.mark.slow
+def test_the_gpu_scripts_test_step_fails_when_a_test_fails(tmp_path):
+  """`speed.sh tests` ends with pytest's status (it used to end 0 whatever the tests
+  did), after printing the log's tail. Here pytest is a stand-in that fails."""
+  python = tmp_path / "python"
+  python.write_text(
+    '#!/bin/sh\nif [ "$1 $2" = "-m pytest" ]; then echo "1 failed, 2 passed"; exit 3; fi\n'
+  )
+  python.chmod(0o755)
+  r = subprocess.run(
+    ["bash", "benchmarks/gpu/speed.sh", "tests"],
+    cwd=ROOT,
+    env=dict(cpu_env(), PYTHON=str(python), OUT=str(tmp_path / "out")),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert r.returncode == 3, (r.stdout, r.stderr)
+  assert "1 failed, 2 passed" in r.stdout

@@ -74,9 +74,12 @@ tests() {
   local files=(tests/test_model.py tests/test_attention.py tests/test_train.py
                tests/test_generate.py tests/test_reference.py tests/test_time_grid.py)
   # cpu too: jax.debug.callback (a test of dropout masks) runs its callback on a CPU device.
+  # pytest's status is the step's (and the script's): a failing test fails the run.
+  local status=0
   JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu} "$PY" -m pytest -q -rs -p no:cacheprovider "${files[@]}" \
-    > "$OUT/pytest.log" 2>&1 || true
+    > "$OUT/pytest.log" 2>&1 || status=$?
   tail -n 30 "$OUT/pytest.log"
+  return "$status"
 }
 
 case "${1:-}" in
