@@ -4,6 +4,8 @@ is a benchmark: benchmarks/README.md, "Quality"). Here: how it reads and compare
 and one real run of the README's command through step 1 (the environment, mesh, data,
 tokenizer, parameter count and first loss quoted)."""
 
+import re
+
 import pytest
 
 from benchmarks import default_run
@@ -23,6 +25,18 @@ def test_the_readme_quotes_a_whole_run_with_its_workdir():
   first = default_run.through(quoted, 1)
   assert first[-1].startswith("step 1/500 | ") and len(first) == quoted.index(first[-1]) + 1
   assert default_run.through(quoted, 500) == quoted
+
+
+def test_the_quoted_run_is_one_run_of_a_few_minutes():
+  """The quoted lines' timestamps are one run's, in order, and span a few minutes (what
+  the README says of the default run), not the half hour a busier machine once took."""
+  section = README.split("## The default run\n", 1)[1].split("\n## ", 1)[0]
+  stamps = re.findall(r"^    [IWEF]\d{4} (\d\d):(\d\d):(\d\d\.\d+) ", section, re.M)
+  seconds = [int(h) * 3600 + int(m) * 60 + float(s) for h, m, s in stamps]
+  assert len(seconds) == len(default_run.quoted_lines(README))
+  assert seconds == sorted(seconds)
+  assert 60 < seconds[-1] - seconds[0] < 10 * 60, seconds[-1] - seconds[0]
+  assert "a few minutes" in " ".join(README.split())
 
 
 @pytest.mark.parametrize(
