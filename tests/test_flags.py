@@ -33,12 +33,16 @@ def module_name(path: pathlib.Path) -> str:
 
 
 def commands():
-  """(module name, source) of each module that runs as a program."""
-  return [
-    (module_name(p), p.read_text())
-    for p in sources()
-    if p.name != "main.py" and re.search(r'^if __name__ == "__main__":', p.read_text(), re.M)
-  ]
+  """(module name, source) of each module that runs as a program: one with a `__main__`
+  block, and for a package run as `python -m PACKAGE` (its `__main__.py`), the `cli`
+  module beside it that holds its command line."""
+  out = []
+  for p in sources():
+    if p.name == "__main__.py" and p.with_name("cli.py").exists():
+      out.append((module_name(p.with_name("cli.py")), p.with_name("cli.py").read_text()))
+    elif p.name != "main.py" and re.search(r'^if __name__ == "__main__":', p.read_text(), re.M):
+      out.append((module_name(p), p.read_text()))
+  return out
 
 
 PARSE_FLAGS = [name for name, text in commands() if "def define_flags(define)" in text]

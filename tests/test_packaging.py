@@ -109,7 +109,9 @@ def test_every_command_the_readme_gives_has_a_console_script():
   from odetransformer import scripts
 
   text = "".join((ROOT / f).read_text(encoding="utf-8") for f in ("README.md", "launch/README.md"))
-  commands = set(re.findall(r"python3? -m ((?:odetransformer|input_pipeline)[\w.]*)", text))
+  commands = set(
+    re.findall(r"python3? -m ((?:odetransformer|input_pipeline)(?:\.[a-z_][a-z0-9_]*)+)\b", text)
+  )
   assert "odetransformer.evaluate" in commands and "odetransformer.analysis.spectra" in commands
   assert "python main.py" in text and "main.py" in scripts.__doc__
   commands.add("odetransformer.tools.train")

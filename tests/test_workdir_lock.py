@@ -159,7 +159,7 @@ def test_a_failed_start_leaves_nothing_it_created(remote, request, tmp_path, cap
       fileio.write_text_atomic(fileio.join(wd, CHECKPOINTS, "2", "model", "x"), "x")
     if step:
       lock.mark_started()
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO", logger="absl"):  # whatever verbosity an earlier test left
       lock.release(failed_start=failed)
 
   fresh = fileio.join(base, "fresh")
