@@ -228,8 +228,7 @@ def score_runs(runs: list, data: str, eval_batches: int) -> None:
   a row per run and the ratio lines."""
   rows = []
   for workdir in runs:
-    config = loading.load_run_config(workdir)
-    cfg = config_lib.model_config(config, config.data.vocab_size)
+    cfg = loading.load_run_config(workdir).model
     if cfg.kind != "diffeqformer":
       raise UserError(
         f"--runs: {workdir} holds a {cfg.kind!r} model, and any N needs a "

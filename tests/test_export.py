@@ -189,7 +189,7 @@ def test_each_kind_loads_in_transformers_with_our_logits(
     model,
     sp_model,
     str(out),
-    context=int(loaded.config.seq_len),
+    context=loaded.config.batch.seq_len,
     num_steps=num_steps,
     dtype=dtype,
     shard_bytes=40_000,

@@ -19,6 +19,7 @@ from odetransformer.model.solvers import stage_times
 from odetransformer.model.transformer import create_model
 from odetransformer.train import finetune, loading, loop
 from odetransformer.train import metrics as metrics_lib
+from odetransformer.train.run_config import RunConfig
 
 pytestmark = pytest.mark.slow
 # Under pytest-xdist the tests of each module fixture below run on one worker, so that
@@ -85,7 +86,9 @@ def test_full_at_training_k_starts_at_the_ode_loss(pretrained, tmp_path):
 def test_lora_with_embeddings_changes_only_adapters_and_embeddings(pretrained, tmp_path, caplog):
   base, _ = pretrained
   c = ft_config(pretrained, "lora", 3, train_embeddings=True, lora_init="small")
-  start = finetune.initial_model_state(c, finetune.finetune_model_config(c))
+  start = finetune.initial_model_state(
+    RunConfig.from_config(c), finetune.finetune_model_config(RunConfig.from_config(c))
+  )
   b0 = np.asarray(nnx.to_pure_dict(start)["stack"]["lora"]["wq"]["b"])
   assert b0.shape == (3, 2, 32) and 0 < np.abs(b0).max() < 1e-5  # 1e-6·N(0, 1)
   with caplog.at_level("WARNING"):
@@ -249,7 +252,7 @@ def test_continuous_needs_an_ode_pretrained_model(pretrained, tmp_path):
   c = ft_config(pretrained, "continuous", 3)
   c.init_from = str(tmp_path)
   with pytest.raises(finetune.FinetuneError, match="'continuous' needs an ODE model"):
-    finetune.finetune_model_config(c)
+    finetune.finetune_model_config(RunConfig.from_config(c))
 
 
 @PRETRAINED_GROUP
@@ -268,7 +271,7 @@ def test_full_and_lora_refuse_a_higher_order_ode(pretrained, tmp_path, solver):
     with pytest.raises(
       finetune.FinetuneError, match=f"different function from this '{solver}'-solved model"
     ):
-      finetune.finetune_model_config(c)
+      finetune.finetune_model_config(RunConfig.from_config(c))
   c = ft_config(pretrained, "continuous", 3)
   c.init_from = str(tmp_path)
-  assert finetune.finetune_model_config(c).solver == solver
+  assert finetune.finetune_model_config(RunConfig.from_config(c)).solver == solver

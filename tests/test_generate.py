@@ -8,7 +8,6 @@ from absl import flags
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from test_model import _perturb_hypernet
@@ -18,6 +17,7 @@ from odetransformer.model.decode import Decoder
 from odetransformer.model.transformer import create_model
 from odetransformer.tools import generate
 from odetransformer.train import loading
+from odetransformer.train.run_config import RunConfig
 
 VOCAB = 97
 TOL = 1e-5
@@ -315,7 +315,7 @@ def test_command_line_says_what_to_expect(monkeypatch, capsys):
   """The sentence for this model's parameter count and training is printed before the
   samples."""
   model = tiny_model(**CASES["gpt-gpt"])
-  run_config = ml_collections.ConfigDict({"global_batch_size": 4, "seq_len": 16})
+  run_config = RunConfig.from_config({"global_batch_size": 4, "seq_len": 16}, recorded=True)
   loaded = loading.Loaded(model=model, model_config=model.config, config=run_config, step=7)
   monkeypatch.setattr(loading, "load_run_config", lambda workdir: run_config)
   monkeypatch.setattr(loading, "load_model", lambda workdir, step=None, **_: loaded)

@@ -10,9 +10,9 @@ import optax
 import pytest
 
 from configs import default
+from odetransformer.errors import ConfigError
 from odetransformer.model.config import ModelConfig
 from odetransformer.model.transformer import create_model
-from odetransformer.errors import ConfigError
 from odetransformer.train import optimizer
 from odetransformer.train.run_config import OptimConfig
 

@@ -1,5 +1,5 @@
 """A resume holds one TrainState: restored into the abstract (sharded) targets, with no
-created state beside it (`loop._restore_or_init`).
+created state beside it (`loop.Trainer._restore_or_init`).
 
 `jax.live_arrays()` counts every array of the process, whoever made it, so the measurement
 runs in a process of its own: in pytest's worker, what earlier tests left running there
@@ -31,7 +31,7 @@ loop.train_and_evaluate(config, sys.argv[2])  # leaves a checkpoint at step 2
 
 samples, states = [], []
 sample = lambda: samples.append(live_bytes())
-restore_latest, restore_or_init = Checkpointer.restore_latest, loop._restore_or_init
+restore_latest, restore_or_init = Checkpointer.restore_latest, loop.Trainer._restore_or_init
 
 
 def measured_restore(self, *args):
@@ -41,7 +41,7 @@ def measured_restore(self, *args):
   return out
 
 
-def measured_restore_or_init(*args):
+def measured_restore_or_init(trainer, *args):
   done = threading.Event()
 
   def poll():
@@ -51,17 +51,17 @@ def measured_restore_or_init(*args):
   poller = threading.Thread(target=poll, daemon=True)
   poller.start()
   try:
-    out = restore_or_init(*args)
+    out = restore_or_init(trainer, *args)
   finally:
     done.set()
     poller.join()
   sample()
-  states.append(out[1])
+  states.append(trainer.state)
   return out
 
 
 Checkpointer.restore_latest = measured_restore
-loop._restore_or_init = measured_restore_or_init
+loop.Trainer._restore_or_init = measured_restore_or_init
 gc.collect()  # the baseline holds no garbage that the resume would free
 before = live_bytes()
 resumed = loop.train_and_evaluate(config, sys.argv[2])  # at step 2 already: restore, eval

@@ -125,3 +125,20 @@ def test_only_run_config_reads_config_keys_with_defaults():
     if pattern.search(line)
   ]
   assert found == []
+
+
+@pytest.mark.slow
+def test_the_config_walk_of_a_run_is_short():
+  """Following the run's config through a default run (tests/config_walk.py): at most 4
+  climbs back up the layers, no module re-entered more than twice, and the config read
+  only by loop, setup and run_config (the code below takes sections)."""
+  import config_walk
+
+  walk = config_walk.default_walk()
+  assert len(walk.climbs) <= 4, walk.climbs
+  assert walk.max_entries <= 3, walk.entries
+  assert set(walk.modules) <= {
+    "odetransformer.train.loop",
+    "odetransformer.train.setup",
+    "odetransformer.train.run_config",
+  }, walk.modules

@@ -140,7 +140,7 @@ def test_one_command_compares_both_models_and_plots_seed0(gpu_script, capsys):
     # One tokenizer, one data order: the runs' configs differ in the model kind alone,
     # and both streams stopped at the same document.
     assert (ode / "tokenizer.model").read_bytes() == (gpt / "tokenizer.model").read_bytes()
-    c_ode, c_gpt = (loading.load_run_config(str(w)).to_dict() for w in (ode, gpt))
+    c_ode, c_gpt = (loading.load_run_config(str(w)).record for w in (ode, gpt))
     m_ode, m_gpt = c_ode.pop("model"), c_gpt.pop("model")
     assert {k for k in m_ode if m_ode[k] != m_gpt[k]} == {"kind"}
     assert (m_ode["kind"], m_gpt["kind"]) == ("diffeqformer", "transformer")

@@ -20,13 +20,13 @@ import sys
 from absl import flags
 from absl import logging as absl_logging
 import jax
-import ml_collections
 import pytest
 
 from odetransformer import errors
 from odetransformer.tools import evaluate, generate, lm_eval
 from odetransformer.train import health, loading
 from odetransformer.train.checkpoint.fingerprint import save_config
+from odetransformer.train.run_config import OptimConfig, RunConfig
 
 from tiny import config_flags, cpu_env, tiny_config
 
@@ -155,7 +155,7 @@ def test_main_refuses_a_nan_learning_rate(tmp_path):
 def test_divergence_hints():
   """With clipping on, a diverged run's hint (test_reliability's divergence test: the
   whole message) does not tell it to turn clipping on."""
-  optim = lambda **kw: ml_collections.ConfigDict(dict(learning_rate=1e-3, **kw))
+  optim = lambda **kw: OptimConfig(learning_rate=1e-3, **kw)
   assert health.divergence_hint(optim(grad_clip_norm=0.0)) == (
     "lower optim.learning_rate (now 0.001) or turn on clipping with "
     "optim.grad_clip_norm (e.g. 1.0; now off)"
@@ -170,7 +170,7 @@ def test_run_mesh_follows_the_run_or_the_flag():
   """The run's mesh.shape when it fits these devices, else fsdp over all of them; a
   --mesh_shape value wins and a misfit one is a one-line error."""
   n = jax.device_count()
-  run = lambda shape: ml_collections.ConfigDict({"mesh": {"shape": shape}})
+  run = lambda shape: RunConfig.from_config({"mesh": {"shape": shape}}, recorded=True)
   assert dict(loading.run_mesh(run((1, 1, -1))).shape) == {"data": 1, "fsdp": 1, "tensor": n}
   assert dict(loading.run_mesh(run((n + 1, 1, 1))).shape) == {"data": 1, "fsdp": n, "tensor": 1}
   assert dict(loading.run_mesh(run((1, 1, -1)), "(-1, 1, 1)").shape) == {

@@ -478,13 +478,14 @@ def _files(directory):
 # a phrase of the error it gives.
 _CHECK_RUN_BREAKS = [
   ("1 paths", "data.cache_dir", "\udcff", "--config.data.cache_dir="),
-  ("2 init_from", "init_from", "/nonexistent/pretrained", "init_from='/nonexistent/pretrained'"),
-  ("3 mesh", "mesh.shape", (1, 1, 0), "mesh.shape=(1, 1, 0)"),
-  ("4 check_config", "num_train_steps", 0, "num_train_steps=0"),
-  ("5 model", "model.num_heads", 5, "model.num_heads=5"),
-  ("6 optimizer", "optim.b1", 1.5, "optim.b1=1.5"),
-  ("7 checkpoints kept", "checkpoint_max_to_keep", 0, "checkpoint_max_to_keep=0"),
-  ("8 resumable", "seed", 1, "holds checkpoints (step 6)"),
+  ("2 schedule", "num_train_steps", 0, "num_train_steps=0"),
+  ("2 checkpoints kept", "checkpoint_max_to_keep", 0, "checkpoint_max_to_keep=0"),
+  ("2 optimizer", "optim.b1", 1.5, "optim.b1=1.5"),
+  ("2 model", "model.num_heads", 5, "model.num_heads=5"),
+  ("3 init_from", "init_from", "/nonexistent/pretrained", "init_from='/nonexistent/pretrained'"),
+  ("4 mesh", "mesh.shape", (1, 1, 0), "mesh.shape=(1, 1, 0)"),
+  ("5 check_config", "seq_len", 1024, "seq_len=1024 exceeds model.max_len"),
+  ("6 resumable", "seed", 1, "holds checkpoints (step 6)"),
 ]
 
 
@@ -511,8 +512,8 @@ def test_check_run_reports_its_checks_in_docstring_order_and_writes_nothing(runs
   run = setup.check_run(ml_collections.ConfigDict(base.to_dict()), wd)
   assert run.resume_from == stored_fingerprint(str(wd))[1]
   assert run.workdir == str(wd) and dict(run.mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
-  assert run.model == config_lib.model_config(base)
-  assert float(run.schedule(0)) > 0 and run.tx is not None and run.rules
+  assert run.config.model == config_lib.model_config(base)
+  assert float(run.lr_schedule(0)) > 0 and run.tx is not None and run.config.mesh.rules
   fresh = tmp_path / "fresh"
   assert setup.check_run(ml_collections.ConfigDict(base.to_dict()), fresh).resume_from is None
   assert not fresh.exists() and _files(wd) == before

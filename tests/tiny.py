@@ -3,6 +3,7 @@ environment of the tests' child processes, and the runner of scripts that need 8
 CPU devices."""
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -285,7 +286,9 @@ def reused_compiled_steps():
     )
 
   def optim_key(optim, num_train_steps, **kw):
-    return (optim.to_json(sort_keys=True), num_train_steps, tuple(sorted(kw.items())))
+    # An OptimConfig (frozen: its repr is every field), or a test's optim ConfigDict.
+    text = repr(optim) if dataclasses.is_dataclass(optim) else optim.to_json(sort_keys=True)
+    return (text, num_train_steps, tuple(sorted(kw.items())))
 
   def model_code():
     """The identities of the model package's functions and methods: a test that patches

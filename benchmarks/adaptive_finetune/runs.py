@@ -51,7 +51,7 @@ def pretrained_base(args, seed, cache_dir, src):
   sequence length, batch, vocabulary and tokenizer) with this benchmark's settings."""
   c = _run_settings(load_config(src), args, seed, cache_dir)
   with c.unlocked():
-    c.data.tokenizer_path = ""  # the pre-trained run's (finetune.prepare_config)
+    c.data.tokenizer_path = ""  # the pre-trained run's (finetune.prepare)
   return c
 
 

@@ -49,7 +49,7 @@ class Loaded:
 def define_load_flags(define) -> None:
   """The flags of every command that loads a run (evaluate, generate, export, spectra,
   lyapunov): --workdir (required), --step, --mesh_shape, --checkpoint_allow_unverified,
-  --verbose. `define(kind, name, default, help, **kw)` defines one flag (`errors.definer`)."""
+  --verbose. `define(kind, name, default, help, **kw)` defines one flag (`cli_flags.definer`)."""
   define(
     "string", "workdir", None, "Training run directory (config.json + checkpoints/).", required=True
   )

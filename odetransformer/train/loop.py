@@ -56,6 +56,7 @@ def train_and_evaluate(
   lock = WorkdirLock(
     run.workdir, enabled=jax.process_index() == 0, stale_s=settings.checkpoint.lock_stale_s
   ).acquire()
+  failed = True  # until it returns: a start that fails leaves nothing it created
   try:
     metrics_lib.log(
       f"mesh {dict(run.mesh.shape)} on {jax.device_count()} "
@@ -84,12 +85,16 @@ def train_and_evaluate(
     ckpt.install_sigterm_handler()  # SIGTERM and Ctrl-C: save at the current step, stop
     try:
       with jax.set_mesh(run.mesh), nnx.logical_axis_rules(settings.mesh.rules):
-        return Trainer(run, record.config, ds, writer, ckpt).train(stop_at_step)
+        result = Trainer(run, record.config, ds, writer, ckpt).train(stop_at_step)
     finally:
       ckpt.close()  # waits for a pending async save, restores the SIGTERM handler
       writer.close()
+    failed = False
+    return result
   finally:
-    lock.release()
+    # A failure before the first train step removes what the run added to the workdir
+    # (its files, the lock, the workdir itself if the run made it); after it, nothing.
+    lock.release(failed_start=failed)
 
 
 def _every(step: int, every: int, last: int) -> bool:
@@ -283,6 +288,8 @@ class Trainer:
         jax.block_until_ready(m)
         metrics_lib.log(f"first train step (incl. compilation) took {time.perf_counter() - t:.1f}s")
         self.progress.mark(step)
+        if self.ckpt.lock is not None:
+          self.ckpt.lock.mark_started()  # a failure from here on keeps the run's files
       preempted = self.ckpt.reached_preemption(step)
       if _every(step, schedule.log_every_steps, last) or preempted or step in (start + 1, stop):
         train_scalars = self.log(step)
