@@ -62,16 +62,7 @@ def train_and_evaluate(
       f"mesh {dict(run.mesh.shape)} on {jax.device_count()} "
       f"{jax.devices()[0].platform} devices, {jax.process_count()} process(es)"
     )
-    ds = input_pipeline.create_datasets(
-      settings.data,
-      seq_len=settings.batch.seq_len,
-      global_batch_size=settings.batch.global_batch_size,
-      eval_batch_size=settings.eval.batch_size,
-      seed=settings.batch.seed,
-      workdir=run.workdir,
-      process_index=jax.process_index(),
-      process_count=jax.process_count(),
-    )
+    ds = _datasets(settings, run.workdir)
     record = setup.record_run(run, ds)  # tokenizer and data vs checkpoints; first files
     writer = metrics_lib.MetricWriter(fileio.join(run.workdir, "tensorboard"))
     ckpt = Checkpointer(
@@ -95,6 +86,20 @@ def train_and_evaluate(
     # A failure before the first train step removes what the run added to the workdir
     # (its files, the lock, the workdir itself if the run made it); after it, nothing.
     lock.release(failed_start=failed)
+
+
+def _datasets(config: RunConfig, workdir: str):
+  """The run's `input_pipeline.Datasets`: this process's rows of each batch."""
+  return input_pipeline.create_datasets(
+    config.data,
+    seq_len=config.batch.seq_len,
+    global_batch_size=config.batch.global_batch_size,
+    eval_batch_size=config.eval.batch_size,
+    seed=config.batch.seed,
+    workdir=workdir,
+    process_index=jax.process_index(),
+    process_count=jax.process_count(),
+  )
 
 
 def _every(step: int, every: int, last: int) -> bool:
