@@ -22,6 +22,7 @@ import ml_collections
 import numpy as np
 
 import input_pipeline
+from input_pipeline.config import DataConfig
 from odetransformer.model.param_count import flops_per_token
 from odetransformer.runtime import fileio
 from odetransformer.runtime.workdir_lock import WorkdirLock
@@ -31,7 +32,7 @@ from odetransformer.train import metrics as metrics_lib
 from odetransformer.train import sharding as sharding_lib
 from odetransformer.train import steps as steps_lib
 from odetransformer.train.checkpoint.manager import Checkpointer
-from odetransformer.train.run_config import RunConfig
+from odetransformer.train.run_config import BatchConfig, EvalConfig, RunConfig
 
 
 def train_and_evaluate(
@@ -62,7 +63,7 @@ def train_and_evaluate(
       f"mesh {dict(run.mesh.shape)} on {jax.device_count()} "
       f"{jax.devices()[0].platform} devices, {jax.process_count()} process(es)"
     )
-    ds = _datasets(settings, run.workdir)
+    ds = _datasets(settings.data, settings.batch, settings.eval, run.workdir)
     record = setup.record_run(run, ds)  # tokenizer and data vs checkpoints; first files
     writer = metrics_lib.MetricWriter(fileio.join(run.workdir, "tensorboard"))
     ckpt = Checkpointer(
@@ -88,14 +89,14 @@ def train_and_evaluate(
     lock.release(failed_start=failed)
 
 
-def _datasets(config: RunConfig, workdir: str):
+def _datasets(data: DataConfig, batch: BatchConfig, eval_: EvalConfig, workdir: str):
   """The run's `input_pipeline.Datasets`: this process's rows of each batch."""
   return input_pipeline.create_datasets(
-    config.data,
-    seq_len=config.batch.seq_len,
-    global_batch_size=config.batch.global_batch_size,
-    eval_batch_size=config.eval.batch_size,
-    seed=config.batch.seed,
+    data,
+    seq_len=batch.seq_len,
+    global_batch_size=batch.global_batch_size,
+    eval_batch_size=eval_.batch_size,
+    seed=batch.seed,
     workdir=workdir,
     process_index=jax.process_index(),
     process_count=jax.process_count(),
