@@ -1,0 +1,175 @@
+"""Importing a Hugging Face checkpoint (odetransformer/tools/hf_import.py): the model
+computes what transformers computes on the same weights, export then import gives back
+the same state, and what the model cannot hold is a one-line error."""
+
+import json
+
+from flax import nnx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from odetransformer.errors import UserError
+from odetransformer.model.config import ModelConfig
+from odetransformer.model.transformer import create_model
+from odetransformer.tools import hf_convert, hf_import
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.matmul_precision("highest")
+
+VOCAB, LENGTH = 97, 12
+
+
+def _gpt2(tie: bool = True):
+  return transformers.GPT2LMHeadModel(
+    transformers.GPT2Config(
+      vocab_size=VOCAB,
+      n_embd=32,
+      n_layer=2,
+      n_head=4,
+      n_inner=48,
+      n_positions=16,
+      activation_function="gelu_new",
+      layer_norm_epsilon=1e-5,
+      resid_pdrop=0.0,
+      embd_pdrop=0.0,
+      attn_pdrop=0.0,
+      tie_word_embeddings=tie,
+    )
+  )
+
+
+def _llama(tie: bool = False, **kw):
+  return transformers.LlamaForCausalLM(
+    transformers.LlamaConfig(
+      vocab_size=VOCAB,
+      hidden_size=32,
+      intermediate_size=40,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=kw.pop("num_key_value_heads", 4),
+      max_position_embeddings=64,
+      rms_norm_eps=1e-5,
+      rope_theta=kw.pop("rope_theta", 100_000.0),
+      tie_word_embeddings=tie,
+      **kw,
+    )
+  )
+
+
+def _saved(model, path, safe: bool = True):
+  torch.manual_seed(0)
+  for p in model.parameters():  # norms too: a test of their mapping needs non-unit scales
+    torch.nn.init.normal_(p, std=0.2)
+  model.eval()
+  model.save_pretrained(path, safe_serialization=safe)
+  return model
+
+
+def _logits_both(model, path):
+  tokens = np.random.default_rng(0).integers(0, VOCAB, (2, LENGTH))
+  with torch.no_grad():
+    expected = model(torch.as_tensor(tokens)).logits.numpy()
+  hf, weights = hf_import.read_hf_dir(str(path))
+  ours = hf_import.model_from_hf(hf_import.model_config_from_hf(hf), weights)
+  return np.asarray(ours(jnp.asarray(tokens, jnp.int32)), np.float32), expected
+
+
+@pytest.mark.parametrize(
+  "build, safe",
+  [
+    (lambda: _gpt2(tie=True), True),
+    (lambda: _gpt2(tie=False), False),  # untied, and PyTorch's pytorch_model.bin
+    (lambda: _llama(tie=False), True),
+    (lambda: _llama(tie=True), True),
+  ],
+  ids=["gpt2-tied", "gpt2-untied-bin", "llama-untied", "llama-tied"],
+)
+def test_imported_logits_equal_transformers(build, safe, tmp_path):
+  model = _saved(build(), tmp_path, safe)
+  ours, expected = _logits_both(model, tmp_path)
+  scale = np.abs(expected).max()
+  assert np.abs(ours - expected).max() <= 2e-6 * scale + 1e-6, np.abs(ours - expected).max()
+
+
+def test_the_rope_base_and_norm_eps_come_from_the_checkpoint(tmp_path):
+  hf = _saved(_llama(rope_theta=500.0), tmp_path)
+  cfg = hf_import.model_config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+  assert (cfg.rope_base, cfg.norm_eps, cfg.family, cfg.kind) == (
+    500.0,
+    1e-5,
+    "llama",
+    "transformer",
+  )
+  ours, expected = _logits_both(hf, tmp_path)
+  assert np.abs(ours - expected).max() <= 2e-6 * np.abs(expected).max() + 1e-6
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_export_then_import_gives_back_the_same_state(family, tmp_path):
+  cfg = ModelConfig(
+    kind="transformer",
+    family=family,
+    vocab_size=VOCAB,
+    d_model=32,
+    num_heads=4,
+    mlp_dim=48,
+    num_layers=2,
+    max_len=16,
+    tie_embeddings=family == "gpt2",
+    rope_base=10000.0,
+  )
+  model = create_model(cfg, seed=3)
+  hf = hf_convert.hf_config(cfg, context=16, dtype="float32", special={})
+  back = hf_import.model_from_hf(
+    hf_import.model_config_from_hf(hf), hf_convert.hf_state_dict(model)
+  )
+  a, b = nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(back))
+  flat = lambda d, p="": (
+    {k2: v2 for k, v in d.items() for k2, v2 in flat(v, f"{p}/{k}").items()}
+    if isinstance(d, dict)
+    else {p: d}
+  )
+  a, b = flat(a), flat(b)
+  assert a.keys() == b.keys()
+  for key in a:
+    np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
+
+
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    (
+      {"architectures": ["MistralForCausalLM"]},
+      "architecture 'MistralForCausalLM' is not supported",
+    ),
+    ({"num_key_value_heads": 2}, "grouped-query attention (num_key_value_heads=2"),
+    ({"attention_bias": True}, "attention_bias=true is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+  ],
+)
+def test_what_the_model_cannot_hold_is_one_line(change, message, tmp_path):
+  _saved(_llama(), tmp_path)
+  hf = {**json.loads((tmp_path / "config.json").read_text()), **change}
+  with pytest.raises(UserError, match=message.replace("(", r"\(").replace("[", r"\[")) as e:
+    hf_import.model_config_from_hf(hf)
+  assert "\n" not in str(e.value)
+
+
+def test_weights_that_do_not_match_the_config_are_one_line(tmp_path):
+  _saved(_llama(), tmp_path)
+  hf, weights = hf_import.read_hf_dir(str(tmp_path))
+  cfg = hf_import.model_config_from_hf(hf)
+  short = dict(weights)
+  del short["model.layers.1.mlp.up_proj.weight"]
+  with pytest.raises(UserError, match="no 'model.layers.1.mlp.up_proj.weight'"):
+    hf_import.model_from_hf(cfg, short)
+  wide = dict(weights)
+  for i in (0, 1):
+    wide[f"model.layers.{i}.mlp.up_proj.weight"] = np.zeros((41, 32), np.float32)
+  with pytest.raises(UserError, match=r"weight /stack/params/w3 has shape \(2, 32, 41\)"):
+    hf_import.model_from_hf(cfg, wide)
+  with pytest.raises(UserError, match="holds no config.json"):
+    hf_import.read_hf_dir(str(tmp_path / "nowhere"))
