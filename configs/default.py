@@ -54,6 +54,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.vocab_size = 2048  # overwritten by the tokenizer's
   config.model.d_model = 128  # width d
   config.model.num_heads = 4  # attention heads
+  config.model.num_kv_heads = None  # key/value heads (grouped-query); None = num_heads
   config.model.mlp_dim = 512  # feed-forward hidden width
   config.model.solver_steps = 4  # K Euler steps (ODE kinds: diffeqformer, shared)
   config.model.num_layers = 4  # L layers (discrete kinds: transformer, parallel)

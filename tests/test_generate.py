@@ -99,6 +99,9 @@ CASES = {
   "diffeqformer-llama": dict(kind="diffeqformer", family="llama"),  # materialised, RoPE
   "gpt-gpt": dict(kind="transformer"),  # sequential GPT-2 blocks
   "gpt-llama": dict(kind="transformer", family="llama"),  # sequential Llama blocks
+  # grouped-query attention (here multi-query: 1 key/value head for 2 query heads)
+  "gpt-llama-gqa": dict(kind="transformer", family="llama", num_kv_heads=1),
+  "diffeqformer-llama-gqa": dict(kind="diffeqformer", family="llama", num_kv_heads=1),
   # weight-sharing ODE with a 4-stage solver: not materialised, 4 cache slots per step
   "shared-rk4": dict(kind="shared", solver="rk4", family="llama"),
   # the reference's conventions: step-end times (materialised at (k+1)/N) and its

@@ -84,8 +84,10 @@ def _logits_both(model, path):
     (lambda: _gpt2(tie=False), False),  # untied, and PyTorch's pytorch_model.bin
     (lambda: _llama(tie=False), True),
     (lambda: _llama(tie=True), True),
+    (lambda: _llama(tie=True, num_key_value_heads=2), True),  # grouped-query attention
+    (lambda: _llama(tie=False, num_key_value_heads=1), True),  # multi-query attention
   ],
-  ids=["gpt2-tied", "gpt2-untied-bin", "llama-untied", "llama-tied"],
+  ids=["gpt2-tied", "gpt2-untied-bin", "llama-untied", "llama-tied", "llama-gqa", "llama-mqa"],
 )
 def test_imported_logits_equal_transformers(build, safe, tmp_path):
   model = _saved(build(), tmp_path, safe)
@@ -107,14 +109,15 @@ def test_the_rope_base_and_norm_eps_come_from_the_checkpoint(tmp_path):
   assert np.abs(ours - expected).max() <= 2e-6 * np.abs(expected).max() + 1e-6
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_export_then_import_gives_back_the_same_state(family, tmp_path):
+@pytest.mark.parametrize("family, kv_heads", [("gpt2", None), ("llama", None), ("llama", 2)])
+def test_export_then_import_gives_back_the_same_state(family, kv_heads, tmp_path):
   cfg = ModelConfig(
     kind="transformer",
     family=family,
     vocab_size=VOCAB,
     d_model=32,
     num_heads=4,
+    num_kv_heads=kv_heads,
     mlp_dim=48,
     num_layers=2,
     max_len=16,
@@ -145,7 +148,7 @@ def test_export_then_import_gives_back_the_same_state(family, tmp_path):
       {"architectures": ["MistralForCausalLM"]},
       "architecture 'MistralForCausalLM' is not supported",
     ),
-    ({"num_key_value_heads": 2}, "grouped-query attention (num_key_value_heads=2"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide num_attention_heads=4"),
     ({"attention_bias": True}, "attention_bias=true is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
   ],
@@ -173,3 +176,42 @@ def test_weights_that_do_not_match_the_config_are_one_line(tmp_path):
     hf_import.model_from_hf(cfg, wide)
   with pytest.raises(UserError, match="holds no config.json"):
     hf_import.read_hf_dir(str(tmp_path / "nowhere"))
+
+
+@pytest.mark.parametrize("kind", ["transformer", "diffeqformer"])
+def test_grouped_query_attention_is_attention_with_repeated_key_value_heads(kind):
+  """A model with 2 key/value heads for 4 query heads computes what the same model with
+  4 computes when its W_K, W_V repeat each head for the query heads that read it (head i
+  reads i // 2), for the baseline and for an ODE's generated weights alike."""
+  base = dict(kind=kind, family="llama", vocab_size=VOCAB, d_model=32, num_heads=4, mlp_dim=48)
+  depth = {"num_layers": 2} if kind == "transformer" else {"solver_steps": 2}
+  gqa = create_model(ModelConfig(**base, **depth, num_kv_heads=2), seed=1)
+  mha_cfg = ModelConfig(**base, **depth)
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (2, LENGTH)), jnp.int32)
+  if kind == "transformer":
+    layers = dict(gqa.layer_weights())
+    assert layers["wk"].shape == layers["wv"].shape == (2, 32, 2, 8)  # [L, d, kv heads, h]
+    layers["wk"], layers["wv"] = (jnp.repeat(layers[k], 2, axis=2) for k in ("wk", "wv"))
+    mha = gqa.with_layers(mha_cfg, layers)
+  else:  # the hypernetwork's generators of W_K, W_V: each output head's columns repeated
+    state = nnx.to_pure_dict(nnx.state(gqa))
+    mha = create_model(mha_cfg, seed=1)
+    target = nnx.to_pure_dict(nnx.state(mha))
+    _repeat_kv_generators(state, target, heads=4, kv_heads=2)
+    nnx.update(mha, nnx.State(state))
+  np.testing.assert_allclose(np.asarray(gqa(tokens)), np.asarray(mha(tokens)), rtol=1e-5, atol=1e-5)
+
+
+def _repeat_kv_generators(state, target, heads, kv_heads):
+  """Every leaf of `state` (a GQA model's) under a 'wk' or 'wv' path given the shape of
+  `target`'s (an MHA model's), by repeating along the one axis that differs."""
+  for key, value in state.items():
+    if isinstance(value, dict):
+      _repeat_kv_generators(value, target[key], heads, kv_heads)
+    elif value.shape != target[key].shape:
+      axis = next(i for i, (a, b) in enumerate(zip(value.shape, target[key].shape)) if a != b)
+      group = target[key].shape[axis] // value.shape[axis]
+      # A flattened (heads × head_dim) axis repeats in blocks of head_dim.
+      head_dim = value.shape[axis] // kv_heads
+      blocks = value.reshape(value.shape[:axis] + (kv_heads, head_dim) + value.shape[axis + 1 :])
+      state[key] = jnp.repeat(blocks, group, axis=axis).reshape(target[key].shape)

@@ -142,3 +142,20 @@ def test_the_config_walk_of_a_run_is_short():
     "odetransformer.train.setup",
     "odetransformer.train.run_config",
   }, walk.modules
+
+
+def test_key_value_heads_must_split_over_the_heads_mesh_axis():
+  """4 query heads with 2 key/value heads on a tensor axis of 4: the K, V weights' head
+  axis cannot be split 4 ways; 2 ways it can. (`check_config` reads only the mesh's axis
+  sizes, so a stand-in mesh of 4 tensor devices serves on this 1-device machine.)"""
+  config = default.get_config()
+  config.model.family, config.model.num_kv_heads = "llama", 2
+  config.mesh.rules.heads = "tensor"
+  run = rc.RunConfig.from_config(config, warn=False)
+  mesh = type("Mesh", (), {"shape": {"data": 1, "fsdp": 1, "tensor": 4}})()
+  with pytest.raises(
+    ConfigError, match=r"num_kv_heads=2 key/value heads cannot be split over the 4"
+  ):
+    setup.check_config(run, mesh)
+  mesh.shape = {"data": 1, "fsdp": 1, "tensor": 2}
+  setup.check_config(run, mesh)

@@ -122,6 +122,7 @@ def attention_to(cfg, x_ld, p, position: int):
     pos = jnp.arange(length, dtype=jnp.int32)[None]
     q = blocks.rope(q[None], pos, cfg.rope_base)[0]
     k = blocks.rope(k[None], pos, cfg.rope_base)[0]
+  k = blocks.expand_kv_heads(k, cfg, axis=1)  # grouped-query attention: k per query head
   scores = jnp.einsum("nh,snh->ns", q[o], k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
   scores = jnp.where(jnp.arange(length)[None] <= o, scores, -jnp.inf)
   return jax.nn.softmax(scores, axis=-1)

@@ -53,12 +53,15 @@ def eigenvalues(weights: dict) -> dict:
   """{'qk', 'ov', 'ff'} eigenvalues of stacked layer params (numpy, float64).
 
   Args:
-    weights: name -> [T, *shape] with 'wq', 'wk', 'wv' [T, d, n, h], 'wo' [T, n, h, d],
+    weights: name -> [T, *shape] with 'wq' [T, d, n, h], 'wk', 'wv' [T, d, n_kv, h]
+      (n_kv dividing n; the key/value heads of grouped-query attention), 'wo' [T, n, h, d],
       'w1' [T, d, f], 'w2' [T, f, d].
   Returns:
     'qk' [T, n, h], 'ov' [T, n, h], 'ff' [T, d]: complex, sorted by descending real part.
   """
   w = {k: loading.to_host(weights[k], np.float64) for k in ("wq", "wk", "wv", "wo", "w1", "w2")}
+  group = w["wq"].shape[2] // w["wk"].shape[2]  # grouped-query attention: head i reads i // group
+  w["wk"], w["wv"] = (np.repeat(w[k], group, axis=2) for k in ("wk", "wv"))
   kq = np.einsum("tdna,tdnb->tnab", w["wk"], w["wq"])  # W_K,hᵀ W_Q,h   [h, h]
   ov = np.einsum("tnad,tdnb->tnab", w["wo"], w["wv"])  # W_O,h W_V,h    [h, h]
   ff = np.einsum("tdf,tfe->tde", w["w1"], w["w2"])  # W_1 W_2        [d, d]

@@ -44,9 +44,10 @@ def layer_param_specs(cfg: ModelConfig) -> dict:
     if gpt or cfg.llama_block == "reference":
       specs[f"{norm}_shift"] = ParamSpec((d,), ("embed",), "norm_shift", norm)
   for proj in ("q", "k", "v"):
-    specs[f"w{proj}"] = ParamSpec((d, n, h), ("embed", "heads", "kv"), "in", proj, d)
+    heads = n if proj == "q" else cfg.kv_heads  # grouped-query attention: fewer k, v heads
+    specs[f"w{proj}"] = ParamSpec((d, heads, h), ("embed", "heads", "kv"), "in", proj, d)
     if gpt:
-      specs[f"b{proj}"] = ParamSpec((n, h), ("heads", "kv"), "bias", proj)
+      specs[f"b{proj}"] = ParamSpec((heads, h), ("heads", "kv"), "bias", proj)
   specs["wo"] = ParamSpec((n, h, d), ("heads", "kv", "embed"), "out", "o", d, n_in=2)
   if gpt:
     specs["bo"] = ParamSpec((d,), ("embed",), "out_bias", "o")
@@ -433,7 +434,15 @@ def qkv_projections(x_bld, p, cfg: ModelConfig, positions_bl):
   if cfg.family == "llama":
     q = rope(q, positions_bl, cfg.rope_base)
     k = rope(k, positions_bl, cfg.rope_base)
-  return q, k, v
+  return q, expand_kv_heads(k, cfg, axis=2), expand_kv_heads(v, cfg, axis=2)
+
+
+def expand_kv_heads(x, cfg: ModelConfig, axis: int):
+  """Keys or values (or W_K, W_V) of `cfg.kv_heads` heads along `axis` as `num_heads`:
+  each repeated for the query heads that read it (head i reads i // group). Unchanged
+  without grouped-query attention."""
+  group = cfg.num_heads // cfg.kv_heads
+  return x if group == 1 else jnp.repeat(x, group, axis=axis)
 
 
 def output_projection(o_blnh, p):

@@ -72,6 +72,14 @@ class ModelConfig:
   vocab_size: int = _field(2048, "set from the tokenizer by the training code")
   d_model: int = _field(128, "width d")
   num_heads: int = _field(4, "attention heads (must divide d_model)")
+  num_kv_heads: int | None = _field(
+    None,
+    (
+      "key/value heads (grouped-query attention: query head i reads key/value head "
+      "i // (num_heads / num_kv_heads), as Llama's checkpoints); must divide num_heads; "
+      "None = num_heads (every head its own keys and values)"
+    ),
+  )
   mlp_dim: int = _field(512, "feed-forward hidden width")
   solver_steps: int | None = _field(
     None, (f"K, solver steps of the ODE kinds (diffeqformer, shared); None = {DEFAULT_DEPTH}")
@@ -242,6 +250,13 @@ class ModelConfig:
         f"model.num_heads={self.num_heads} does not divide "
         f"model.d_model={self.d_model}; pick a divisor of the width"
       )
+    if self.num_kv_heads is not None and (
+      self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads
+    ):
+      raise ValueError(
+        f"model.num_kv_heads={self.num_kv_heads} must be a positive divisor of "
+        f"model.num_heads={self.num_heads} (or unset: as many as the query heads)"
+      )
     if self.family == "llama" and self.head_dim % 2:
       raise ValueError(
         f"RoPE needs an even head dim, got {self.head_dim}; change model.d_model or model.num_heads"
@@ -313,6 +328,11 @@ class ModelConfig:
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
+
+  @property
+  def kv_heads(self) -> int:
+    """Key/value heads: `num_kv_heads`, or `num_heads` when unset."""
+    return self.num_kv_heads or self.num_heads
 
   @property
   def hyper_hidden(self) -> int:

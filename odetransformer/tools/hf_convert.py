@@ -37,6 +37,12 @@ def check_exportable(cfg, num_steps: int | None) -> None:
     )
   if num_steps is not None and num_steps <= 0:
     raise UserError(f"--solver_steps={num_steps} is not a step count; pass a positive integer")
+  if cfg.kv_heads != cfg.num_heads and hf_architecture(cfg) != "LlamaForCausalLM":
+    raise UserError(
+      f"model.num_kv_heads={cfg.kv_heads} (grouped-query attention) exports only as a "
+      f"LlamaForCausalLM (a llama-family baseline); {hf_architecture(cfg)} has as many "
+      "key/value heads as query heads"
+    )
   if cfg.is_ode:
     check_materializable(cfg, cfg.depth if num_steps is None else num_steps)  # Euler, N > 0
   elif num_steps is not None and num_steps != cfg.depth:
@@ -213,7 +219,7 @@ def hf_config(cfg, context: int, dtype: str, special: dict) -> dict:
     return {
       "model_type": "llama",
       **layers,
-      "num_key_value_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.kv_heads,
       "head_dim": cfg.head_dim,
       "hidden_act": "silu",
       "rms_norm_eps": cfg.norm_eps,

@@ -6,9 +6,10 @@
     model = model_from_hf(cfg, weights)      # a LanguageModel with those weights
 
 `GPT2LMHeadModel` becomes the gpt2 family (LayerNorm, tanh GELU, learned positions) and
-`LlamaForCausalLM` the llama family (RMSNorm, SwiGLU, RoPE with the checkpoint's base),
+`LlamaForCausalLM` the llama family (RMSNorm, SwiGLU, RoPE with the checkpoint's base,
+grouped-query attention with its key/value heads),
 both with the checkpoint's norm eps and tied or untied embeddings. What the model cannot
-hold (another architecture, grouped-query attention, biases on Llama's projections, an
+hold (another architecture, biases on Llama's projections, an
 activation other than GPT-2's) is a one-line UserError naming it and what is supported.
 The weights arrive in float32; the model computes what transformers computes on them
 (tests/test_hf_import.py: equal logits to float32 rounding).
@@ -124,11 +125,10 @@ def model_config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
     )
   heads = int(hf["num_attention_heads"])
   kv_heads = int(hf.get("num_key_value_heads") or heads)
-  if kv_heads != heads:
+  if kv_heads <= 0 or heads % kv_heads:
     raise UserError(
-      f"grouped-query attention (num_key_value_heads={kv_heads} of "
-      f"num_attention_heads={heads}) is not supported yet; the llama family reads "
-      "checkpoints with as many key/value heads as query heads"
+      f"num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}; "
+      "grouped-query attention needs a whole number of query heads per key/value head"
     )
   for key in ("attention_bias", "mlp_bias"):
     if hf.get(key):
@@ -152,6 +152,7 @@ def model_config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
     family="llama",
     d_model=d,
     num_heads=heads,
+    num_kv_heads=kv_heads if kv_heads != heads else None,
     mlp_dim=int(hf["intermediate_size"]),
     num_layers=int(hf["num_hidden_layers"]),
     max_len=int(hf.get("max_position_embeddings", 2048)),

@@ -59,6 +59,12 @@ def check_config(config: RunConfig, mesh) -> None:
       f"eval_batch_size={eval_batch} must be a multiple of the "
       f"batch shards ({shards}) and processes ({processes})"
     )
+  split = sharding_lib.mesh_axis_size(mesh, dict(config.mesh.rules).get("heads"))
+  if config.model.kv_heads % split:
+    raise ConfigError(
+      f"model.num_kv_heads={config.model.kv_heads} key/value heads cannot be split over the "
+      f"{split} devices of mesh.rules['heads']; use a tensor axis that divides it"
+    )
   if config.model.family == "gpt2" and config.batch.seq_len > config.model.max_len:
     raise ConfigError(
       f"seq_len={config.batch.seq_len} exceeds model.max_len={config.model.max_len}"
@@ -106,7 +112,8 @@ def check_run(config: ml_collections.ConfigDict, workdir) -> Run:
      `data.vocab_size` is its;
   4. the mesh fits the devices;
   5. `check_config`: the batch splits over the mesh's batch shards, accumulation steps
-     and processes, the eval batch over shards and processes, GPT-2's `max_len`;
+     and processes, the eval batch over shards and processes, the key/value heads over
+     the 'heads' mesh axes, GPT-2's `max_len`;
   6. checkpoints already in `workdir` are of this model and tokenizer settings, and of
      this data source, batch shape and seed unless `resume_with_changes` accepts other
      ones (fingerprint.check_resumable).
