@@ -215,3 +215,73 @@ def _repeat_kv_generators(state, target, heads, kv_heads):
       head_dim = value.shape[axis] // kv_heads
       blocks = value.reshape(value.shape[:axis] + (kv_heads, head_dim) + value.shape[axis + 1 :])
       state[key] = jnp.repeat(blocks, group, axis=axis).reshape(target[key].shape)
+
+
+def _write_gguf(model, path, architecture="llama"):
+  """A llama GGUF file of a transformers Llama, as llama.cpp's converter writes one:
+  float32 tensors under its names, each head's W_Q and W_K rows permuted to interleave
+  the halves RoPE rotates (reshape (heads, 2, half, in), swap the middle axes)."""
+  gguf = pytest.importorskip("gguf")
+  c = model.config
+  writer = gguf.GGUFWriter(str(path), architecture)
+  writer.add_block_count(c.num_hidden_layers)
+  writer.add_context_length(c.max_position_embeddings)
+  writer.add_embedding_length(c.hidden_size)
+  writer.add_feed_forward_length(c.intermediate_size)
+  writer.add_head_count(c.num_attention_heads)
+  writer.add_head_count_kv(c.num_key_value_heads)
+  writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+  writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+  writer.add_vocab_size(c.vocab_size)
+
+  def permute(w, heads):
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+
+  names = {v.format(i="{i}"): k for k, v in hf_import._GGUF_NAMES.items()}
+  for name, tensor in model.state_dict().items():
+    if name == "lm_head.weight" and c.tie_word_embeddings:
+      continue
+    w = tensor.detach().numpy().astype(np.float32)
+    parts = name.split(".")
+    key = ".".join(parts[:2] + ["{i}"] + parts[3:]) if name.startswith("model.layers.") else name
+    gguf_name = names[key].format(i=parts[2] if "{i}" in key else "")
+    if ".attn_q." in gguf_name:
+      w = permute(w, c.num_attention_heads)
+    elif ".attn_k." in gguf_name:
+      w = permute(w, c.num_key_value_heads)
+    writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_llama_gguf_file_imports_to_transformers_logits(tie, tmp_path):
+  """A GGUF file written as llama.cpp writes one (permuted W_Q, W_K rows, grouped-query
+  attention) reads back to the transformers model's weights and logits."""
+  model = _saved(_llama(tie=tie, num_key_value_heads=2, rope_theta=5_000.0), tmp_path)
+  _write_gguf(model, tmp_path / "model.gguf")
+  hf, weights = hf_import.read_gguf(str(tmp_path / "model.gguf"))
+  expected_weights = {k: v.numpy() for k, v in model.state_dict().items()}
+  if tie:
+    del expected_weights["lm_head.weight"]
+  assert weights.keys() == expected_weights.keys()
+  for name, w in weights.items():
+    np.testing.assert_array_equal(w, expected_weights[name], err_msg=name)
+  tokens = np.random.default_rng(0).integers(0, VOCAB, (2, LENGTH))
+  with torch.no_grad():
+    expected = model(torch.as_tensor(tokens)).logits.numpy()
+  ours = hf_import.model_from_hf(hf_import.model_config_from_hf(hf), weights)
+  got = np.asarray(ours(jnp.asarray(tokens, jnp.int32)), np.float32)
+  assert np.abs(got - expected).max() <= 2e-6 * np.abs(expected).max() + 1e-6
+
+
+def test_a_gguf_file_of_another_architecture_is_one_line(tmp_path):
+  _write_gguf(_saved(_llama(), tmp_path), tmp_path / "model.gguf", architecture="gpt2")
+  with pytest.raises(UserError, match="GGUF architecture 'gpt2' is not supported") as e:
+    hf_import.read_gguf(str(tmp_path / "model.gguf"))
+  assert "\n" not in str(e.value)
+  (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+  with pytest.raises(UserError, match="is not a readable GGUF file"):
+    hf_import.read_gguf(str(tmp_path / "junk.gguf"))

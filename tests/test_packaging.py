@@ -50,6 +50,7 @@ def test_dependencies_are_lower_bounds_at_the_requirements_pins():
     "requirements.txt": project["dependencies"] + project["optional-dependencies"]["test"],
     "requirements-eval.txt": project["optional-dependencies"]["eval"],
     "requirements-export.txt": project["optional-dependencies"]["export"],
+    "requirements-import.txt": project["optional-dependencies"]["import"],
   }
   for requirements, declared in groups.items():
     pins = _pins(requirements)

@@ -2,6 +2,7 @@
 `hf_convert` (export).
 
     hf, weights = read_hf_dir(path)          # config.json, safetensors or PyTorch weights
+    hf, weights = read_gguf(path)            # or a GGUF file (llama), dequantised
     cfg = model_config_from_hf(hf)           # the matching baseline: kind 'transformer'
     model = model_from_hf(cfg, weights)      # a LanguageModel with those weights
 
@@ -47,6 +48,99 @@ def read_hf_dir(path: str) -> tuple:
   for name in files:
     weights.update(_read_weights(os.path.join(path, name)))
   return hf, {k: v for k, v in weights.items() if not k.endswith(_BUFFERS)}
+
+
+# GGUF tensor names (llama.cpp's) -> transformers' (`{i}`: the layer).
+_GGUF_NAMES = {
+  "token_embd.weight": "model.embed_tokens.weight",
+  "output_norm.weight": "model.norm.weight",
+  "output.weight": "lm_head.weight",
+  "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+  "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+  "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+  "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+  "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+  "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+  "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+  "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+  "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def read_gguf(path: str) -> tuple:
+  """(a transformers-style config dict, {transformers name: float32 array}) of a llama
+  GGUF file, every tensor dequantised (the `gguf` package: requirements-import.txt).
+
+  llama.cpp stores each head's rows of W_Q and W_K with the two halves RoPE rotates
+  interleaved (its converter's permutation); they are put back in Hugging Face's order."""
+  try:
+    import gguf  # lazy: requirements-import.txt
+  except ImportError as e:
+    raise UserError(
+      "reading a GGUF file needs the gguf package: pip install -r requirements-import.txt"
+    ) from e
+  if not os.path.isfile(path):
+    raise UserError(f"{path} is not a file; pass a .gguf file or a model directory")
+  try:
+    reader = gguf.GGUFReader(path)
+  except (ValueError, OSError) as e:
+    raise UserError(f"{path} is not a readable GGUF file ({e})") from e
+  meta = {
+    name: field.contents()
+    for name, field in reader.fields.items()
+    if not name.startswith("tokenizer.ggml.")
+  }
+  arch = meta.get("general.architecture")
+  if arch != "llama":
+    raise UserError(
+      f"GGUF architecture {arch!r} is not supported; the import reads llama GGUF files "
+      "(and GPT-2 or Llama model directories)"
+    )
+  key = lambda name: meta[f"llama.{name}"]
+  heads, kv_heads = int(key("attention.head_count")), int(key("attention.head_count_kv"))
+  names = {t.name for t in reader.tensors}
+  hf = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": int(
+      meta.get("llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    ),
+    "hidden_size": int(key("embedding_length")),
+    "intermediate_size": int(key("feed_forward_length")),
+    "num_hidden_layers": int(key("block_count")),
+    "num_attention_heads": heads,
+    "num_key_value_heads": kv_heads,
+    "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+    "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+    "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
+    "tie_word_embeddings": "output.weight" not in names,
+  }
+  patterns = {}
+  for gguf_name, hf_name in _GGUF_NAMES.items():
+    for i in range(hf["num_hidden_layers"]) if "{i}" in gguf_name else [None]:
+      patterns[gguf_name.format(i=i)] = hf_name.format(i=i)
+  weights = {}
+  for tensor in reader.tensors:
+    if tensor.name not in patterns:
+      raise UserError(f"GGUF tensor {tensor.name!r} has no place in a llama model")
+    try:
+      w = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+    except (NotImplementedError, gguf.quants.QuantError) as e:
+      raise UserError(
+        f"GGUF tensor {tensor.name} is {tensor.tensor_type.name}, a type the gguf reader "
+        f"does not dequantise ({e}); re-quantise the file to a supported type, e.g. Q8_0"
+      ) from e
+    w = w.reshape(tuple(int(n) for n in reversed(tensor.shape)))  # rows: [out, in]
+    if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+      w = _unpermute_rope_rows(w, heads if ".attn_q." in tensor.name else kv_heads)
+    weights[patterns[tensor.name]] = w
+  return hf, weights
+
+
+def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+  """llama.cpp's W_Q / W_K rows [heads × (2 × half), in], each head's (half, 2) order,
+  back to Hugging Face's (2, half): the inverse of its converter's permutation."""
+  half = w.shape[0] // heads // 2
+  return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _weight_files(path: str) -> list:
