@@ -69,22 +69,6 @@ class DataConfig:
       if int(getattr(self, name)) < 0:
         raise ValueError(f"data.{name}={getattr(self, name)} must be >= 0")
 
-  @classmethod
-  def from_dict(cls, values, strict: bool = True) -> "DataConfig":
-    """From `config.data` (a ConfigDict or dict); keys it lacks keep their defaults (a run
-    recorded before they existed). An unknown key is an error when `strict` (a user's
-    config), dropped otherwise (a recorded run's)."""
-    values = dict(values)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(fields))
-    if unknown and strict:
-      raise ValueError(f"unknown data config keys {unknown}; valid keys: {sorted(fields)}")
-    typed = {}
-    for name, value in values.items():
-      if name in fields and value is not None:  # None (unset) keeps the default
-        typed[name] = type(fields[name].default)(value)
-    return cls(**typed)
-
 
 def get_config() -> ml_collections.ConfigDict:
   """All `data.*` keys with their defaults (`DataConfig`)."""

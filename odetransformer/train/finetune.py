@@ -33,7 +33,6 @@ from odetransformer.model.config import ModelConfig
 from odetransformer.model.materialize import materialize
 from odetransformer.runtime import fileio
 from odetransformer.train import loading
-from odetransformer.train.checkpoint.fingerprint import load_config
 from odetransformer.train.checkpoint.paths import CONFIG_FILE
 from odetransformer.train.run_config import RunConfig
 
@@ -57,8 +56,7 @@ def pretrained_config(init_from: str) -> RunConfig:
       f"init_from={init_from!r} is not a training workdir "
       f"({CONFIG_FILE} missing); point it at a main.py run"
     )
-  pre = RunConfig.from_config(load_config(init_from), recorded=True)
-  return pre.replace(model=dataclasses.replace(pre.model, vocab_size=pre.data.vocab_size))
+  return loading.load_run_config(init_from)
 
 
 def finetune_model_config(config: RunConfig, pre: ModelConfig | None = None) -> ModelConfig:

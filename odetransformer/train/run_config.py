@@ -70,8 +70,6 @@ def _fields(cls, values: dict, prefix: str, strict: bool) -> dict:
         out[name] = bool(value)
       elif kind in (int, float, str):
         out[name] = kind(value)
-      elif kind is tuple:
-        out[name] = tuple(value)
       else:
         out[name] = value
     except (TypeError, ValueError) as e:
@@ -406,11 +404,11 @@ class RunConfig:
     for key, value in paths.items():
       if value and not recorded:  # reaches the filesystem intact in this locale
         fileio.check_encodable(value, f"--config.{key}")
-    strict = not recorded
-    return cls._build(plain, strict, warn=warn and not recorded)
+    return cls._build(plain, strict=not recorded)
 
   @classmethod
-  def _build(cls, plain: dict, strict: bool, warn: bool) -> "RunConfig":
+  def _build(cls, plain: dict, strict: bool) -> "RunConfig":
+    """The sections of `plain`, a config `migrate_config` has given the new names."""
     values = {name: {} for name in _SECTIONS}
     nested = ("model", "data", "optim", "mesh", "finetune")
     for key, value in plain.items():
@@ -427,11 +425,11 @@ class RunConfig:
     if not sections["finetune"].init_from:
       sections["finetune"] = None
     try:
-      data = DataConfig.from_dict(plain.get("data") or {}, strict=strict)
+      data = DataConfig(**_fields(DataConfig, plain.get("data") or {}, "data.", strict))
     except ValueError as e:
       raise ConfigError(str(e)) from e
     optim = OptimConfig(**_fields(OptimConfig, plain.get("optim") or {}, "optim.", strict))
-    model_values = migrate_model_fields(plain.get("model") or {}, warn=False)
+    model_values = plain.get("model") or {}
     if not strict:
       names = {f.name for f in dataclasses.fields(ModelConfig)}
       model_values = {k: v for k, v in model_values.items() if k in names}
