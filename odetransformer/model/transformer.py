@@ -319,15 +319,22 @@ class LanguageModel(nnx.Module):
     and this model's embeddings, final norm and head, built without random
     initialisation (every leaf is given). Unsharded, like `create_model` outside a
     mesh."""
-    with nnx.use_eager_sharding(False):
-      abstract = nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    values = {name: getattr(self, name)[...] for name in _TOP_LEVEL if hasattr(abstract, name)}
+    graphdef, state = abstract_model(cfg)
+    values = {name: getattr(self, name)[...] for name in _TOP_LEVEL if name in state}
     values["stack"] = {
       "params": {n: jnp.asarray(w, jnp.dtype(cfg.param_dtype)) for n, w in layers.items()}
     }
     nnx.replace_by_pure_dict(state, values)
     return nnx.merge(graphdef, state)
+
+
+def abstract_model(cfg: ModelConfig) -> tuple:
+  """(graphdef, state) of a model of config `cfg` with abstract leaves (shapes and dtypes,
+  nothing allocated, no random initialisation): fill the state with
+  `nnx.replace_by_pure_dict` and `nnx.merge` it to build a model from given weights."""
+  with nnx.use_eager_sharding(False):
+    abstract = nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))
+  return nnx.split(abstract)
 
 
 def create_model(cfg: ModelConfig, *, seed: int = 0, rngs: nnx.Rngs | None = None):

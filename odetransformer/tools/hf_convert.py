@@ -81,6 +81,21 @@ def hf_architecture(cfg) -> str:
 # --------------------------------------------------------------------------------------
 # Weights and configs
 # --------------------------------------------------------------------------------------
+# A llama-family layer's weights under LlamaForCausalLM's names within
+# `model.layers.{i}.` (linear weights: + '.weight'); the import reads the same map.
+LLAMA_LAYER_NAMES = {
+  "wq": "self_attn.q_proj",
+  "wk": "self_attn.k_proj",
+  "wv": "self_attn.v_proj",
+  "wo": "self_attn.o_proj",
+  "w1": "mlp.gate_proj",
+  "w3": "mlp.up_proj",
+  "w2": "mlp.down_proj",
+  "norm1_scale": "input_layernorm.weight",
+  "norm2_scale": "post_attention_layernorm.weight",
+}
+
+
 def _top_level(model: LanguageModel) -> dict:
   cfg = model.config
   out = {"embed": model.embed[...], "final_norm_scale": model.final_norm_scale[...]}
@@ -121,17 +136,7 @@ def hf_state_dict(model: LanguageModel) -> dict:
   else:
     llama = hf_architecture(cfg) == "LlamaForCausalLM"
     names = (
-      {
-        "wq": "self_attn.q_proj",
-        "wk": "self_attn.k_proj",
-        "wv": "self_attn.v_proj",
-        "wo": "self_attn.o_proj",
-        "w1": "mlp.gate_proj",
-        "w3": "mlp.up_proj",
-        "w2": "mlp.down_proj",
-        "norm1_scale": "input_layernorm.weight",
-        "norm2_scale": "post_attention_layernorm.weight",
-      }
+      LLAMA_LAYER_NAMES
       if llama
       else {
         "wq": "attn.q_proj",

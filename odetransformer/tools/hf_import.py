@@ -25,7 +25,8 @@ import numpy as np
 
 from odetransformer.errors import UserError
 from odetransformer.model.config import ModelConfig
-from odetransformer.model.transformer import LanguageModel
+from odetransformer.model.transformer import LanguageModel, abstract_model
+from odetransformer.tools.hf_convert import LLAMA_LAYER_NAMES
 
 SUPPORTED = ("GPT2LMHeadModel", "LlamaForCausalLM")
 # Buffers some checkpoints carry beside their parameters: recomputed, never loaded.
@@ -257,21 +258,6 @@ def model_config_from_hf(hf: dict, dtype: str = "float32") -> ModelConfig:
   )
 
 
-def _llama_names(i: int) -> dict:
-  p = f"model.layers.{i}."
-  return {
-    "wq": p + "self_attn.q_proj.weight",
-    "wk": p + "self_attn.k_proj.weight",
-    "wv": p + "self_attn.v_proj.weight",
-    "wo": p + "self_attn.o_proj.weight",
-    "w1": p + "mlp.gate_proj.weight",
-    "w3": p + "mlp.up_proj.weight",
-    "w2": p + "mlp.down_proj.weight",
-    "norm1_scale": p + "input_layernorm.weight",
-    "norm2_scale": p + "post_attention_layernorm.weight",
-  }
-
-
 def _layer(cfg: ModelConfig, weights: dict, i: int) -> dict:
   """Layer i's weights under this project's names, in the checkpoint's layout."""
   d = cfg.d_model
@@ -294,9 +280,10 @@ def _layer(cfg: ModelConfig, weights: dict, i: int) -> dict:
       out[w], out[b] = qkv_w[:, j * d : (j + 1) * d], qkv_b[j * d : (j + 1) * d]
     return out
   # torch Linear weights are [out, in]; this project's are [in, ...out].
+  p = f"model.layers.{i}."
   return {
-    n: _take(weights, key) if n.startswith("norm") else _take(weights, key).T
-    for n, key in _llama_names(i).items()
+    n: _take(weights, p + key) if n.startswith("norm") else _take(weights, p + key + ".weight").T
+    for n, key in LLAMA_LAYER_NAMES.items()
   }
 
 
@@ -311,9 +298,7 @@ def model_from_hf(cfg: ModelConfig, weights: dict) -> LanguageModel:
   `weights` (transformers names); every parameter is given, and every weight used. A
   shape that does not match, a weight missing or one left over is a one-line UserError."""
   weights = dict(weights)
-  with nnx.use_eager_sharding(False):
-    abstract = nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract)
+  graphdef, state = abstract_model(cfg)
   target = nnx.to_pure_dict(state)
   gpt2 = cfg.family == "gpt2"
   top = {
