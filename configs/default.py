@@ -63,7 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.time_sinusoids = 128  # S, as the authors' configs
   config.model.time_hidden = 0  # hypernetwork MLP hidden width; 0 = d_t
   config.model.shared_time_mlp = False  # App. D.2 ablation: one time MLP for all weights
-  config.model.solver = "euler"  # 'euler' | 'midpoint' | 'rk4'
+  config.model.solver = "euler"  # 'euler' | 'midpoint' | 'rk4' | 'split_euler'
   config.model.step_time = "start"  # field at t = k/K ('start') or (k+1)/K ('end')
   config.model.llama_block = "paper"  # 'paper' | 'reference' (the authors' code)
   config.model.train_time_grid = "fixed"  # | 'random_shift' | 'random_offset' | 'random_uniform'

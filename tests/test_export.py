@@ -1,6 +1,7 @@
 """Export to a Hugging Face directory: transformers (torch, CPU) loads each model kind and
 gives our logits and greedy generations; the tokenizer gives SentencePiece's ids on real
-text; higher-order ODEs are refused; the command line's --verify passes on a trained run."""
+text; a split_euler ODE exports as standard sequential blocks; higher-order ODEs are
+refused; the command line's --verify passes on a trained run."""
 
 import atexit
 import json
@@ -229,6 +230,30 @@ def test_gcs_run_exports_to_gcs_as_it_does_locally(run, gcs_bucket, tmp_path):
     if name == "README.md":  # names the source run
       local = local.replace(run.encode(), gs_run.encode())
     assert remote == local, name
+
+
+@pytest.mark.parametrize(
+  "family,options,architecture",
+  [
+    ("llama", {"num_kv_heads": 1}, "LlamaForCausalLM"),  # grouped-query attention kept
+    ("gpt2", {"step_time": "end"}, "GPT2LMHeadModel"),
+  ],
+)
+def test_split_euler_ode_exports_as_standard_sequential_blocks(
+  family, options, architecture, sp_model, tmp_path
+):
+  """A split_euler ODE materialised at N = 3 (K = 2) is 3 sequential GPT-2 / Llama
+  blocks: a standard transformers class, no modeling file, whose logits and greedy
+  tokens are those of our 3-step split_euler solve."""
+  model = model_of("diffeqformer", family, solver="split_euler", **options)
+  out = tmp_path / "hf"
+  e = export.export_model(model, sp_model, str(out), context=32, num_steps=3)
+  assert e.architecture == architecture and e.num_steps == 3
+  config = json.loads((out / "config.json").read_text())
+  assert config["architectures"] == [architecture] and "auto_map" not in config
+  assert config.get("num_key_value_heads", 2) == options.get("num_kv_heads", 2)
+  assert not (out / export.MODELING_FILE).exists()
+  assert_agrees(e)
 
 
 @pytest.mark.parametrize("solver", ["midpoint", "rk4"])

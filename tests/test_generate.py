@@ -115,6 +115,13 @@ CASES = {
   # DiffEqFormer with higher-order solvers: W(t) at the stage times, 2 / 4 slots per step
   "diffeqformer-midpoint": dict(kind="diffeqformer", solver="midpoint"),
   "diffeqformer-rk4": dict(kind="diffeqformer", solver="rk4", family="llama"),
+  # split_euler (attention substep, then MLP substep): materialised as sequential blocks
+  "diffeqformer-llama-gqa-split": dict(
+    kind="diffeqformer", family="llama", num_kv_heads=1, solver="split_euler", perturb=True
+  ),
+  "diffeqformer-split-end": dict(
+    kind="diffeqformer", solver="split_euler", step_time="end", perturb=True
+  ),
 }
 
 
@@ -169,6 +176,18 @@ def test_materialised_decoding_at_another_step_count():
   np.testing.assert_allclose(
     cached_logits(decoder, toks, PREFILL), forward(model, toks, 5), rtol=0, atol=TOL
   )
+
+
+def test_split_euler_decodes_as_sequential_blocks_at_another_step_count():
+  """A split_euler ODE decoded at N != K is N materialised sequential (Llama) blocks, one
+  cache slot each, and equals its N-step solve."""
+  model = tiny_model(kind="diffeqformer", family="llama", solver="split_euler", perturb=True)
+  toks = tokens(B, LEN)
+  decoder = decoder_for(model, 5)
+  assert decoder.model.config.kind == "transformer" and decoder.num_slots == 5
+  full = forward(model, toks, 5)
+  atol = max(TOL, 4 * float(jnp.finfo(jnp.float32).eps) * float(jnp.max(jnp.abs(full))))
+  np.testing.assert_allclose(cached_logits(decoder, toks, PREFILL), full, rtol=0, atol=atol)
 
 
 def test_discrete_model_rejects_other_depths():

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import scipy.linalg
 
 from odetransformer.model import blocks, solvers
 from odetransformer.model.config import ModelConfig, default_model_config
@@ -264,6 +265,93 @@ def test_materialising_a_higher_order_ode_is_refused(solver):
     materialize(model, 4)
 
 
+def split_euler_as_blocks(model, num_steps, time_grid=None):
+  """What a split_euler DiffEqFormer at `num_steps` (or on `time_grid`) is claimed to
+  be, built by hand (not by `materialize`): a discrete kind='transformer' model
+  (sequential pre-norm blocks, the same family) whose layer k holds W(t_k) with W_O,
+  W_2 and their biases multiplied by step k's dt. t_k is the step's start, or its end
+  under step_time='end' (float32, as the model's time grid)."""
+  cfg = model.config
+  end = cfg.step_time == "end"
+  if time_grid is None:  # (k + 0 or 1)·(1/N), the model's float32 times
+    ts = (np.arange(num_steps, dtype=np.float32) + np.float32(end)) * np.float32(1 / num_steps)
+    dts = np.full((num_steps,), 1 / num_steps, np.float32)
+  else:
+    grid = np.asarray(time_grid, np.float32)
+    ts, dts = (grid[1:] if end else grid[:-1]), np.diff(grid)
+  layers = {}
+  for name, w in model.stack.step_weights(jnp.asarray(ts)[:, None], jnp.float32).items():
+    w = w[:, 0]
+    if model.stack.specs[name].role in ("out", "out_bias"):
+      w = w * dts.reshape((-1,) + (1,) * (w.ndim - 1))
+    layers[name] = w
+  return model.with_layers(
+    dataclasses.replace(cfg, kind="transformer", num_layers=num_steps), layers
+  )
+
+
+@nnx.jit(static_argnames=("num_steps",))
+def _jit_trajectory(model, toks, time_grid=None, num_steps=None):
+  return model(toks, num_steps=num_steps, time_grid=time_grid, return_trajectory=True)
+
+
+def _max_rel_error(got, want):
+  """max |got - want| / max |want|."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.abs(got - want).max() / np.abs(want).max()
+
+
+@pytest.mark.matmul_precision("highest")
+@pytest.mark.parametrize(
+  "family,options",
+  [
+    ("llama", {"num_kv_heads": 2}),  # grouped-query attention, step_time 'start'
+    ("gpt2", {"step_time": "end", "remat_policy": "full", "layer_loop": "unrolled"}),
+  ],
+)
+def test_split_euler_is_sequential_blocks_with_dt_on_the_output_projections(family, options):
+  """A split_euler DiffEqFormer at N steps (uniform, and on a graded grid: dt per step)
+  equals, logits and trajectory, the discrete sequential-block model of the same family
+  whose layer k is W(t_k) with W_O, W_2 (and biases) times dt_k; `materialize` gives
+  that model (kind 'transformer'). Float32 rounding apart: ≤ 1e-5 of the largest logit."""
+  cfg = dataclasses.replace(TINY, family=family, solver="split_euler", **options)
+  model = create_model(cfg, seed=8)
+  _perturb_hypernet(model)
+  toks = tokens(9)
+  n = 3
+  for grid in (None, jnp.asarray([0.0, 0.2, 0.6, 1.0])):
+    logits, traj = _jit_trajectory(model, toks, grid, num_steps=n)
+    want, want_traj = _jit_trajectory(split_euler_as_blocks(model, n, grid), toks)
+    err = _max_rel_error(logits, want)
+    print(f"split_euler vs blocks ({family}, grid={grid is not None}): max|Δlogit|/max = {err:.2e}")
+    assert err <= 1e-5 and _max_rel_error(traj, want_traj) <= 1e-5
+  disc = materialize(model, n)
+  assert disc.config.kind == "transformer" and disc.config.block == "sequential"
+  err = _max_rel_error(forward(disc, toks), forward(model, toks, num_steps=n))
+  print(f"materialize vs split_euler ({family}): max|Δlogit|/max = {err:.2e}")
+  assert err <= 1e-5
+
+
+@pytest.mark.parametrize("zero", [("w2", "b2"), ("wo", "bo")])
+def test_split_euler_with_a_zero_part_is_euler(zero):
+  """With the MLP's (or the attention's) output projection zero at every t, one part of
+  the field is zero, and split_euler is Euler: at N = 1 and at N = 3."""
+  models = {}
+  for solver in ("euler", "split_euler"):
+    models[solver] = create_model(dataclasses.replace(TINY, solver=solver), seed=10)
+    _perturb_hypernet(models[solver])
+    for name in zero:
+      gen = models[solver].stack.gens[name]
+      gen.proj[...], gen.base[...] = jnp.zeros_like(gen.proj[...]), jnp.zeros_like(gen.base[...])
+  toks = tokens(11)
+  for n in (1, 3):
+    euler = np.asarray(forward(models["euler"], toks, num_steps=n))
+    np.testing.assert_allclose(
+      np.asarray(forward(models["split_euler"], toks, num_steps=n)), euler, rtol=0, atol=1e-6
+    )
+  assert np.abs(euler).max() > 1e-3  # the other part is not zero too
+
+
 KINDS = [
   ("diffeqformer", "gpt2"),
   ("diffeqformer", "llama"),
@@ -323,6 +411,76 @@ def test_solver_order(method, order, step_time):
       errors.append(np.linalg.norm(np.asarray(x1) - exact))
     rates = np.log2(np.array(errors[:-1]) / np.array(errors[1:]))
     np.testing.assert_allclose(rates, order, atol=0.15)
+
+
+def split_ode_problem():
+  """dx/dt = A x + B x with A, B that do not commute (AB - BA != 0): (A, B, x0, x(1) =
+  expm(A + B) x0), float64 (call under `jax.enable_x64`)."""
+  a = np.array([[-0.5, 2.0], [-2.0, -0.5]])
+  b = np.array([[0.3, 0.0], [1.0, -0.8]])
+  assert np.abs(a @ b - b @ a).max() > 0.5
+  x0 = np.array([1.0, 0.3])
+  return a, b, x0, scipy.linalg.expm(a + b) @ x0
+
+
+def _split_solve(parts, x0, k, step_time="start", grid=None, method="split_euler"):
+  """`fixed_step_solve` of dx/dt = Σ parts[i](t)·x by `method` (split_euler calls the
+  field with part=i; the others evaluate the whole field), on the uniform grid of k
+  steps or on `grid`."""
+
+  def field(x, t, part=None):
+    ms = parts if part is None else parts[part : part + 1]
+    return sum(m(t) @ x for m in ms)
+
+  ts, dt = solvers.solve_times(k, method, step_time, None if grid is None else jnp.asarray(grid))
+  return np.asarray(
+    # num_steps: at k = 1 the times [1, 1] would read as the same at every step
+    solvers.fixed_step_solve(
+      field, jnp.asarray(x0), ts.astype(jnp.float64), dt, method, num_steps=k
+    )
+  )
+
+
+@pytest.mark.parametrize(
+  "step_time,graded,time_dependent",
+  [("start", False, False), ("end", False, False), ("start", True, True), ("end", False, True)],
+)
+def test_split_euler_order(step_time, graded, time_dependent):
+  """Lie–Trotter splitting of dx/dt = A x + B x (non-commuting) is first order: the
+  error at t = 1 halves with dt. Against expm(A + B) x0 for constant parts; for A(t) =
+  (1 + t)·A (where 'start' and 'end' differ) against RK4 at 2048 steps. On the uniform
+  grid and on a graded one (per-step dt)."""
+  with jax.enable_x64(True):
+    a, b, x0, exact = split_ode_problem()
+    parts = [lambda t: (1.0 + t) * a if time_dependent else a + 0.0 * t, lambda t: b + 0.0 * t]
+    if time_dependent:
+      exact = _split_solve(parts, x0, 2048, method="rk4")
+    errors = []
+    for k in (32, 64, 128, 256):
+      u = np.arange(k + 1) / k
+      grid = (u + u * u) / 2 if graded else None
+      errors.append(np.linalg.norm(_split_solve(parts, x0, k, step_time, grid) - exact))
+    orders = np.log2(np.array(errors[:-1]) / np.array(errors[1:]))
+    print(f"split_euler orders ({step_time}, graded={graded}, A(t)={time_dependent}): {orders}")
+    assert np.all((orders >= 0.9) & (orders <= 1.1)), (orders, errors)
+
+
+def test_split_euler_steps_the_first_part_first():
+  """One step is an Euler substep of part 0, then one of part 1 from the updated state:
+  (I + B)(I + A) x0 at N = 1, and (I + B/N)(I + A/N) per step at N. With part 1 (or
+  part 0) zero it is Euler, bit for bit, at any N."""
+  with jax.enable_x64(True):
+    a, b, x0, _ = split_ode_problem()
+    eye, const = np.eye(2), (lambda m: lambda t: m + 0.0 * t)
+    for k in (1, 3):
+      step = (eye + b / k) @ (eye + a / k)
+      np.testing.assert_allclose(
+        _split_solve([const(a), const(b)], x0, k), np.linalg.matrix_power(step, k) @ x0, rtol=1e-14
+      )
+      for parts in ([const(a), const(0 * b)], [const(0 * a), const(b)]):
+        np.testing.assert_array_equal(
+          _split_solve(parts, x0, k), _split_solve(parts, x0, k, method="euler")
+        )
 
 
 @pytest.mark.matmul_precision("highest")
@@ -678,6 +836,27 @@ def test_every_rk4_field_evaluation_draws_its_own_dropout_masks(monkeypatch):
   assert len(set(seen)) == len(seen)
 
 
+def test_split_euler_draws_one_dropout_mask_per_part(monkeypatch):
+  """split_euler's two evaluations a step (attention part, MLP part) each draw their
+  one dropout mask from a key of its own: 1 (embeddings) + K·2 distinct keys."""
+  seen, dropout = [], blocks._dropout
+
+  def recording(x, rate, key):
+    jax.debug.callback(
+      lambda k: seen.append(tuple(np.asarray(k).ravel())), jax.random.key_data(key)
+    )
+    return dropout(x, rate, key)
+
+  monkeypatch.setattr(blocks, "_dropout", recording)
+  k = 3
+  cfg = dataclasses.replace(TINY, solver="split_euler", dropout_rate=0.1)
+  model = create_model(cfg, seed=16)
+  run = nnx.jit(lambda m, t, r: m(t, num_steps=k, deterministic=False, dropout_rng=r))
+  jax.block_until_ready(run(model, tokens(17), jax.random.key(0)))
+  assert len(seen) == 1 + k * 2
+  assert len(set(seen)) == len(seen)
+
+
 def test_float32_state_keeps_small_increments_in_bfloat16():
   """bfloat16 compute at N = 256 steps: the increment dt·F of a step is ~2⁻⁸ of |x|,
   which a bfloat16 state rounds away; the float32 state (model.state_dtype default) is
@@ -723,6 +902,10 @@ def test_shared_time_mlp_has_fewer_params():
     (
       {"llama_block": "reference", "family": "llama", "kind": "transformer"},
       "use llama_block='paper'",
+    ),
+    (
+      {"llama_block": "reference", "family": "llama", "solver": "split_euler"},
+      "steps attention and FFN apart: use llama_block='paper'",
     ),
   ],
 )

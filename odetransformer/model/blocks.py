@@ -594,14 +594,42 @@ def parallel_block(x_bld, p, cfg: ModelConfig, mask, positions_bl, key=None, cac
 
 
 def sequential_block(x_bld, p, cfg: ModelConfig, mask, positions_bl, key=None, cache=None):
-  """GPT-2/Llama pre-norm block, returned as its residual update (out − x). With a
-  `cache` (see `attention`): (update, updated cache)."""
+  """GPT-2/Llama pre-norm block, returned as its residual update (out − x): the
+  attention part, then the MLP part on the updated state (`BLOCK_PARTS`; one step of
+  the 'split_euler' solver). With a `cache` (see `attention`): (update, updated cache)."""
   keys = (None, None) if key is None else jax.random.split(key)
-  a, cache = _attend(block_norm(x_bld, p, "norm1", cfg), p, cfg, mask, positions_bl, cache)
-  a = _dropout(a, cfg.dropout_rate, keys[0])
-  m = ffn(block_norm(x_bld + a, p, "norm2", cfg), p, cfg)
-  out = a + _dropout(m, cfg.dropout_rate, keys[1])
+  a, cache = _with_cache(attention_part(x_bld, p, cfg, mask, positions_bl, keys[0], cache), cache)
+  out = a + mlp_part(x_bld + a, p, cfg, mask, positions_bl, keys[1])
   return out if cache is None else (out, cache)
+
+
+def attention_part(x_bld, p, cfg: ModelConfig, mask, positions_bl, key=None, cache=None):
+  """The field's attention part, Attn(N1(x)) (dropout by `key`): f_0 of dx/dt = f_0 +
+  f_1, which the 'split_euler' solver steps apart from the MLP part. With a `cache`
+  (see `attention`): (update, updated cache)."""
+  a, cache = _attend(block_norm(x_bld, p, "norm1", cfg), p, cfg, mask, positions_bl, cache)
+  a = _dropout(a, cfg.dropout_rate, key)
+  return a if cache is None else (a, cache)
+
+
+def mlp_part(x_bld, p, cfg: ModelConfig, mask=None, positions_bl=None, key=None, cache=None):
+  """The field's MLP part, FFN(N2(x)) (dropout by `key`): f_1 of dx/dt = f_0 + f_1.
+  Position-wise: `mask` and `positions_bl` are unused, and a `cache` comes back as it
+  is ((update, cache)), so both parts have the block's signature."""
+  del mask, positions_bl
+  m = _dropout(ffn(block_norm(x_bld, p, "norm2", cfg), p, cfg), cfg.dropout_rate, key)
+  return m if cache is None else (m, cache)
+
+
+# The parts of the ODE's field F = Attn(N1(x)) + FFN(N2(x)) in the order a splitting
+# solver steps them (`solvers.TABLEAUX['split_euler'].parts`): the order of a pre-norm
+# block's two residual updates.
+BLOCK_PARTS = (attention_part, mlp_part)
+
+
+def _with_cache(out, cache):
+  """(update, cache) of a part's output, with or without a cache (None)."""
+  return (out, None) if cache is None else out
 
 
 def _attend(x_bld, p, cfg, mask, positions_bl, cache):
@@ -611,7 +639,10 @@ def _attend(x_bld, p, cfg, mask, positions_bl, cache):
   return attention(x_bld, p, cfg, mask, positions_bl, cache)
 
 
-def block_fn(cfg: ModelConfig):
+def block_fn(cfg: ModelConfig, part: int | None = None):
   """The block a model of config `cfg` runs (`cfg.block`): a layer's residual update
-  or the ODE's field, `block(x, p, cfg, mask, positions, key=None, cache=None)`."""
+  or the ODE's field, `block(x, p, cfg, mask, positions, key=None, cache=None)`; given
+  a `part`, the field's part `BLOCK_PARTS[part]` (a splitting solver's evaluation)."""
+  if part is not None:
+    return BLOCK_PARTS[part]
   return sequential_block if cfg.block == "sequential" else parallel_block

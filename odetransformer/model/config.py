@@ -25,7 +25,7 @@ from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
 KINDS = ("diffeqformer", "transformer", "parallel", "shared")
 ODE_KINDS = ("diffeqformer", "shared")  # depth = model.solver_steps; else model.num_layers
 FAMILIES = ("gpt2", "llama")
-SOLVERS = ("euler", "midpoint", "rk4")
+SOLVERS = ("euler", "midpoint", "rk4", "split_euler")
 LLAMA_BLOCKS = ("paper", "reference")
 REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = ("float32", "bfloat16", "float64")  # float64: numerical checks
@@ -94,7 +94,16 @@ class ModelConfig:
   )
   time_hidden: int = _field(0, "H: hypernetwork MLP hidden width; 0 = d_t, as the authors' code")
   shared_time_mlp: bool = _field(False, "App. D.2 ablation: one MLP shared by all weights")
-  solver: str = _field("euler", "'euler' | 'midpoint' | 'rk4' (ODE kinds only)")
+  solver: str = _field(
+    "euler",
+    (
+      "'euler' | 'midpoint' | 'rk4' | 'split_euler' (ODE kinds only; "
+      "odetransformer/model/solvers.py). 'split_euler' (Lie–Trotter, first order): an "
+      "Euler substep of the attention update, then one of the MLP update from the "
+      "updated state, both at Euler's node: one step is one pre-norm GPT-2/Llama block, "
+      "and materialises as one (kind 'transformer'); needs llama_block='paper'"
+    ),
+  )
   step_time: str = _field(
     "start",
     (
@@ -266,6 +275,12 @@ class ModelConfig:
         f"model.llama_block='reference' is the authors' Llama DiffEqFormer "
         f"block; this model is family={self.family!r}, kind={self.kind!r}: "
         "use llama_block='paper'"
+      )
+    if self.llama_block == "reference" and self.is_ode and self.solver == "split_euler":
+      raise ValueError(
+        "model.llama_block='reference' feeds the FFN N2(N1(x)) within one parallel "
+        "block; model.solver='split_euler' steps attention and FFN apart: use "
+        "llama_block='paper'"
       )
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"model.dropout_rate={self.dropout_rate} must be in [0, 1)")

@@ -7,6 +7,8 @@ tokens per call against a cache of keys and values:
 | model                         | decoded as                                          |
 |-------------------------------|-----------------------------------------------------|
 | diffeqformer/shared, Euler    | `materialize(model, N)`: N parallel layers, dt folded |
+| diffeqformer/shared,          | `materialize(model, N)`: N sequential (GPT-2 /      |
+|   split_euler                 |   Llama) blocks, dt folded                          |
 | diffeqformer/shared, midpoint | W(t) at the solver's stage times, precomputed once; |
 |   or rk4                      | one cache slot per field evaluation                 |
 | gpt                           | its L sequential (GPT-2 / Llama) blocks             |
@@ -35,7 +37,7 @@ import numpy as np
 
 from odetransformer.model import blocks, solvers
 from odetransformer.model.config import ModelConfig
-from odetransformer.model.materialize import materialize
+from odetransformer.model.materialize import MATERIALIZED_KIND, materialize
 from odetransformer.model.transformer import LanguageModel
 
 
@@ -70,8 +72,8 @@ class Decoder:
       discrete kinds accept only their own depth.
 
   Attributes:
-    model: the model that embeds tokens and projects logits (for Euler ODEs, the
-      materialised N-layer parallel model; otherwise `model` itself).
+    model: the model that embeds tokens and projects logits (for Euler and
+      split-Euler ODEs, the materialised N-layer model; otherwise `model` itself).
     num_steps: N.
     num_slots: cache slots (N × block evaluations per step).
   """
@@ -81,7 +83,7 @@ class Decoder:
     n = model.resolve_num_steps(num_steps)
     self.source_config = cfg
     self.num_steps = n
-    if cfg.is_ode and cfg.solver == "euler":
+    if cfg.is_ode and cfg.solver in MATERIALIZED_KIND:  # one layer per step
       model = materialize(model, n)
       cfg = model.config
     # One GEMM per weight for W(t) at the stage times, done once here (a higher-order

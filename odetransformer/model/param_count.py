@@ -63,7 +63,7 @@ def layer_params(cfg: ModelConfig) -> int:
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int, num_steps: int | None = None):
   """The attention scores' share of `flops_per_token`: 6·K·seq·d (causal)."""
-  evals = solvers.num_evals(cfg.solver) if cfg.is_ode else 1
+  evals = solvers.field_cost(cfg.solver) if cfg.is_ode else 1  # whole-field evaluations
   return 6.0 * (num_steps or cfg.depth) * evals * seq_len * cfg.d_model
 
 
@@ -77,7 +77,7 @@ def flops_per_token(
   amortised over `tokens_per_batch` when given.
   """
   k = num_steps or cfg.depth
-  evals = solvers.num_evals(cfg.solver) if cfg.is_ode else 1
+  evals = solvers.field_cost(cfg.solver) if cfg.is_ode else 1  # split_euler: 1 a step
   lp = layer_params(cfg)
   flops = 6.0 * (k * evals * lp + cfg.d_model * cfg.vocab_size)
   flops += attention_flops_per_token(cfg, seq_len, num_steps)

@@ -20,6 +20,17 @@ Two conventions place the nodes within a step (`model.step_time`, `stage_nodes`)
   set {0, ½, 1} is its own reflection, and reflecting the stages' order would cost its
   fourth order, so RK4 keeps its nodes: it is the same scheme under both conventions.
 
+A splitting method integrates a field that is a sum of parts, dx/dt = f_0 + f_1, one
+part per field evaluation: 'split_euler' (Lie–Trotter) is an Euler substep of f_0, then
+an Euler substep of f_1 from the updated state, both at the step's one node (t_k under
+'start', t_{k+1} under 'end', as Euler's): x' = x + dt·f_0(x, t), x_{k+1} = x' +
+dt·f_1(x', t). First order, like Euler, and Euler itself when either part is zero. For
+DiffEqFormer the parts are the attention update and the MLP update
+(`blocks.BLOCK_PARTS`): one split step is one pre-norm GPT-2/Llama block
+(`blocks.sequential_block`) with dt on its output projections, so a pre-trained stack of
+L such blocks is this solver at N = L. The field is then called with `part=i` and
+returns f_i (`Tableau.parts`); the other methods call it without.
+
 A non-uniform grid 0 = g_0 < g_1 < … < g_K = 1 (`grid_stage_times`) has a step size
 per step, dt_k = g_{k+1} - g_k; the solver then scans the step sizes beside the inputs.
 
@@ -40,10 +51,16 @@ STAGE_NODES = {
   "euler": (0.0,),
   "midpoint": (0.0, 0.5),
   "rk4": (0.0, 0.5, 1.0),  # k2 and k3 share the midpoint node
+  "split_euler": (0.0,),  # both substeps at the step's start, as Euler
 }
 # step_time='end' (module docstring): the same stages, nodes reflected where that keeps
 # the method's order.
-END_STAGE_NODES = {"euler": (1.0,), "midpoint": (1.0, 0.5), "rk4": (0.0, 0.5, 1.0)}
+END_STAGE_NODES = {
+  "euler": (1.0,),
+  "midpoint": (1.0, 0.5),
+  "rk4": (0.0, 0.5, 1.0),
+  "split_euler": (1.0,),
+}
 STEP_TIMES = ("start", "end")
 
 
@@ -57,11 +74,14 @@ def stage_nodes(method: str, step_time: str = "start") -> tuple:
 class Tableau(NamedTuple):
   """An explicit Runge–Kutta method: field evaluation e runs at node
   STAGE_NODES[method][stages[e]] on x + dt·Σ_j a[e][j]·k_j, and the step is
-  x + dt·Σ_e b[e]·k_e."""
+  x + dt·Σ_e b[e]·k_e. `parts` (a splitting method: an additive Runge–Kutta one):
+  evaluation e computes only the field's part parts[e] of f = f_0 + f_1 + …; None:
+  every evaluation is the whole field."""
 
   stages: tuple
   a: tuple
   b: tuple
+  parts: tuple | None = None
 
 
 TABLEAUX = {
@@ -70,12 +90,15 @@ TABLEAUX = {
   "rk4": Tableau(
     stages=(0, 1, 1, 2), a=((), (0.5,), (0.0, 0.5), (0.0, 0.0, 1.0)), b=(1 / 6, 1 / 3, 1 / 3, 1 / 6)
   ),
+  # Lie–Trotter: k_0 = f_0(x), k_1 = f_1(x + dt·k_0), x + dt·(k_0 + k_1).
+  "split_euler": Tableau(stages=(0, 0), a=((), (1.0,)), b=(1.0, 1.0), parts=(0, 1)),
 }
 
 
 def rk_step(field: Callable[[Any, int], Any], method: str, x, dt):
   """One step x_k -> x_{k+1} of `method`; `field(x_in, e)` is its e-th field evaluation
-  (at stage TABLEAUX[method].stages[e]); `fixed_step_solve` scans it."""
+  (at stage TABLEAUX[method].stages[e], of part TABLEAUX[method].parts[e] when the
+  method splits the field); `fixed_step_solve` scans it."""
   tableau = TABLEAUX[method]
   ks = []
   for e, row in enumerate(tableau.a):
@@ -134,8 +157,21 @@ def grid_stage_times(grid, method: str, step_time: str = "start"):
 
 
 def num_evals(method: str) -> int:
-  """Field evaluations E of one `method` step (rk4: 4, its 2nd and 3rd at one stage)."""
+  """Field evaluations E of one `method` step (rk4: 4, its 2nd and 3rd at one stage;
+  split_euler: 2, one per part)."""
   return len(TABLEAUX[method].stages)
+
+
+def num_parts(method: str) -> int:
+  """Parts of the field `method` evaluates apart (1: the whole field every time)."""
+  parts = TABLEAUX[method].parts
+  return 1 if parts is None else len(set(parts))
+
+
+def field_cost(method: str) -> float:
+  """Whole-field evaluations one `method` step costs (its evaluations, each part of a
+  split field a fraction): rk4 4, split_euler 1 (attention once, the MLP once)."""
+  return num_evals(method) / num_parts(method)
 
 
 def solve_times(num_steps: int, method: str, step_time: str = "start", time_grid=None):
@@ -157,8 +193,9 @@ def _step(field, method, constants, with_outputs):
 
   `inputs` is a list of the per-step input leaves (each [S, ...]) and `constants` the
   step-independent ones (the same at every stage); `eval_inputs` (None, or leaves
-  [E, ...]) has one entry per field evaluation, and so have the field's `outputs`."""
-  stages = TABLEAUX[method].stages
+  [E, ...]) has one entry per field evaluation, and so have the field's `outputs`.
+  A splitting method's evaluation e calls the field with `part=parts[e]`."""
+  stages, parts = TABLEAUX[method].stages, TABLEAUX[method].parts
 
   def step(x, inp, dt):
     inp, ev = inp
@@ -166,7 +203,8 @@ def _step(field, method, constants, with_outputs):
 
     def f(x_in, e):
       at = constants(jax.tree.map(lambda a: a[stages[e]], inp))
-      out = field(x_in, at) if ev is None else field(x_in, at, jax.tree.map(lambda a: a[e], ev))
+      args = (x_in, at) if ev is None else (x_in, at, jax.tree.map(lambda a: a[e], ev))
+      out = field(*args) if parts is None else field(*args, part=parts[e])
       if with_outputs:
         out, aux = out
         outputs.append(aux)
@@ -223,7 +261,9 @@ def fixed_step_solve(
   """Integrates dx/dt = field(x, inputs(t)) with K fixed steps.
 
   Args:
-    field: vector field `field(x, inputs_at_one_time) -> dx/dt` (same shape as x).
+    field: vector field `field(x, inputs_at_one_time) -> dx/dt` (same shape as x);
+      for a splitting method (split_euler) `field(x, inputs_at_one_time, part=i)`, the
+      i-th part f_i of dx/dt = f_0 + f_1.
     x0: initial state (an array).
     stage_inputs: pytree whose leaves are [K, S, ...]: the field's inputs at
       `stage_times(K, method)` (or `grid_stage_times(grid, method)`); K is read from the
@@ -232,14 +272,15 @@ def fixed_step_solve(
     dt: step size: a python float (uniform steps), or a [K] array of per-step sizes
       (a non-uniform grid; scanned with the inputs and cast to x0's dtype, so a
       bfloat16 state stays bfloat16 as it does with a python float).
-    method: 'euler' | 'midpoint' | 'rk4'.
+    method: 'euler' | 'midpoint' | 'rk4' | 'split_euler'.
     remat_policy: key of `REMAT_POLICIES`; anything but 'none' rematerialises each
       step in the backward pass, keeping only the carry (and saved dots).
     return_trajectory: also return the states before each step, [K, ...].
     eval_inputs: optional pytree whose leaves are [K, E, ...], one entry per field
       evaluation of a step (E = `num_evals(method)`; rk4's 2nd and 3rd evaluations
-      share a stage, not these), e.g. dropout keys or KV-cache slots; when given, the
-      field is called as `field(x, inputs_at_one_time, eval_inputs_at_one_evaluation)`.
+      share a stage, not these; split_euler's two parts share it too), e.g. dropout
+      keys or KV-cache slots; when given, the field is called as
+      `field(x, inputs_at_one_time, eval_inputs_at_one_evaluation)`.
     num_steps: K, needed only when no input has a K axis (every leaf [1, 1, ...] and a
       float dt).
     eval_outputs: the field returns `(dx/dt, output)`; the outputs of every evaluation

@@ -7,9 +7,12 @@ and the analysis all ask it (through `LanguageModel.step_weights`):
 
 | kind           | step weights                                              | update       |
 |----------------|-----------------------------------------------------------|--------------|
-| diffeqformer   | W(t) from `HyperNetwork`, [K, S, …], made before the scan | x + dt·F     |
-| shared         | one layer at every step (Zhong et al.), [1, 1, …]         | x + dt·F     |
+| diffeqformer   | W(t) from `HyperNetwork`, [K, S, …], made before the scan | x + dt·F (*) |
+| shared         | one layer at every step (Zhong et al.), [1, 1, …]         | x + dt·F (*) |
 | gpt / parallel | stacked layers (`DiscreteStack`), [L, 1, …]               | x + block(x) |
+
+(*) Euler's; `model.solver` picks the method. 'split_euler' steps the field's two parts
+apart (`blocks.BLOCK_PARTS`): x' = x + dt·Attn(N1(x)), then x' + dt·FFN(N2(x')).
 
 `num_steps` is a call-time argument: an ODE's parameters hold no K.
 """
@@ -285,16 +288,17 @@ class LanguageModel(nnx.Module):
       x = blocks._dropout(x, cfg.dropout_rate, embed_rng)
     x = constrain(x, ("batch", "length", "embed"))
     mask = blocks.attention_mask(segment_ids_bl)
-    block = blocks.block_fn(cfg)
     weights, dt, method = self.step_weights(k, time_grid, param_rules=param_rules)
     keys = None
-    if use_dropout:  # one key per field evaluation (rk4's 2nd and 3rd share a time)
+    if use_dropout:  # one key per field evaluation (rk4's 2nd and 3rd share a time;
+      # split_euler's attention and MLP parts are an evaluation each)
       n_evals = solvers.num_evals(method)
       keys = jax.random.split(dropout_rng, k * n_evals).reshape(k, n_evals)
     compute = jnp.dtype(cfg.dtype)
 
-    def field(x_bld, p, key=None):  # the block in the compute dtype, x in the state's
-      out = block(x_bld.astype(compute), p, cfg, mask, positions_bl, key)
+    def field(x_bld, p, key=None, part=None):  # the block (or a splitting solver's
+      # part of it) in the compute dtype, x in the state's
+      out = blocks.block_fn(cfg, part)(x_bld.astype(compute), p, cfg, mask, positions_bl, key)
       return constrain(out, ("batch", "length", "embed")).astype(x_bld.dtype)
 
     out = solvers.fixed_step_solve(

@@ -3,8 +3,9 @@ under that class's parameter names, its config.json, and the safetensors files.
 
 `export.py` writes these into a model directory. The model exported is the discrete one
 (`discrete_model`): an Euler ODE materialised at N steps, or a discrete model's own
-layers, with plain float32 weights. The GPT and Llama baselines map onto the standard
-`GPT2LMHeadModel` and `LlamaForCausalLM`; every parallel-block model onto
+layers, with plain float32 weights. The GPT and Llama baselines, and a 'split_euler'
+ODE (materialised as sequential blocks), map onto the standard `GPT2LMHeadModel` and
+`LlamaForCausalLM`; every parallel-block model onto
 `OdeTransformerForCausalLM` (`hf_modeling.py`, shipped as `MODELING_FILE`).
 """
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from odetransformer.errors import UserError
 from odetransformer.model.blocks import REFERENCE_LLAMA_NORM_EPS
-from odetransformer.model.materialize import check_materializable, materialize
+from odetransformer.model.materialize import MATERIALIZED_KIND, materialize, materialized_config
 from odetransformer.model.transformer import LanguageModel
 
 SHARD_BYTES = 5 * 2**30  # a larger model is written in shards of at most this
@@ -29,23 +30,26 @@ MODELING_FILE = "modeling_odetransformer.py"
 # --------------------------------------------------------------------------------------
 def check_exportable(cfg, num_steps: int | None) -> None:
   """A one-line UserError unless a model of config `cfg` exports at `num_steps`."""
-  if cfg.is_ode and cfg.solver != "euler":
+  if cfg.is_ode and cfg.solver not in MATERIALIZED_KIND:
     raise UserError(
-      f"cannot export this {cfg.kind} model: only an Euler ODE is N plain "
-      f"layers and its solver is {cfg.solver!r}; export a run trained with "
-      "model.solver='euler' (evaluate and generate run this one as it is)"
+      f"cannot export this {cfg.kind} model: only an Euler ODE ('euler' or "
+      f"'split_euler') is N plain layers and its solver is {cfg.solver!r}; export a "
+      "run trained with model.solver='euler' (evaluate and generate run this one as it is)"
     )
   if num_steps is not None and num_steps <= 0:
     raise UserError(f"--solver_steps={num_steps} is not a step count; pass a positive integer")
-  if cfg.kv_heads != cfg.num_heads and hf_architecture(cfg) != "LlamaForCausalLM":
+  # What is exported: an ODE's materialised layers (a split-Euler ODE's are sequential
+  # blocks, GPT2LMHeadModel or LlamaForCausalLM), or the discrete model itself.
+  exported = (
+    materialized_config(cfg, cfg.depth if num_steps is None else num_steps) if cfg.is_ode else cfg
+  )
+  if cfg.kv_heads != cfg.num_heads and hf_architecture(exported) != "LlamaForCausalLM":
     raise UserError(
       f"model.num_kv_heads={cfg.kv_heads} (grouped-query attention) exports only as a "
-      f"LlamaForCausalLM (a llama-family baseline); {hf_architecture(cfg)} has as many "
-      "key/value heads as query heads"
+      f"LlamaForCausalLM (a llama-family baseline or split-Euler ODE); "
+      f"{hf_architecture(exported)} has as many key/value heads as query heads"
     )
-  if cfg.is_ode:
-    check_materializable(cfg, cfg.depth if num_steps is None else num_steps)  # Euler, N > 0
-  elif num_steps is not None and num_steps != cfg.depth:
+  if not cfg.is_ode and num_steps is not None and num_steps != cfg.depth:
     raise UserError(
       f"--solver_steps={num_steps}: a discrete '{cfg.kind}' model has "
       f"{cfg.depth} layers; leave --solver_steps out"
@@ -54,7 +58,7 @@ def check_exportable(cfg, num_steps: int | None) -> None:
 
 def discrete_model(model: LanguageModel, num_steps: int | None = None) -> LanguageModel:
   """The function that is exported, as a discrete model with plain stored weights:
-  an ODE materialised at `num_steps` Euler steps (default: its K, dt folded into the
+  an ODE materialised at `num_steps` (split-)Euler steps (default: its K, dt folded into the
   output projections); a discrete model's own layers, LoRA merged and out_proj_scale
   folded in. Float32 compute. A one-line UserError when there is no such model."""
   cfg = model.config

@@ -70,7 +70,8 @@ def temporaries_estimate(config, cfg, mesh, rules, params) -> dict:
   tp_vocab = _axis_size(mesh, act, "vocab")
   t, d, f, v, n = (config.seq_len, cfg.d_model, cfg.mlp_dim, cfg.vocab_size, cfg.num_heads)
   cb = np.dtype(cfg.dtype).itemsize
-  evals = cfg.depth * (solvers.num_evals(cfg.solver) if cfg.is_ode else 1)
+  # Whole-field evaluations (split_euler's attention and MLP parts are one between them).
+  evals = cfg.depth * (round(solvers.field_cost(cfg.solver)) if cfg.is_ode else 1)
   tokens = b * t
 
   def shard_elements(tree):
