@@ -50,7 +50,6 @@ from typing import Any
 from absl import flags
 import grain
 import numpy as np
-import sentencepiece as spm
 
 from input_pipeline import tokenizer as tokenizer_lib
 from input_pipeline import workers
@@ -86,7 +85,7 @@ class Tokenize(grain.transforms.Map):
 
   def map(self, element: dict[str, Any]) -> dict[str, np.ndarray]:
     if self._sp is None:
-      self._sp = spm.SentencePieceProcessor(model_proto=self._model_proto)
+      self._sp = tokenizer_lib.from_bytes(self._model_proto)
     ids = self._sp.encode(tokenizer_lib.as_text(element[self._text_key]))
     ids.append(self._sp.eos_id())
     return {TOKENS: np.asarray(ids, np.int32)}

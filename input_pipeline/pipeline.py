@@ -23,7 +23,6 @@ import grain
 import jax
 from jax._src import distributed as jax_distributed  # the coordination service's store
 import ml_collections
-import sentencepiece as spm
 
 from input_pipeline import sources as sources_lib
 from input_pipeline import tokenizer as tokenizer_lib
@@ -72,7 +71,7 @@ class Datasets:
 
   train: grain.IterDataset
   eval_batches: Callable[[], Iterator[Batch]]
-  tokenizer: spm.SentencePieceProcessor
+  tokenizer: tokenizer_lib.Tokenizer
   vocab_size: int
   tokenizer_path: str
   content_hash: str = ""
@@ -121,7 +120,7 @@ def input_shards(
 
 def _open(
   data_cfg: ml_collections.ConfigDict, cache_dir: str, num_shards: int, first_shard: int, seed: int
-) -> tuple[sources_lib.Corpus, spm.SentencePieceProcessor, str]:
+) -> tuple[sources_lib.Corpus, tokenizer_lib.Tokenizer, str]:
   """Opens the corpus and the tokenizer (preparing and training them if not cached)."""
   corpus = sources_lib.open_corpus(data_cfg, cache_dir)
   for split, src in (("training", corpus.train), (f"eval ({corpus.eval_split})", corpus.eval)):

@@ -1,10 +1,16 @@
-"""SentencePiece BPE: trained once on a bounded sample of the training split, cached.
+"""The run's tokenizer: a SentencePiece BPE trained once on a bounded sample of the
+training split and cached, or a Hugging Face `tokenizer.json` (an imported model's own,
+`python -m odetransformer.import_checkpoint`).
 
 Settings make the round trip lossless for any text (`decode(encode(s)) == s`):
 identity normalisation, no whitespace squeezing, byte fallback for unseen characters.
 Training sentences are chunks of whole lines that keep their newlines, so newlines
 and indentation get pieces of their own instead of falling back to bytes.
 Ids are fixed: pad=0, unk=1, bos=2, eos=3 (recorded in a json beside the model).
+
+Both kinds answer the same calls (`encode`, `decode`, `eos_id`, `get_piece_size`,
+`id_to_piece`, `serialized_model_proto`): `load` and `from_bytes` tell them apart by the
+file's content, so a workdir's tokenizer is used the same way whichever it holds.
 """
 
 from collections.abc import Iterator, Sequence
@@ -147,16 +153,112 @@ def check_text(docs: Sequence[str], where: str) -> None:
     )
 
 
-def load(path: str, vocab_size: int) -> spm.SentencePieceProcessor:
-  """Loads a .model file (a local path or a URL such as gs://...); its vocab size and
-  special ids must match the config."""
+# The document separator of a Hugging Face tokenizer: the first of these special tokens
+# it has (GPT-2, SmolLM2 and most byte-level BPEs: <|endoftext|>; Llama 2: </s>; Llama 3:
+# <|end_of_text|>). Training appends it after every document, generation stops at it.
+HF_SEPARATORS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+
+
+def is_hf_tokenizer(blob: bytes) -> bool:
+  """Whether a tokenizer file's bytes are a Hugging Face tokenizer.json (JSON) rather
+  than a SentencePiece model (protobuf)."""
+  return blob.lstrip()[:1] == b"{"
+
+
+class HFTokenizer:
+  """A Hugging Face `tokenizers` tokenizer (tokenizer.json) behind the SentencePiece
+  processor's calls that this project makes.
+
+  Ids are the file's own; the document separator (eos) is the first of `HF_SEPARATORS`
+  among its special tokens; it has no pad, unk or bos id of its own here (-1), as the
+  model never reads them. Text is encoded without special tokens (no BOS added: the
+  separator before a document comes from packing, as for SentencePiece).
+  """
+
+  def __init__(self, blob: bytes, where: str = "the tokenizer"):
+    try:
+      import tokenizers  # lazy: only imported models' runs need it (requirements-import.txt)
+    except ImportError as e:
+      raise DataError(
+        f"{where} is a Hugging Face tokenizer.json, which needs the tokenizers package; "
+        "fix: pip install -r requirements-import.txt"
+      ) from e
+    try:
+      self._tok = tokenizers.Tokenizer.from_str(blob.decode("utf-8"))
+    except Exception as e:  # the Rust parser raises its own Exception type
+      raise DataError(
+        f"{where} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0]}); "
+        "fix: point at the tokenizer.json of a model directory"
+      ) from e
+    self._blob = blob
+    special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+    found = [t for t in HF_SEPARATORS if t in special]
+    if not found:
+      raise DataError(
+        f"{where} has none of the document separators {list(HF_SEPARATORS)} among its "
+        f"special tokens ({sorted(special)[:8]}); fix: use a tokenizer that has one"
+      )
+    self._eos = self._tok.token_to_id(found[0])
+
+  def encode(self, text: str) -> list:
+    return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+  def decode(self, ids) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+  def eos_id(self) -> int:
+    return self._eos
+
+  def bos_id(self) -> int:
+    return -1
+
+  def pad_id(self) -> int:
+    return -1
+
+  def unk_id(self) -> int:
+    return -1
+
+  def get_piece_size(self) -> int:
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  def id_to_piece(self, token_id: int) -> str:
+    """The token's text (byte-level pieces decoded: 'Ġthe' -> ' the')."""
+    return self.decode([token_id])
+
+  def is_control(self, token_id: int) -> bool:
+    return int(token_id) == self._eos
+
+  def serialized_model_proto(self) -> bytes:
+    """The tokenizer.json bytes (`from_bytes` rebuilds it; the name is SentencePiece's)."""
+    return self._blob
+
+
+Tokenizer = spm.SentencePieceProcessor | HFTokenizer
+
+
+def from_bytes(blob: bytes, where: str = "the tokenizer") -> Tokenizer:
+  """A SentencePiece processor or an `HFTokenizer`, whichever `blob` holds."""
+  if is_hf_tokenizer(blob):
+    return HFTokenizer(blob, where)
+  return spm.SentencePieceProcessor(model_proto=blob)
+
+
+def load(path: str, vocab_size: int) -> Tokenizer:
+  """Loads a tokenizer file (a local path or a URL such as gs://...): a SentencePiece
+  .model, whose vocab size and special ids must match the config, or a Hugging Face
+  tokenizer.json, whose vocab size must."""
   if not fileio.isfile(path):
     raise DataError(
       f"tokenizer file {path} does not exist; fix: set data.tokenizer_path to an "
       "existing SentencePiece .model, or to '' to train one"
     )
+  blob = fileio.read_bytes(path)
+  if is_hf_tokenizer(blob):
+    tok = HFTokenizer(blob, f"tokenizer file {path}")
+    _check_size(tok, path, vocab_size)
+    return tok
   try:
-    sp = spm.SentencePieceProcessor(model_proto=fileio.read_bytes(path))
+    sp = spm.SentencePieceProcessor(model_proto=blob)
   except (OSError, RuntimeError) as e:
     raise DataError(
       f"tokenizer file {path} is not a SentencePiece model ({e}); "
@@ -167,13 +269,17 @@ def load(path: str, vocab_size: int) -> spm.SentencePieceProcessor:
   return sp
 
 
-def _check(sp: spm.SentencePieceProcessor, path: str, vocab_size: int) -> None:
+def _check_size(sp, path: str, vocab_size: int) -> None:
   if sp.get_piece_size() != vocab_size:
     raise DataError(
       f"tokenizer {path} has {sp.get_piece_size()} pieces but data.vocab_size="
       f"{vocab_size}; fix: set --config.data.vocab_size={sp.get_piece_size()} "
       "or use a tokenizer trained with that size"
     )
+
+
+def _check(sp: spm.SentencePieceProcessor, path: str, vocab_size: int) -> None:
+  _check_size(sp, path, vocab_size)
   ids = {"pad": sp.pad_id(), "unk": sp.unk_id(), "bos": sp.bos_id(), "eos": sp.eos_id()}
   if ids != SPECIAL_IDS:
     raise DataError(
@@ -212,7 +318,7 @@ def get_tokenizer(
   source: Sequence,
   text_key: str,
   sample_bytes: int,
-) -> tuple[spm.SentencePieceProcessor, str]:
+) -> tuple[Tokenizer, str]:
   """Loads `tokenizer_path`, or the cached tokenizer for this corpus, training it if absent
   (one job at a time per cache: `cache.exclusive`).
 

@@ -78,7 +78,7 @@ class Exported:
   step: int
   workdir: str
   architecture: str
-  sp_model: bytes  # the run's SentencePiece model
+  sp_model: bytes  # the run's tokenizer: a SentencePiece model or a tokenizer.json
   context: int
 
 
@@ -134,8 +134,9 @@ def export_model(
   shard_bytes: int = SHARD_BYTES,
   overwrite: bool = False,
 ) -> Exported:
-  """Writes `model` (its tokenizer: the SentencePiece `sp_model`; `context`: its
-  training sequence length) as the Hugging Face directory `out` (`write_directory`)."""
+  """Writes `model` (its tokenizer: the SentencePiece `sp_model` or a tokenizer.json;
+  `context`: its training sequence length) as the Hugging Face directory `out`
+  (`write_directory`)."""
   check_out(out, overwrite)
   disc = nnx.jit(discrete_model, static_argnums=1)(model, num_steps)  # not op by op
   cfg = disc.config

@@ -12,7 +12,9 @@ seen before a document's first token (lm-evaluation-harness conditions on the `b
 token).
 
 Only what `input_pipeline.tokenizer.train` makes is converted (BPE, identity
-normalisation, no whitespace squeezing); another model is a one-line UserError.
+normalisation, no whitespace squeezing); another model is a one-line UserError. A run
+whose tokenizer already is a Hugging Face tokenizer.json (an imported model's) exports
+that file as it is, with its document separator as bos and eos.
 """
 
 import json
@@ -44,9 +46,20 @@ def _check(proto, where: str) -> None:
     )
 
 
+def _hf_separator(blob: bytes):
+  """(token, id) of a Hugging Face tokenizer.json's document separator."""
+  from input_pipeline import tokenizer as tokenizer_lib  # lazy: grain and tfds (~2 s)
+
+  tok = tokenizer_lib.HFTokenizer(blob)
+  return tok.id_to_piece(tok.eos_id()), tok.eos_id()
+
+
 def special_ids(model_proto: bytes) -> dict:
   """{'bos_token_id': .., 'eos_token_id': .., 'pad_token_id': ..} of a SentencePiece
-  model (None where it has none); bos is eos (module docstring)."""
+  model (None where it has none), or of a tokenizer.json; bos is eos (module docstring)."""
+  if model_proto.lstrip()[:1] == b"{":
+    _, eos = _hf_separator(model_proto)
+    return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": None}
   trainer = sentencepiece_model_pb2.ModelProto.FromString(model_proto).trainer_spec
   return {
     f"{k}_token_id": (i if i >= 0 else None)
@@ -56,7 +69,23 @@ def special_ids(model_proto: bytes) -> dict:
 
 def tokenizer_files(model_proto: bytes, model_max_length: int, where: str = "") -> dict:
   """{file name: text} of the Hugging Face tokenizer of a SentencePiece BPE model;
-  `model_max_length`: the model's context in tokens."""
+  `model_max_length`: the model's context in tokens. A tokenizer.json is written as
+  it is."""
+  if model_proto.lstrip()[:1] == b"{":
+    sep, _ = _hf_separator(model_proto)
+    config = {
+      "tokenizer_class": "PreTrainedTokenizerFast",
+      "model_max_length": model_max_length,
+      "clean_up_tokenization_spaces": False,
+      "add_bos_token": False,
+      "add_eos_token": False,
+      "bos_token": sep,
+      "eos_token": sep,
+    }
+    return {
+      "tokenizer.json": model_proto.decode("utf-8"),
+      "tokenizer_config.json": json.dumps(config, indent=2),
+    }
   proto = sentencepiece_model_pb2.ModelProto.FromString(model_proto)
   _check(proto, where)
   pieces = list(proto.pieces)

@@ -70,6 +70,10 @@ def reference_model(e) -> tuple:
 
 
 def _sp(e):
+  if e.sp_model.lstrip()[:1] == b"{":  # an imported model's tokenizer.json
+    from input_pipeline import tokenizer as tokenizer_lib  # lazy: grain and tfds (~2 s)
+
+    return tokenizer_lib.from_bytes(e.sp_model)
   return spm.SentencePieceProcessor(model_proto=e.sp_model)
 
 

@@ -132,8 +132,8 @@ def prepare(config: RunConfig) -> RunConfig:
   cfg = finetune_model_config(config, pre.model)
   data = config.data
   if not data.tokenizer_path:
-    tokenizer = fileio.join(init_from, loading.TOKENIZER_FILE)
-    path = fileio.local_copy(tokenizer) if fileio.exists(tokenizer) else pre.data.tokenizer_path
+    tokenizer = loading.workdir_tokenizer(init_from)
+    path = fileio.local_copy(tokenizer) if tokenizer else pre.data.tokenizer_path
     data = dataclasses.replace(data, tokenizer_path=path)
   if data.vocab_size != pre.data.vocab_size:
     raise FinetuneError(

@@ -26,7 +26,7 @@ from odetransformer.runtime import fileio
 from odetransformer.train import sharding
 from odetransformer.train.checkpoint.fingerprint import load_config
 from odetransformer.train.checkpoint.integrity import UNVERIFIED_FLAG_HELP
-from odetransformer.train.checkpoint.paths import CONFIG_FILE, TOKENIZER_FILE
+from odetransformer.train.checkpoint.paths import CONFIG_FILE, TOKENIZER_FILES
 from odetransformer.train.checkpoint.restore import restore_model_state
 from odetransformer.train.run_config import MeshConfig, RunConfig
 
@@ -189,16 +189,25 @@ def to_host(x, dtype=None) -> np.ndarray:
   return np.asarray(x, dtype)
 
 
-def tokenizer_path(workdir: str, config: RunConfig | None = None) -> str:
-  """The .model file of a run's tokenizer (a local copy of a remote one: SentencePiece
-  reads local files).
+def workdir_tokenizer(workdir: str) -> str | None:
+  """`<workdir>/tokenizer.model` or `<workdir>/tokenizer.json`, whichever it holds."""
+  for name in TOKENIZER_FILES:
+    if fileio.exists(path := fileio.join(workdir, name)):
+      return path
+  return None
 
-  `<workdir>/tokenizer.model` (written by main.py at start) if present, else
-  `data.tokenizer_path`, else the tokenizer the run's data config trained and cached
-  (found, or re-created deterministically, by `input_pipeline.create_datasets`).
+
+def tokenizer_path(workdir: str, config: RunConfig | None = None) -> str:
+  """The file of a run's tokenizer (a local copy of a remote one: SentencePiece reads
+  local files).
+
+  `<workdir>/tokenizer.model` or `tokenizer.json` (written by main.py at start, or by
+  the import) if present, else `data.tokenizer_path`, else the tokenizer the run's data
+  config trained and cached (found, or re-created deterministically, by
+  `input_pipeline.create_datasets`).
   """
-  path = fileio.join(workdir, TOKENIZER_FILE)
-  if fileio.exists(path):
+  path = workdir_tokenizer(workdir)
+  if path:
     return fileio.local_copy(path)
   config = load_run_config(workdir) if config is None else config
   if config.data.tokenizer_path and fileio.exists(config.data.tokenizer_path):
@@ -218,14 +227,15 @@ def tokenizer_path(workdir: str, config: RunConfig | None = None) -> str:
   logging.warning(
     "%s has no %s: using the tokenizer its data config caches (%s)",
     workdir,
-    TOKENIZER_FILE,
+    " or ".join(TOKENIZER_FILES),
     ds.tokenizer_path,
   )
   return ds.tokenizer_path
 
 
 def load_tokenizer(workdir: str, config: RunConfig | None = None):
-  """The run's SentencePiece processor (pad=0, unk=1, bos=2, eos=3)."""
+  """The run's tokenizer: a SentencePiece processor (pad=0, unk=1, bos=2, eos=3) or, for
+  an imported model, its Hugging Face tokenizer (`input_pipeline.tokenizer.HFTokenizer`)."""
   # lazy: input_pipeline imports grain and tfds (~2 s), which model-only tools never need
   from input_pipeline import tokenizer as tokenizer_lib
 

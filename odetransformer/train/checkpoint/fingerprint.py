@@ -19,10 +19,10 @@ from odetransformer.model.config import migrate_model_fields
 from odetransformer.runtime import fileio
 from odetransformer.train.checkpoint.paths import (
   CONFIG_FILE,
-  TOKENIZER_FILE,
   checkpoint_dir,
   finalized_steps,
   read_json,
+  tokenizer_file,
 )
 from odetransformer.train.run_config import migrate_config
 
@@ -210,9 +210,12 @@ def _refuse_if_different(
 
 
 def save_tokenizer(src: str, workdir: str):
-  """Copies the tokenizer to `<workdir>/tokenizer.model` (what the tools load)."""
-  path = fileio.join(workdir, TOKENIZER_FILE)
-  if jax.process_index() != 0 or not src or fileio.same_file(src, path):
+  """Copies the tokenizer to `<workdir>/tokenizer.model` (what the tools load), or to
+  `<workdir>/tokenizer.json` when it is a Hugging Face one."""
+  if jax.process_index() != 0 or not src:
+    return
+  path = fileio.join(workdir, tokenizer_file(fileio.read_bytes(src)))
+  if fileio.same_file(src, path):
     return
   if fileio.isfile(path) and fileio.sha256(path) == fileio.sha256(src):
     return  # a resumed run's own tokenizer: left as it is

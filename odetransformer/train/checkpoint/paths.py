@@ -1,7 +1,8 @@
 """Where a run's files live in its workdir, and which of its checkpoints are complete.
 
   config.json                  the run's full config (`fingerprint.save_config`)
-  tokenizer.model              the run's tokenizer, copied in (`fingerprint.save_tokenizer`)
+  tokenizer.model              the run's tokenizer, copied in (`fingerprint.save_tokenizer`):
+  or tokenizer.json            a SentencePiece model, or an imported model's Hugging Face one
   checkpoints/<step>/          one checkpoint (`manager.Checkpointer`)
   .save_owners/<step>.json     the run writing that step
   corrupt_checkpoints/         checkpoints set aside because they do not restore
@@ -21,9 +22,17 @@ CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.model"  # the run's tokenizer, copied into its workdir
+HF_TOKENIZER_FILE = "tokenizer.json"  # ... when it is a Hugging Face one (an imported model's)
+TOKENIZER_FILES = (TOKENIZER_FILE, HF_TOKENIZER_FILE)
 OWNERS_DIR = ".save_owners"  # <step>.json: the run that writes that step
 COMMIT_FILE = "commit_success.txt"  # orbax's mark of a complete step on object stores
 _TMP_STEP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")  # a local step being written
+
+
+def tokenizer_file(blob: bytes) -> str:
+  """The workdir name of a tokenizer file with these bytes: tokenizer.json for a Hugging
+  Face tokenizer (JSON), else tokenizer.model (a SentencePiece protobuf)."""
+  return HF_TOKENIZER_FILE if blob.lstrip()[:1] == b"{" else TOKENIZER_FILE
 
 
 class CheckpointError(UserError, RuntimeError):
