@@ -15,6 +15,7 @@ SCRIPTS = {
   "odet-evaluate": "odetransformer.evaluate",
   "odet-generate": "odetransformer.generate",
   "odet-export": "odetransformer.export",
+  "odet-import": "odetransformer.import_checkpoint",
   "odet-memory": "odetransformer.memory",
   "odet-lm-eval": "odetransformer.lm_eval",
   "odet-spectra": "odetransformer.analysis.spectra",
@@ -46,6 +47,11 @@ def generate() -> None:
 def export() -> None:
   """`odet-export`: `python -m odetransformer.export`."""
   _run("odet-export")
+
+
+def import_checkpoint() -> None:
+  """`odet-import`: `python -m odetransformer.import_checkpoint`."""
+  _run("odet-import")
 
 
 def memory() -> None:

