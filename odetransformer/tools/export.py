@@ -229,7 +229,7 @@ def model_card(e: Exported, agreement: str = "") -> str:
   source_cfg = e.source.config
   what = (
     f"{source_cfg.kind} ODE ({source_cfg.family} family) materialised at "
-    f"N={e.num_steps} Euler steps (trained at K={source_cfg.depth})"
+    f"N={e.num_steps} {source_cfg.solver} steps (trained at K={source_cfg.depth})"
     if source_cfg.is_ode
     else f"discrete {source_cfg.kind} model ({source_cfg.family} family), {e.num_steps} layers"
   )

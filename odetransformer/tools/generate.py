@@ -33,6 +33,7 @@ import numpy as np
 from odetransformer import cli_flags
 from odetransformer.errors import UserError
 from odetransformer.model.decode import Decoder, KVCache
+from odetransformer.model.materialize import MATERIALIZED_KIND
 from odetransformer.runtime import host
 from odetransformer.runtime.logs import quiet_tool_logs
 from odetransformer.train import loading
@@ -334,7 +335,7 @@ def main(argv, flag_values=None):
     ) from e
   how = (
     f"materialised at N={decoder.num_steps} layers"
-    if cfg.is_ode and cfg.solver == "euler"
+    if cfg.is_ode and cfg.solver in MATERIALIZED_KIND
     else f"{cfg.solver} solver at N={decoder.num_steps} steps"
     if cfg.is_ode
     else f"{decoder.num_steps} layers"

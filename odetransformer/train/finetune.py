@@ -30,7 +30,7 @@ import numpy as np
 from odetransformer.errors import ConfigError
 from odetransformer.model import blocks, lora
 from odetransformer.model.config import ModelConfig
-from odetransformer.model.materialize import materialize
+from odetransformer.model.materialize import MATERIALIZED_KIND, materialize, materialized_config
 from odetransformer.runtime import fileio
 from odetransformer.train import loading
 from odetransformer.train.checkpoint.paths import CONFIG_FILE
@@ -97,14 +97,14 @@ def finetune_model_config(config: RunConfig, pre: ModelConfig | None = None) -> 
         "finetune.method='full' or 'lora'"
       )
     return dataclasses.replace(pre, solver_steps=n, num_layers=n, **keep)
-  if pre.is_ode and pre.solver != "euler":
+  if pre.is_ode and pre.solver not in MATERIALIZED_KIND:
     raise FinetuneError(
-      f"finetune.method={method!r} materialises N Euler layers, a "
-      f"different function from this {pre.solver!r}-solved model; use "
+      f"finetune.method={method!r} materialises N layers, one per Euler or split-Euler "
+      f"step, a different function from this {pre.solver!r}-solved model; use "
       "finetune.method='continuous'"
     )
-  if pre.is_ode:
-    disc = dataclasses.replace(pre, kind="parallel", num_layers=n, out_proj_scale=1.0 / n, **keep)
+  if pre.is_ode:  # N parallel (Euler) or sequential (split Euler) layers, dt unfolded
+    disc = dataclasses.replace(materialized_config(pre, n, fold_dt=False), **keep)
   else:
     if n != pre.depth:
       raise FinetuneError(
