@@ -11,7 +11,8 @@ import pytest
 from test_train import fast_compiles  # noqa: F401  (fixture: compile cache)
 
 from odetransformer.errors import UserError
-from odetransformer.tools import export, hf_verify
+from odetransformer.model.materialize import materialize
+from odetransformer.tools import export, hf_import, hf_verify, ode_fit
 from odetransformer.tools import import_checkpoint as importer
 from odetransformer.train import loading, loop
 from odetransformer.train import metrics as metrics_lib
@@ -161,14 +162,28 @@ def test_export_of_the_import_is_the_checkpoint_again(llama_dir, imported, tmp_p
     assert torch.equal(hf_back.state_dict()[name], value), name
 
 
-def test_finetuning_starts_from_the_imported_model(imported, tmp_path, fast_compiles):  # noqa: F811
+@pytest.fixture(scope="module")
+def fitted(llama_dir, tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("fitted") / "w"
+  importer.main([f"--from={llama_dir[0]}", f"--workdir={workdir}", "--fit=diffeqformer"])
+  return workdir
+
+
+@pytest.mark.parametrize(
+  "source, method, n",
+  [("imported", "full", None), ("fitted", "lora", 1), ("fitted", "continuous", 3)],
+)
+@pytest.mark.usefixtures("fast_compiles")
+def test_finetuning_starts_from_the_imported_model(source, method, n, request, tmp_path):
   """configs/finetune_imported.py with the workdir as its argument: the first evaluation
-  is the imported model's loss on that data; training moves it."""
+  is the imported (or fitted, at N) model's loss on that data; training moves it."""
   from configs import finetune_imported
   from odetransformer.tools import evaluate
 
-  workdir, _ = imported
+  workdir = request.getfixturevalue(source)
+  workdir = workdir[0] if isinstance(workdir, tuple) else workdir
   c = finetune_imported.get_config(str(workdir))
+  c.finetune.method, c.finetune.solver_steps = method, n
   c.num_train_steps, c.eval_every_steps, c.log_every_steps = 2, 2, 1
   c.global_batch_size = c.eval_batch_size = 2
   c.seq_len = 32
@@ -185,38 +200,106 @@ def test_finetuning_starts_from_the_imported_model(imported, tmp_path, fast_comp
     seq_len=32,
     max_batches=1,
   )
-  first = evaluate.evaluate_model(loaded.model, data.batches(), None)
+  first = evaluate.evaluate_model(loaded.model, data.batches(), n)
   np.testing.assert_allclose(losses[0], first.loss, rtol=1e-5)
   assert losses[2] != losses[0]
 
 
-def test_gpt2_vocab_and_merges_become_a_tokenizer_json(tmp_path):
-  """A GPT-2 directory with the slow tokenizer's files (vocab.json, merges.txt) and an
-  untied head."""
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+  """A tiny GPT-2 with an untied head and the slow tokenizer's files (vocab.json,
+  merges.txt) instead of a tokenizer.json."""
+  path = tmp_path_factory.mktemp("gpt2")
   tok = _tokenizer()
-  tok.model.save(str(tmp_path))  # vocab.json, merges.txt
+  tok.model.save(str(path))
   model = transformers.GPT2LMHeadModel(
     transformers.GPT2Config(
       vocab_size=tok.get_vocab_size(),
       n_embd=32,
-      n_layer=2,
+      n_layer=3,
       n_head=4,
       n_positions=32,
       tie_word_embeddings=False,
     )
   )
-  _randomised(model).save_pretrained(tmp_path)
-  config = importer.main([f"--from={tmp_path}", f"--workdir={tmp_path / 'w'}", "--seq_len=24"])
+  _randomised(model).save_pretrained(path)
+  return path, model, tok
+
+
+def _equal_logits(ours, hf_model, vocab_size, rtol=1e-6):
+  tokens = np.random.default_rng(1).integers(0, vocab_size, (2, 12))
+  with torch.no_grad():
+    expected = hf_model(torch.as_tensor(tokens)).logits.numpy()
+  got = np.asarray(ours(jnp.asarray(tokens, jnp.int32)), np.float32)
+  error = np.max(np.abs(got - expected)) / np.max(np.abs(expected))
+  assert error <= rtol, error
+  return error
+
+
+def test_gpt2_vocab_and_merges_become_a_tokenizer_json(gpt2_dir, tmp_path):
+  path, model, tok = gpt2_dir
+  config = importer.main([f"--from={path}", f"--workdir={tmp_path / 'w'}", "--seq_len=24"])
   assert config.model.family == "gpt2" and not config.model.tie_embeddings
   assert config.batch.seq_len == 24
   ours = loading.load_tokenizer(str(tmp_path / "w"))
   assert ours.encode(TEXT) == _ids(tok, TEXT)
-  loaded = loading.load_model(str(tmp_path / "w"))
-  tokens = np.arange(20).reshape(2, 10)
+  _equal_logits(loading.load_model(str(tmp_path / "w")).model, model, tok.get_vocab_size())
+
+
+# ------------------------------------------------------------------- the DiffEqFormer fit
+@pytest.mark.parametrize("which", ["llama", "gpt2"])
+def test_the_fitted_diffeqformer_is_the_stack_at_n_equals_l(which, llama_dir, gpt2_dir):
+  """split_euler at K = L: the pretrained function (float32 rounding), every layer's
+  weights generated back; the parallel Euler field on the same weights is not it."""
+  path, hf_model, tok = llama_dir if which == "llama" else gpt2_dir
+  hf, weights = hf_import.read_hf_dir(str(path))
+  base = hf_import.model_from_hf(hf_import.model_config_from_hf(hf), weights)
+  ode, fit = ode_fit.fit_diffeqformer(base)
+  depth = base.config.depth
+  assert ode.config.kind == "diffeqformer" and ode.config.depth == depth
+  assert fit.time_embed_dim == 8 >= depth and max(fit.errors.values()) <= 1e-6
+  _equal_logits(ode, hf_model, tok.get_vocab_size())
+  layers = materialize(ode, depth).layer_weights(jnp.float32)
+  for name, w in base.layer_weights(jnp.float32).items():
+    scale = float(jnp.max(jnp.abs(w)))
+    assert float(jnp.max(jnp.abs(layers[name] - w))) <= 1e-6 * scale, name
+  with pytest.raises(AssertionError):
+    _equal_logits(ode_fit.parallel_field(ode), hf_model, tok.get_vocab_size(), rtol=1e-3)
+
+
+def test_a_narrower_code_is_a_least_squares_fit(gpt2_dir):
+  """d_t < L: not every layer can be reproduced; the reported error says by how much,
+  and it is the error of the weights the model generates."""
+  hf, weights = hf_import.read_hf_dir(str(gpt2_dir[0]))
+  base = hf_import.model_from_hf(hf_import.model_config_from_hf(hf), weights)
+  ode, fit = ode_fit.fit_diffeqformer(base, time_embed_dim=2)
+  assert fit.time_embed_dim == 2 and 0.05 < max(fit.errors.values()) < 1.0
+  generated = ode.stack.step_weights(jnp.asarray(ode_fit.layer_times(3)), jnp.float32)["w1"]
+  w1 = np.asarray(base.layer_weights(jnp.float32)["w1"])
+  worst = max(np.linalg.norm(generated[k] - w1[k]) / np.linalg.norm(w1[k]) for k in range(3))
+  np.testing.assert_allclose(fit.errors["w1"], worst, rtol=1e-5)
+
+
+def test_the_fitted_workdir_exports_the_original_checkpoint(llama_dir, tmp_path):
+  """--fit=diffeqformer, then export at N = L: transformers' LlamaForCausalLM computes the
+  original checkpoint's logits; evaluate runs it at any N."""
+  path, hf_model, tok = llama_dir
+  workdir = tmp_path / "w"
+  config = importer.main([f"--from={path}", f"--workdir={workdir}", "--fit=diffeqformer"])
+  assert (config.model.kind, config.model.solver, config.model.depth) == (
+    "diffeqformer",
+    "split_euler",
+    2,
+  )
+  fit = json.loads((workdir / "import.json").read_text())["fit"]
+  assert fit["time_embed_dim"] == 8 and max(fit["relative_errors"].values()) <= 1e-6
+  e = export.export(str(workdir), str(tmp_path / "hf"))
+  assert e.architecture == "LlamaForCausalLM"
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+  tokens = torch.as_tensor(np.random.default_rng(2).integers(0, tok.get_vocab_size(), (2, 12)))
   with torch.no_grad():
-    expected = model(torch.as_tensor(tokens)).logits.numpy()
-  got = np.asarray(loaded.model(jnp.asarray(tokens, jnp.int32)), np.float32)
-  assert np.max(np.abs(got - expected)) <= 1e-6 * np.max(np.abs(expected))
+    expected, got = hf_model(tokens).logits.numpy(), back(tokens).logits.numpy()
+  assert np.max(np.abs(got - expected)) <= 1e-5 * np.max(np.abs(expected))
 
 
 # ------------------------------------------------------------------------- bad input
@@ -278,6 +361,12 @@ def test_a_failed_write_leaves_nothing(llama_dir, tmp_path, monkeypatch):
   monkeypatch.setattr(importer.Checkpointer, "save", broken_save)
   with pytest.raises(OSError, match="disk full"):
     importer.main([f"--from={llama_dir[0]}", f"--workdir={tmp_path / 'w'}"])
+  assert os.listdir(tmp_path) == []
+
+
+def test_an_unknown_fit_is_refused(llama_dir, tmp_path):
+  with pytest.raises(UserError, match="--fit"):
+    importer.main([f"--from={llama_dir[0]}", f"--workdir={tmp_path / 'w'}", "--fit=mamba"])
   assert os.listdir(tmp_path) == []
 
 

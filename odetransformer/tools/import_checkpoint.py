@@ -35,7 +35,7 @@ import numpy as np
 from odetransformer import cli_flags, errors
 from odetransformer.errors import UserError
 from odetransformer.runtime import fileio, logs
-from odetransformer.tools import hf_import
+from odetransformer.tools import hf_import, ode_fit
 from odetransformer.train.checkpoint import fingerprint as fingerprint_lib
 from odetransformer.train.checkpoint.manager import Checkpointer
 from odetransformer.train.checkpoint.paths import HF_TOKENIZER_FILE
@@ -205,13 +205,23 @@ def write_workdir(workdir: str, model, config: RunConfig, tokenizer: bytes, prov
   return config
 
 
-def import_checkpoint(path: str, workdir: str, seq_len: int | None = None) -> RunConfig:
-  """Reads `path`, builds the matching baseline and writes `workdir`; returns its config."""
+FITS = ("", "diffeqformer")
+
+
+def import_checkpoint(
+  path: str, workdir: str, seq_len: int | None = None, fit: str = "", fit_time_embed_dim: int = 0
+) -> RunConfig:
+  """Reads `path`, builds the matching baseline (or, with `fit='diffeqformer'`, the
+  DiffEqFormer fitted to it: `ode_fit.py`) and writes `workdir`; returns its config."""
+  if fit not in FITS:
+    raise UserError(f"--fit={fit!r} is unknown; pass --fit=diffeqformer or leave it out")
   check_workdir(workdir)
   started = time.time()
   src = read_source(path)
   cfg = hf_import.model_config_from_hf(src.hf)
   check_tokenizer(src.tokenizer, cfg)
+  if fit:
+    ode_fit.fit_config(cfg, fit_time_embed_dim or None)  # refusals before the weights load
   context = cfg.max_len
   seq_len = min(context, DEFAULT_SEQ_LEN) if seq_len is None else seq_len
   if not 0 < seq_len <= context:
@@ -219,15 +229,31 @@ def import_checkpoint(path: str, workdir: str, seq_len: int | None = None) -> Ru
       f"--seq_len={seq_len} is outside the model's context (1..{context}); pass a length within it"
     )
   model = hf_import.model_from_hf(cfg, src.weights)
-  config = run_config(cfg, cfg.vocab_size, seq_len)
+  read_seconds = time.time() - started
+  fitted = None
+  if fit:
+    started = time.time()
+    model, fitted = ode_fit.fit_diffeqformer(model, fit_time_embed_dim or None)
+    print(f"fitted a DiffEqFormer in {time.time() - started:.1f}s: {fitted.describe()}")
+  config = run_config(model.config, cfg.vocab_size, seq_len)
   provenance = {
     "from": os.path.abspath(path),
     "format": src.format,
     "architecture": src.hf.get("architectures", [""])[0],
     "parameters": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))),
     "imported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    "read_seconds": round(time.time() - started, 1),
+    "read_seconds": round(read_seconds, 1),
   }
+  if fitted is not None:
+    provenance["fit"] = {
+      "kind": "diffeqformer",
+      "solver": "split_euler",
+      "time_embed_dim": fitted.time_embed_dim,
+      "sinusoids": fitted.sinusoids,
+      "condition": fitted.condition,
+      "relative_errors": fitted.errors,
+      "seconds": round(time.time() - started, 1),
+    }
   return write_workdir(workdir, model, config, src.tokenizer, provenance)
 
 
@@ -237,6 +263,21 @@ def define_flags(define) -> None:
   )
   define(
     "string", "workdir", None, "The new run directory to write (must not exist).", required=True
+  )
+  define(
+    "enum",
+    "fit",
+    "",
+    "diffeqformer: write the DiffEqFormer fitted to the checkpoint (split_euler at K = L "
+    "reproduces it; odetransformer/tools/ode_fit.py) instead of the baseline.",
+    enum_values=list(FITS),
+  )
+  define(
+    "integer",
+    "fit_time_embed_dim",
+    0,
+    "--fit's code width d_t (0: the layer count rounded up to a multiple of 8, the "
+    "smallest exact fit; fewer gives a least-squares fit).",
   )
   define(
     "integer",
@@ -250,11 +291,18 @@ def define_flags(define) -> None:
 def main(argv=None) -> RunConfig:
   args = cli_flags.parse_flags(define_flags, argv, doc=__doc__)
   logs.quiet_tool_logs(cli=True)
-  config = import_checkpoint(getattr(args, "from"), args.workdir, args.seq_len)
+  config = import_checkpoint(
+    getattr(args, "from"), args.workdir, args.seq_len, args.fit, args.fit_time_embed_dim
+  )
   m = config.model
+  what = (
+    f"DiffEqFormer ({m.family}, split_euler at K={m.depth}, d_t {m.time_embed_dim})"
+    if m.is_ode
+    else f"{m.family} baseline, {m.depth} layers"
+  )
   print(
-    f"imported {getattr(args, 'from')} into {args.workdir}: {m.family} baseline, "
-    f"{m.num_layers} layers, d {m.d_model}, {m.num_heads} heads "
+    f"imported {getattr(args, 'from')} into {args.workdir}: {what}, d {m.d_model}, "
+    f"{m.num_heads} heads "
     f"({m.kv_heads} key/value), vocabulary {m.vocab_size}, seq_len {config.batch.seq_len}"
   )
   return config
