@@ -82,10 +82,19 @@ def shared_llama_model():
   return random_model(dataclasses.replace(TINY, kind="shared", family="llama"), seed=2)
 
 
+@pytest.fixture(scope="module")
+def split_llama_model():
+  """A DiffEqFormer solved by split_euler (an imported model's fit): its step is a
+  sequential block, not the parallel field."""
+  cfg = dataclasses.replace(TINY, kind="diffeqformer", family="llama", solver="split_euler")
+  return random_model(cfg, seed=4)
+
+
 MODELS = {
   "diffeqformer": "ode_model",
   "transformer": "gpt_model",
   "shared-llama": "shared_llama_model",
+  "split-llama": "split_llama_model",
 }
 
 
@@ -248,10 +257,11 @@ def test_lyapunov_linear_ode_gives_real_parts_of_eigenvalues():
 def test_jacobian_blocks_match_central_differences(request, name):
   model = _model(request, name)
   length, d, o, step = 5, model.config.d_model, 3, 1
-  p32 = jax.tree.map(lambda w: w[step], fields.euler_steps(model).weights)
+  steps = fields.euler_steps(model)
+  p32 = jax.tree.map(lambda w: w[step], steps.weights)
   x32 = fields.embed(model, jnp.arange(length) + 3)
   x32 = x32 + 0.3 * jax.random.normal(jax.random.key(1), x32.shape)
-  field = fields.vector_field(model.config, length)
+  field = fields.vector_field(model.config, length, steps.dt)
   with jax.enable_x64(True):  # the field in float64: central differences to ~1e-10
     p, x = jax.tree.map(jnp.asarray, _f64(p32)), jnp.asarray(_f64(x32))
     jac, f = jax.jit(lambda x: lyapunov.jacobian_row(field, x, p, o))(x)

@@ -22,7 +22,7 @@ def trained_dispersion(model, res) -> dict:
   pairwise distance, the number of clusters and the polarisation gap of
   `analysis.clustering` at every t."""
   steps = fields.euler_steps(model)
-  field = jax.jit(fields.vector_field(model.config, res.trajectory.shape[1]))
+  field = jax.jit(fields.vector_field(model.config, res.trajectory.shape[1], steps.dt))
   last = {name: w[-1] for name, w in steps.weights.items()}
   x_end = res.trajectory[-1] + steps.dt * np.asarray(field(res.trajectory[-1], last))
   states = [np.asarray(x, np.float64) for x in list(res.trajectory) + [x_end]]

@@ -47,23 +47,37 @@ def layer_weights(model, dtype=jnp.float32) -> dict:
 
 def euler_steps(model, num_steps: int | None = None, dtype=jnp.float32) -> StepWeights:
   """The weights of each Euler step: W(t_k) at t_k = k/K, or (k+1)/K under
-  step_time='end' (ODE kinds), or the layers."""
+  step_time='end' (ODE kinds; a split_euler step's too, its one stage time), or the
+  layers."""
   cfg = model.config
   k = model.resolve_num_steps(num_steps)
   if cfg.is_ode:
-    ts = stage_times(k, "euler", cfg.step_time)[:, 0]
+    ts = stage_times(k, "euler", cfg.step_time)[:, 0]  # = split_euler's stage times
     return StepWeights(weights_at(model, ts, dtype), 1.0 / k, np.asarray(ts), "t")
   return StepWeights(layer_weights(model, dtype), 1.0, np.arange(k, dtype=np.float32), "layer")
 
 
-def vector_field(cfg, length: int) -> Callable:
+def vector_field(cfg, length: int, dt: float | None = None) -> Callable:
   """F(x_ld; p) -> [l, d] for one causal sequence of `length` tokens at positions 0…l-1.
 
   The parallel block for ODE and 'parallel' models; GPT's sequential block returned as
-  its residual update for 'transformer' models. No dropout.
+  its residual update for 'transformer' models. No dropout. A 'split_euler' ODE at step
+  size `dt`: the field whose Euler step is its split step, A(x) + F(x + dt·A(x)) (the
+  attention part A, the MLP part F), as a sequential block is its layer's update.
   """
-  block = blocks.block_fn(cfg)
   positions = jnp.arange(length, dtype=jnp.int32)[None]
+  if cfg.is_ode and cfg.solver == "split_euler":
+    if dt is None:
+      raise ValueError("a split_euler model's step field needs its step size dt")
+    attend, mlp = blocks.BLOCK_PARTS
+
+    def split_field(x_ld, p):
+      x = x_ld[None]
+      a = attend(x, p, cfg, None, positions)
+      return (a + mlp(x + dt * a, p, cfg))[0]
+
+    return split_field
+  block = blocks.block_fn(cfg)
 
   def field(x_ld, p):
     return block(x_ld[None], p, cfg, None, positions, None)[0]

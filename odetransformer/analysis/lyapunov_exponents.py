@@ -14,8 +14,10 @@ advances x; the per-token tangent update and QR are `vmap`ped over tokens. Token
 o do not reach it (causal attention): J_{o,i} = 0, λ_i = 0.
 
 Discrete models ('transformer', 'parallel'): dt = 1 and F is the per-layer residual update, so
-the total time and the divisor is the number of layers. Models trained with midpoint or
-RK4 are analysed along the Euler solve at the same K (a warning says so).
+the total time and the divisor is the number of layers. A split_euler model is analysed
+along its own trajectory: F is the field whose Euler step is its split step
+(`fields.vector_field`), as a sequential layer's F is its update. Models trained with
+midpoint or RK4 are analysed along the Euler solve at the same K (a warning says so).
 
 For comparison the attention map: the attention of o to each token, averaged over heads
 and steps (the usual attention-based explanation).
@@ -161,7 +163,7 @@ def sensitivity(
     raise ValueError("no tokens to analyse")
   if not -length <= position < length:
     raise ValueError(f"position={position} is outside the {length} tokens")
-  if cfg.is_ode and cfg.solver != "euler":
+  if cfg.is_ode and cfg.solver not in ("euler", "split_euler"):
     logging.warning(
       "model trained with solver=%r; analysing its Euler solve at K=%s steps",
       cfg.solver,
@@ -169,7 +171,7 @@ def sensitivity(
     )
   o = position % length
   steps = fields.euler_steps(model, num_steps, dtype)
-  field = fields.vector_field(cfg, length)
+  field = fields.vector_field(cfg, length, steps.dt)
   x0 = fields.embed(model, tokens, dtype)
 
   @jax.jit
