@@ -22,10 +22,10 @@ pytestmark = pytest.mark.matmul_precision("highest")
 VOCAB, LENGTH = 97, 12
 
 
-def _gpt2(tie: bool = True):
+def _gpt2(tie: bool = True, vocab_size: int = VOCAB):
   return transformers.GPT2LMHeadModel(
     transformers.GPT2Config(
-      vocab_size=VOCAB,
+      vocab_size=vocab_size,
       n_embd=32,
       n_layer=2,
       n_head=4,
@@ -41,10 +41,10 @@ def _gpt2(tie: bool = True):
   )
 
 
-def _llama(tie: bool = False, **kw):
+def _llama(tie: bool = False, vocab_size: int = VOCAB, **kw):
   return transformers.LlamaForCausalLM(
     transformers.LlamaConfig(
-      vocab_size=VOCAB,
+      vocab_size=vocab_size,
       hidden_size=32,
       intermediate_size=40,
       num_hidden_layers=2,

@@ -8,6 +8,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_hf_import import _gpt2, _llama, _saved
 from test_train import fast_compiles  # noqa: F401  (fixture: compile cache)
 
 from odetransformer.errors import UserError
@@ -46,39 +47,12 @@ def _tokenizer(vocab_size: int = 300):
   return tok
 
 
-def _randomised(model):
-  torch.manual_seed(0)
-  for p in model.parameters():  # norms too: their mapping needs non-unit scales
-    torch.nn.init.normal_(p, std=0.2)
-  return model.eval()
-
-
-def _llama(path, vocab_size, **kw):
-  model = transformers.LlamaForCausalLM(
-    transformers.LlamaConfig(
-      vocab_size=vocab_size,
-      hidden_size=32,
-      intermediate_size=40,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      max_position_embeddings=64,
-      rms_norm_eps=1e-5,
-      rope_theta=100_000.0,
-      tie_word_embeddings=True,
-      **kw,
-    )
-  )
-  _randomised(model).save_pretrained(path)
-  return model
-
-
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
   """A tiny grouped-query Llama with tied embeddings and its tokenizer.json."""
   path = tmp_path_factory.mktemp("llama")
   tok = _tokenizer()
-  model = _llama(path, tok.get_vocab_size())
+  model = _saved(_llama(tie=True, vocab_size=tok.get_vocab_size(), num_key_value_heads=2), path)
   tok.save(str(path / "tokenizer.json"))
   return path, model, tok
 
@@ -212,17 +186,7 @@ def gpt2_dir(tmp_path_factory):
   path = tmp_path_factory.mktemp("gpt2")
   tok = _tokenizer()
   tok.model.save(str(path))
-  model = transformers.GPT2LMHeadModel(
-    transformers.GPT2Config(
-      vocab_size=tok.get_vocab_size(),
-      n_embd=32,
-      n_layer=3,
-      n_head=4,
-      n_positions=32,
-      tie_word_embeddings=False,
-    )
-  )
-  _randomised(model).save_pretrained(path)
+  model = _saved(_gpt2(tie=False, vocab_size=tok.get_vocab_size()), path)
   return path, model, tok
 
 
@@ -238,9 +202,9 @@ def _equal_logits(ours, hf_model, vocab_size, rtol=1e-6):
 
 def test_gpt2_vocab_and_merges_become_a_tokenizer_json(gpt2_dir, tmp_path):
   path, model, tok = gpt2_dir
-  config = importer.main([f"--from={path}", f"--workdir={tmp_path / 'w'}", "--seq_len=24"])
+  config = importer.main([f"--from={path}", f"--workdir={tmp_path / 'w'}", "--seq_len=12"])
   assert config.model.family == "gpt2" and not config.model.tie_embeddings
-  assert config.batch.seq_len == 24
+  assert config.batch.seq_len == 12
   ours = loading.load_tokenizer(str(tmp_path / "w"))
   assert ours.encode(TEXT) == _ids(tok, TEXT)
   _equal_logits(loading.load_model(str(tmp_path / "w")).model, model, tok.get_vocab_size())
@@ -272,11 +236,11 @@ def test_a_narrower_code_is_a_least_squares_fit(gpt2_dir):
   and it is the error of the weights the model generates."""
   hf, weights = hf_import.read_hf_dir(str(gpt2_dir[0]))
   base = hf_import.model_from_hf(hf_import.model_config_from_hf(hf), weights)
-  ode, fit = ode_fit.fit_diffeqformer(base, time_embed_dim=2)
-  assert fit.time_embed_dim == 2 and 0.05 < max(fit.errors.values()) < 1.0
-  generated = ode.stack.step_weights(jnp.asarray(ode_fit.layer_times(3)), jnp.float32)["w1"]
+  ode, fit = ode_fit.fit_diffeqformer(base, time_embed_dim=1)
+  assert fit.time_embed_dim == 1 and max(fit.errors.values()) > 0.05  # not exact
+  generated = ode.stack.step_weights(jnp.asarray(ode_fit.layer_times(2)), jnp.float32)["w1"]
   w1 = np.asarray(base.layer_weights(jnp.float32)["w1"])
-  worst = max(np.linalg.norm(generated[k] - w1[k]) / np.linalg.norm(w1[k]) for k in range(3))
+  worst = max(np.linalg.norm(generated[k] - w1[k]) / np.linalg.norm(w1[k]) for k in range(2))
   np.testing.assert_allclose(fit.errors["w1"], worst, rtol=1e-5)
 
 
@@ -312,11 +276,17 @@ def _refused(tmp_path, source, match, workdir=None):
   assert not [n for n in os.listdir(os.path.dirname(workdir)) if ".importing-" in n]
 
 
-def test_an_unsupported_architecture_names_the_supported_ones(llama_dir, tmp_path):
-  src = tmp_path / "mistral"
+def _copy(llama_dir, tmp_path, names):
+  """A new model directory holding `names` of the tiny Llama's files."""
+  src = tmp_path / "src"
   src.mkdir()
-  for name in ("model.safetensors", "tokenizer.json"):
+  for name in names:
     (src / name).write_bytes((llama_dir[0] / name).read_bytes())
+  return src
+
+
+def test_an_unsupported_architecture_names_the_supported_ones(llama_dir, tmp_path):
+  src = _copy(llama_dir, tmp_path, ("model.safetensors", "tokenizer.json"))
   hf = json.loads((llama_dir[0] / "config.json").read_text())
   hf["architectures"] = ["MistralForCausalLM"]
   (src / "config.json").write_text(json.dumps(hf))
@@ -324,19 +294,13 @@ def test_an_unsupported_architecture_names_the_supported_ones(llama_dir, tmp_pat
 
 
 def test_a_tokenizer_of_another_size_is_refused(llama_dir, tmp_path):
-  src = tmp_path / "src"
-  src.mkdir()
-  for name in ("model.safetensors", "config.json"):
-    (src / name).write_bytes((llama_dir[0] / name).read_bytes())
+  src = _copy(llama_dir, tmp_path, ("model.safetensors", "config.json"))
   _tokenizer(280).save(str(src / "tokenizer.json"))
   _refused(tmp_path, src, "tokenizer has 280 tokens but its embeddings 300 rows")
 
 
 def test_a_directory_without_a_tokenizer_is_refused(llama_dir, tmp_path):
-  src = tmp_path / "src"
-  src.mkdir()
-  for name in ("model.safetensors", "config.json"):
-    (src / name).write_bytes((llama_dir[0] / name).read_bytes())
+  src = _copy(llama_dir, tmp_path, ("model.safetensors", "config.json"))
   _refused(tmp_path, src, "holds no tokenizer")
 
 

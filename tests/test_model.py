@@ -814,10 +814,12 @@ def test_dropout_and_bf16():
   np.testing.assert_array_equal(np.asarray(c), np.asarray(forward(model, toks)))
 
 
-def test_every_rk4_field_evaluation_draws_its_own_dropout_masks(monkeypatch):
-  """rk4 evaluates the field 4 times per step (the 2nd and 3rd at the same time): each
-  evaluation's two dropout masks (attention, FFN) come from keys of their own, as do the
-  embeddings'. Keys are recorded as the model runs."""
+@pytest.mark.parametrize("solver, k, masks_per_step", [("rk4", 2, 4 * 2), ("split_euler", 3, 2)])
+def test_every_field_evaluation_draws_its_own_dropout_masks(monkeypatch, solver, k, masks_per_step):
+  """rk4 evaluates the field 4 times per step (the 2nd and 3rd at the same time), each
+  evaluation drawing two dropout masks (attention, FFN); split_euler's two evaluations a
+  step (attention part, MLP part) draw one each. Every mask comes from a key of its own,
+  as do the embeddings'. Keys are recorded as the model runs."""
   seen, dropout = [], blocks._dropout
 
   def recording(x, rate, key):
@@ -827,33 +829,11 @@ def test_every_rk4_field_evaluation_draws_its_own_dropout_masks(monkeypatch):
     return dropout(x, rate, key)
 
   monkeypatch.setattr(blocks, "_dropout", recording)
-  k = 2
-  model = create_model(dataclasses.replace(TINY, solver="rk4", dropout_rate=0.1), seed=16)
+  model = create_model(dataclasses.replace(TINY, solver=solver, dropout_rate=0.1), seed=16)
   # One program, traced here after the patch (a fresh function: no trace cached without it).
   run = nnx.jit(lambda m, t, r: m(t, num_steps=k, deterministic=False, dropout_rng=r))
   jax.block_until_ready(run(model, tokens(17), jax.random.key(0)))
-  assert len(seen) == 1 + k * 4 * 2
-  assert len(set(seen)) == len(seen)
-
-
-def test_split_euler_draws_one_dropout_mask_per_part(monkeypatch):
-  """split_euler's two evaluations a step (attention part, MLP part) each draw their
-  one dropout mask from a key of its own: 1 (embeddings) + K·2 distinct keys."""
-  seen, dropout = [], blocks._dropout
-
-  def recording(x, rate, key):
-    jax.debug.callback(
-      lambda k: seen.append(tuple(np.asarray(k).ravel())), jax.random.key_data(key)
-    )
-    return dropout(x, rate, key)
-
-  monkeypatch.setattr(blocks, "_dropout", recording)
-  k = 3
-  cfg = dataclasses.replace(TINY, solver="split_euler", dropout_rate=0.1)
-  model = create_model(cfg, seed=16)
-  run = nnx.jit(lambda m, t, r: m(t, num_steps=k, deterministic=False, dropout_rng=r))
-  jax.block_until_ready(run(model, tokens(17), jax.random.key(0)))
-  assert len(seen) == 1 + k * 2
+  assert len(seen) == 1 + k * masks_per_step
   assert len(set(seen)) == len(seen)
 
 
