@@ -217,10 +217,11 @@ def _repeat_kv_generators(state, target, heads, kv_heads):
       state[key] = jnp.repeat(blocks, group, axis=axis).reshape(target[key].shape)
 
 
-def _write_gguf(model, path, architecture="llama"):
+def _write_gguf(model, path, architecture="llama", embeddings_as=None):
   """A llama GGUF file of a transformers Llama, as llama.cpp's converter writes one:
   float32 tensors under its names, each head's W_Q and W_K rows permuted to interleave
-  the halves RoPE rotates (reshape (heads, 2, half, in), swap the middle axes)."""
+  the halves RoPE rotates (reshape (heads, 2, half, in), swap the middle axes).
+  `embeddings_as`: a quantisation type whose (zero) blocks stand for the embeddings."""
   gguf = pytest.importorskip("gguf")
   c = model.config
   writer = gguf.GGUFWriter(str(path), architecture)
@@ -249,6 +250,11 @@ def _write_gguf(model, path, architecture="llama"):
       w = permute(w, c.num_attention_heads)
     elif ".attn_k." in gguf_name:
       w = permute(w, c.num_key_value_heads)
+    if embeddings_as is not None and gguf_name == "token_embd.weight":
+      block, size = gguf.constants.GGML_QUANT_SIZES[embeddings_as]
+      raw = np.zeros((w.shape[0], w.shape[1] // block * size), np.uint8)
+      writer.add_tensor(gguf_name, raw, raw_dtype=embeddings_as)
+      continue
     writer.add_tensor(gguf_name, np.ascontiguousarray(w))
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
@@ -285,3 +291,13 @@ def test_a_gguf_file_of_another_architecture_is_one_line(tmp_path):
   (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
   with pytest.raises(UserError, match="is not a readable GGUF file"):
     hf_import.read_gguf(str(tmp_path / "junk.gguf"))
+
+
+def test_a_quantisation_the_reader_cannot_dequantise_is_one_line(tmp_path):
+  """Q8_1 (llama.cpp's intermediate type, which the gguf package does not dequantise)."""
+  gguf = pytest.importorskip("gguf")
+  q8_1 = gguf.GGMLQuantizationType.Q8_1
+  _write_gguf(_saved(_llama(), tmp_path), tmp_path / "model.gguf", embeddings_as=q8_1)
+  with pytest.raises(UserError, match="token_embd.weight is Q8_1, a type the gguf reader") as e:
+    hf_import.read_gguf(str(tmp_path / "model.gguf"))
+  assert "\n" not in str(e.value) and "Q8_0" in str(e.value)
