@@ -62,11 +62,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.time_embed_dim = 32  # d_t
   config.model.time_sinusoids = 128  # S, as the authors' configs
   config.model.time_hidden = 0  # hypernetwork MLP hidden width; 0 = d_t
+  config.model.time_scale = 1000.0  # s of e(t)'s sin(s·t·ω_i): the authors'; small = smooth W(t)
   config.model.shared_time_mlp = False  # App. D.2 ablation: one time MLP for all weights
   config.model.solver = "euler"  # 'euler' | 'midpoint' | 'rk4' | 'split_euler'
   config.model.step_time = "start"  # field at t = k/K ('start') or (k+1)/K ('end')
   config.model.llama_block = "paper"  # 'paper' | 'reference' (the authors' code)
   config.model.train_time_grid = "fixed"  # | 'random_shift' | 'random_offset' | 'random_uniform'
+  config.model.train_time_grid_fraction = 1.0  # batches on the random grid; the rest on k/K
   config.model.remat_policy = "none"  # tiny activations: recomputing buys nothing
   config.model.layer_loop = "auto"  # GPUs: unrolled (no loop copies); TPU, CPU: a scan
   config.model.dtype = "float32"  # CPU: bf16 is emulated and slower

@@ -83,10 +83,10 @@ def _np(x):
   return np.asarray(x, np.float64)
 
 
-def ref_time_embedding(t, s):
-  """e(t) = [t, sin(1000·t·ω_i), cos(1000·t·ω_i)], ω_i = 10000^(-i/S), in float64."""
+def ref_time_embedding(t, s, scale=1000.0):
+  """e(t) = [t, sin(s·t·ω_i), cos(s·t·ω_i)], ω_i = 10000^(-i/S), s = `scale`, in float64."""
   omega = np.exp(-math.log(10000.0) * np.arange(s) / s)
-  ang = 1000.0 * t * omega
+  ang = scale * t * omega
   return np.concatenate([[t], np.sin(ang), np.cos(ang)])
 
 
@@ -104,13 +104,33 @@ def test_time_embedding_matches_closed_form():
     assert np.all(np.abs(got - want) <= bound), (t, np.max(np.abs(got - want) - bound))
 
 
+def test_the_time_scale_sets_the_hypernetworks_sinusoids():
+  """model.time_scale s: the hypernetwork reads e(t) with angles s·t·ω_i (the closed form
+  at s = 10, float32 rounding); at the default s = 1000 its weights differ."""
+  s = 16
+  for t in (0.1, 0.7):
+    got = np.asarray(time_embedding(jnp.float32(t), s, 10.0), np.float64)
+    np.testing.assert_allclose(
+      got, ref_time_embedding(np.float64(np.float32(t)), s, 10.0), atol=1e-6
+    )
+  smooth = create_model(dataclasses.replace(TINY, time_scale=10.0), seed=3)
+  default = create_model(TINY, seed=3)  # the same parameters
+  t = jnp.asarray([[0.3]])
+  for name, want in ref_weights(smooth, 0.3).items():
+    np.testing.assert_allclose(
+      np.asarray(smooth.stack.step_weights(t, jnp.float32)[name][0, 0]), want, rtol=1e-5, atol=1e-6
+    )
+  w_smooth = np.asarray(smooth.stack.step_weights(t, jnp.float32)["wq"])
+  assert not np.allclose(w_smooth, np.asarray(default.stack.step_weights(t, jnp.float32)["wq"]))
+
+
 def ref_weights(model, t):
   """W(t) for every layer param, from the hypernetwork's raw params, in float64, at the
   model's own float32 time embedding e(t) (checked against the closed form above: its
   float32 angles differ from exact ones by up to ~1e-4 rad, which moves f32 logits by
   ~1e-5, the tolerance of the comparisons that use this)."""
   hyper, cfg = model.stack, model.config
-  e = np.asarray(time_embedding(jnp.float32(t), cfg.time_sinusoids), np.float64)
+  e = np.asarray(time_embedding(jnp.float32(t), cfg.time_sinusoids, cfg.time_scale), np.float64)
   out = {}
   for name, spec in hyper.specs.items():
     mlp = hyper.mlp if hyper.shared else hyper.mlps[spec.group]

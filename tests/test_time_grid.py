@@ -205,6 +205,31 @@ def test_train_time_grid_option():
   assert time_grid.train_time_grid(dataclasses.replace(on, kind="transformer"), key) is None
 
 
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_a_fraction_of_batches_draws_the_random_grid(fraction):
+  """train_time_grid_fraction p: a batch's grid is the option's random grid with
+  probability p, else exactly the uniform grid; over 2,000 keys the share of random
+  grids is p within 4.5 standard deviations of a binomial."""
+  cfg = dataclasses.replace(
+    TINY,
+    solver_steps=4,
+    num_layers=4,
+    train_time_grid="random_shift",
+    train_time_grid_fraction=fraction,
+  )
+  keys = jax.random.split(jax.random.key(0), 2000)
+  grids = np.asarray(jax.vmap(lambda k: time_grid.train_time_grid(cfg, k))(keys))
+  uniform = np.asarray(time_grid.uniform_grid(4))
+  is_uniform = np.all(grids == uniform, axis=1)
+  n = len(keys)
+  assert abs((~is_uniform).mean() - fraction) <= 4.5 * np.sqrt(fraction * (1 - fraction) / n)
+  for key, grid in zip(keys[~is_uniform][:20], grids[~is_uniform][:20]):  # the option's grid
+    grid_key, _ = jax.random.split(key)
+    np.testing.assert_array_equal(grid, np.asarray(time_grid.random_offset_grid(grid_key, 4, 2.0)))
+  with pytest.raises(ValueError, match="train_time_grid_fraction=0.0 must be in"):
+    dataclasses.replace(cfg, train_time_grid_fraction=0.0)
+
+
 @pytest.mark.slow
 def test_train_step_solves_on_the_grid_drawn_from_its_rng():
   """The train step's loss is the model's loss on random_offset_grid(fold_in(rng,

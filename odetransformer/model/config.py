@@ -93,6 +93,14 @@ class ModelConfig:
     128, ("S: sinusoid pairs in e(t) (size 2S+1); the authors' configs use 128")
   )
   time_hidden: int = _field(0, "H: hypernetwork MLP hidden width; 0 = d_t, as the authors' code")
+  time_scale: float = _field(
+    1000.0,
+    (
+      "s of e(t) = [t, sin(s·t·ω_i), cos(s·t·ω_i)], ω_i = 10000^(-i/S): 1000 (the authors') "
+      "spans many periods over [0, 1], so W(t) between the training times is free; a "
+      "small s (e.g. 10) makes every sinusoid, and so W(t), smooth on [0, 1]"
+    ),
+  )
   shared_time_mlp: bool = _field(False, "App. D.2 ablation: one MLP shared by all weights")
   solver: str = _field(
     "euler",
@@ -134,6 +142,13 @@ class ModelConfig:
       "'end'; 'random_offset' = dt0 ~ U(0, 1/K), the authors' scheme: Euler is never "
       "evaluated in [(K-1)/K, 1) under either step_time (only at 1, under 'end'); "
       "'random_uniform' = sorted U(0, 1) interior times, so all step sizes are trained too"
+    ),
+  )
+  train_time_grid_fraction: float = _field(
+    1.0,
+    (
+      "fraction of training batches that draw train_time_grid's random grid; the others "
+      "train on the uniform grid k/K (1 = every batch)"
     ),
   )
   remat_policy: str = _field(
@@ -254,6 +269,12 @@ class ModelConfig:
     ):
       if int(getattr(self, name)) <= 0:
         raise ValueError(f"model.{name}={getattr(self, name)} must be a positive integer")
+    if not self.time_scale > 0:
+      raise ValueError(f"model.time_scale={self.time_scale} must be positive")
+    if not 0.0 < self.train_time_grid_fraction <= 1.0:
+      raise ValueError(
+        f"model.train_time_grid_fraction={self.train_time_grid_fraction} must be in (0, 1]"
+      )
     if self.d_model % self.num_heads:
       raise ValueError(
         f"model.num_heads={self.num_heads} does not divide "

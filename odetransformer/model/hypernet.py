@@ -47,6 +47,7 @@ class TimeMLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.num_sinusoids = cfg.time_sinusoids
+    self.time_scale = float(cfg.time_scale)
     dtype = jnp.dtype(cfg.param_dtype)
     init = nnx.initializers.normal(stddev=cfg.hyper_init_std)
     self.fc1 = nnx.Linear(
@@ -68,7 +69,8 @@ class TimeMLP(nnx.Module):
 
   def __call__(self, t):
     """[...] times -> [..., d_t] codes (float32)."""
-    return self.fc2(nnx.silu(self.fc1(time_embedding(t, self.num_sinusoids))))
+    e = time_embedding(t, self.num_sinusoids, self.time_scale)
+    return self.fc2(nnx.silu(self.fc1(e)))
 
 
 def generate_weights(h_kd, proj, base, axes, acc_dtype, param_rules=None):

@@ -27,6 +27,9 @@ a grid trains is the set of times the solver evaluates on it (`solvers.stage_tim
   reference code's other, commented-out scheme): step sizes from ~0 to several dt, so
   the K-step solve is trained at many step sizes, not only at dt, and the step starts
   (ends) cover [0, 1) ((0, 1]). Same cost per step.
+
+`model.train_time_grid_fraction` < 1 mixes: a batch draws the option's random grid
+with that probability and trains on the uniform grid otherwise.
 """
 
 import jax
@@ -57,17 +60,26 @@ def random_uniform_grid(key, num_steps: int):
 
 def train_time_grid(cfg, key) -> jax.Array | None:
   """The grid of one training batch for `cfg.train_time_grid`; None = the uniform grid
-  of `cfg.depth` (also for discrete kinds, whose depth has no time)."""
+  of `cfg.depth` (also for discrete kinds, whose depth has no time). With
+  `cfg.train_time_grid_fraction` < 1 a batch draws the random grid with that
+  probability and otherwise gets the uniform grid (same K, same program)."""
   if not cfg.is_ode or cfg.train_time_grid == "fixed":
     return None
+  grid_key, coin = jax.random.split(key) if cfg.train_time_grid_fraction < 1.0 else (key, None)
   if cfg.train_time_grid in ("random_offset", "random_shift"):
-    return random_offset_grid(key, cfg.depth, 2.0 if cfg.train_time_grid == "random_shift" else 1.0)
-  if cfg.train_time_grid == "random_uniform":
-    return random_uniform_grid(key, cfg.depth)
-  raise ValueError(
-    f"model.train_time_grid={cfg.train_time_grid!r} is unknown; "
-    f"choose one of {list(TRAIN_TIME_GRIDS)}"
-  )
+    max_offset = 2.0 if cfg.train_time_grid == "random_shift" else 1.0
+    grid = random_offset_grid(grid_key, cfg.depth, max_offset)
+  elif cfg.train_time_grid == "random_uniform":
+    grid = random_uniform_grid(grid_key, cfg.depth)
+  else:
+    raise ValueError(
+      f"model.train_time_grid={cfg.train_time_grid!r} is unknown; "
+      f"choose one of {list(TRAIN_TIME_GRIDS)}"
+    )
+  if coin is None:
+    return grid
+  random = jax.random.uniform(coin) < cfg.train_time_grid_fraction
+  return jnp.where(random, grid, uniform_grid(cfg.depth))
 
 
 def check_time_grid(grid) -> int:

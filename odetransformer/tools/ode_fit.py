@@ -117,7 +117,8 @@ def _time_mlp(cfg: ModelConfig, times: np.ndarray) -> tuple:
   """(fc1 kernel, fc2 kernel, condition): g·I, and the whitening of the codes at `times`."""
   h = 2 * SINUSOIDS + 1
   fc1 = GAIN * np.eye(h, dtype=np.float32)
-  z = np.asarray(jax.nn.silu(time_embedding(jnp.asarray(times), SINUSOIDS) @ fc1), np.float64)
+  e = time_embedding(jnp.asarray(times), SINUSOIDS, cfg.time_scale)
+  z = np.asarray(jax.nn.silu(e @ fc1), np.float64)
   _, sigma, vt = np.linalg.svd(z, full_matrices=False)
   rank = min(len(times), cfg.time_embed_dim)
   fc2 = np.zeros((h, cfg.time_embed_dim))
