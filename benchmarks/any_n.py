@@ -1,32 +1,39 @@
-"""Any N: does a pre-trained DiffEqFormer hold its quality at another solver step count?
+"""Any N: does a DiffEqFormer trained at K steps keep its perplexity at other N?
 
-Trains the same model twice per seed — on the uniform time grid (`fixed`) and with a
-training time-grid option (`--option`, a `model.train_time_grid` value) — at equal
-tokens (same init, data order, batch, steps and schedule), then evaluates both on the
-same tokens with N ∈ {K/2, K, 3K/2, 2K, 4K} Euler steps of the uniform grid. It also
-times both train steps side by side (interleaved rounds of the product's train step).
-The last line is the option's solver robustness, on the seed-mean perplexities:
+Trains the same model once per candidate and seed — today's default and each training
+option (`CANDIDATES`: a time-grid sampler, a mix of grids, a smooth time embedding) — at
+equal tokens (same init, data order, batch, steps and schedule), evaluates every run on
+the same tokens at N ∈ {K/2, K, 2K, 4K, 8K} Euler steps of the uniform grid, and times
+every candidate's train step side by side (interleaved rounds of the product's step).
 
-  any-N: max ppl(N)/ppl(K) over N in {3K/2, 2K, 4K}: R
+The table gives each candidate's perplexity at every N (mean ± std over the seeds), and
+the targets of a default: max(ppl(2K), ppl(4K)) within 3% of ppl(K), ppl(K/2) within
+10%, ppl(K) within 1% of today's default, and a train step within 10% of its time. The
+chosen candidate is the one meeting all four with the lowest ppl(K) (today's default
+when none does); the last line is its ratio:
 
-  python -m benchmarks.any_n                   # configs/default.py, 3 seeds × 2 modes
-  python -m benchmarks.any_n --seeds=1 --steps=100 --option=random_offset
-  python -m benchmarks.any_n --runs=D1,D2 --data=local:DIR/test.txt   # no training
+  any-N: chosen C: max(ppl(2K), ppl(4K)) / ppl(K) = R
 
-`--runs` scores pre-trained DiffEqFormer workdirs (any training run's, e.g. those of
-`benchmarks.single_epoch`) at the same N ∈ {K/2, …, 4K} of each run's own K instead of
-training, on `--data` (default: each run's eval split), and prints one row per run
-(named by its time grid and step time) and the ratio line for each.
+  python -m benchmarks.any_n --seeds=3 --workdir=D                   # configs/default.py
+  python -m benchmarks.any_n --preset=bench-small --seeds=3 --workdir=D2
+  python -m benchmarks.any_n --candidates=fixed,shift_half --seeds=1 --steps=100
+  python -m benchmarks.any_n --runs=D1,D2 --data=local:DIR/test.txt  # no training
 
-Defaults are configs/default.py's (K = 4, 500 steps, the embedded corpus, so no data
-is needed; its run time is in benchmarks/README.md, "Any N"). A `--workdir`
-that holds runs of the same code and config is reused (`common.keyed_run`): a finished
-run's scores are read back, and its line says so and names the code version; runs of
-other code or another config are moved aside and trained afresh.
+`--preset=default` is configs/default.py (K = 4, 500 steps, the embedded corpus: no data
+needed); `bench-small` is benchmarks.common's preset shape (d 256, 4 heads, K = 6, d_t
+64, seq 256, batch 8) on the same corpus. A PNG of perplexity against N, one curve per
+candidate, is written to the workdir. `--runs` scores pre-trained DiffEqFormer workdirs
+(e.g. those of `benchmarks.single_epoch`) at the same N of each run's own K instead of
+training. A `--workdir` holding runs of the same code and config is reused
+(`common.keyed_run`): a finished run's scores are read back, and its line says so and
+names the code version; an interrupted one resumes; runs of other code or another config
+are moved aside and trained afresh.
 """
 
 import json
+import math
 import os
+import statistics
 import tempfile
 import time
 
@@ -38,35 +45,59 @@ from odetransformer import cli_flags, errors
 from odetransformer.errors import UserError
 from odetransformer.model import config as config_lib
 from odetransformer.model.solvers import STEP_TIMES
-from odetransformer.model.time_grid import TRAIN_TIME_GRIDS
 from odetransformer.runtime.logs import quiet_tool_logs
 from odetransformer.train import evaluation, loading
 
-ROBUST_N = ("3K/2", "2K", "4K")
+# Training options compared with today's default ('fixed'): model fields each sets.
+CANDIDATES = {
+  "fixed": {},  # today's default: the uniform grid k/K, s = 1000
+  "random_shift": {"train_time_grid": "random_shift"},
+  "shift_half": {"train_time_grid": "random_shift", "train_time_grid_fraction": 0.5},
+  "shift_quarter": {"train_time_grid": "random_shift", "train_time_grid_fraction": 0.25},
+  "smooth_t": {"time_scale": 10.0},
+  "smooth_t_shift_half": {
+    "time_scale": 10.0,
+    "train_time_grid": "random_shift",
+    "train_time_grid_fraction": 0.5,
+  },
+}
+DEFAULT = "fixed"
+# The targets a candidate must meet to become the default (module docstring).
+MAX_FINER_RATIO, MAX_HALF_RATIO, MAX_K_COST, MAX_STEP_COST = 1.03, 1.10, 1.01, 1.10
+PRESETS = ("default", "bench-small")
 
 
 def step_counts(k: int) -> dict:
   """Label -> N for the evaluated step counts."""
-  return {"K/2": k // 2, "K": k, "3K/2": 3 * k // 2, "2K": 2 * k, "4K": 4 * k}
+  return {"K/2": k // 2, "K": k, "2K": 2 * k, "4K": 4 * k, "8K": 8 * k}
 
 
 def worst_ratio(row: dict) -> float:
-  """max ppl(N)/ppl(K) over the N of `ROBUST_N`, for a row label -> perplexity."""
-  return max(row[label] / row["K"] for label in ROBUST_N)
+  """max(ppl(2K), ppl(4K)) / ppl(K), for a row label -> perplexity."""
+  return max(row["2K"], row["4K"]) / row["K"]
 
 
-def make_config(args, mode: str, seed: int, cache_dir: str):
+def make_config(args, candidate: str, seed: int, cache_dir: str):
+  """The run of `candidate` and `seed`: configs/default.py, the preset's shape, the
+  shape flags, then the candidate's model fields."""
   c = default.get_config()
   c.seed = seed
-  c.model.train_time_grid = mode
   c.num_train_steps = args.steps
   c.log_every_steps = max(1, args.steps // 5)
   c.eval_every_steps = 0  # evaluated below, at every N
-  c.checkpoint_every_steps = 0  # only at the end
+  c.checkpoint_every_steps = max(1, args.steps // 5)  # long runs resume
   c.data.cache_dir = cache_dir  # one tokenizer for every run
-  # Only what a flag sets differs from configs/default.py (0 = keep the config's).
+  if args.preset == "bench-small":
+    shape = common.PRESETS["bench-small"]
+    for key, value in shape["model"].items():
+      if key != "num_layers":  # the ODE's depth is solver_steps
+        setattr(c.model, key, value)
+    c.data.vocab_size = shape["model"]["vocab_size"]
+    c.seq_len, c.global_batch_size = shape["seq_len"], shape["batch"]
+  # Only what a flag sets differs from the preset (0 = keep it).
   for node, key, value in (
     (c.model, "solver_steps", args.solver_steps),
+    (c.model, "num_layers", args.solver_steps),  # kept equal: the unused depth
     (c.model, "d_model", args.d_model),
     (c.model, "mlp_dim", 4 * args.d_model),
     (c.model, "num_heads", args.num_heads),
@@ -81,6 +112,8 @@ def make_config(args, mode: str, seed: int, cache_dir: str):
   ):
     if value:
       setattr(node, key, value)
+  for key, value in CANDIDATES[candidate].items():
+    setattr(c.model, key, value)
   c.eval_batch_size = c.global_batch_size
   c.data.eval_max_batches = args.eval_batches
   return c
@@ -88,7 +121,15 @@ def make_config(args, mode: str, seed: int, cache_dir: str):
 
 def define_flags(define) -> None:
   """This command's flags (cli_flags.parse_flags)."""
-  define("integer", "seeds", 3, "number of seeds, both modes each")
+  define("enum", "preset", "default", "model and run size", enum_values=list(PRESETS))
+  define(
+    "string",
+    "candidates",
+    ",".join(CANDIDATES),
+    f"comma-separated candidates to train ({', '.join(CANDIDATES)}); {DEFAULT!r} is "
+    "always among them",
+  )
+  define("integer", "seeds", 3, "number of seeds, every candidate each")
   define(
     "integer",
     "first_seed",
@@ -96,28 +137,21 @@ def define_flags(define) -> None:
     "seeds first_seed … first_seed + seeds - 1 (split runs over processes)",
   )
   define(
-    "string",
-    "option",
-    "random_offset",
-    f"the model.train_time_grid to compare with 'fixed' "
-    f"({', '.join(g for g in TRAIN_TIME_GRIDS if g != 'fixed')})",
-  )
-  define(
     "enum",
     "step_time",
     "",
-    "model.step_time of both runs ('' = the config's)",
+    "model.step_time of every run ('' = the config's)",
     enum_values=["", *STEP_TIMES],
   )
-  define("integer", "steps", 0, "train steps (0 = the config's)")
-  define("integer", "solver_steps", 0, "K, even (0 = the config's)")
-  define("integer", "d_model", 0, "0 = the config's (mlp = 4·d)")
-  define("integer", "num_heads", 0, "0 = the config's")
-  define("integer", "time_embed_dim", 0, "d_t (0 = the config's)")
-  define("integer", "time_sinusoids", 0, "S (0 = the config's)")
-  define("integer", "seq_len", 0, "0 = the config's")
-  define("integer", "batch", 0, "0 = the config's")
-  define("integer", "vocab", 0, "0 = the config's")
+  define("integer", "steps", 0, "train steps (0 = the preset's: 500, bench-small 600)")
+  define("integer", "solver_steps", 0, "K, even (0 = the preset's)")
+  define("integer", "d_model", 0, "0 = the preset's (mlp = 4·d)")
+  define("integer", "num_heads", 0, "0 = the preset's")
+  define("integer", "time_embed_dim", 0, "d_t (0 = the preset's)")
+  define("integer", "time_sinusoids", 0, "S (0 = the preset's)")
+  define("integer", "seq_len", 0, "0 = the preset's")
+  define("integer", "batch", 0, "0 = the preset's")
+  define("integer", "vocab", 0, "0 = the preset's")
   define("integer", "tokenizer_sample_bytes", 0, "0 = the config's")
   define("integer", "eval_batches", 16, "evaluation batches per N (0 = the whole eval split)")
   define("integer", "rounds", 20, "interleaved timing rounds (0 = no timing)")
@@ -146,10 +180,11 @@ def parse_args(argv=None):
   args.runs = [r for r in args.runs.split(",") if r]
   if args.data and not args.runs:
     raise UserError("--data applies to --runs only; the trained runs score on their eval split")
-  if args.option not in TRAIN_TIME_GRIDS or args.option == "fixed":
-    raise UserError(
-      f"--option={args.option!r}: choose one of {[g for g in TRAIN_TIME_GRIDS if g != 'fixed']}"
-    )
+  names = [c for c in args.candidates.split(",") if c]
+  unknown = [c for c in names if c not in CANDIDATES]
+  if unknown:
+    raise UserError(f"--candidates: {unknown} unknown; choose from {', '.join(CANDIDATES)}")
+  args.candidates = [DEFAULT] + [c for c in dict.fromkeys(names) if c != DEFAULT]
   if args.seeds < 1:
     raise UserError(f"--seeds={args.seeds} must be at least 1; pass --seeds=1 or more")
   if args.rounds < 0 or args.first_seed < 0:
@@ -157,28 +192,32 @@ def parse_args(argv=None):
       f"--rounds={args.rounds} and --first_seed={args.first_seed} must be >= 0; pass "
       "non-negative values"
     )
+  args.steps = args.steps or (600 if args.preset == "bench-small" else 0)
   args.steps = args.steps or default.get_config().num_train_steps
-  k = args.solver_steps or default.get_config().model.solver_steps
+  k = args.solver_steps or (
+    common.PRESETS["bench-small"]["model"]["solver_steps"]
+    if args.preset == "bench-small"
+    else default.get_config().model.solver_steps
+  )
   if k < 2 or k % 2:
     raise UserError(
-      f"--solver_steps={k}: K must be even and >= 2 (K/2 and 3K/2 are evaluated); "
-      "pass an even --solver_steps"
+      f"--solver_steps={k}: K must be even and >= 2 (K/2 is evaluated); pass an even --solver_steps"
     )
   return args
 
 
-def train_tokens_per_second(config, rounds: int, option: str) -> dict:
-  """Mode -> train tokens/s of the product's train step for 'fixed' and `option` (the
-  model of `config` under either training grid), both timed in turn."""
-  modes = ("fixed", option)
+def step_seconds(config, rounds: int, candidates: list) -> dict:
+  """Candidate -> seconds per train step of the product's train step on the model of
+  `config` with the candidate's fields, all timed in turn (median of `rounds`)."""
   cfg = config_lib.model_config(config, config.data.vocab_size)
-  trainers = {m: common.Trainer(common.replace(cfg, train_time_grid=m), seed=0) for m in modes}
-  b, length = config.global_batch_size, config.seq_len
-  batch = trainers["fixed"].batch(b, length)
-  seconds = common.time_alternating(
-    {m: (lambda t=t: t.step(batch)) for m, t in trainers.items()}, rounds
+  base = {k: getattr(cfg, k) for k in set().union(*(CANDIDATES[c] for c in candidates))}
+  trainers = {
+    c: common.Trainer(common.replace(cfg, **{**base, **CANDIDATES[c]}), seed=0) for c in candidates
+  }
+  batch = trainers[DEFAULT].batch(config.global_batch_size, config.seq_len)
+  return common.time_alternating(
+    {c: (lambda t=t: t.step(batch)) for c, t in trainers.items()}, rounds
   )
-  return {m: b * length / s for m, s in seconds.items()}
 
 
 def train_and_score(config, workdir: str, eval_batches: int):
@@ -251,12 +290,73 @@ def score_runs(runs: list, data: str, eval_batches: int) -> None:
   print(
     f"{'run':40s} "
     + " ".join(f"{label:>9s}" for label in rows[0][1])
-    + "   max ppl(N)/ppl(K) over N in {3K/2, 2K, 4K}"
+    + "   max(ppl(2K), ppl(4K)) / ppl(K)"
   )
   for name, row, worst in rows:
     print(f"{name:40s} " + " ".join(f"{v:9.2f}" for v in row.values()) + f"   {worst:.3f}")
   for name, _, worst in rows:
-    print(f"any-N ({name}): max ppl(N)/ppl(K) over N in {{3K/2, 2K, 4K}}: {worst:.3f}")
+    print(f"any-N ({name}): max(ppl(2K), ppl(4K)) / ppl(K) = {worst:.3f}")
+
+
+def summarise(ppl: dict, seconds: dict | None) -> dict:
+  """Candidate -> {mean, std (label -> value), ratios, targets met} from the per-seed rows."""
+  out = {}
+  fixed_k = statistics.fmean(row["K"] for row in ppl[DEFAULT])
+  for c, rows in ppl.items():
+    mean = {label: statistics.fmean(r[label] for r in rows) for label in rows[0]}
+    std = {
+      label: (statistics.stdev(r[label] for r in rows) if len(rows) > 1 else 0.0)
+      for label in rows[0]
+    }
+    ratios = {
+      "finer": worst_ratio(mean),
+      "half": mean["K/2"] / mean["K"],
+      "k_cost": mean["K"] / fixed_k,
+      "step_cost": seconds[c] / seconds[DEFAULT] if seconds else math.nan,
+    }
+    meets = (
+      ratios["finer"] <= MAX_FINER_RATIO
+      and ratios["half"] <= MAX_HALF_RATIO
+      and ratios["k_cost"] <= MAX_K_COST
+      and (not seconds or ratios["step_cost"] <= MAX_STEP_COST)
+    )
+    out[c] = {"mean": mean, "std": std, "ratios": ratios, "meets": meets}
+  return out
+
+
+def choose(summary: dict) -> str:
+  """The candidate meeting every target with the lowest ppl(K); today's default when none
+  (other than it) does."""
+  ok = [c for c, s in summary.items() if s["meets"] and c != DEFAULT]
+  return min(ok, key=lambda c: summary[c]["mean"]["K"]) if ok else DEFAULT
+
+
+def write_plot(path: str, summary: dict, counts: dict, title: str) -> None:
+  """Perplexity against N (log-log), one curve per candidate with ± std bars."""
+  from matplotlib.figure import Figure  # lazy: matplotlib only for the plot
+
+  fig = Figure(figsize=(7, 4.5))
+  ax = fig.add_subplot()
+  ns = list(counts.values())
+  for c, s in summary.items():
+    ax.errorbar(
+      ns,
+      [s["mean"][lb] for lb in counts],
+      yerr=[s["std"][lb] for lb in counts],
+      marker="o",
+      capsize=3,
+      label=c,
+    )
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xticks(ns, [f"{n}\n({lb})" for lb, n in counts.items()])
+  ax.set_xlabel("solver steps N")
+  ax.set_ylabel("eval perplexity")
+  ax.set_title(title)
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
 
 
 def main(argv=None):
@@ -268,44 +368,53 @@ def main(argv=None):
     return
   root = args.workdir or tempfile.mkdtemp(prefix="odet_any_n_")
   print(f"workdir {root}", flush=True)
-  modes = ("fixed", args.option)
-  ppl = {m: [] for m in modes}  # per seed: label -> perplexity
+  ppl = {c: [] for c in args.candidates}  # per seed: label -> perplexity
   config = None
   seeds = range(args.first_seed, args.first_seed + args.seeds)
   for seed in seeds:
-    for mode in (args.option, "fixed"):
-      config = make_config(args, mode, seed, os.path.join(root, "cache"))
-      workdir = os.path.join(root, f"{mode}_seed{seed}")
-      row, line = train_and_score(config, workdir, args.eval_batches)
-      ppl[mode].append(row)
-      print(f"seed {seed} {mode:14s} {line}", flush=True)
+    for c in args.candidates:
+      config = make_config(args, c, seed, os.path.join(root, "cache"))
+      row, line = train_and_score(config, os.path.join(root, f"{c}_seed{seed}"), args.eval_batches)
+      ppl[c].append(row)
+      print(f"seed {seed} {c:20s} {line}", flush=True)
 
   k = config.model.solver_steps
   counts = step_counts(k)
-  mean = {
-    m: {label: sum(row[label] for row in ppl[m]) / len(ppl[m]) for label in counts} for m in modes
-  }
-  print(f"mean perplexity of seed(s) {', '.join(map(str, seeds))}, {args.steps} steps, K = {k}:")
+  seconds = step_seconds(config, args.rounds, args.candidates) if args.rounds else None
+  summary = summarise(ppl, seconds)
   print(
-    f"{'mode':14s} "
-    + " ".join(f"{f'N={n}':>9s}" for n in counts.values())
-    + "   max ppl(N)/ppl(K) over N in {3K/2, 2K, 4K}"
+    f"\nperplexity, mean ± std of seed(s) {', '.join(map(str, seeds))}; {args.preset}, "
+    f"{args.steps} steps, K = {k}, {args.eval_batches} eval batches:"
   )
-  ratios = {}
-  for m in modes:
-    ratios[m] = worst_ratio(mean[m])
+  print(
+    "| candidate | "
+    + " | ".join(f"N = {n} ({lb})" for lb, n in counts.items())
+    + " | max(2K, 4K)/K | K/2 / K | K / fixed's K | step / fixed's | targets |"
+  )
+  print("|---|" + "---|" * (len(counts) + 5))
+  for c, s in summary.items():
+    r = s["ratios"]
+    cells = " | ".join(f"{s['mean'][lb]:.2f} ± {s['std'][lb]:.2f}" for lb in counts)
+    step = f"{r['step_cost']:.3f}" if seconds else "not timed"
     print(
-      f"{m:14s} " + " ".join(f"{mean[m][label]:9.2f}" for label in counts) + f"   {ratios[m]:.3f}"
+      f"| {c} | {cells} | {r['finer']:.3f} | {r['half']:.3f} | {r['k_cost']:.4f} | {step} | "
+      f"{'met' if s['meets'] else 'not met'} |"
     )
-  print(f"{args.option}/fixed perplexity at K: {mean[args.option]['K'] / mean['fixed']['K']:.4f}")
-  if args.rounds:
-    tps = train_tokens_per_second(config, args.rounds, args.option)
+  if seconds:
     print(
-      f"train tokens/s: fixed {tps['fixed']:,.0f}, {args.option} {tps[args.option]:,.0f} "
-      f"({args.option}/fixed time per step {tps['fixed'] / tps[args.option]:.3f}; "
-      f"median of {args.rounds} interleaved rounds)"
+      "train step seconds (median of "
+      f"{args.rounds} interleaved rounds): "
+      + ", ".join(f"{c} {sec * 1e3:.1f} ms" for c, sec in seconds.items())
     )
-  print(f"any-N: max ppl(N)/ppl(K) over N in {{3K/2, 2K, 4K}}: {ratios[args.option]:.3f}")
+  plot = os.path.join(root, "any_n.png")
+  write_plot(plot, summary, counts, f"any N: {args.preset}, K = {k}, {len(seeds)} seed(s)")
+  common.write_json(os.path.join(root, "any_n_summary.json"), summary)
+  print(f"plot written to {plot}")
+  chosen = choose(summary)
+  print(
+    f"any-N: chosen {chosen}: max(ppl(2K), ppl(4K)) / ppl(K) = "
+    f"{summary[chosen]['ratios']['finer']:.3f}"
+  )
 
 
 if __name__ == "__main__":

@@ -504,9 +504,10 @@ def test_throughput_rejects_an_unknown_kind(monkeypatch, capsys):
 @pytest.mark.slow
 @pytest.mark.xdist_group("d32_runs")
 def test_any_n(tmp_path, monkeypatch, capsys):
-  """One tiny seed of both training modes: the mean table is the seed's rows, each mode's
-  ratio and the last line's R are what the table implies, and both modes were timed.
-  Run in this process (no process property is checked)."""
+  """One tiny seed of today's default and one candidate: the table's means are the
+  seed's rows, each ratio is what the table implies, both were timed, the PNG is
+  written, and the last line is the chosen candidate's ratio. Run in this process (no
+  process property is checked)."""
   out = _run_here(
     "any_n",
     [
@@ -522,44 +523,71 @@ def test_any_n(tmp_path, monkeypatch, capsys):
       "--tokenizer_sample_bytes=300000",
       "--eval_batches=1",
       "--rounds=1",
+      "--candidates=shift_half",
       f"--workdir={tmp_path}",
     ],
     monkeypatch,
     capsys,
   )
-  counts = (1, 2, 3, 4, 8)  # K/2, K, 3K/2, 2K, 4K for K = 2
-  ratio = {}
-  for mode in ("fixed", "random_offset"):
+  counts = (1, 2, 4, 8, 16)  # K/2, K, 2K, 4K, 8K for K = 2
+  rows = {}
+  for c in ("fixed", "shift_half"):
     m = _find(
-      rf"^seed 0 {mode}\s+train loss {NUM} -> {NUM} \| ppl "
+      rf"^seed 0 {c}\s+train loss {NUM} -> {NUM} \| ppl "
       + r" \| ".join(rf"N={n} {NUM}" for n in counts)
       + rf" \| max ratio {NUM} \|",
       out,
     )
     seed_row = [_num(m.group(i)) for i in range(3, 8)]
-    m = _find(rf"^{mode}\s+" + r"\s+".join([NUM] * 5) + rf"\s+{NUM}$", out)
-    row = [_num(m.group(i)) for i in range(1, 6)]
-    assert row == pytest.approx(seed_row, abs=0.006)  # one seed: its own mean
-    ratio[mode] = _num(m.group(6))
-    assert ratio[mode] == pytest.approx(max(row[i] / row[1] for i in (2, 3, 4)), abs=2e-3)
+    cells = r" \| ".join([rf"{NUM} ± {NUM}"] * 5)
+    m = _find(rf"^\| {c} \| {cells} \| {NUM} \| {NUM} \| {NUM} \| {NUM} \| (met|not met) \|$", out)
+    g = [_num(m.group(i)) for i in range(1, 15)]
+    row, std = g[0:10:2], g[1:10:2]
+    assert row == pytest.approx(seed_row, abs=0.006) and std == [0.0] * 5  # one seed
+    finer, half, k_cost, step = g[10:14]
+    assert finer == pytest.approx(max(row[2], row[3]) / row[1], abs=2e-3)
+    assert half == pytest.approx(row[0] / row[1], abs=2e-3)
+    rows[c] = (row, finer, k_cost, step)
     assert all(math.isfinite(v) and v > 1 for v in row)
-  at_k = _num(_find(rf"^random_offset/fixed perplexity at K: {NUM}$", out).group(1))
-  table_k = {
-    mode: _num(_find(rf"^{mode}\s+{NUM}\s+{NUM}", out).group(2))
-    for mode in ("fixed", "random_offset")
-  }
-  assert at_k == pytest.approx(table_k["random_offset"] / table_k["fixed"], abs=2e-4)
+  assert rows["fixed"][2] == 1.0 and rows["fixed"][3] == 1.0
+  assert rows["shift_half"][2] == pytest.approx(
+    rows["shift_half"][0][1] / rows["fixed"][0][1], abs=2e-4
+  )
   m = _find(
-    rf"^train tokens/s: fixed {NUM}, random_offset {NUM} \(random_offset/fixed time "
-    rf"per step {NUM}; median of 1 interleaved rounds\)$",
+    rf"^train step seconds \(median of 1 interleaved rounds\): fixed {NUM} ms, "
+    rf"shift_half {NUM} ms$",
     out,
   )
-  assert _num(m.group(3)) == pytest.approx(_num(m.group(1)) / _num(m.group(2)), abs=0.01)
+  assert rows["shift_half"][3] == pytest.approx(_num(m.group(2)) / _num(m.group(1)), abs=0.02)
+  assert (tmp_path / "any_n.png").stat().st_size > 0
   last = re.fullmatch(
-    rf"any-N: max ppl\(N\)/ppl\(K\) over N in \{{3K/2, 2K, 4K\}}: {NUM}",
+    rf"any-N: chosen (fixed|shift_half): max\(ppl\(2K\), ppl\(4K\)\) / ppl\(K\) = {NUM}",
     out.strip().splitlines()[-1],
   )
-  assert last and _num(last.group(1)) == pytest.approx(ratio["random_offset"], abs=6e-4)
+  assert last and _num(last.group(2)) == pytest.approx(rows[last.group(1)][1], abs=6e-4)
+
+
+def test_any_n_chooses_the_candidate_that_meets_every_target():
+  """The lowest ppl(K) among the candidates within every target; today's default when
+  none is."""
+
+  def rows(k, half, finer):
+    return [{"K/2": k * half, "K": k, "2K": k * finer, "4K": k, "8K": k * 2}]
+
+  seconds = {"fixed": 1.0, "a": 1.05, "b": 1.05, "c": 1.2, "d": 1.0}
+  ppl = {
+    "fixed": rows(100.0, 1.0, 1.5),
+    "a": rows(100.9, 1.05, 1.02),  # meets every target
+    "b": rows(100.5, 1.05, 1.02),  # meets them too, lower ppl(K): chosen
+    "c": rows(99.0, 1.0, 1.0),  # too slow a step
+    "d": rows(101.5, 1.0, 1.0),  # costs more than 1% at K
+  }
+  summary = any_n.summarise(ppl, seconds)
+  assert [c for c, s in summary.items() if s["meets"]] == ["a", "b"]
+  assert summary["fixed"]["ratios"]["finer"] == 1.5
+  assert any_n.choose(summary) == "b"
+  del ppl["a"], ppl["b"]
+  assert any_n.choose(any_n.summarise(ppl, seconds)) == "fixed"
 
 
 @pytest.mark.slow
@@ -604,10 +632,18 @@ def test_step_time_and_llama_block_flags_reach_the_runs(tmp_path):
   assert quality.make_config(args, "transformer", 0, "c").checkpoint_every_steps == 7
   with pytest.raises(UserError, match=r"^--llama_block=reference needs --family=llama; "):
     quality.parse_args(["--llama_block=reference"] + files)  # family gpt
-  args = any_n.parse_args(["--option=random_shift", "--step_time=end"])
-  for mode in ("fixed", "random_shift"):
-    cfg = config_lib.model_config(any_n.make_config(args, mode, 0, "c"))
-    assert (cfg.train_time_grid, cfg.step_time) == (mode, "end")
+  args = any_n.parse_args(["--candidates=smooth_t_shift_half", "--step_time=end"])
+  assert args.candidates == ["fixed", "smooth_t_shift_half"]
+  for c, (grid, fraction, scale) in zip(
+    args.candidates, [("fixed", 1.0, 1000.0), ("random_shift", 0.5, 10.0)]
+  ):
+    cfg = config_lib.model_config(any_n.make_config(args, c, 0, "c"))
+    assert (cfg.train_time_grid, cfg.train_time_grid_fraction, cfg.time_scale) == (
+      grid,
+      fraction,
+      scale,
+    )
+    assert cfg.step_time == "end"
 
 
 def test_code_version_is_a_hash_of_the_sources(tmp_path):
@@ -860,11 +896,10 @@ def test_any_n_and_finetuning_from_single_epoch_runs(
   )
   m = _find(r"^fixed grid, step_time start\s+" + r"\s+".join([NUM] * 6) + "$", out)
   row = [_num(m.group(i)) for i in range(1, 7)]
-  assert row[1] == pytest.approx(test_ppl, abs=0.006)  # N = K = 2
-  assert row[5] == pytest.approx(max(row[i] / row[1] for i in (2, 3, 4)), abs=2e-3)
+  assert row[1] == pytest.approx(test_ppl, abs=0.006)  # N = K = 2 (then 2K, 4K, 8K)
+  assert row[5] == pytest.approx(max(row[2], row[3]) / row[1], abs=2e-3)
   assert out.strip().splitlines()[-1] == (
-    f"any-N (fixed grid, step_time start): max ppl(N)/ppl(K) over N in {{3K/2, 2K, 4K}}: "
-    f"{row[5]:.3f}"
+    f"any-N (fixed grid, step_time start): max(ppl(2K), ppl(4K)) / ppl(K) = {row[5]:.3f}"
   )
 
   shakespeare = shared_data_path("tinyshakespeare", "input.txt")
