@@ -21,7 +21,6 @@ again, so an interrupted run continues where it stopped):
 Prints a markdown table and, last, `import_fit: ppl(N=L) / ppl(imported) = R`.
 """
 
-import argparse
 import json
 import os
 import re
@@ -37,23 +36,29 @@ if getattr(sys.modules["__main__"].__spec__, "name", "").startswith("benchmarks.
 
 import numpy as np  # noqa: E402
 
+from odetransformer import cli_flags, errors  # noqa: E402
 from odetransformer.train import metrics as metrics_lib  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def define_flags(define) -> None:
+  """This command's flags (cli_flags.parse_flags)."""
+  define("string", "from", None, "A model directory or .gguf file.", required=True)
+  define("string", "eval_text", None, "Held-out text file.", required=True)
+  define("string", "train_text", "", "Fine-tuning text ('' skips stage 3).")
+  define("string", "workdir", None, "Where the workdirs and results go.", required=True)
+  define("integer", "seq_len", 512, "Rows of the evaluation (and the fine-tuning).")
+  define("integer", "batch_size", 8, "Evaluation rows per batch.")
+  define("integer", "max_batches", 4, "Evaluation batches.")
+  define("integer", "finetune_steps", 40, "Fine-tuning steps per method.")
+  define("integer", "finetune_batch", 4, "Fine-tuning rows per step.")
+
+
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--from", dest="source", required=True, help="model directory or .gguf file")
-  p.add_argument("--eval_text", required=True, help="held-out text file")
-  p.add_argument("--train_text", default="", help="fine-tuning text ('' skips stage 3)")
-  p.add_argument("--workdir", required=True, help="where the workdirs and results go")
-  p.add_argument("--seq_len", type=int, default=512)
-  p.add_argument("--batch_size", type=int, default=8)
-  p.add_argument("--max_batches", type=int, default=4)
-  p.add_argument("--finetune_steps", type=int, default=40)
-  p.add_argument("--finetune_batch", type=int, default=4)
-  return p.parse_args(argv)
+  args = cli_flags.parse_flags(define_flags, argv, doc=__doc__)
+  args.source = getattr(args, "from")
+  return args
 
 
 class Results:
@@ -215,4 +220,4 @@ def _report(d, depth, args):
 
 
 if __name__ == "__main__":
-  main()
+  errors.run_cli(main)

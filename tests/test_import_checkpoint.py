@@ -338,3 +338,37 @@ def test_seq_len_beyond_the_context_is_refused(llama_dir, tmp_path):
   with pytest.raises(UserError, match=r"--seq_len=65 is outside the model's context \(1..64\)"):
     importer.main([f"--from={llama_dir[0]}", f"--workdir={tmp_path / 'w'}", "--seq_len=65"])
   assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_the_import_fit_benchmark_end_to_end(llama_dir, tmp_path, capsys):
+  """benchmarks.import_fit at toy size: the fitted model at N = L scores the imported
+  model's perplexity (the last line's ratio), the table holds every N, and a rerun reads
+  every stage back instead of running it."""
+  from benchmarks import import_fit
+
+  (tmp_path / "text.txt").write_text((TEXT + DOC + "\n\n") * 4)
+  argv = [
+    f"--from={llama_dir[0]}",
+    f"--eval_text={tmp_path / 'text.txt'}",
+    f"--train_text={tmp_path / 'text.txt'}",
+    f"--workdir={tmp_path / 'w'}",
+    "--seq_len=32",
+    "--batch_size=2",
+    "--max_batches=1",
+    "--finetune_steps=1",
+    "--finetune_batch=2",
+  ]
+  import_fit.main(argv)
+  out = capsys.readouterr().out
+  results = json.loads((tmp_path / "w" / "results.json").read_text())
+  base = results["ppl_imported"]["perplexity"]
+  assert results["ppl_split_N2"]["perplexity"] == pytest.approx(base, rel=1e-5)
+  assert {f"ppl_split_N{n}" for n in (1, 2, 4, 8)} <= results.keys()
+  assert results["finetune_full_N1"]["ppl_before"] == pytest.approx(
+    results["ppl_split_N1"]["perplexity"], rel=1e-4
+  )
+  assert out.strip().splitlines()[-1] == "import_fit: ppl(N=L) / ppl(imported) = 1.0000"
+  import_fit.main(argv)
+  again = capsys.readouterr().out
+  assert again.count("(kept from an earlier run)") == len(results)
