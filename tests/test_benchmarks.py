@@ -824,6 +824,15 @@ def test_single_epoch_resumes_and_serves_no_token_twice(single_epoch_runs):
         )
       else:  # continued from the step-2 checkpoint
         assert m.group(3).startswith(f"resumed at step 2 of 4 from {runs}")
+  # The final DiffEqFormer is also scored on test at N = 2K and 4K (K = 2), as ratios of K's.
+  m = _find(
+    rf"^seed 0 step\s+4 diffeqformer\s+\| test ppl at other N: N=4 {NUM} \({NUM} of K's\), "
+    rf"N=8 {NUM} \({NUM} of K's\)$",
+    out,
+  )
+  for ppl_n, ratio in ((m.group(1), m.group(2)), (m.group(3), m.group(4))):
+    assert _num(ratio) == pytest.approx(_num(ppl_n) / ppl["diffeqformer", 4][1], abs=2e-3)
+  assert "step      4 transformer   | test ppl at other N" not in out
   table_ratio = {}
   for step in (2, 4):
     (ov, ot), (gv, gt) = ppl["diffeqformer", step], ppl["transformer", step]

@@ -2,6 +2,7 @@
 every token of a split is scored once, and the loss equals a direct sum of the
 model's token log-probabilities."""
 
+import dataclasses
 import os
 import pathlib
 import subprocess
@@ -194,6 +195,10 @@ def test_evaluate_command_line(run, eval_file, local_results, capsys):
   out = capsys.readouterr().out
   rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
   assert [r[0] for r in rows] == ["2", "3"] and out.count("(training K)") == 1
+  assert (
+    "solve: euler, N uniform steps t_k = k/N, the field of step k at its start, t_k "
+    "(step_time='start'); trained at K=2 on the 'fixed' grid\n" in out
+  )
   for row, n in zip(rows, (2, 3)):
     assert int(row[1].replace(",", "")) == local_results[n].num_tokens
     assert float(row[2]) == pytest.approx(local_results[n].loss, abs=1e-4)
@@ -297,3 +302,22 @@ def test_token_scores_equal_a_numpy_reference():
   assert float(w) == weights.sum()
   half = token_scores(jnp.asarray(logits, jnp.bfloat16), jnp.asarray(targets))
   assert half["nll"].dtype == jnp.float32
+
+
+def test_evaluate_says_how_it_solves_and_how_the_model_was_trained():
+  base = ModelConfig(vocab_size=64, d_model=16, num_heads=2, mlp_dim=32, solver_steps=4)
+  mixed = dataclasses.replace(
+    base,
+    solver="split_euler",
+    step_time="end",
+    train_time_grid="random_shift",
+    train_time_grid_fraction=0.25,
+    time_scale=10.0,
+  )
+  assert evaluate.describe_solve(mixed) == (
+    "solve: split_euler, N uniform steps t_k = k/N, the field of step k at its end, "
+    "t_(k+1) (step_time='end'); trained at K=4 on the 'random_shift' grid on 0.25 of the "
+    "batches, else 'fixed', time_scale 10"
+  )
+  gpt = dataclasses.replace(base, kind="transformer", solver_steps=None, num_layers=3)
+  assert evaluate.describe_solve(gpt) == "solve: the 3 layers (a discrete model has no other N)"

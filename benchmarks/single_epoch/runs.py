@@ -70,9 +70,17 @@ def make_config(args, kind: str, seed: int, steps: int, root: str):
   return c
 
 
-def score(workdir: str, step: int, data_dir: str, max_batches: int, eval_texts: tuple = ()) -> dict:
-  """Loss, perplexity and tokens of `workdir`'s checkpoint `step` on valid and test, and
-  under 'texts' on each file of `eval_texts` (by its path)."""
+def score(
+  workdir: str,
+  step: int,
+  data_dir: str,
+  max_batches: int,
+  eval_texts: tuple = (),
+  finer: tuple = (),
+) -> dict:
+  """Loss, perplexity and tokens of `workdir`'s checkpoint `step` on valid and test, under
+  'texts' on each file of `eval_texts` (by its path), and under 'test_at' on test at each
+  solver step count N of `finer` (an ODE model's other N, e.g. 2K and 4K)."""
   loaded = loading.load_model(workdir, step=step)
   files = {split: os.path.join(os.path.abspath(data_dir), f"{split}.txt") for split in SPLITS}
   files.update({("text", path): path for path in eval_texts})
@@ -87,7 +95,23 @@ def score(workdir: str, step: int, data_dir: str, max_batches: int, eval_texts: 
       out["texts"][name[1]] = result
     else:
       out[name] = result
+    if name == "test" and finer:
+      out["test_at"] = {}
+      for n in finer:
+        r = evaluation.evaluate_model(loaded.model, data.batches(), n, loaded.rules)
+        out["test_at"][str(n)] = {
+          "loss": r.loss,
+          "perplexity": r.perplexity,
+          "tokens": r.num_tokens,
+        }
   return out
+
+
+def finer_steps(config, point: int, steps: int) -> tuple:
+  """The other N a final DiffEqFormer checkpoint is scored at: 2K and 4K."""
+  if point != steps or config.model.kind != "diffeqformer":
+    return ()
+  return (2 * config.model.solver_steps, 4 * config.model.solver_steps)
 
 
 def run_points(
@@ -104,9 +128,13 @@ def run_points(
   for point in (s for s in points if s <= stop):
     batches = args.eval_batches if point == steps else args.curve_batches
     texts = tuple(args.eval_texts) if point == steps else ()
+    finer = finer_steps(config, point, steps)
     entry = stored.get(str(point))
     if (
-      entry and entry["eval_batches"] == batches and sorted(entry.get("texts", {})) == sorted(texts)
+      entry
+      and entry["eval_batches"] == batches
+      and sorted(entry.get("texts", {})) == sorted(texts)
+      and sorted(entry.get("test_at", {})) == sorted(map(str, finer))
     ):
       entry = dict(entry, note=f"read back from {evals_path} (code {common.code_version()})")
     else:
@@ -125,7 +153,7 @@ def run_points(
         continue
       stored = common.read_json(evals_path) or {}  # empty when keyed_run moved a stale run aside
       entry = dict(
-        score(workdir, point, args.data_dir, batches, texts),
+        score(workdir, point, args.data_dir, batches, texts, finer),
         eval_batches=batches,
         num_params=int(r["num_params"]),
         documents_read=text.documents_read(r["data_state"], seed),
@@ -140,6 +168,16 @@ def run_points(
       f"| {entry['test']['tokens']:,} test tokens | {entry['note']}",
       flush=True,
     )
+    if entry.get("test_at"):
+      k_ppl = entry["test"]["perplexity"]
+      print(
+        f"seed {seed} step {point:>6} {kind:13s} | test ppl at other N: "
+        + ", ".join(
+          f"N={n} {v['perplexity']:.2f} ({v['perplexity'] / k_ppl:.3f} of K's)"
+          for n, v in entry["test_at"].items()
+        ),
+        flush=True,
+      )
   return done
 
 

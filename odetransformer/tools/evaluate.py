@@ -164,6 +164,22 @@ def plot_table(results: Sequence[Result], trained_k: int, title: str = ""):
   return fig
 
 
+def describe_solve(cfg) -> str:
+  """How each N below is solved, and on what grid the model was trained."""
+  if not cfg.is_ode:
+    return f"solve: the {cfg.depth} layers (a discrete model has no other N)"
+  where = "start, t_k" if cfg.step_time == "start" else "end, t_(k+1)"
+  trained = f"{cfg.train_time_grid!r} grid"
+  if cfg.train_time_grid != "fixed":
+    if cfg.train_time_grid_fraction < 1.0:
+      trained += f" on {cfg.train_time_grid_fraction:g} of the batches, else 'fixed'"
+  return (
+    f"solve: {cfg.solver}, N uniform steps t_k = k/N, the field of step k at its {where} "
+    f"(step_time={cfg.step_time!r}); trained at K={cfg.depth} on the {trained}"
+    + (f", time_scale {cfg.time_scale:g}" if cfg.time_scale != 1000.0 else "")
+  )
+
+
 def main(argv, flag_values=None):
   """The command line (flags: `define_flags`); `flag_values` defaults to absl's FLAGS.
 
@@ -196,6 +212,7 @@ def main(argv, flag_values=None):
     + (f", {cfg.solver} solver" if cfg.is_ode else "")
     + f", trained at K={cfg.depth}"
   )
+  say(describe_solve(cfg))
   say(
     f"data: {data.description}"
     + (f", first {f.max_batches} batches" if f.max_batches else ", whole split")
