@@ -75,7 +75,12 @@ def define_flags(define) -> None:
   )
   define("string", "out", None, "Output directory (local or gs://...).", required=True)
   define("integer", "solver_steps", None, "Euler steps K for ODE models (default: the trained K).")
-  define("string", "tokenizer", None, "SentencePiece .model (default: the run's).")
+  define(
+    "string",
+    "tokenizer",
+    None,
+    "Tokenizer file: a SentencePiece .model or a tokenizer.json (default: the run's).",
+  )
   define(
     "bool",
     "prepend_eos",
