@@ -1,7 +1,8 @@
 """Any N: does a DiffEqFormer trained at K steps keep its perplexity at other N?
 
 Trains the same model once per candidate and seed — today's default and each training
-option (`CANDIDATES`: a time-grid sampler, a mix of grids, a smooth time embedding) — at
+option (`CANDIDATES`: a time-grid sampler, a mix of grids, a smooth time embedding, a
+penalty on the solve's local error) — at
 equal tokens (same init, data order, batch, steps and schedule), evaluates every run on
 the same tokens at N ∈ {K/2, K, 2K, 4K, 8K} Euler steps of the uniform grid, and times
 every candidate's train step side by side (interleaved rounds of the product's step).
@@ -55,6 +56,8 @@ CANDIDATES = {
   "shift_half": {"train_time_grid": "random_shift", "train_time_grid_fraction": 0.5},
   "shift_quarter": {"train_time_grid": "random_shift", "train_time_grid_fraction": 0.25},
   "smooth_t": {"time_scale": 10.0},
+  "local_error_1": {"local_error_weight": 1.0},
+  "local_error_10": {"local_error_weight": 10.0},
   "smooth_t_shift_half": {
     "time_scale": 10.0,
     "train_time_grid": "random_shift",

@@ -230,6 +230,78 @@ def test_a_fraction_of_batches_draws_the_random_grid(fraction):
     dataclasses.replace(cfg, train_time_grid_fraction=0.0)
 
 
+@pytest.mark.parametrize("grid", [None, "smooth"])
+def test_local_error_is_the_heun_minus_euler_step(grid):
+  """local_error=True: Σ_k mean(e_k²) with e_k Heun's step from x_{k-1} minus Euler's,
+  dt_{k-1}/2·(F(x_k, t_k) − F(x_{k-1}, t_{k-1})), the F evaluated here from the field
+  itself (not from the trajectory's differences), on a uniform and a non-uniform grid."""
+  rng = np.random.default_rng(5)
+  a = rng.normal(size=(3, 3)) * 0.8
+  x0 = rng.normal(size=(2, 3)).astype(np.float32)
+  k = 6
+  g = _smooth_grid(k) if grid else np.arange(k + 1) / k
+  ts, dts = np.asarray(g[:-1], np.float32), np.diff(np.asarray(g, np.float64))
+  field = lambda x, t: jnp.tanh(x @ a.T.astype(np.float32)) * (1.0 + t)  # noqa: E731
+  dt = jnp.asarray(dts, jnp.float32) if grid else 1.0 / k
+  x_k, traj, error = solvers.fixed_step_solve(
+    field, jnp.asarray(x0), jnp.asarray(ts)[:, None], dt, return_trajectory=True, local_error=True
+  )
+  xs = np.concatenate([np.asarray(traj, np.float64), np.asarray(x_k, np.float64)[None]])
+  f = lambda x, t: np.tanh(x @ a.T) * (1.0 + t)  # noqa: E731
+  want = sum(
+    np.mean((dts[j - 1] / 2 * (f(xs[j], ts[j]) - f(xs[j - 1], ts[j - 1]))) ** 2)
+    for j in range(1, k)
+  )
+  np.testing.assert_allclose(float(error), want, rtol=2e-4)
+  plain = solvers.fixed_step_solve(field, jnp.asarray(x0), jnp.asarray(ts)[:, None], dt)
+  np.testing.assert_array_equal(np.asarray(plain), np.asarray(x_k))  # the solve is the same
+
+
+def test_the_train_loss_adds_the_weighted_local_error():
+  """model.local_error_weight λ: one SGD step (lr 1) moves the parameters by the
+  gradient of CE + λ·local error, i.e. the λ = 1 step minus the λ = 0 step is −∂error/∂θ;
+  the reported loss is the cross-entropy alone."""
+  cfg = dataclasses.replace(TINY, solver_steps=3, num_layers=3)
+  rng = np.random.default_rng(2)
+  batch = {
+    "inputs": rng.integers(0, cfg.vocab_size, (2, 8)).astype(np.int32),
+    "targets": rng.integers(0, cfg.vocab_size, (2, 8)).astype(np.int32),
+    "weights": np.ones((2, 8), np.float32),
+  }
+  c = tiny_config("/unused")
+  mesh = sharding_lib.make_mesh(c.mesh)
+  rules = sharding_lib.logical_axis_rules(c.mesh.rules)
+  after, losses = {}, {}
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    for weight in (0.0, 1.0):
+      model_cfg = dataclasses.replace(cfg, local_error_weight=weight)
+      ts, state = steps.init_train_state(model_cfg, optax.sgd(1.0), 0, mesh)
+      model, optimizer = ts.merge(state)
+      _perturb_hypernet(model, scale=3.0)  # a field that moves x: a non-zero local error
+      state = nnx.state({"model": model, "optimizer": optimizer})
+      before = nnx.to_pure_dict(state["model"])
+      before = jax.tree.map(np.asarray, before)
+      new_state, m = steps.make_train_step(ts, lambda s: 1.0, rules)(
+        state, batch, jax.random.key(0)
+      )
+      after[weight] = jax.tree.map(np.asarray, nnx.to_pure_dict(new_state["model"]))
+      losses[weight] = float(m.loss.compute())
+  # The gradient of the error alone, on a model built outside the mesh with the same params.
+  reference = nnx.eval_shape(lambda: create_model(cfg, seed=0))
+  graphdef, params = nnx.split(reference)
+  nnx.replace_by_pure_dict(params, jax.tree.map(jnp.asarray, before))
+  error_of = lambda p: nnx.merge(graphdef, p)(  # noqa: E731
+    jnp.asarray(batch["inputs"]), return_local_error=True
+  )[1]
+  error_grad = nnx.to_pure_dict(jax.jit(jax.grad(error_of))(params))
+  assert losses[0.0] == losses[1.0]
+  moved = jax.tree.map(lambda a, b: a - b, after[1.0], after[0.0])
+  flat_moved, flat_grad = jax.tree.leaves(moved), jax.tree.leaves(error_grad)
+  assert max(float(np.abs(g).max()) for g in flat_grad) > 1e-6
+  for d, g in zip(flat_moved, flat_grad):
+    np.testing.assert_allclose(d, -np.asarray(g), atol=1e-5 + 1e-3 * float(np.abs(g).max()))
+
+
 @pytest.mark.slow
 def test_train_step_solves_on_the_grid_drawn_from_its_rng():
   """The train step's loss is the model's loss on random_offset_grid(fold_in(rng,
@@ -290,3 +362,12 @@ def test_new_model_fields_match_fingerprints_written_before_them():
   assert fingerprint_diffs(old, new) == []
   c.model.step_time = "end"
   assert fingerprint_diffs(new, fingerprint(c)) == ["model.step_time 'start' -> 'end'"]
+
+
+def test_local_error_weight_is_checked():
+  with pytest.raises(ValueError, match=r"local_error_weight=-1.0 must be >= 0"):
+    dataclasses.replace(TINY, local_error_weight=-1.0)
+  with pytest.raises(ValueError, match=r"'transformer' has no solve to regularise"):
+    dataclasses.replace(
+      TINY, kind="transformer", solver_steps=None, num_layers=2, local_error_weight=1.0
+    )

@@ -144,6 +144,14 @@ class ModelConfig:
       "'random_uniform' = sorted U(0, 1) interior times, so all step sizes are trained too"
     ),
   )
+  local_error_weight: float = _field(
+    0.0,
+    (
+      "λ: the train loss adds λ·Σ_k mean(e_k²), e_k = dt/2·(F_k − F_(k-1)) the "
+      "Heun–Euler local error of the solve (ODE kinds; solvers.fixed_step_solve): a "
+      "field a finer solve agrees with; 0 = off"
+    ),
+  )
   train_time_grid_fraction: float = _field(
     1.0,
     (
@@ -269,6 +277,11 @@ class ModelConfig:
     ):
       if int(getattr(self, name)) <= 0:
         raise ValueError(f"model.{name}={getattr(self, name)} must be a positive integer")
+    if self.local_error_weight < 0 or (self.local_error_weight and not self.is_ode):
+      raise ValueError(
+        f"model.local_error_weight={self.local_error_weight} must be >= 0, and 0 for a "
+        f"discrete kind ({self.kind!r} has no solve to regularise)"
+      )
     if not self.time_scale > 0:
       raise ValueError(f"model.time_scale={self.time_scale} must be positive")
     if not 0.0 < self.train_time_grid_fraction <= 1.0:

@@ -257,6 +257,7 @@ def fixed_step_solve(
   num_steps: int | None = None,
   eval_outputs: bool = False,
   unroll: int = 1,
+  local_error: bool = False,
 ):
   """Integrates dx/dt = field(x, inputs(t)) with K fixed steps.
 
@@ -287,9 +288,14 @@ def fixed_step_solve(
       are returned stacked [K, E, ...] (e.g. a KV cache's updated slots).
     unroll: `jax.lax.scan`'s: steps per loop iteration; K unrolls the whole loop
       (`loop_unroll`). The same values either way.
+    local_error: also return Σ_k mean(e_k²) (float32), e_k = dt_{k-1}/2·(F_k − F_{k-1})
+      with F_k = (x_{k+1} − x_k)/dt_k the step's slope: for Euler the difference between
+      Heun's step and Euler's (the local error estimate of embedded Heun–Euler), for any
+      method the trajectory's second difference (on a uniform grid (x_{k+1} − 2x_k +
+      x_{k-1})/2). Small when a finer solve would give the same x_K.
   Returns:
-    x_K, followed by [x_0 … x_{K-1}] with return_trajectory and by the outputs with
-    eval_outputs (a tuple when either is asked for).
+    x_K, followed by [x_0 … x_{K-1}] with return_trajectory, by the outputs with
+    eval_outputs and by the local error with local_error (a tuple when any is asked for).
   """
   if method not in STAGE_NODES:
     raise ValueError(f"unknown solver {method!r}; choose one of {sorted(STAGE_NODES)}")
@@ -331,6 +337,24 @@ def fixed_step_solve(
     x_next, out = step(x, *xs_k) if per_step else step(x, xs_k)
     return x_next, ((x if return_trajectory else None), out)
 
-  x, (traj, outs) = jax.lax.scan(body, x0, xs, length=num_steps, unroll=unroll)
-  results = (x,) + ((traj,) if return_trajectory else ()) + ((outs,) if eval_outputs else ())
-  return results if len(results) > 1 else x
+  if not local_error:
+    x, (traj, outs) = jax.lax.scan(body, x0, xs, length=num_steps, unroll=unroll)
+    results = (x,) + ((traj,) if return_trajectory else ()) + ((outs,) if eval_outputs else ())
+    return results if len(results) > 1 else x
+
+  def body_with_error(carry, xs_k):
+    x, x_prev, dt_prev, acc, started = carry
+    x_next, ys = body(x, xs_k)
+    dt_k = xs_k[1] if per_step else dt
+    e = 0.5 * ((x_next - x) * (dt_prev / dt_k) - (x - x_prev)).astype(jnp.float32)
+    acc = acc + jnp.where(started, jnp.mean(jnp.square(e)), 0.0)
+    return (x_next, x, dt_k, acc, jnp.bool_(True)), ys
+
+  dt0 = dt[0] if per_step else dt
+  init = (x0, x0, dt0, jnp.float32(0.0), jnp.bool_(False))
+  (x, _, _, error, _), (traj, outs) = jax.lax.scan(
+    body_with_error, init, xs, length=num_steps, unroll=unroll
+  )
+  return (
+    (x,) + ((traj,) if return_trajectory else ()) + ((outs,) if eval_outputs else ()) + (error,)
+  )

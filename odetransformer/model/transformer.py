@@ -239,6 +239,7 @@ class LanguageModel(nnx.Module):
     return_trajectory: bool = False,
     time_grid=None,
     param_rules=None,
+    return_local_error: bool = False,
   ):
     """Logits [b, l, vocab] in the compute dtype.
 
@@ -258,6 +259,9 @@ class LanguageModel(nnx.Module):
         weights generated in the call (DiffEqFormer's W(t)) are constrained by them, so
         each lives where its parameters do, while activations follow the rules in
         force. None: generated weights follow the rules in force too.
+      return_local_error: also return the solve's local error, Σ_k mean(e_k²) over the
+        state's elements (`solvers.fixed_step_solve`'s `local_error`; the train loss
+        adds it times `model.local_error_weight`), after the trajectory if asked for.
     """
     cfg = self.config
     if time_grid is not None:
@@ -312,11 +316,11 @@ class LanguageModel(nnx.Module):
       eval_inputs=keys,
       num_steps=k,
       unroll=solvers.loop_unroll(cfg.layer_loop, k, blocks._platform()),
+      local_error=return_local_error,
     )
-    if return_trajectory:
-      x, traj = out
-      return self.logits(x), traj
-    return self.logits(out)
+    if not (return_trajectory or return_local_error):
+      return self.logits(out)
+    return (self.logits(out[0]),) + tuple(out[1:])
 
   def with_layers(self, cfg: ModelConfig, layers: dict) -> "LanguageModel":
     """A discrete model of config `cfg` with the stacked `layers` (name -> [L, *shape])

@@ -130,7 +130,7 @@ def _with_rules(rules, fn):
 _GRID_STREAM = 0x71D  # folded into a step's rng for its time grid (apart from dropout's)
 
 
-def _logits(model, batch, rules, dropout_rng=None, time_grid=None):
+def _logits(model, batch, rules, dropout_rng=None, time_grid=None, local_error=False):
   """The model's logits for a (micro)batch; `time_grid`: the solver's [K+1] grid
   (None: uniform); dropout only with a `dropout_rng`.
 
@@ -146,6 +146,7 @@ def _logits(model, batch, rules, dropout_rng=None, time_grid=None):
     dropout_rng=dropout_rng,
     time_grid=time_grid,
     param_rules=rules,
+    return_local_error=local_error,
   )
 
 
@@ -211,9 +212,14 @@ def make_train_step(
     model = nnx.merge(graphdef, params, rest)
     # model.train_time_grid: this batch's solver grid (None = uniform), its own stream.
     grid = time_grid_lib.train_time_grid(model.config, jax.random.fold_in(rng, _GRID_STREAM))
-    logits = _logits(model, batch, rules, rng if use_dropout else None, grid)
+    weight = model.config.local_error_weight  # model.local_error_weight: λ·local error
+    out = _logits(model, batch, rules, rng if use_dropout else None, grid, local_error=weight > 0)
+    logits, error = out if weight > 0 else (out, None)
     loss_sum, _ = token_cross_entropy(logits, batch["targets"], batch["weights"])
-    return loss_sum / denominator, loss_sum
+    loss = loss_sum / denominator
+    if error is not None:  # a mean per microbatch: their mean over the accumulation
+      loss = loss + weight * error / grad_accum_steps
+    return loss, loss_sum
 
   def apply_update(state, grads):
     model, optimizer = layout.merge(state)
