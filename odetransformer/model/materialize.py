@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from odetransformer.model.solvers import broadcast_stages, stage_times
 from odetransformer.model.transformer import LanguageModel
 
-_DT_ROLES = ("out", "out_bias")
+DT_ROLES = ("out", "out_bias")  # the output projections dt multiplies
 # Solvers whose step is one discrete layer, and the discrete kind of that layer: Euler's
 # x + dt·F(x) a parallel block, split_euler's two substeps a sequential pre-norm block.
 MATERIALIZED_KIND = {"euler": "parallel", "split_euler": "transformer"}
@@ -77,5 +77,5 @@ def materialize(model: LanguageModel, num_steps: int, fold_dt: bool = True) -> L
   layers = {n: w[:, 0] for n, w in weights.items()}
   if fold_dt:
     specs = model.stack.specs
-    layers = {n: (w * dt if specs[n].role in _DT_ROLES else w) for n, w in layers.items()}
+    layers = {n: (w * dt if specs[n].role in DT_ROLES else w) for n, w in layers.items()}
   return model.with_layers(new_cfg, layers)

@@ -22,6 +22,7 @@ import json
 from sentencepiece import sentencepiece_model_pb2
 
 from odetransformer.errors import UserError
+from odetransformer.train.checkpoint.paths import is_hf_tokenizer
 
 SPACE = "\u2581"  # '▁', SentencePiece's whitespace
 _PIECE = sentencepiece_model_pb2.ModelProto.SentencePiece
@@ -57,7 +58,7 @@ def _hf_separator(blob: bytes):
 def special_ids(model_proto: bytes) -> dict:
   """{'bos_token_id': .., 'eos_token_id': .., 'pad_token_id': ..} of a SentencePiece
   model (None where it has none), or of a tokenizer.json; bos is eos (module docstring)."""
-  if model_proto.lstrip()[:1] == b"{":
+  if is_hf_tokenizer(model_proto):
     _, eos = _hf_separator(model_proto)
     return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": None}
   trainer = sentencepiece_model_pb2.ModelProto.FromString(model_proto).trainer_spec
@@ -71,7 +72,7 @@ def tokenizer_files(model_proto: bytes, model_max_length: int, where: str = "") 
   """{file name: text} of the Hugging Face tokenizer of a SentencePiece BPE model;
   `model_max_length`: the model's context in tokens. A tokenizer.json is written as
   it is."""
-  if model_proto.lstrip()[:1] == b"{":
+  if is_hf_tokenizer(model_proto):
     sep, _ = _hf_separator(model_proto)
     config = {
       "tokenizer_class": "PreTrainedTokenizerFast",

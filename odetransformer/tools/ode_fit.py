@@ -31,7 +31,7 @@ every layer weight. The fit chooses:
   computes in float32.
 
 Between the layer times W(t) is whatever that basis gives (the codes of e(t) off the
-grid); `fit.json`'s table and benchmarks/README.md report what the model does at other N.
+grid); `import.json` holds the fit's errors, and benchmarks/README.md reports what the model does at other N.
 """
 
 import dataclasses
@@ -43,13 +43,13 @@ import numpy as np
 
 from odetransformer.errors import UserError
 from odetransformer.model.config import ModelConfig
+from odetransformer.model.materialize import DT_ROLES
 from odetransformer.model.solvers import stage_times
 from odetransformer.model.time_embedding import time_embedding
 from odetransformer.model.transformer import LanguageModel, abstract_model
 
 SINUSOIDS = 64  # S: e(t) of 2S+1 features; see the module docstring for why 64
 GAIN = 0.1  # the time MLP's first layer, g·I
-_DT_ROLES = ("out", "out_bias")  # the output projections a split step multiplies by dt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +150,7 @@ def fit_diffeqformer(model: LanguageModel, time_embed_dim: int | None = None) ->
   specs = probe.stack.specs
   targets, gens = {}, {}
   for name, w in layers.items():
-    if specs[name].role in _DT_ROLES:
+    if specs[name].role in DT_ROLES:
       w = w * depth  # dt = 1/L moves out of the weight into the solver's step
     base = w.mean(axis=0)
     proj = solve @ (w - base).reshape(depth, -1)  # [d_t, size]

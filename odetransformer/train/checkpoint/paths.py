@@ -29,10 +29,17 @@ COMMIT_FILE = "commit_success.txt"  # orbax's mark of a complete step on object 
 _TMP_STEP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")  # a local step being written
 
 
+def is_hf_tokenizer(blob: bytes) -> bool:
+  """Whether a tokenizer file's bytes are a Hugging Face tokenizer.json (JSON) rather
+  than a SentencePiece model (protobuf). (`input_pipeline.tokenizer` has its own copy:
+  it may not import train/.)"""
+  return blob.lstrip()[:1] == b"{"
+
+
 def tokenizer_file(blob: bytes) -> str:
   """The workdir name of a tokenizer file with these bytes: tokenizer.json for a Hugging
-  Face tokenizer (JSON), else tokenizer.model (a SentencePiece protobuf)."""
-  return HF_TOKENIZER_FILE if blob.lstrip()[:1] == b"{" else TOKENIZER_FILE
+  Face tokenizer, else tokenizer.model (a SentencePiece model)."""
+  return HF_TOKENIZER_FILE if is_hf_tokenizer(blob) else TOKENIZER_FILE
 
 
 class CheckpointError(UserError, RuntimeError):
