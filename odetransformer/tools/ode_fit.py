@@ -31,7 +31,8 @@ every layer weight. The fit chooses:
   computes in float32.
 
 Between the layer times W(t) is whatever that basis gives (the codes of e(t) off the
-grid); `import.json` holds the fit's errors, and benchmarks/README.md reports what the model does at other N.
+grid); `import.json` holds the fit's errors, and benchmarks/README.md reports what the
+model does at other N.
 """
 
 import dataclasses
