@@ -197,7 +197,7 @@ def test_evaluate_command_line(run, eval_file, local_results, capsys):
   assert [r[0] for r in rows] == ["2", "3"] and out.count("(training K)") == 1
   assert (
     "solve: euler, N uniform steps t_k = k/N, the field of step k at its start, t_k "
-    "(step_time='start'); trained at K=2 on the 'fixed' grid\n" in out
+    "(step_time='start'); trained at K=3 on the 'fixed' grid\n" in out
   )
   for row, n in zip(rows, (2, 3)):
     assert int(row[1].replace(",", "")) == local_results[n].num_tokens
