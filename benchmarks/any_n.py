@@ -58,6 +58,28 @@ CANDIDATES = {
   "smooth_t": {"time_scale": 10.0},
   "local_error_1": {"local_error_weight": 1.0},
   "local_error_10": {"local_error_weight": 10.0},
+  "local_error_30": {"local_error_weight": 30.0},
+  "local_error_100": {"local_error_weight": 100.0},
+  "local_error_300": {"local_error_weight": 300.0},
+  "local_error_1000": {"local_error_weight": 1000.0},
+  "interp_1": {"time_interp_weight": 1.0},
+  "local_error_300_interp_1": {"local_error_weight": 300.0, "time_interp_weight": 1.0},
+  "local_error_300_interp_10": {"local_error_weight": 300.0, "time_interp_weight": 10.0},
+  "local_error_10_shift_quarter": {
+    "local_error_weight": 10.0,
+    "train_time_grid": "random_shift",
+    "train_time_grid_fraction": 0.25,
+  },
+  "local_error_30_shift_quarter": {
+    "local_error_weight": 30.0,
+    "train_time_grid": "random_shift",
+    "train_time_grid_fraction": 0.25,
+  },
+  "local_error_100_shift_quarter": {
+    "local_error_weight": 100.0,
+    "train_time_grid": "random_shift",
+    "train_time_grid_fraction": 0.25,
+  },
   "smooth_t_shift_half": {
     "time_scale": 10.0,
     "train_time_grid": "random_shift",

@@ -257,10 +257,24 @@ def test_local_error_is_the_heun_minus_euler_step(grid):
   np.testing.assert_array_equal(np.asarray(plain), np.asarray(x_k))  # the solve is the same
 
 
-def test_the_train_loss_adds_the_weighted_local_error():
-  """model.local_error_weight λ: one SGD step (lr 1) moves the parameters by the
-  gradient of CE + λ·local error, i.e. the λ = 1 step minus the λ = 0 step is −∂error/∂θ;
-  the reported loss is the cross-entropy alone."""
+def _local_error(model, batch, rng):
+  return model(jnp.asarray(batch["inputs"]), return_local_error=True)[1]
+
+
+def _interp_error(model, batch, rng):
+  """The codes' off-line error at the points the train step draws (the uniform grid)."""
+  k = model.config.depth
+  alpha = jax.random.uniform(jax.random.fold_in(rng, steps._INTERP_STREAM), (k,))
+  return model.stack.interpolation_error(time_grid.uniform_grid(k), alpha)
+
+
+@pytest.mark.parametrize(
+  "field,error", [("local_error_weight", _local_error), ("time_interp_weight", _interp_error)]
+)
+def test_the_train_loss_adds_the_weighted_penalty(field, error):
+  """model.local_error_weight λ (model.time_interp_weight μ): one SGD step (lr 1) moves
+  the parameters by the gradient of CE + λ·error, i.e. the λ = 1 step minus the λ = 0 step
+  is −∂error/∂θ; the reported loss is the cross-entropy alone."""
   cfg = dataclasses.replace(TINY, solver_steps=3, num_layers=3)
   rng = np.random.default_rng(2)
   batch = {
@@ -268,31 +282,28 @@ def test_the_train_loss_adds_the_weighted_local_error():
     "targets": rng.integers(0, cfg.vocab_size, (2, 8)).astype(np.int32),
     "weights": np.ones((2, 8), np.float32),
   }
+  key = jax.random.key(0)
   c = tiny_config("/unused")
   mesh = sharding_lib.make_mesh(c.mesh)
   rules = sharding_lib.logical_axis_rules(c.mesh.rules)
   after, losses = {}, {}
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     for weight in (0.0, 1.0):
-      model_cfg = dataclasses.replace(cfg, local_error_weight=weight)
+      model_cfg = dataclasses.replace(cfg, **{field: weight})
       ts, state = steps.init_train_state(model_cfg, optax.sgd(1.0), 0, mesh)
       model, optimizer = ts.merge(state)
       _perturb_hypernet(model, scale=3.0)  # a field that moves x: a non-zero local error
       state = nnx.state({"model": model, "optimizer": optimizer})
       before = nnx.to_pure_dict(state["model"])
       before = jax.tree.map(np.asarray, before)
-      new_state, m = steps.make_train_step(ts, lambda s: 1.0, rules)(
-        state, batch, jax.random.key(0)
-      )
+      new_state, m = steps.make_train_step(ts, lambda s: 1.0, rules)(state, batch, key)
       after[weight] = jax.tree.map(np.asarray, nnx.to_pure_dict(new_state["model"]))
       losses[weight] = float(m.loss.compute())
   # The gradient of the error alone, on a model built outside the mesh with the same params.
   reference = nnx.eval_shape(lambda: create_model(cfg, seed=0))
   graphdef, params = nnx.split(reference)
   nnx.replace_by_pure_dict(params, jax.tree.map(jnp.asarray, before))
-  error_of = lambda p: nnx.merge(graphdef, p)(  # noqa: E731
-    jnp.asarray(batch["inputs"]), return_local_error=True
-  )[1]
+  error_of = lambda p: error(nnx.merge(graphdef, p), batch, key)  # noqa: E731
   error_grad = nnx.to_pure_dict(jax.jit(jax.grad(error_of))(params))
   assert losses[0.0] == losses[1.0]
   moved = jax.tree.map(lambda a, b: a - b, after[1.0], after[0.0])
@@ -300,6 +311,33 @@ def test_the_train_loss_adds_the_weighted_local_error():
   assert max(float(np.abs(g).max()) for g in flat_grad) > 1e-6
   for d, g in zip(flat_moved, flat_grad):
     np.testing.assert_allclose(d, -np.asarray(g), atol=1e-5 + 1e-3 * float(np.abs(g).max()))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_interpolation_error_closed_form(shared, monkeypatch):
+  """h(t) = c + t·b (a line) scores 0; h(t) = t²·c scores mean_k α_k²(1−α_k)²·dt_k⁴ /
+  mean_k dt_k²(g_k + g_(k+1))² per time MLP (the off-line part of t² is −α(1−α)·dt², its
+  change per step dt·(g_k + g_(k+1)), |c|² cancels); scaling h does not change it."""
+  from odetransformer.model import hypernet
+
+  cfg = dataclasses.replace(TINY, shared_time_mlp=shared)
+  stack = nnx.eval_shape(lambda: create_model(cfg, seed=0)).stack
+  grid = np.asarray(_smooth_grid(5), np.float32)
+  alpha = np.asarray([0.1, 0.5, 0.9, 0.3, 0.7], np.float32)
+  c = np.linspace(-1.0, 2.0, cfg.time_embed_dim).astype(np.float32)
+  num_mlps = 1 if shared else len(stack.groups)
+  for h, want in (
+    (lambda t: 0.5 + t[:, None] * c, 0.0),
+    (
+      lambda t: 3.0 * t[:, None] ** 2 * c,
+      num_mlps
+      * np.mean((alpha * (1 - alpha)) ** 2 * np.diff(grid) ** 4)
+      / np.mean((np.diff(grid) * (grid[1:] + grid[:-1])) ** 2),
+    ),
+  ):
+    monkeypatch.setattr(hypernet.TimeMLP, "__call__", lambda self, t, h=h: h(t))
+    got = float(stack.interpolation_error(jnp.asarray(grid), jnp.asarray(alpha)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
 
 
 @pytest.mark.slow
@@ -367,6 +405,10 @@ def test_new_model_fields_match_fingerprints_written_before_them():
 def test_local_error_weight_is_checked():
   with pytest.raises(ValueError, match=r"local_error_weight=-1.0 must be >= 0"):
     dataclasses.replace(TINY, local_error_weight=-1.0)
+  with pytest.raises(ValueError, match=r"time_interp_weight=-1.0 must be >= 0"):
+    dataclasses.replace(TINY, time_interp_weight=-1.0)
+  with pytest.raises(ValueError, match=r"only 'diffeqformer' generates its weights"):
+    dataclasses.replace(TINY, kind="shared", time_interp_weight=1.0)
   with pytest.raises(ValueError, match=r"'transformer' has no solve to regularise"):
     dataclasses.replace(
       TINY, kind="transformer", solver_steps=None, num_layers=2, local_error_weight=1.0

@@ -152,6 +152,16 @@ class ModelConfig:
       "field a finer solve agrees with; 0 = off"
     ),
   )
+  time_interp_weight: float = _field(
+    0.0,
+    (
+      "μ: the train loss adds μ·Σ_MLPs mean_k ‖h(u_k) − lerp_k‖² / mean_k ‖h(g_(k+1)) − "
+      "h(g_k)‖², the time codes' distance at a random u_k in each step of the batch's "
+      "grid from the line between the step's ends (hypernet.HyperNetwork."
+      "interpolation_error): W(t) between the trained times, which a finer solve reads, "
+      "then lies between the weights of its neighbours ('diffeqformer'; 0 = off)"
+    ),
+  )
   train_time_grid_fraction: float = _field(
     1.0,
     (
@@ -281,6 +291,11 @@ class ModelConfig:
       raise ValueError(
         f"model.local_error_weight={self.local_error_weight} must be >= 0, and 0 for a "
         f"discrete kind ({self.kind!r} has no solve to regularise)"
+      )
+    if self.time_interp_weight < 0 or (self.time_interp_weight and self.kind != "diffeqformer"):
+      raise ValueError(
+        f"model.time_interp_weight={self.time_interp_weight} must be >= 0, and 0 for "
+        f"kind={self.kind!r} (only 'diffeqformer' generates its weights from t)"
       )
     if not self.time_scale > 0:
       raise ValueError(f"model.time_scale={self.time_scale} must be positive")

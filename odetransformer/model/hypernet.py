@@ -154,6 +154,27 @@ class HyperNetwork(nnx.Module):
       return {g: h for g in self.groups}
     return {g: self.mlps[g](t) for g in self.groups}
 
+  def interpolation_error(self, grid, alpha):
+    """Σ over the time MLPs of mean_k ‖h(u_k) − ((1−α_k)·h(g_k) + α_k·h(g_(k+1)))‖² /
+    mean_k ‖h(g_(k+1)) − h(g_k)‖², u_k = g_k + α_k·(g_(k+1) − g_k): how far the codes
+    between the times of `grid` [K+1] (at the fractions `alpha` [K] of each step) are
+    from the straight line between its ends, relative to the codes' change per step (so
+    a rescaled h, with P rescaled back, scores the same). 0 when h is linear on every
+    step, so W(t) = P·h(t) + P0 there lies between its neighbours' weights
+    (`model.time_interp_weight`)."""
+    grid = jnp.asarray(grid, jnp.float32)
+    u = grid[:-1] + alpha * (grid[1:] - grid[:-1])
+    mlps = [self.mlp] if self.shared else list(self.mlps.values())
+    total = jnp.float32(0.0)
+    for mlp in mlps:
+      h = mlp(jnp.concatenate([grid, u]))  # one call: the K+1 ends and the K points
+      ends, mid = h[: grid.shape[0]], h[grid.shape[0] :]
+      line = (1.0 - alpha)[:, None] * ends[:-1] + alpha[:, None] * ends[1:]
+      off = jnp.mean(jnp.sum(jnp.square(mid - line), -1))
+      change = jnp.mean(jnp.sum(jnp.square(ends[1:] - ends[:-1]), -1))
+      total = total + off / (change + 1e-12)
+    return total
+
   def step_weights(self, ts, dtype, param_rules=None):
     """Layer params W(t) at times `ts` (the solver's [K, S], or any shape [...]):
     name -> [..., *shape] in `dtype`, each sharded as its parameters by `param_rules`

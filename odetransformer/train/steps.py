@@ -128,6 +128,7 @@ def _with_rules(rules, fn):
 
 
 _GRID_STREAM = 0x71D  # folded into a step's rng for its time grid (apart from dropout's)
+_INTERP_STREAM = 0x1E9  # … and for model.time_interp_weight's points within the steps
 
 
 def _logits(model, batch, rules, dropout_rng=None, time_grid=None, local_error=False):
@@ -219,6 +220,12 @@ def make_train_step(
     loss = loss_sum / denominator
     if error is not None:  # a mean per microbatch: their mean over the accumulation
       loss = loss + weight * error / grad_accum_steps
+    interp = model.config.time_interp_weight  # model.time_interp_weight: μ·off-line codes
+    if interp:  # the same draw in every microbatch: once over the accumulation
+      cfg = model.config
+      alpha = jax.random.uniform(jax.random.fold_in(rng, _INTERP_STREAM), (cfg.depth,))
+      ends = time_grid_lib.uniform_grid(cfg.depth) if grid is None else grid
+      loss = loss + interp * model.stack.interpolation_error(ends, alpha) / grad_accum_steps
     return loss, loss_sum
 
   def apply_update(state, grads):
