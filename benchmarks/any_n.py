@@ -65,6 +65,9 @@ CANDIDATES = {
   "interp_1": {"time_interp_weight": 1.0},
   "local_error_300_interp_1": {"local_error_weight": 300.0, "time_interp_weight": 1.0},
   "local_error_300_interp_10": {"local_error_weight": 300.0, "time_interp_weight": 10.0},
+  "local_error_3000": {"local_error_weight": 3000.0},
+  "local_error_1000_interp_1": {"local_error_weight": 1000.0, "time_interp_weight": 1.0},
+  "local_error_1000_interp_10": {"local_error_weight": 1000.0, "time_interp_weight": 10.0},
   "local_error_10_shift_quarter": {
     "local_error_weight": 10.0,
     "train_time_grid": "random_shift",

@@ -315,29 +315,46 @@ def test_the_train_loss_adds_the_weighted_penalty(field, error):
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_interpolation_error_closed_form(shared, monkeypatch):
-  """h(t) = c + t·b (a line) scores 0; h(t) = t²·c scores mean_k α_k²(1−α_k)²·dt_k⁴ /
-  mean_k dt_k²(g_k + g_(k+1))² per time MLP (the off-line part of t² is −α(1−α)·dt², its
-  change per step dt·(g_k + g_(k+1)), |c|² cancels); scaling h does not change it."""
+  """Codes h(t) = c + t·b (a line) score 0; h(t) = t²·c scores mean_k α_k²(1−α_k)²·dt_k⁴
+  / mean_k dt_k²(g_k + g_(k+1))² per group (W's off-line part is −α(1−α)·dt²·P·c, its
+  change per step dt·(g_k + g_(k+1))·P·c: P and c cancel); each equals the sum computed
+  directly from the generated weights W(t) = P·h(t) + P0, as does a code of two
+  directions, whose score depends on P."""
   from odetransformer.model import hypernet
 
   cfg = dataclasses.replace(TINY, shared_time_mlp=shared)
-  stack = nnx.eval_shape(lambda: create_model(cfg, seed=0)).stack
+  model = create_model(cfg, seed=0)
+  _perturb_hypernet(model)  # every generator's P non-zero (norms and biases start at 0)
+  stack = model.stack
   grid = np.asarray(_smooth_grid(5), np.float32)
   alpha = np.asarray([0.1, 0.5, 0.9, 0.3, 0.7], np.float32)
+  u = grid[:-1] + alpha * np.diff(grid)
   c = np.linspace(-1.0, 2.0, cfg.time_embed_dim).astype(np.float32)
-  num_mlps = 1 if shared else len(stack.groups)
+  quadratic = np.mean((alpha * (1 - alpha)) ** 2 * np.diff(grid) ** 4) / np.mean(
+    (np.diff(grid) * (grid[1:] + grid[:-1])) ** 2
+  )
+  c2 = np.cos(np.arange(cfg.time_embed_dim)).astype(np.float32)
   for h, want in (
-    (lambda t: 0.5 + t[:, None] * c, 0.0),
-    (
-      lambda t: 3.0 * t[:, None] ** 2 * c,
-      num_mlps
-      * np.mean((alpha * (1 - alpha)) ** 2 * np.diff(grid) ** 4)
-      / np.mean((np.diff(grid) * (grid[1:] + grid[:-1])) ** 2),
-    ),
+    (lambda t: 0.5 + t[..., None] * c, 0.0),
+    (lambda t: 3.0 * t[..., None] ** 2 * c, len(stack.groups) * quadratic),
+    # Two directions: how much of W's change is off-line depends on P (the direct sum).
+    (lambda t: 3.0 * t[..., None] ** 2 * c + 4.0 * t[..., None] * c2, None),
   ):
     monkeypatch.setattr(hypernet.TimeMLP, "__call__", lambda self, t, h=h: h(t))
     got = float(stack.interpolation_error(jnp.asarray(grid), jnp.asarray(alpha)))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
+    if want is not None:
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-9)
+    # Directly on the generated weights, per group.
+    ends = stack.step_weights(jnp.asarray(grid), jnp.float32)
+    mid = stack.step_weights(jnp.asarray(u), jnp.float32)
+    off, change = {}, {}
+    for name, spec in stack.specs.items():
+      e, m = (np.asarray(x[name], np.float64).reshape(len(x[name]), -1) for x in (ends, mid))
+      line = (1 - alpha[:, None]) * e[:-1] + alpha[:, None] * e[1:]
+      off[spec.group] = off.get(spec.group, 0.0) + np.sum((m - line) ** 2, -1)
+      change[spec.group] = change.get(spec.group, 0.0) + np.sum((e[1:] - e[:-1]) ** 2, -1)
+    direct = sum(np.mean(off[g]) / np.mean(change[g]) for g in stack.groups)
+    np.testing.assert_allclose(got, direct, rtol=1e-4, atol=1e-9)
 
 
 @pytest.mark.slow

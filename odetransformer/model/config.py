@@ -155,11 +155,11 @@ class ModelConfig:
   time_interp_weight: float = _field(
     0.0,
     (
-      "μ: the train loss adds μ·Σ_MLPs mean_k ‖h(u_k) − lerp_k‖² / mean_k ‖h(g_(k+1)) − "
-      "h(g_k)‖², the time codes' distance at a random u_k in each step of the batch's "
-      "grid from the line between the step's ends (hypernet.HyperNetwork."
-      "interpolation_error): W(t) between the trained times, which a finer solve reads, "
-      "then lies between the weights of its neighbours ('diffeqformer'; 0 = off)"
+      "μ: the train loss adds μ·Σ_groups mean_k ‖W(u_k) − lerp_k‖² / mean_k "
+      "‖W(g_(k+1)) − W(g_k)‖² (the denominator held fixed): W(t)'s distance, at a random "
+      "u_k in each step of the batch's grid, from the line between the step's ends "
+      "(hypernet.HyperNetwork.interpolation_error). W(t) between the trained times, which "
+      "a finer solve reads, then lies between its neighbours' ('diffeqformer'; 0 = off)"
     ),
   )
   train_time_grid_fraction: float = _field(

@@ -155,24 +155,33 @@ class HyperNetwork(nnx.Module):
     return {g: self.mlps[g](t) for g in self.groups}
 
   def interpolation_error(self, grid, alpha):
-    """Σ over the time MLPs of mean_k ‖h(u_k) − ((1−α_k)·h(g_k) + α_k·h(g_(k+1)))‖² /
-    mean_k ‖h(g_(k+1)) − h(g_k)‖², u_k = g_k + α_k·(g_(k+1) − g_k): how far the codes
-    between the times of `grid` [K+1] (at the fractions `alpha` [K] of each step) are
-    from the straight line between its ends, relative to the codes' change per step (so
-    a rescaled h, with P rescaled back, scores the same). 0 when h is linear on every
-    step, so W(t) = P·h(t) + P0 there lies between its neighbours' weights
-    (`model.time_interp_weight`)."""
+    """How far W(t) between the times of `grid` [K+1] is from the straight line between
+    its values at the step's ends, at the fractions `alpha` [K] of each step
+    (`model.time_interp_weight`): Σ over the groups (params sharing a time MLP) of
+    mean_k ‖W(u_k) − ((1−α_k)·W(g_k) + α_k·W(g_(k+1)))‖² / mean_k ‖W(g_(k+1)) − W(g_k)‖²,
+    u_k = g_k + α_k·(g_(k+1) − g_k), summed over the group's params. W(t) = P·h(t) + P0,
+    so W's residual is P·r for the codes' residual r, and ‖P·r‖² = rᵀ(PᵀP)r: one d_t × d_t
+    Gram matrix per group, no weights generated. Measured on W, not on h: a code that
+    swings along a direction P ignores would score nothing. The denominator is held fixed
+    (no gradient), so the penalty never pays for larger steps between layers. 0 when W is
+    linear on every step."""
     grid = jnp.asarray(grid, jnp.float32)
     u = grid[:-1] + alpha * (grid[1:] - grid[:-1])
-    mlps = [self.mlp] if self.shared else list(self.mlps.values())
+    codes = self.codes(jnp.concatenate([grid, u]))  # the K+1 ends and the K points
+    grams = {}
+    for name, spec in self.specs.items():
+      proj = self.gens[name].proj[...].astype(jnp.float32)
+      p = proj.reshape(-1, proj.shape[-1])
+      grams[spec.group] = grams.get(spec.group, 0.0) + p.T @ p
     total = jnp.float32(0.0)
-    for mlp in mlps:
-      h = mlp(jnp.concatenate([grid, u]))  # one call: the K+1 ends and the K points
-      ends, mid = h[: grid.shape[0]], h[grid.shape[0] :]
-      line = (1.0 - alpha)[:, None] * ends[:-1] + alpha[:, None] * ends[1:]
-      off = jnp.mean(jnp.sum(jnp.square(mid - line), -1))
-      change = jnp.mean(jnp.sum(jnp.square(ends[1:] - ends[:-1]), -1))
-      total = total + off / (change + 1e-12)
+    n = grid.shape[0]
+    for group, gram in grams.items():
+      ends, mid = codes[group][:n], codes[group][n:]
+      r = mid - ((1.0 - alpha)[:, None] * ends[:-1] + alpha[:, None] * ends[1:])
+      dh = ends[1:] - ends[:-1]
+      off = jnp.mean(jnp.einsum("kd,de,ke->k", r, gram, r))
+      change = jnp.mean(jnp.einsum("kd,de,ke->k", dh, gram, dh))
+      total = total + off / (jax.lax.stop_gradient(change) + 1e-30)
     return total
 
   def step_weights(self, ts, dtype, param_rules=None):
