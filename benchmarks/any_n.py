@@ -66,6 +66,9 @@ CANDIDATES = {
   "local_error_300_interp_1": {"local_error_weight": 300.0, "time_interp_weight": 1.0},
   "local_error_300_interp_10": {"local_error_weight": 300.0, "time_interp_weight": 10.0},
   "local_error_3000": {"local_error_weight": 3000.0},
+  "local_error_10000": {"local_error_weight": 10000.0},
+  "local_error_30000": {"local_error_weight": 30000.0},
+  "local_error_3000_interp_0.1": {"local_error_weight": 3000.0, "time_interp_weight": 0.1},
   "local_error_1000_interp_1": {"local_error_weight": 1000.0, "time_interp_weight": 1.0},
   "local_error_1000_interp_10": {"local_error_weight": 1000.0, "time_interp_weight": 10.0},
   "local_error_10_shift_quarter": {
