@@ -230,11 +230,14 @@ def test_a_fraction_of_batches_draws_the_random_grid(fraction):
     dataclasses.replace(cfg, train_time_grid_fraction=0.0)
 
 
+@pytest.mark.parametrize("boundary", [None, "end", "start"])
 @pytest.mark.parametrize("grid", [None, "smooth"])
-def test_local_error_is_the_heun_minus_euler_step(grid):
+def test_local_error_is_the_heun_minus_euler_step(grid, boundary):
   """local_error=True: Σ_k mean(e_k²) with e_k Heun's step from x_{k-1} minus Euler's,
   dt_{k-1}/2·(F(x_k, t_k) − F(x_{k-1}, t_{k-1})), the F evaluated here from the field
-  itself (not from the trajectory's differences), on a uniform and a non-uniform grid."""
+  itself (not from the trajectory's differences), on a uniform and a non-uniform grid.
+  With boundary inputs (a time t_b): 'end' adds the last step's, dt_(K-1)/2·(F(x_K, t_b)
+  − F(x_(K-1), t_(K-1))); 'start' adds dt_0/2·(F(x_0, t_0) − F(x_0, t_b))."""
   rng = np.random.default_rng(5)
   a = rng.normal(size=(3, 3)) * 0.8
   x0 = rng.normal(size=(2, 3)).astype(np.float32)
@@ -243,8 +246,16 @@ def test_local_error_is_the_heun_minus_euler_step(grid):
   ts, dts = np.asarray(g[:-1], np.float32), np.diff(np.asarray(g, np.float64))
   field = lambda x, t: jnp.tanh(x @ a.T.astype(np.float32)) * (1.0 + t)  # noqa: E731
   dt = jnp.asarray(dts, jnp.float32) if grid else 1.0 / k
+  t_b = 1.0 if boundary == "end" else 0.3
   x_k, traj, error = solvers.fixed_step_solve(
-    field, jnp.asarray(x0), jnp.asarray(ts)[:, None], dt, return_trajectory=True, local_error=True
+    field,
+    jnp.asarray(x0),
+    jnp.asarray(ts)[:, None],
+    dt,
+    return_trajectory=True,
+    local_error=True,
+    boundary_inputs=None if boundary is None else jnp.full((1, 1), t_b, jnp.float32),
+    boundary=boundary or "end",
   )
   xs = np.concatenate([np.asarray(traj, np.float64), np.asarray(x_k, np.float64)[None]])
   f = lambda x, t: np.tanh(x @ a.T) * (1.0 + t)  # noqa: E731
@@ -252,9 +263,41 @@ def test_local_error_is_the_heun_minus_euler_step(grid):
     np.mean((dts[j - 1] / 2 * (f(xs[j], ts[j]) - f(xs[j - 1], ts[j - 1]))) ** 2)
     for j in range(1, k)
   )
+  if boundary == "end":
+    want += np.mean((dts[-1] / 2 * (f(xs[k], t_b) - f(xs[k - 1], ts[k - 1]))) ** 2)
+  elif boundary == "start":
+    want += np.mean((dts[0] / 2 * (f(xs[0], ts[0]) - f(xs[0], t_b))) ** 2)
   np.testing.assert_allclose(float(error), want, rtol=2e-4)
   plain = solvers.fixed_step_solve(field, jnp.asarray(x0), jnp.asarray(ts)[:, None], dt)
   np.testing.assert_array_equal(np.asarray(plain), np.asarray(x_k))  # the solve is the same
+
+
+@pytest.mark.matmul_precision("highest")
+@pytest.mark.parametrize("step_time", ["start", "end"])
+def test_model_local_error_counts_every_step(step_time):
+  """The model's local error, from a float64 reference field on its own trajectory: Euler's
+  K − 1 second differences plus the step the solve never closes, through the field at the
+  time it never evaluates (t = 1 under 'start': the last step's Heun–Euler error; t = 0
+  under 'end': the first's)."""
+  cfg = dataclasses.replace(TINY, solver_steps=3, num_layers=3, step_time=step_time)
+  model = create_model(cfg, seed=0)
+  _perturb_hypernet(model, scale=3.0)  # a field that moves x: a non-zero local error
+  toks = tokens(3, b=1, length=8)
+  _, traj, error = model(toks, return_trajectory=True, return_local_error=True)
+  k, dt = cfg.solver_steps, 1.0 / cfg.solver_steps
+  x = np.asarray(traj, np.float64)[:, 0]  # [K, t, d], the states before each step
+  seg, pos = np.zeros(8, np.int32), np.arange(8)
+  node = (lambda j: j * dt) if step_time == "start" else (lambda j: (j + 1) * dt)
+  slopes = [ref_field(x[j], ref_weights(model, node(j)), cfg, seg, pos) for j in range(k)]
+  x_k = x[-1] + dt * slopes[-1]  # x_K, in the reference's float64
+  want = sum(np.mean((dt / 2 * (slopes[j] - slopes[j - 1])) ** 2) for j in range(1, k))
+  if step_time == "start":
+    closing = ref_field(x_k, ref_weights(model, 1.0), cfg, seg, pos)
+    want += np.mean((dt / 2 * (closing - slopes[-1])) ** 2)
+  else:
+    opening = ref_field(x[0], ref_weights(model, 0.0), cfg, seg, pos)
+    want += np.mean((dt / 2 * (slopes[0] - opening)) ** 2)
+  np.testing.assert_allclose(float(error), want, rtol=1e-3)
 
 
 def _local_error(model, batch, rng):

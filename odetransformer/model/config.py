@@ -148,8 +148,10 @@ class ModelConfig:
     0.0,
     (
       "λ: the train loss adds λ·Σ_k mean(e_k²), e_k = dt/2·(F_k − F_(k-1)) the "
-      "Heun–Euler local error of the solve (ODE kinds; solvers.fixed_step_solve): a "
-      "field a finer solve agrees with; 0 = off"
+      "Heun–Euler local error of each of the K steps (ODE kinds; solvers.fixed_step_solve; "
+      "the step whose other end the solve never evaluates takes one more field evaluation "
+      "there, at t = 1 under step_time='start', 0 under 'end'): a field a finer solve "
+      "agrees with; 0 = off"
     ),
   )
   time_interp_weight: float = _field(

@@ -258,6 +258,8 @@ def fixed_step_solve(
   eval_outputs: bool = False,
   unroll: int = 1,
   local_error: bool = False,
+  boundary_inputs=None,
+  boundary: str = "end",
 ):
   """Integrates dx/dt = field(x, inputs(t)) with K fixed steps.
 
@@ -292,7 +294,13 @@ def fixed_step_solve(
       with F_k = (x_{k+1} − x_k)/dt_k the step's slope: for Euler the difference between
       Heun's step and Euler's (the local error estimate of embedded Heun–Euler), for any
       method the trajectory's second difference (on a uniform grid (x_{k+1} − 2x_k +
-      x_{k-1})/2). Small when a finer solve would give the same x_K.
+      x_{k-1})/2). Small when a finer solve would give the same x_K. Those K − 1 terms
+      leave one step out, whose other slope the solve never evaluates:
+    boundary_inputs: with local_error, the field's inputs (leaves [1, 1, ...]) at the time
+      the solve never evaluates (Euler under step_time='start': t = 1; under 'end': 0),
+      one more field evaluation that adds the left-out step's term: `boundary='end'`:
+      e_K = dt_(K-1)/2·(f(x_K, boundary) − F_(K-1)), the last step's Heun–Euler error;
+      'start': e_0 = dt_0/2·(F_0 − f(x_0, boundary)). None: the K − 1 terms alone.
   Returns:
     x_K, followed by [x_0 … x_{K-1}] with return_trajectory, by the outputs with
     eval_outputs and by the local error with local_error (a tuple when any is asked for).
@@ -342,19 +350,42 @@ def fixed_step_solve(
     results = (x,) + ((traj,) if return_trajectory else ()) + ((outs,) if eval_outputs else ())
     return results if len(results) > 1 else x
 
+  if boundary not in ("start", "end"):
+    raise ValueError(f"boundary={boundary!r}: choose 'start' or 'end'")
+  whole = None
+  if boundary_inputs is not None:
+    _, rebuild_boundary = _split_constants(boundary_inputs, 1)
+    at = rebuild_boundary([])
+    parts = TABLEAUX[method].parts
+
+    def whole(x):  # the whole field (a splitting method's parts summed) at the boundary
+      if parts is None:
+        return field(x, at)
+      return sum(field(x, at, part=p) for p in dict.fromkeys(parts))
+
+  # 'start': the first step's term is (x_1 − x_0) − dt_0·f(x_0, boundary), over 2.
+  first = whole(x0) if whole is not None and boundary == "start" else None
+
   def body_with_error(carry, xs_k):
     x, x_prev, dt_prev, acc, started = carry
     x_next, ys = body(x, xs_k)
     dt_k = xs_k[1] if per_step else dt
     e = 0.5 * ((x_next - x) * (dt_prev / dt_k) - (x - x_prev)).astype(jnp.float32)
+    if first is not None:
+      e0 = 0.5 * ((x_next - x) - dt_k * first).astype(jnp.float32)
+      e = jnp.where(started, e, e0)
+      started = jnp.bool_(True)
     acc = acc + jnp.where(started, jnp.mean(jnp.square(e)), 0.0)
     return (x_next, x, dt_k, acc, jnp.bool_(True)), ys
 
   dt0 = dt[0] if per_step else dt
   init = (x0, x0, dt0, jnp.float32(0.0), jnp.bool_(False))
-  (x, _, _, error, _), (traj, outs) = jax.lax.scan(
+  (x, x_last, dt_last, error, _), (traj, outs) = jax.lax.scan(
     body_with_error, init, xs, length=num_steps, unroll=unroll
   )
+  if whole is not None and boundary == "end":
+    e = 0.5 * (dt_last * whole(x) - (x - x_last)).astype(jnp.float32)
+    error = error + jnp.mean(jnp.square(e))
   return (
     (x,) + ((traj,) if return_trajectory else ()) + ((outs,) if eval_outputs else ()) + (error,)
   )

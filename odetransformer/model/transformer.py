@@ -260,8 +260,10 @@ class LanguageModel(nnx.Module):
         each lives where its parameters do, while activations follow the rules in
         force. None: generated weights follow the rules in force too.
       return_local_error: also return the solve's local error, Σ_k mean(e_k²) over the
-        state's elements (`solvers.fixed_step_solve`'s `local_error`; the train loss
-        adds it times `model.local_error_weight`), after the trajectory if asked for.
+        state's elements and all K steps (`solvers.fixed_step_solve`'s `local_error`,
+        with the field at the time the solve never evaluates as its `boundary_inputs`:
+        one more evaluation; the train loss adds it times `model.local_error_weight`),
+        after the trajectory if asked for.
     """
     cfg = self.config
     if time_grid is not None:
@@ -299,6 +301,11 @@ class LanguageModel(nnx.Module):
       n_evals = solvers.num_evals(method)
       keys = jax.random.split(dropout_rng, k * n_evals).reshape(k, n_evals)
     compute = jnp.dtype(cfg.dtype)
+    boundary = None  # the local error's left-out step: the field at the unevaluated end
+    if return_local_error and cfg.is_ode:
+      side = "end" if cfg.step_time == "start" else "start"
+      t_b = jnp.full((1, 1), 1.0 if side == "end" else 0.0, jnp.float32)
+      boundary = self.stack.step_weights(t_b, compute, param_rules)
 
     def field(x_bld, p, key=None, part=None):  # the block (or a splitting solver's
       # part of it) in the compute dtype, x in the state's
@@ -317,6 +324,8 @@ class LanguageModel(nnx.Module):
       num_steps=k,
       unroll=solvers.loop_unroll(cfg.layer_loop, k, blocks._platform()),
       local_error=return_local_error,
+      boundary_inputs=boundary,
+      boundary="end" if cfg.step_time == "start" else "start",
     )
     if not (return_trajectory or return_local_error):
       return self.logits(out)
