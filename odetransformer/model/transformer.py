@@ -301,9 +301,9 @@ class LanguageModel(nnx.Module):
       n_evals = solvers.num_evals(method)
       keys = jax.random.split(dropout_rng, k * n_evals).reshape(k, n_evals)
     compute = jnp.dtype(cfg.dtype)
-    boundary = None  # the local error's left-out step: the field at the unevaluated end
+    # The local error's left-out step: the field at the end the solve never evaluates.
+    boundary, side = None, ("end" if cfg.step_time == "start" else "start")
     if return_local_error and cfg.is_ode:
-      side = "end" if cfg.step_time == "start" else "start"
       t_b = jnp.full((1, 1), 1.0 if side == "end" else 0.0, jnp.float32)
       boundary = self.stack.step_weights(t_b, compute, param_rules)
 
@@ -325,7 +325,7 @@ class LanguageModel(nnx.Module):
       unroll=solvers.loop_unroll(cfg.layer_loop, k, blocks._platform()),
       local_error=return_local_error,
       boundary_inputs=boundary,
-      boundary="end" if cfg.step_time == "start" else "start",
+      boundary=side,
     )
     if not (return_trajectory or return_local_error):
       return self.logits(out)
