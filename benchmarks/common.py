@@ -37,6 +37,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import default as default_config  # noqa: E402
+from odetransformer import errors  # noqa: E402
 from odetransformer.model.config import ModelConfig  # noqa: E402
 from odetransformer.train import loop, optimizer, sharding, steps  # noqa: E402
 
@@ -296,7 +297,9 @@ def keyed_run(config, workdir: str, stop_at_step: int = 0) -> tuple:
   moved aside (nothing is deleted; a line says where) and the run trains afresh. With
   the same key the run resumes from its checkpoints (a finished run only evaluates).
   Returns (result, note): note '' when every step was trained now, else where the steps
-  were read back from, naming the workdir and the code version.
+  were read back from, naming the workdir and the code version. A run that SIGTERM or
+  Ctrl-C stopped (its checkpoint saved) ends the benchmark with a line and exit status
+  75 (`errors.EXIT_STOPPED_EARLY`), as main.py does: a part-trained run is never scored.
   """
   key = run_key(config)
   if os.path.isdir(workdir) and os.listdir(workdir):
@@ -318,6 +321,13 @@ def keyed_run(config, workdir: str, stop_at_step: int = 0) -> tuple:
   write_json(os.path.join(workdir, RUN_KEY_FILE), key)
   result = loop.train_and_evaluate(config, workdir, stop_at_step=stop_at_step)
   start, step = int(result["start_step"]), int(result["step"])
+  if result.get("preempted"):  # a part-trained run is not a result: stop, resumable
+    print(
+      f"{workdir}: stopped at step {step} of {config.num_train_steps} (SIGTERM or Ctrl-C), "
+      "its checkpoint saved; the same command resumes it",
+      flush=True,
+    )
+    sys.exit(errors.EXIT_STOPPED_EARLY)
   if start == 0:
     return result, ""
   if start == step:

@@ -27,6 +27,7 @@ from benchmarks import any_n, common, quality
 from benchmarks.adaptive_finetune import cli as adaptive_finetune
 from benchmarks.single_epoch import cli as single_epoch
 from input_pipeline import local_text, pipeline
+from odetransformer import errors
 from odetransformer.errors import UserError, describe
 from odetransformer.model import config as config_lib
 from odetransformer.tools import evaluate
@@ -671,16 +672,21 @@ def _fake_training(monkeypatch, calls):
 
   def fake(config, workdir, stop_at_step=0):
     del stop_at_step
-    ckpt = pathlib.Path(workdir, "ckpt")
+    ckpt, signal = pathlib.Path(workdir, "ckpt"), pathlib.Path(f"{workdir}.sigterm_at")
     start = int(ckpt.read_text()) if ckpt.exists() else 0
-    ckpt.write_text(str(config.num_train_steps))
+    step = config.num_train_steps
+    if signal.exists():  # SIGTERM arrives at this step: saved there, stopped
+      step = int(signal.read_text())
+      signal.unlink()
+    ckpt.write_text(str(step))
     calls.append((workdir, start))
-    hist = [(s, 5.0 - s) for s in range(start + 1, config.num_train_steps + 1)]
+    hist = [(s, 5.0 - s) for s in range(start + 1, step + 1)]
     return {
       "start_step": start,
-      "step": config.num_train_steps,
+      "step": step,
       "loss_history": hist,
       "eval": {"perplexity": 100.0 + start},
+      "preempted": step < config.num_train_steps,
     }
 
   monkeypatch.setattr(common.loop, "train_and_evaluate", fake)
@@ -720,6 +726,31 @@ def test_keyed_run_reuses_a_workdir_only_under_the_same_code_and_config(
   ft = tiny_config(tmp_path / "cache", 2)
   ft.init_from = wd
   assert common.run_key(ft)["init_from"] == common.run_key(longer)
+
+
+def test_a_stopped_run_ends_the_benchmark_unscored_and_resumes(tmp_path, monkeypatch, capsys):
+  """A run that SIGTERM stops mid-way (its checkpoint saved) is not scored as if trained:
+  the benchmark ends with status 75 (as main.py), and the same command resumes it."""
+  calls, scored = [], []
+  _fake_training(monkeypatch, calls)
+
+  def fake_evaluate(workdir, counts, max_batches):
+    scored.append(workdir)
+    return [types.SimpleNamespace(perplexity=50.0 + n, num_tokens=1000) for n in counts]
+
+  monkeypatch.setattr(any_n.evaluation, "evaluate", fake_evaluate)
+  args = any_n.parse_args(["--steps=4", "--solver_steps=2", "--rounds=0"])
+  config = any_n.make_config(args, "fixed", 0, str(tmp_path / "cache"))
+  wd, code = tmp_path / "fixed_seed0", common.code_version()
+  (tmp_path / "fixed_seed0.sigterm_at").write_text("1")
+  with pytest.raises(SystemExit) as stopped:
+    any_n.train_and_score(config, str(wd), 16)
+  assert stopped.value.code == errors.EXIT_STOPPED_EARLY and scored == []
+  assert f"{wd}: stopped at step 1 of 4 (SIGTERM or Ctrl-C)" in capsys.readouterr().out
+  assert not (wd / "any_n_scores.json").exists()
+  _, line = any_n.train_and_score(config, str(wd), 16)
+  assert calls == [(str(wd), 0), (str(wd), 1)] and scored == [str(wd)]
+  assert line.startswith(f"resumed at step 1 of 4 from {wd} (code {code}), scored now | ppl N=1")
 
 
 def test_any_n_scores_are_read_back_only_for_the_same_code(tmp_path, monkeypatch):
