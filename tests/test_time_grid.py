@@ -311,6 +311,32 @@ def _interp_error(model, batch, rng):
   return model.stack.interpolation_error(time_grid.uniform_grid(k), alpha)
 
 
+def _batch(cfg, seed=2):
+  rng = np.random.default_rng(seed)
+  return {
+    "inputs": rng.integers(0, cfg.vocab_size, (2, 8)).astype(np.int32),
+    "targets": rng.integers(0, cfg.vocab_size, (2, 8)).astype(np.int32),
+    "weights": np.ones((2, 8), np.float32),
+  }
+
+
+def _sgd_step(model_cfg, batch, key):
+  """(params before, params after, reported loss) of one train step under SGD (lr 1) from
+  the init of seed 0 perturbed (so that the field moves x: a non-zero local error)."""
+  c = tiny_config("/unused")
+  mesh = sharding_lib.make_mesh(c.mesh)
+  rules = sharding_lib.logical_axis_rules(c.mesh.rules)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    ts, state = steps.init_train_state(model_cfg, optax.sgd(1.0), 0, mesh)
+    model, optimizer = ts.merge(state)
+    _perturb_hypernet(model, scale=3.0)
+    state = nnx.state({"model": model, "optimizer": optimizer})
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(state["model"]))
+    new_state, m = steps.make_train_step(ts, lambda s: 1.0, rules)(state, batch, key)
+    after = jax.tree.map(np.asarray, nnx.to_pure_dict(new_state["model"]))
+  return before, after, float(m.loss.compute())
+
+
 @pytest.mark.parametrize(
   "field,error", [("local_error_weight", _local_error), ("time_interp_weight", _interp_error)]
 )
@@ -319,29 +345,12 @@ def test_the_train_loss_adds_the_weighted_penalty(field, error):
   the parameters by the gradient of CE + λ·error, i.e. the λ = 1 step minus the λ = 0 step
   is −∂error/∂θ; the reported loss is the cross-entropy alone."""
   cfg = dataclasses.replace(TINY, solver_steps=3, num_layers=3)
-  rng = np.random.default_rng(2)
-  batch = {
-    "inputs": rng.integers(0, cfg.vocab_size, (2, 8)).astype(np.int32),
-    "targets": rng.integers(0, cfg.vocab_size, (2, 8)).astype(np.int32),
-    "weights": np.ones((2, 8), np.float32),
-  }
-  key = jax.random.key(0)
-  c = tiny_config("/unused")
-  mesh = sharding_lib.make_mesh(c.mesh)
-  rules = sharding_lib.logical_axis_rules(c.mesh.rules)
+  batch, key = _batch(cfg), jax.random.key(0)
   after, losses = {}, {}
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    for weight in (0.0, 1.0):
-      model_cfg = dataclasses.replace(cfg, **{field: weight})
-      ts, state = steps.init_train_state(model_cfg, optax.sgd(1.0), 0, mesh)
-      model, optimizer = ts.merge(state)
-      _perturb_hypernet(model, scale=3.0)  # a field that moves x: a non-zero local error
-      state = nnx.state({"model": model, "optimizer": optimizer})
-      before = nnx.to_pure_dict(state["model"])
-      before = jax.tree.map(np.asarray, before)
-      new_state, m = steps.make_train_step(ts, lambda s: 1.0, rules)(state, batch, key)
-      after[weight] = jax.tree.map(np.asarray, nnx.to_pure_dict(new_state["model"]))
-      losses[weight] = float(m.loss.compute())
+  for weight in (0.0, 1.0):
+    before, after[weight], losses[weight] = _sgd_step(
+      dataclasses.replace(cfg, **{field: weight}), batch, key
+    )
   # The gradient of the error alone, on a model built outside the mesh with the same params.
   reference = nnx.eval_shape(lambda: create_model(cfg, seed=0))
   graphdef, params = nnx.split(reference)
@@ -354,6 +363,26 @@ def test_the_train_loss_adds_the_weighted_penalty(field, error):
   assert max(float(np.abs(g).max()) for g in flat_grad) > 1e-6
   for d, g in zip(flat_moved, flat_grad):
     np.testing.assert_allclose(d, -np.asarray(g), atol=1e-5 + 1e-3 * float(np.abs(g).max()))
+
+
+@pytest.mark.parametrize(
+  "kind,field",
+  [
+    ("transformer", "local_error_weight"),
+    ("transformer", "time_interp_weight"),
+    ("shared", "time_interp_weight"),
+  ],
+)
+def test_a_kind_without_the_penalty_ignores_its_weight(kind, field):
+  """A kind with no solve (λ) or no W(t) (μ) trains exactly as with the weight 0, so
+  that a config with the penalty on switches to its baseline by --config.model.kind alone."""
+  depth = {"solver_steps": None, "num_layers": 2} if kind == "transformer" else {"solver_steps": 2}
+  cfg = dataclasses.replace(TINY, kind=kind, **depth)
+  batch, key = _batch(cfg), jax.random.key(0)
+  _, off, loss_off = _sgd_step(cfg, batch, key)
+  _, on, loss_on = _sgd_step(dataclasses.replace(cfg, **{field: 1000.0}), batch, key)
+  assert loss_on == loss_off
+  jax.tree.map(np.testing.assert_array_equal, on, off)
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -449,7 +478,8 @@ def test_train_step_solves_on_the_grid_drawn_from_its_rng():
 
 def test_new_model_fields_match_fingerprints_written_before_them():
   """A checkpoint written before model.step_time / model.llama_block existed resumes
-  under their defaults (its meaning then); a stored value that differs does not."""
+  under their defaults (its meaning then); a stored value that differs does not, nor a
+  new config that sets the added field to another value than its default."""
   c = tiny_config("/unused")
   new = fingerprint(c)
   assert new["model"]["step_time"] == "start" and new["model"]["llama_block"] == "paper"
@@ -460,6 +490,21 @@ def test_new_model_fields_match_fingerprints_written_before_them():
   assert fingerprint_diffs(old, new) == []
   c.model.step_time = "end"
   assert fingerprint_diffs(new, fingerprint(c)) == ["model.step_time 'start' -> 'end'"]
+  # Nor does a config that sets the added field otherwise: the old run meant its default.
+  assert fingerprint_diffs(old, fingerprint(c)) == ["model.step_time 'start' -> 'end'"]
+  c.model.step_time = "start"
+  c.model.local_error_weight = 3000.0
+  before_penalty = {
+    **new,
+    "model": {k: v for k, v in new["model"].items() if k != "local_error_weight"},
+  }
+  assert fingerprint_diffs(before_penalty, fingerprint(c)) == [
+    "model.local_error_weight 0.0 -> 3000.0"
+  ]
+  # The depth a kind does not read (an ODE's num_layers) is not compared, set or not.
+  c.model.local_error_weight = 0.0
+  c.model.num_layers = 7
+  assert fingerprint_diffs(old, fingerprint(c)) == []
 
 
 def test_local_error_weight_is_checked():
@@ -467,9 +512,3 @@ def test_local_error_weight_is_checked():
     dataclasses.replace(TINY, local_error_weight=-1.0)
   with pytest.raises(ValueError, match=r"time_interp_weight=-1.0 must be >= 0"):
     dataclasses.replace(TINY, time_interp_weight=-1.0)
-  with pytest.raises(ValueError, match=r"only 'diffeqformer' generates its weights"):
-    dataclasses.replace(TINY, kind="shared", time_interp_weight=1.0)
-  with pytest.raises(ValueError, match=r"'transformer' has no solve to regularise"):
-    dataclasses.replace(
-      TINY, kind="transformer", solver_steps=None, num_layers=2, local_error_weight=1.0
-    )

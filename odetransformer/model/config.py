@@ -151,7 +151,8 @@ class ModelConfig:
       "Heun–Euler local error of each of the K steps (ODE kinds; solvers.fixed_step_solve; "
       "the step whose other end the solve never evaluates takes one more field evaluation "
       "there, at t = 1 under step_time='start', 0 under 'end'): a field a finer solve "
-      "agrees with; 0 = off"
+      "agrees with; 0 = off. Discrete kinds have no solve and ignore it, so that "
+      "--config.model.kind alone switches a config to its baseline"
     ),
   )
   time_interp_weight: float = _field(
@@ -161,7 +162,8 @@ class ModelConfig:
       "‖W(g_(k+1)) − W(g_k)‖² (the denominator held fixed): W(t)'s distance, at a random "
       "u_k in each step of the batch's grid, from the line between the step's ends "
       "(hypernet.HyperNetwork.interpolation_error). W(t) between the trained times, which "
-      "a finer solve reads, then lies between its neighbours' ('diffeqformer'; 0 = off)"
+      "a finer solve reads, then lies between its neighbours' (0 = off; only "
+      "'diffeqformer' generates W from t: the other kinds ignore it)"
     ),
   )
   train_time_grid_fraction: float = _field(
@@ -289,16 +291,9 @@ class ModelConfig:
     ):
       if int(getattr(self, name)) <= 0:
         raise ValueError(f"model.{name}={getattr(self, name)} must be a positive integer")
-    if self.local_error_weight < 0 or (self.local_error_weight and not self.is_ode):
-      raise ValueError(
-        f"model.local_error_weight={self.local_error_weight} must be >= 0, and 0 for a "
-        f"discrete kind ({self.kind!r} has no solve to regularise)"
-      )
-    if self.time_interp_weight < 0 or (self.time_interp_weight and self.kind != "diffeqformer"):
-      raise ValueError(
-        f"model.time_interp_weight={self.time_interp_weight} must be >= 0, and 0 for "
-        f"kind={self.kind!r} (only 'diffeqformer' generates its weights from t)"
-      )
+    for name in ("local_error_weight", "time_interp_weight"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"model.{name}={getattr(self, name)} must be >= 0 (0 = off)")
     if not self.time_scale > 0:
       raise ValueError(f"model.time_scale={self.time_scale} must be positive")
     if not 0.0 < self.train_time_grid_fraction <= 1.0:
@@ -407,6 +402,16 @@ class ModelConfig:
   @property
   def is_ode(self) -> bool:
     return self.kind in ODE_KINDS
+
+  @property
+  def local_error_penalty(self) -> float:
+    """λ as the train loss applies it: `local_error_weight`, 0 for a discrete kind."""
+    return self.local_error_weight if self.is_ode else 0.0
+
+  @property
+  def time_interp_penalty(self) -> float:
+    """μ as the train loss applies it: `time_interp_weight`, 0 unless 'diffeqformer'."""
+    return self.time_interp_weight if self.kind == "diffeqformer" else 0.0
 
   @property
   def block(self) -> str:

@@ -213,14 +213,14 @@ def make_train_step(
     model = nnx.merge(graphdef, params, rest)
     # model.train_time_grid: this batch's solver grid (None = uniform), its own stream.
     grid = time_grid_lib.train_time_grid(model.config, jax.random.fold_in(rng, _GRID_STREAM))
-    weight = model.config.local_error_weight  # model.local_error_weight: λ·local error
+    weight = model.config.local_error_penalty  # model.local_error_weight: λ·local error
     out = _logits(model, batch, rules, rng if use_dropout else None, grid, local_error=weight > 0)
     logits, error = out if weight > 0 else (out, None)
     loss_sum, _ = token_cross_entropy(logits, batch["targets"], batch["weights"])
     loss = loss_sum / denominator
     if error is not None:  # a mean per microbatch: their mean over the accumulation
       loss = loss + weight * error / grad_accum_steps
-    interp = model.config.time_interp_weight  # model.time_interp_weight: μ·off-line codes
+    interp = model.config.time_interp_penalty  # model.time_interp_weight: μ·off-line W
     if interp:  # the same draw in every microbatch: once over the accumulation
       cfg = model.config
       alpha = jax.random.uniform(jax.random.fold_in(rng, _INTERP_STREAM), (cfg.depth,))

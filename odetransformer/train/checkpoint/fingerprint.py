@@ -8,6 +8,7 @@ seed — so that a resume with other settings is refused before anything is writ
 knowingly. Also the run's `config.json` and the copy of its tokenizer in the workdir.
 """
 
+import dataclasses
 import json
 
 from absl import logging
@@ -15,7 +16,12 @@ import jax
 import ml_collections
 
 from odetransformer.errors import ConfigError
-from odetransformer.model.config import migrate_model_fields
+from odetransformer.model.config import (
+  ModelConfig,
+  default_model_config,
+  depth_fields,
+  migrate_model_fields,
+)
 from odetransformer.runtime import fileio
 from odetransformer.train.checkpoint.paths import (
   CONFIG_FILE,
@@ -90,19 +96,33 @@ def fingerprint(record, tokenizer_sha256: str | None = None, data_hash: str | No
   }
 
 
+# ModelConfig's fields at their defaults, as a fingerprint records them (JSON values).
+_MODEL_DEFAULTS = {
+  k: v
+  for k, v in json.loads(json.dumps(default_model_config().to_dict(), default=list)).items()
+  if k in {f.name for f in dataclasses.fields(ModelConfig)}
+}
+
+
 def fingerprint_diffs(old: dict, new: dict) -> list:
   """'section.key old -> new' for each difference between two fingerprints.
 
   A None hash (not known yet, or a checkpoint written before hashes) matches any. When
   the new run names its tokenizer file, the hash decides and the settings that would
-  train one (tokenizer_sample_bytes) do not matter. A key only one side has is a field
-  added to (or dropped from) the code since: its default keeps the old meaning.
+  train one (tokenizer_sample_bytes) do not matter. A model field one side lacks was
+  added to the code since: it compares as its ModelConfig default, the behaviour of the
+  code before it (a config that sets it otherwise, as configs/default.py's
+  local_error_weight, is a change). Other keys only one side has (dropped since) are
+  skipped, and so is the depth field the kind does not read (num_layers of an ODE).
   """
   diffs = []
   for section in ("model", "data", "resume"):
     a, b = old.get(section) or {}, new.get(section) or {}
     if section == "model":  # a run written before a rename compares under the new names
       a, b = migrate_model_fields(a, warn=False), migrate_model_fields(b, warn=False)
+      a, b = {**_MODEL_DEFAULTS, **a}, {**_MODEL_DEFAULTS, **b}
+      unused = depth_fields(b["kind"])[1]  # the depth the kind does not read
+      a.pop(unused, None), b.pop(unused, None)
     for key in sorted(set(a) & set(b)):
       if section == "model" and key in RESUMABLE_MODEL_FIELDS:
         continue
