@@ -1,17 +1,18 @@
 """Any N: does a DiffEqFormer trained at K steps keep its perplexity at other N?
 
-Trains the same model once per candidate and seed — today's default and each training
-option (`CANDIDATES`: a time-grid sampler, a mix of grids, a smooth time embedding, a
-penalty on the solve's local error) — at
-equal tokens (same init, data order, batch, steps and schedule), evaluates every run on
+Trains the same model once per candidate and seed — 'fixed' (a DiffEqFormer without
+any-N training: the uniform grid, no penalty) and each training option (`CANDIDATES`: a
+time-grid sampler, a mix of grids, a smooth time embedding, a penalty on the solve's
+local error) — at equal tokens (same init, data order, batch, steps and schedule),
+evaluates every run on
 the same tokens at N ∈ {K/2, K, 2K, 4K, 8K} Euler steps of the uniform grid, and times
 every candidate's train step side by side (interleaved rounds of the product's step).
 
 The table gives each candidate's perplexity at every N (mean ± std over the seeds), and
 the targets of a default: max(ppl(2K), ppl(4K)) within 3% of ppl(K), ppl(K/2) within
-10%, ppl(K) within 1% of today's default, and a train step within 10% of its time. The
-chosen candidate is the one meeting all four with the lowest ppl(K) (today's default
-when none does); the last line is its ratio:
+10%, ppl(K) within 1% of 'fixed', and a train step within 10% of its time. The
+chosen candidate is the one meeting all four with the lowest ppl(K) ('fixed' when none
+does); the last line is its ratio:
 
   any-N: chosen C: max(ppl(2K), ppl(4K)) / ppl(K) = R
 
@@ -49,9 +50,19 @@ from odetransformer.model.solvers import STEP_TIMES
 from odetransformer.runtime.logs import quiet_tool_logs
 from odetransformer.train import evaluation, loading
 
-# Training options compared with today's default ('fixed'): model fields each sets.
+# The model fields the candidates set, at the values of a DiffEqFormer without any-N
+# training (the uniform grid k/K, s = 1000, no penalty): each candidate is these with its
+# own changes, whatever configs/default.py sets them to.
+BASE = {
+  "train_time_grid": "fixed",
+  "train_time_grid_fraction": 1.0,
+  "time_scale": 1000.0,
+  "local_error_weight": 0.0,
+  "time_interp_weight": 0.0,
+}
+# Training options compared with 'fixed' (BASE itself): model fields each changes.
 CANDIDATES = {
-  "fixed": {},  # today's default: the uniform grid k/K, s = 1000
+  "fixed": {},
   "random_shift": {"train_time_grid": "random_shift"},
   "shift_half": {"train_time_grid": "random_shift", "train_time_grid_fraction": 0.5},
   "shift_quarter": {"train_time_grid": "random_shift", "train_time_grid_fraction": 0.25},
@@ -93,6 +104,7 @@ CANDIDATES = {
   },
 }
 DEFAULT = "fixed"
+assert all(set(fields) <= set(BASE) for fields in CANDIDATES.values()), "BASE misses a field"
 # The targets a candidate must meet to become the default (module docstring).
 MAX_FINER_RATIO, MAX_HALF_RATIO, MAX_K_COST, MAX_STEP_COST = 1.03, 1.10, 1.01, 1.10
 PRESETS = ("default", "bench-small")
@@ -143,7 +155,7 @@ def make_config(args, candidate: str, seed: int, cache_dir: str):
   ):
     if value:
       setattr(node, key, value)
-  for key, value in CANDIDATES[candidate].items():
+  for key, value in {**BASE, **CANDIDATES[candidate]}.items():
     setattr(c.model, key, value)
   c.eval_batch_size = c.global_batch_size
   c.data.eval_max_batches = args.eval_batches
@@ -239,11 +251,11 @@ def parse_args(argv=None):
 
 def step_seconds(config, rounds: int, candidates: list) -> dict:
   """Candidate -> seconds per train step of the product's train step on the model of
-  `config` with the candidate's fields, all timed in turn (median of `rounds`)."""
+  `config` with the candidate's fields (BASE and its own, whichever candidate `config`
+  was made for), all timed in turn (median of `rounds`)."""
   cfg = config_lib.model_config(config, config.data.vocab_size)
-  base = {k: getattr(cfg, k) for k in set().union(*(CANDIDATES[c] for c in candidates))}
   trainers = {
-    c: common.Trainer(common.replace(cfg, **{**base, **CANDIDATES[c]}), seed=0) for c in candidates
+    c: common.Trainer(common.replace(cfg, **{**BASE, **CANDIDATES[c]}), seed=0) for c in candidates
   }
   batch = trainers[DEFAULT].batch(config.global_batch_size, config.seq_len)
   return common.time_alternating(
@@ -356,8 +368,8 @@ def summarise(ppl: dict, seconds: dict | None) -> dict:
 
 
 def choose(summary: dict) -> str:
-  """The candidate meeting every target with the lowest ppl(K); today's default when none
-  (other than it) does."""
+  """The candidate meeting every target with the lowest ppl(K); 'fixed' when none (other
+  than it) does."""
   ok = [c for c, s in summary.items() if s["meets"] and c != DEFAULT]
   return min(ok, key=lambda c: summary[c]["mean"]["K"]) if ok else DEFAULT
 

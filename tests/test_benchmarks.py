@@ -568,6 +568,58 @@ def test_any_n(tmp_path, monkeypatch, capsys):
   assert last and _num(last.group(2)) == pytest.approx(rows[last.group(1)][1], abs=6e-4)
 
 
+def test_any_n_times_each_candidate_on_its_own_fields(tmp_path, monkeypatch):
+  """Every candidate is BASE with its own changes, in its runs and in its timing, whatever
+  configs/default.py sets and whichever candidate's config the timing is given (the last
+  run's): 'fixed' is timed without the penalty another candidate's config carries."""
+  timed = {}
+
+  class FakeTrainer:
+    def __init__(self, cfg, seed):
+      self.cfg = cfg
+
+    def batch(self, b, length):
+      return None
+
+    def step(self, batch):
+      return None
+
+  def fake_alternating(fns, rounds):
+    return {c: 1.0 for c in fns}
+
+  monkeypatch.setattr(common, "Trainer", FakeTrainer)
+  monkeypatch.setattr(common, "time_alternating", fake_alternating)
+  monkeypatch.setattr(
+    any_n.default, "get_config", _with_model(any_n.default.get_config, local_error_weight=5.0)
+  )
+  args = any_n.parse_args(["--steps=4", "--solver_steps=2"])
+  names = ["fixed", "random_shift", "local_error_3000"]
+  config = any_n.make_config(args, "local_error_3000", 0, str(tmp_path / "cache"))
+  real_trainer = FakeTrainer.__init__
+
+  def record(self, cfg, seed):
+    real_trainer(self, cfg, seed)
+    timed[len(timed)] = cfg
+
+  monkeypatch.setattr(FakeTrainer, "__init__", record)
+  any_n.step_seconds(config, 1, names)
+  for name, cfg in zip(names, timed.values()):
+    want = {**any_n.BASE, **any_n.CANDIDATES[name]}
+    assert {k: getattr(cfg, k) for k in want} == want, name
+    run = any_n.make_config(args, name, 0, str(tmp_path / "cache")).model
+    assert {k: run[k] for k in want} == want, name
+
+
+def _with_model(get_config, **fields):
+  def patched():
+    c = get_config()
+    for k, v in fields.items():
+      setattr(c.model, k, v)
+    return c
+
+  return patched
+
+
 def test_any_n_chooses_the_candidate_that_meets_every_target():
   """The lowest ppl(K) among the candidates within every target; today's default when
   none is."""
