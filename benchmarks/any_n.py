@@ -58,6 +58,7 @@ BASE = {
   "train_time_grid_fraction": 1.0,
   "time_scale": 1000.0,
   "local_error_weight": 0.0,
+  "local_error_stride": 1,
   "time_interp_weight": 0.0,
 }
 # Training options compared with 'fixed' (BASE itself): model fields each changes.
@@ -77,6 +78,9 @@ CANDIDATES = {
   "local_error_300_interp_1": {"local_error_weight": 300.0, "time_interp_weight": 1.0},
   "local_error_300_interp_10": {"local_error_weight": 300.0, "time_interp_weight": 10.0},
   "local_error_3000": {"local_error_weight": 3000.0},
+  "local_error_3000_rows2": {"local_error_weight": 3000.0, "local_error_stride": 2},
+  "local_error_3000_rows4": {"local_error_weight": 3000.0, "local_error_stride": 4},
+  "local_error_3000_rows8": {"local_error_weight": 3000.0, "local_error_stride": 8},
   "local_error_10000": {"local_error_weight": 10000.0},
   "local_error_30000": {"local_error_weight": 30000.0},
   "local_error_3000_interp_0.1": {"local_error_weight": 3000.0, "time_interp_weight": 0.1},

@@ -300,6 +300,40 @@ def test_model_local_error_counts_every_step(step_time):
   np.testing.assert_allclose(float(error), want, rtol=1e-3)
 
 
+@pytest.mark.matmul_precision("highest")
+@pytest.mark.parametrize("step_time", ["start", "end"])
+@pytest.mark.parametrize("stride", [2, 4])
+def test_local_error_stride_is_the_error_of_every_nth_row(step_time, stride):
+  """model.local_error_stride s: the local error of a packed batch (documents, their
+  positions restarting) is the stride-1 error of its rows 0, s, 2s, … alone, and the
+  logits are unchanged: only the penalty's rows are subsampled."""
+  base = dataclasses.replace(TINY, solver_steps=3, num_layers=3, step_time=step_time)
+  model = create_model(base, seed=0)
+  _perturb_hypernet(model, scale=3.0)
+  rng = np.random.default_rng(5)
+  b, length = 8, 8
+  toks = jnp.asarray(rng.integers(0, base.vocab_size, (b, length)), jnp.int32)
+  cuts = rng.integers(1, length, b)
+  seg = jnp.asarray((np.arange(length)[None] >= cuts[:, None]).astype(np.int32))
+  pos = jnp.asarray(
+    np.where(np.asarray(seg) == 0, np.arange(length), np.arange(length) - cuts[:, None])
+  )
+  logits, error = model(toks, segment_ids_bl=seg, positions_bl=pos, return_local_error=True)
+  strided = nnx.merge(*nnx.split(model))
+  strided.config = dataclasses.replace(base, local_error_stride=stride)
+  logits_s, error_s = strided(toks, segment_ids_bl=seg, positions_bl=pos, return_local_error=True)
+  picked = slice(0, b, stride)
+  _, want = model(
+    toks[picked], segment_ids_bl=seg[picked], positions_bl=pos[picked], return_local_error=True
+  )
+  np.testing.assert_array_equal(np.asarray(logits_s), np.asarray(logits))
+  np.testing.assert_allclose(float(error_s), float(want), rtol=1e-5)
+  assert abs(float(error_s) - float(error)) > 1e-3 * float(error)  # not all rows' error
+  with pytest.raises(ValueError, match="not a multiple of the stride 3"):
+    strided.config = dataclasses.replace(base, local_error_stride=3)
+    strided(toks, return_local_error=True)
+
+
 def _local_error(model, batch, rng):
   return model(jnp.asarray(batch["inputs"]), return_local_error=True)[1]
 

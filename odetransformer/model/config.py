@@ -155,6 +155,14 @@ class ModelConfig:
       "--config.model.kind alone switches a config to its baseline"
     ),
   )
+  local_error_stride: int = _field(
+    1,
+    (
+      "s: the local error on every s-th batch row (rows 0, s, 2s, …) alone, an unbiased "
+      "estimate of it at 1/s of its cost (its elementwise terms and its one more field "
+      "evaluation); s must divide the rows each device trains per microbatch; 1 = every row"
+    ),
+  )
   time_interp_weight: float = _field(
     0.0,
     (
@@ -294,6 +302,10 @@ class ModelConfig:
     for name in ("local_error_weight", "time_interp_weight"):
       if getattr(self, name) < 0:
         raise ValueError(f"model.{name}={getattr(self, name)} must be >= 0 (0 = off)")
+    if self.local_error_stride < 1:
+      raise ValueError(
+        f"model.local_error_stride={self.local_error_stride} must be >= 1 (1 = every row)"
+      )
     if not self.time_scale > 0:
       raise ValueError(f"model.time_scale={self.time_scale} must be positive")
     if not 0.0 < self.train_time_grid_fraction <= 1.0:

@@ -245,6 +245,21 @@ def _split_constants(stage_inputs, num_stages: int):
   return scanned, rebuild
 
 
+def every_nth_row(s: int):
+  """a -> rows 0, s, 2s, … of a's leading axis (the identity for s = 1). Taken as a
+  reshape to [rows/s, s, …] and its first column, so that a batch split over devices in
+  contiguous blocks of a multiple of s rows keeps its rows where they are."""
+  if s == 1:
+    return lambda a: a
+
+  def pick(a):
+    if a.shape[0] % s:
+      raise ValueError(f"{a.shape[0]} rows are not a multiple of the stride {s}")
+    return a.reshape(a.shape[0] // s, s, *a.shape[1:])[:, 0]
+
+  return pick
+
+
 def fixed_step_solve(
   field: Callable[..., Any],
   x0,
@@ -260,6 +275,7 @@ def fixed_step_solve(
   local_error: bool = False,
   boundary_inputs=None,
   boundary: str = "end",
+  error_stride: int = 1,
 ):
   """Integrates dx/dt = field(x, inputs(t)) with K fixed steps.
 
@@ -301,6 +317,10 @@ def fixed_step_solve(
       one more field evaluation that adds the left-out step's term: `boundary='end'`:
       e_K = dt_(K-1)/2·(f(x_K, boundary) − F_(K-1)), the last step's Heun–Euler error;
       'start': e_0 = dt_0/2·(F_0 − f(x_0, boundary)). None: the K − 1 terms alone.
+    error_stride: s: the local error on every s-th row of x's leading axis (rows 0, s,
+      2s, …; `every_nth_row`) only: an unbiased estimate of the mean over all rows at
+      1/s of its cost (the boundary evaluation's field is then called on those rows).
+      s must divide the leading axis.
   Returns:
     x_K, followed by [x_0 … x_{K-1}] with return_trajectory, by the outputs with
     eval_outputs and by the local error with local_error (a tuple when any is asked for).
@@ -363,28 +383,31 @@ def fixed_step_solve(
         return field(x, at)
       return sum(field(x, at, part=p) for p in dict.fromkeys(parts))
 
+  rows = every_nth_row(error_stride)
   # 'start': the first step's term is (x_1 − x_0) − dt_0·f(x_0, boundary), over 2.
-  first = whole(x0) if whole is not None and boundary == "start" else None
+  first = whole(rows(x0)) if whole is not None and boundary == "start" else None
 
   def body_with_error(carry, xs_k):
-    x, x_prev, dt_prev, acc, started = carry
+    x, x_prev, dt_prev, acc, started = carry  # x_prev: the error's rows only
     x_next, ys = body(x, xs_k)
     dt_k = xs_k[1] if per_step else dt
-    e = 0.5 * ((x_next - x) * (dt_prev / dt_k) - (x - x_prev)).astype(jnp.float32)
+    x_rows, next_rows = rows(x), rows(x_next)
+    e = 0.5 * ((next_rows - x_rows) * (dt_prev / dt_k) - (x_rows - x_prev)).astype(jnp.float32)
     if first is not None:
-      e0 = 0.5 * ((x_next - x) - dt_k * first).astype(jnp.float32)
+      e0 = 0.5 * ((next_rows - x_rows) - dt_k * first).astype(jnp.float32)
       e = jnp.where(started, e, e0)
       started = jnp.bool_(True)
     acc = acc + jnp.where(started, jnp.mean(jnp.square(e)), 0.0)
-    return (x_next, x, dt_k, acc, jnp.bool_(True)), ys
+    return (x_next, x_rows, dt_k, acc, jnp.bool_(True)), ys
 
   dt0 = dt[0] if per_step else dt
-  init = (x0, x0, dt0, jnp.float32(0.0), jnp.bool_(False))
+  init = (x0, rows(x0), dt0, jnp.float32(0.0), jnp.bool_(False))
   (x, x_last, dt_last, error, _), (traj, outs) = jax.lax.scan(
     body_with_error, init, xs, length=num_steps, unroll=unroll
   )
   if whole is not None and boundary == "end":
-    e = 0.5 * (dt_last * whole(x) - (x - x_last)).astype(jnp.float32)
+    x_rows = rows(x)
+    e = 0.5 * (dt_last * whole(x_rows) - (x_rows - x_last)).astype(jnp.float32)
     error = error + jnp.mean(jnp.square(e))
   return (
     (x,) + ((traj,) if return_trajectory else ()) + ((outs,) if eval_outputs else ()) + (error,)

@@ -262,7 +262,8 @@ class LanguageModel(nnx.Module):
       return_local_error: also return the solve's local error, Σ_k mean(e_k²) over the
         state's elements and all K steps (`solvers.fixed_step_solve`'s `local_error`,
         with the field at the time the solve never evaluates as its `boundary_inputs`:
-        one more evaluation; the train loss adds it times `model.local_error_weight`),
+        one more evaluation; the train loss adds it times `model.local_error_weight`;
+        on every `model.local_error_stride`-th row),
         after the trajectory if asked for.
     """
     cfg = self.config
@@ -307,9 +308,17 @@ class LanguageModel(nnx.Module):
       t_b = jnp.full((1, 1), 1.0 if side == "end" else 0.0, jnp.float32)
       boundary = self.stack.step_weights(t_b, compute, param_rules)
 
+    stride = cfg.local_error_stride if return_local_error else 1
+    rows = solvers.every_nth_row(stride)
+
     def field(x_bld, p, key=None, part=None):  # the block (or a splitting solver's
-      # part of it) in the compute dtype, x in the state's
-      out = blocks.block_fn(cfg, part)(x_bld.astype(compute), p, cfg, mask, positions_bl, key)
+      # part of it) in the compute dtype, x in the state's; on the local error's rows
+      # alone (every stride-th: x_bld has fewer rows) at its boundary evaluation
+      m, pos = mask, positions_bl
+      if x_bld.shape[0] != b:
+        m = None if segment_ids_bl is None else blocks.attention_mask(rows(segment_ids_bl))
+        pos = rows(positions_bl)
+      out = blocks.block_fn(cfg, part)(x_bld.astype(compute), p, cfg, m, pos, key)
       return constrain(out, ("batch", "length", "embed")).astype(x_bld.dtype)
 
     out = solvers.fixed_step_solve(
@@ -326,6 +335,7 @@ class LanguageModel(nnx.Module):
       local_error=return_local_error,
       boundary_inputs=boundary,
       boundary=side,
+      error_stride=stride,
     )
     if not (return_trajectory or return_local_error):
       return self.logits(out)

@@ -45,6 +45,13 @@ def check_config(config: RunConfig, mesh) -> None:
       f"global_batch_size={batch} must be a multiple of the batch "
       f"shards ({shards}) × optim.grad_accum_steps ({accum})"
     )
+  stride = config.model.local_error_stride
+  if config.model.local_error_penalty and (batch // (shards * accum)) % stride:
+    raise ConfigError(
+      f"model.local_error_stride={stride} must divide the {batch // (shards * accum)} rows "
+      f"each batch shard trains per microbatch (global_batch_size={batch} / {shards} shards "
+      f"/ {accum} accumulation steps); choose a divisor of it (1 = every row)"
+    )
   if shards % processes:
     raise ConfigError(
       f"the batch is split {shards} ways (mesh data × fsdp) but there are "
