@@ -329,9 +329,13 @@ def test_local_error_stride_is_the_error_of_every_nth_row(step_time, stride):
   np.testing.assert_array_equal(np.asarray(logits_s), np.asarray(logits))
   np.testing.assert_allclose(float(error_s), float(want), rtol=1e-5)
   assert abs(float(error_s) - float(error)) > 1e-3 * float(error)  # not all rows' error
-  with pytest.raises(ValueError, match="not a multiple of the stride 3"):
-    strided.config = dataclasses.replace(base, local_error_stride=3)
-    strided(toks, return_local_error=True)
+  # A stride that does not divide the rows: gcd(s, rows) apart (8 rows, s = 6: every 2nd).
+  strided.config = dataclasses.replace(base, local_error_stride=6)
+  _, error_6 = strided(toks, segment_ids_bl=seg, positions_bl=pos, return_local_error=True)
+  _, want_2 = model(
+    toks[::2], segment_ids_bl=seg[::2], positions_bl=pos[::2], return_local_error=True
+  )
+  np.testing.assert_allclose(float(error_6), float(want_2), rtol=1e-5)
 
 
 def _local_error(model, batch, rng):

@@ -160,7 +160,8 @@ class ModelConfig:
     (
       "s: the local error on every s-th batch row (rows 0, s, 2s, …) alone, an unbiased "
       "estimate of it at 1/s of its cost (its elementwise terms and its one more field "
-      "evaluation); s must divide the rows each device trains per microbatch; 1 = every row"
+      "evaluation; gcd(s, rows) apart when s does not divide a batch's rows); a divisor of "
+      "the rows each device trains per microbatch keeps them on their devices; 1 = every row"
     ),
   )
   time_interp_weight: float = _field(

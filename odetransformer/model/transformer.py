@@ -308,7 +308,8 @@ class LanguageModel(nnx.Module):
       t_b = jnp.full((1, 1), 1.0 if side == "end" else 0.0, jnp.float32)
       boundary = self.stack.step_weights(t_b, compute, param_rules)
 
-    stride = cfg.local_error_stride if return_local_error else 1
+    # Rows s apart, or gcd(s, b) apart when s does not divide the b rows (2 rows, s = 4).
+    stride = math.gcd(cfg.local_error_stride, b) if return_local_error else 1
     rows = solvers.every_nth_row(stride)
 
     def field(x_bld, p, key=None, part=None):  # the block (or a splitting solver's

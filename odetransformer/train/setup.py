@@ -16,6 +16,7 @@ import dataclasses
 import os
 from typing import Any
 
+from absl import logging
 import jax
 import ml_collections
 import optax
@@ -45,12 +46,15 @@ def check_config(config: RunConfig, mesh) -> None:
       f"global_batch_size={batch} must be a multiple of the batch "
       f"shards ({shards}) × optim.grad_accum_steps ({accum})"
     )
-  stride = config.model.local_error_stride
-  if config.model.local_error_penalty and (batch // (shards * accum)) % stride:
-    raise ConfigError(
-      f"model.local_error_stride={stride} must divide the {batch // (shards * accum)} rows "
-      f"each batch shard trains per microbatch (global_batch_size={batch} / {shards} shards "
-      f"/ {accum} accumulation steps); choose a divisor of it (1 = every row)"
+  stride, rows = config.model.local_error_stride, batch // (shards * accum)
+  if config.model.local_error_penalty and rows % stride:
+    logging.warning(
+      "model.local_error_stride=%d does not divide the %d rows each batch shard trains per "
+      "microbatch: the local error's rows are gathered across devices each step (slower, "
+      "the same values); a divisor of %d keeps them in place",
+      stride,
+      rows,
+      rows,
     )
   if shards % processes:
     raise ConfigError(
