@@ -180,9 +180,26 @@ def test_an_old_run_loads_and_evaluates_as_before(old_run):
   assert (m.kind, m.family, m.solver_steps, m.num_layers) == NEW_NAMES[name]
   recorded = config.record["model"]  # what a save of this run would write: new names only
   assert "flavour" not in recorded and "num_steps" not in recorded
+  # Fields added since take their ModelConfig defaults (the old code's behaviour), not
+  # configs/default.py's: the local-error penalty stays off.
+  assert (m.local_error_weight, m.train_time_grid) == (0.0, "fixed")
   result = evaluate.evaluate(workdir, [None], max_batches=2)[0]
   assert (result.num_steps, result.num_tokens) == (2, 64)
   assert result.loss == pytest.approx(OLD_LOSS[name], rel=1e-6)
+
+
+def test_an_old_run_under_a_config_with_the_penalty_is_refused_naming_it(tmp_path):
+  """Resuming the old ODE run with its own config plus configs/default.py's local-error
+  penalty (a field its checkpoint predates) is a change of training, named in the refusal;
+  its own config resumes (the fingerprints match)."""
+  workdir = tmp_path / "ode"
+  shutil.copytree(FIXTURES / "ode", workdir)
+  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+  _, stored = fingerprint_lib.stored_fingerprint(str(workdir))
+  assert fingerprint_lib.fingerprint_diffs(stored, fingerprint_lib.fingerprint(config)) == []
+  config.model.local_error_weight = 3000.0
+  diffs = fingerprint_lib.fingerprint_diffs(stored, fingerprint_lib.fingerprint(config))
+  assert diffs == ["model.local_error_weight 0.0 -> 3000.0"]
 
 
 @pytest.mark.slow
