@@ -164,8 +164,8 @@ def test_key_value_heads_must_split_over_the_heads_mesh_axis():
 def test_local_error_stride_that_splits_a_shards_rows_is_warned(caplog):
   """model.local_error_stride picks rows within each batch shard's microbatch: 16 rows
   over 2 shards and 2 accumulation steps leave 4 a shard, which a stride of 4 divides and
-  8 does not (a warning: the rows then cross devices); without the penalty (or on a
-  discrete kind, which ignores it) nothing is said."""
+  8 does not (a warning: the model takes rows gcd(8, 4) = 4 apart); without the penalty
+  (or on a discrete kind, which ignores it) nothing is said."""
   config = default.get_config()
   config.global_batch_size, config.optim.grad_accum_steps = 16, 2
   config.model.local_error_weight, config.model.local_error_stride = 3000.0, 8
@@ -176,7 +176,8 @@ def test_local_error_stride_that_splits_a_shards_rows_is_warned(caplog):
 
   setup.check_config(rc.RunConfig.from_config(config, warn=False), mesh)
   assert said() and said()[0].startswith(
-    "model.local_error_stride=8 does not divide the 4 rows each batch shard"
+    "model.local_error_stride=8 does not divide the 4 rows each batch shard trains per "
+    "microbatch: the local error takes rows 4 apart instead"
   )
   for weight, stride, kind in (
     (3000.0, 4, "diffeqformer"),

@@ -12,6 +12,8 @@ W(t) — must instead live where its parameters do, so the caller passes the par
 rules down to where it is made (the model's `param_rules` argument).
 """
 
+import math
+
 from flax.core import spmd as core_spmd
 import jax
 
@@ -40,3 +42,15 @@ def constrain(x, names, rules=None):
   else:
     spec = jax.sharding.PartitionSpec(*core_spmd.from_sharding_rules(spec, rules))
   return jax.lax.with_sharding_constraint(x, spec)
+
+
+def shards(name: str) -> int:
+  """How many ways the rules in force split logical axis `name` over the current mesh
+  (1 outside a mesh context, or where the axis is not split)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  axes = core_spmd.apply_rules(jax.sharding.PartitionSpec(name), None)[0]
+  if axes is None:
+    return 1
+  return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))

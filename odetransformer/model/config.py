@@ -158,10 +158,11 @@ class ModelConfig:
   local_error_stride: int = _field(
     1,
     (
-      "s: the local error on every s-th batch row (rows 0, s, 2s, …) alone, an unbiased "
-      "estimate of it at 1/s of its cost (its elementwise terms and its one more field "
-      "evaluation; gcd(s, rows) apart when s does not divide a batch's rows); a divisor of "
-      "the rows each device trains per microbatch keeps them on their devices; 1 = every row"
+      "s: the local error on every s-th row of each batch shard (rows 0, s, 2s, … of its "
+      "R rows) alone, an unbiased estimate of it at 1/s of its cost (its elementwise terms "
+      "and its one more field evaluation); rows gcd(s, R) apart when s does not divide R, "
+      "so that they never leave their devices (the estimate then depends on the mesh); "
+      "1 = every row"
     ),
   )
   time_interp_weight: float = _field(

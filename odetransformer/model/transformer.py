@@ -23,7 +23,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from odetransformer.model import blocks, lora, solvers
+from odetransformer.model import axes, blocks, lora, solvers
 from odetransformer.model.axes import constrain
 from odetransformer.model.config import ModelConfig
 from odetransformer.model.hypernet import HyperNetwork
@@ -308,8 +308,12 @@ class LanguageModel(nnx.Module):
       t_b = jnp.full((1, 1), 1.0 if side == "end" else 0.0, jnp.float32)
       boundary = self.stack.step_weights(t_b, compute, param_rules)
 
-    # Rows s apart, or gcd(s, b) apart when s does not divide the b rows (2 rows, s = 4).
-    stride = math.gcd(cfg.local_error_stride, b) if return_local_error else 1
+    # Rows s apart within each batch shard's R rows, so that they stay on their devices
+    # (and a kernel split over the batch still gets whole shards), or gcd(s, R) apart
+    # when s does not divide R (R = 1: every row).
+    shards = axes.shards("batch")
+    shard_rows = b // shards if b % shards == 0 else 1
+    stride = math.gcd(cfg.local_error_stride, shard_rows) if return_local_error else 1
     rows = solvers.every_nth_row(stride)
 
     def field(x_bld, p, key=None, part=None):  # the block (or a splitting solver's

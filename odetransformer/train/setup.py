@@ -13,6 +13,7 @@ them: when several settings are wrong, the first listed is the one reported.
 
 from collections.abc import Callable
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -50,10 +51,11 @@ def check_config(config: RunConfig, mesh) -> None:
   if config.model.local_error_penalty and rows % stride:
     logging.warning(
       "model.local_error_stride=%d does not divide the %d rows each batch shard trains per "
-      "microbatch: the local error's rows are gathered across devices each step (slower, "
-      "the same values); a divisor of %d keeps them in place",
+      "microbatch: the local error takes rows %d apart instead (more of its cost); a "
+      "divisor of %d is taken as it is",
       stride,
       rows,
+      math.gcd(stride, rows),
       rows,
     )
   if shards % processes:
