@@ -780,9 +780,10 @@ def test_keyed_run_reuses_a_workdir_only_under_the_same_code_and_config(
   assert common.run_key(ft)["init_from"] == common.run_key(longer)
 
 
-def test_a_stopped_run_ends_the_benchmark_unscored_and_resumes(tmp_path, monkeypatch, capsys):
-  """A run that SIGTERM stops mid-way (its checkpoint saved) is not scored as if trained:
-  the benchmark ends with status 75 (as main.py), and the same command resumes it."""
+def _any_n_without_training(tmp_path, monkeypatch):
+  """(calls, scored, config): any_n's 'fixed' run of 4 steps at K = 2 with training and
+  scoring faked; `calls` the training calls (workdir, start step), `scored` the scored
+  workdirs."""
   calls, scored = [], []
   _fake_training(monkeypatch, calls)
 
@@ -792,7 +793,13 @@ def test_a_stopped_run_ends_the_benchmark_unscored_and_resumes(tmp_path, monkeyp
 
   monkeypatch.setattr(any_n.evaluation, "evaluate", fake_evaluate)
   args = any_n.parse_args(["--steps=4", "--solver_steps=2", "--rounds=0"])
-  config = any_n.make_config(args, "fixed", 0, str(tmp_path / "cache"))
+  return calls, scored, any_n.make_config(args, "fixed", 0, str(tmp_path / "cache"))
+
+
+def test_a_stopped_run_ends_the_benchmark_unscored_and_resumes(tmp_path, monkeypatch, capsys):
+  """A run that SIGTERM stops mid-way (its checkpoint saved) is not scored as if trained:
+  the benchmark ends with status 75 (as main.py), and the same command resumes it."""
+  calls, scored, config = _any_n_without_training(tmp_path, monkeypatch)
   wd, code = tmp_path / "fixed_seed0", common.code_version()
   (tmp_path / "fixed_seed0.sigterm_at").write_text("1")
   with pytest.raises(SystemExit) as stopped:
@@ -806,16 +813,7 @@ def test_a_stopped_run_ends_the_benchmark_unscored_and_resumes(tmp_path, monkeyp
 
 
 def test_any_n_scores_are_read_back_only_for_the_same_code(tmp_path, monkeypatch):
-  calls, scored = [], []
-  _fake_training(monkeypatch, calls)
-
-  def fake_evaluate(workdir, counts, max_batches):
-    scored.append(workdir)
-    return [types.SimpleNamespace(perplexity=50.0 + n, num_tokens=1000) for n in counts]
-
-  monkeypatch.setattr(any_n.evaluation, "evaluate", fake_evaluate)
-  args = any_n.parse_args(["--steps=4", "--solver_steps=2", "--rounds=0"])
-  config = any_n.make_config(args, "fixed", 0, str(tmp_path / "cache"))
+  calls, scored, config = _any_n_without_training(tmp_path, monkeypatch)
   wd, code = str(tmp_path / "fixed_seed0"), common.code_version()
   row, line = any_n.train_and_score(config, wd, 16)
   assert (
