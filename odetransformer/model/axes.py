@@ -44,13 +44,19 @@ def constrain(x, names, rules=None):
   return jax.lax.with_sharding_constraint(x, spec)
 
 
+def mesh_axis_size(mesh, target) -> int:
+  """Number of devices a rule target (None, axis, tuple of axes) spans on `mesh` (a Mesh
+  or an abstract one)."""
+  if target is None:
+    return 1
+  targets = (target,) if isinstance(target, str) else target
+  return math.prod(mesh.shape[t] for t in targets)
+
+
 def shards(name: str) -> int:
   """How many ways the rules in force split logical axis `name` over the current mesh
   (1 outside a mesh context, or where the axis is not split)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return 1
-  axes = core_spmd.apply_rules(jax.sharding.PartitionSpec(name), None)[0]
-  if axes is None:
-    return 1
-  return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+  return mesh_axis_size(mesh, core_spmd.apply_rules(jax.sharding.PartitionSpec(name), None)[0])

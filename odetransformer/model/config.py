@@ -14,6 +14,7 @@ Names changed in this release (the old ones still work, each with one warning li
 
 import dataclasses
 import logging
+import math
 import typing
 
 import ml_collections
@@ -421,6 +422,12 @@ class ModelConfig:
   def local_error_penalty(self) -> float:
     """λ as the train loss applies it: `local_error_weight`, 0 for a discrete kind."""
     return self.local_error_weight if self.is_ode else 0.0
+
+  def local_error_rows_apart(self, shard_rows: int) -> int:
+    """How far apart the local error's rows are within a batch shard of `shard_rows`
+    rows: `local_error_stride`, or its gcd with `shard_rows` when it does not divide
+    them (`model.local_error_stride`)."""
+    return math.gcd(self.local_error_stride, shard_rows)
 
   @property
   def time_interp_penalty(self) -> float:

@@ -313,7 +313,7 @@ class LanguageModel(nnx.Module):
     # when s does not divide R (R = 1: every row).
     shards = axes.shards("batch")
     shard_rows = b // shards if b % shards == 0 else 1
-    stride = math.gcd(cfg.local_error_stride, shard_rows) if return_local_error else 1
+    stride = cfg.local_error_rows_apart(shard_rows) if return_local_error else 1
     rows = solvers.every_nth_row(stride)
 
     def field(x_bld, p, key=None, part=None):  # the block (or a splitting solver's

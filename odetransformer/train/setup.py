@@ -13,7 +13,6 @@ them: when several settings are wrong, the first listed is the one reported.
 
 from collections.abc import Callable
 import dataclasses
-import math
 import os
 from typing import Any
 
@@ -55,7 +54,7 @@ def check_config(config: RunConfig, mesh) -> None:
       "divisor of %d is taken as it is",
       stride,
       rows,
-      math.gcd(stride, rows),
+      config.model.local_error_rows_apart(rows),
       rows,
     )
   if shards % processes:

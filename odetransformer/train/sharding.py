@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 
 from odetransformer.errors import UserError
-from odetransformer.model.axes import LOGICAL_AXES
+from odetransformer.model.axes import LOGICAL_AXES, mesh_axis_size
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -152,14 +152,6 @@ def logical_to_spec(names: Sequence[str | None], rules) -> PartitionSpec:
   """PartitionSpec for logical `names` under `rules` (no context needed)."""
   table = dict(rules)
   return PartitionSpec(*(None if n is None else table[n] for n in names))
-
-
-def mesh_axis_size(mesh: jax.sharding.Mesh, target) -> int:
-  """Number of devices a rule target (None, axis, tuple of axes) spans."""
-  if target is None:
-    return 1
-  targets = (target,) if isinstance(target, str) else target
-  return int(np.prod([mesh.shape[t] for t in targets]))
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, rules) -> NamedSharding:
