@@ -11,10 +11,17 @@ moves). Each collective counts the bytes of its full (unsharded) buffer: an all-
 result, a reduce-scatter's operand, the others' result. Per-device memory is XLA's
 `memory_analysis()` of the same compiled step: arguments + outputs − aliased + temporaries.
 
-Last line: `diffeqformer/gpt collective bytes: max ratio R over meshes` (weighted bytes;
-target ≤ 1.10), and the memory target is DiffEqFormer ≤ 1.10 × GPT + the ODE's own
+The two architectures are compared at equal work: the DiffEqFormer without the local
+error penalty, K field evaluations against the GPT's K layers. Last line:
+`diffeqformer/gpt collective bytes: max ratio R over meshes` (weighted bytes; target
+≤ 1.10), and the memory target is DiffEqFormer ≤ 1.10 × GPT + the ODE's own
 hypernetwork shard: the per-device training state of its weight generators (P and P0,
 their float32 gradient and Adam moments), which a GPT of the same shape does not have.
+Where configs/default.py turns the penalty on (`model.local_error_weight`), the
+DiffEqFormer's step as configured is a third row ("+ local error"): one more field
+evaluation (on every `local_error_stride`-th row) gathers one more set of generated
+weights, and the line before the last prints its collective bytes over those of the K
+evaluations without it (at most (K + 1) / K: one more evaluation's).
 
   python -m benchmarks.collectives                 # bench-small (vocab 8192, d 256, K 6)
   python -m benchmarks.collectives --tiny          # seconds-sized, for the tests
@@ -67,9 +74,12 @@ TINY = dict(
 )
 
 
-def make_config(preset: dict, kind: str, family: str, mesh_shape, remat: str):
-  """configs/default.py with the preset's model and batch on `mesh_shape`."""
+def make_config(preset: dict, kind: str, family: str, mesh_shape, remat: str, penalty=False):
+  """configs/default.py with the preset's model and batch on `mesh_shape`; the local
+  error penalty as configs/default.py sets it with `penalty`, else off."""
   c = default_config.get_config()
+  if not penalty:
+    c.model.local_error_weight = 0.0
   for key, value in preset["model"].items():
     if key == "vocab_size":
       c.data.vocab_size = value
@@ -172,23 +182,28 @@ def main(argv=None):
     "memory MiB per device"
   )
   print(
-    f"{'mesh':9s} {'family':7s} {'model':12s} "
+    f"{'mesh':9s} {'family':7s} {'model':14s} "
     + " ".join(f"{short[k]:>13s}" for k in KINDS)
     + f" {'total':>15s} {'peak mem':>9s} {'temp':>8s} {'hyper':>7s} {'estimate':>9s}"
   )
   devices = jax.devices()
-  ratios, estimates, mem_ok = [], [], True
+  penalty = default_config.get_config().model.local_error_weight > 0
+  models = {"transformer": ("transformer", False), "diffeqformer": ("diffeqformer", False)}
+  if penalty:
+    models["+ local error"] = ("diffeqformer", True)
+  ratios, penalty_ratios, estimates, mem_ok = [], [], [], True
   for mesh_shape in meshes:
     for family in families:
       res = {}
-      for kind in ("transformer", "diffeqformer"):
-        res[kind] = r = measure(make_config(preset, kind, family, mesh_shape, args.remat), devices)
+      for name, (kind, on) in models.items():
+        c = make_config(preset, kind, family, mesh_shape, args.remat, penalty=on)
+        res[name] = r = measure(c, devices)
         cells = " ".join(
           f"{r['static'][k] / MiB:6.2f}/{r['weighted'][k] / MiB:6.2f}" for k in KINDS
         )
         s, w = sum(r["static"].values()), sum(r["weighted"].values())
         print(
-          f"{str(mesh_shape):9s} {family:7s} {kind:12s} {cells} "
+          f"{str(mesh_shape):9s} {family:7s} {name:14s} {cells} "
           f"{s / MiB:7.2f}/{w / MiB:7.2f} {r['peak'] / MiB:9.1f} {r['temp'] / MiB:8.1f} "
           f"{r['hyper'] / MiB:7.1f} {r['estimate'] / MiB:9.1f}",
           flush=True,
@@ -211,6 +226,13 @@ def main(argv=None):
         f"peak memory {ode['peak'] / gpt['peak']:.2f} × gpt, "
         f"{ode['peak'] / budget:.2f} of 1.10 × gpt + hypernetwork shard"
       )
+      if penalty:
+        extra = res["+ local error"]
+        penalty_ratios.append(sum(extra["weighted"].values()) / max(1, w_ode))
+        print(
+          f"{'':9s} {family:7s} + local error / diffeqformer: collective bytes "
+          f"{penalty_ratios[-1]:.2f}, peak memory {extra['peak'] / ode['peak']:.2f}"
+        )
   print(
     f"odetransformer.tools.memory estimate / compiled peak: from {min(estimates):.3f} to "
     f"{max(estimates):.3f} over {len(estimates)} steps"
@@ -219,6 +241,12 @@ def main(argv=None):
     f"memory target (ode ≤ 1.10 × gpt + its hypernetwork shard) "
     f"{'met' if mem_ok else 'NOT met'} on every mesh"
   )
+  if penalty:
+    k = preset["model"]["solver_steps"]
+    print(
+      f"local error penalty: collective bytes up to {max(penalty_ratios):.2f} × the K = {k} "
+      f"evaluations' without it (one more evaluation's: {(k + 1) / k:.2f})"
+    )
   print(f"diffeqformer/gpt collective bytes: max ratio {max(ratios):.2f} over meshes")
 
 
