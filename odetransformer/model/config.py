@@ -50,6 +50,22 @@ def depth_fields(kind: str) -> tuple:
   return ("solver_steps", "num_layers") if kind in ODE_KINDS else ("num_layers", "solver_steps")
 
 
+def unread_fields(model: dict) -> set:
+  """Names of the fields a model config (a dict of ModelConfig's fields) does not read:
+  the depth its kind does not use (num_layers of an ODE), λ and its stride for a
+  discrete kind, the stride where λ is 0, and μ but for 'diffeqformer' (the properties
+  `local_error_penalty` and `time_interp_penalty` below)."""
+  kind = model.get("kind")
+  unread = {depth_fields(kind)[1]}
+  if kind not in ODE_KINDS:
+    unread |= {"local_error_weight", "local_error_stride"}
+  elif not model.get("local_error_weight"):
+    unread.add("local_error_stride")
+  if kind != "diffeqformer":
+    unread.add("time_interp_weight")
+  return unread
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Typed, validated model config; each field's meaning is its `meaning` metadata."""

@@ -19,8 +19,8 @@ from odetransformer.errors import ConfigError
 from odetransformer.model.config import (
   ModelConfig,
   default_model_config,
-  depth_fields,
   migrate_model_fields,
+  unread_fields,
 )
 from odetransformer.runtime import fileio
 from odetransformer.train.checkpoint.paths import (
@@ -113,7 +113,8 @@ def fingerprint_diffs(old: dict, new: dict) -> list:
   added to the code since: it compares as its ModelConfig default, the behaviour of the
   code before it (a config that sets it otherwise, as configs/default.py's
   local_error_weight, is a change). Other keys only one side has (dropped since) are
-  skipped, and so is the depth field the kind does not read (num_layers of an ODE).
+  skipped, and so are the fields that neither side's model reads (`unread_fields`: the
+  depth field its kind does not use, λ of a discrete kind, its stride where λ is 0).
   """
   diffs = []
   for section in ("model", "data", "resume"):
@@ -121,8 +122,8 @@ def fingerprint_diffs(old: dict, new: dict) -> list:
     if section == "model":  # a run written before a rename compares under the new names
       a, b = migrate_model_fields(a, warn=False), migrate_model_fields(b, warn=False)
       a, b = {**_MODEL_DEFAULTS, **a}, {**_MODEL_DEFAULTS, **b}
-      unused = depth_fields(b["kind"])[1]  # the depth the kind does not read
-      a.pop(unused, None), b.pop(unused, None)
+      for unread in unread_fields(a) & unread_fields(b):  # as num_layers of an ODE
+        a.pop(unread, None), b.pop(unread, None)
     for key in sorted(set(a) & set(b)):
       if section == "model" and key in RESUMABLE_MODEL_FIELDS:
         continue
