@@ -161,11 +161,14 @@ def test_key_value_heads_must_split_over_the_heads_mesh_axis():
   setup.check_config(run, mesh)
 
 
-def test_local_error_stride_that_splits_a_shards_rows_is_warned(caplog):
+def test_local_error_stride_that_splits_a_shards_rows_is_said(caplog):
   """model.local_error_stride picks rows within each batch shard's microbatch: 16 rows
   over 2 shards and 2 accumulation steps leave 4 a shard, which a stride of 4 divides and
-  8 does not (a warning: the model takes rows gcd(8, 4) = 4 apart); without the penalty
-  (or on a discrete kind, which ignores it) nothing is said."""
+  8 does not (logged: the model takes rows gcd(8, 4) = 4 apart, an unbiased estimate
+  still, at more cost; a debug line, not a warning: a pod's microbatches of one or two
+  rows a device are common); without the penalty (or on a discrete kind, which ignores
+  it) nothing is said."""
+  caplog.set_level(logging.DEBUG)
   config = default.get_config()
   config.global_batch_size, config.optim.grad_accum_steps = 16, 2
   config.model.local_error_weight, config.model.local_error_stride = 3000.0, 8

@@ -47,11 +47,12 @@ def check_config(config: RunConfig, mesh) -> None:
       f"shards ({shards}) × optim.grad_accum_steps ({accum})"
     )
   stride, rows = config.model.local_error_stride, batch // (shards * accum)
-  if config.model.local_error_penalty and rows % stride:
-    logging.warning(
+  if config.model.local_error_penalty and rows % stride:  # a cost, not a fault: debug
+    logging.debug(
       "model.local_error_stride=%d does not divide the %d rows each batch shard trains per "
-      "microbatch: the local error takes rows %d apart instead (more of its cost); a "
-      "divisor of %d is taken as it is",
+      "microbatch: the local error takes rows %d apart instead (more of its cost, and "
+      "another estimate than where it divides them); set it to a divisor of %d to keep "
+      "its rows",
       stride,
       rows,
       config.model.local_error_rows_apart(rows),
