@@ -15,6 +15,8 @@ import textwrap
 
 import pytest
 
+from configs import default as default_config
+
 from tiny import cpu_env
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -103,17 +105,20 @@ def test_collectives_benchmark_at_tiny_shape(parser_and_benchmark):
   runs it as a program.)"""
   out = parser_and_benchmark[1]
   rows = re.findall(
-    r"^\((\d), (\d), (\d)\)\s+(gpt2|llama)\s+(transformer|diffeqformer)\s.*\s"
+    r"^\((\d), (\d), (\d)\)\s+(gpt2|llama)\s+(transformer|diffeqformer|\+ local error)\s.*\s"
     r"([0-9.]+)\s+[0-9.]+\s+[0-9.]+\s+([0-9.]+)$",
     out,
     re.MULTILINE,
   )
-  assert len(rows) == 1 * 2 * 2, out  # meshes × families × models
+  # meshes × families × models: GPT, the DiffEqFormer without the local error penalty, and
+  # as configs/default.py trains it (the penalty on)
+  assert default_config.get_config().model.local_error_weight > 0
+  assert len(rows) == 1 * 2 * 3, out
   estimates = [float(est) / float(peak) for *_, peak, est in rows]
   assert all(0.85 <= e <= 1.15 for e in estimates), out
   m = re.search(
     r"^odetransformer.tools.memory estimate / compiled peak: from ([0-9.]+) to "
-    r"([0-9.]+) over 4 steps$",
+    r"([0-9.]+) over 6 steps$",
     out,
     re.MULTILINE,
   )
@@ -132,6 +137,15 @@ def test_collectives_benchmark_at_tiny_shape(parser_and_benchmark):
   r = float(m.group(1))
   assert math.isfinite(r) and r == max(ratios)
   assert r <= 1.10, out  # the ODE moves what GPT moves (its generated W, not its P)
+  # The penalty's one more field evaluation (of K = 2) moves at most one more evaluation's
+  # generated weights: up to (K + 1) / K of the K evaluations' bytes, less the part (the
+  # embeddings') that is not the layers'.
+  extra = [
+    float(r) for r in re.findall(r"\+ local error / diffeqformer: collective bytes ([0-9.]+)", out)
+  ]
+  assert len(extra) == 2 and all(1.0 < e <= 1.5 for e in extra), out
+  m = re.search(r"^local error penalty: collective bytes up to ([0-9.]+) × the K = 2 ", out, re.M)
+  assert m and float(m.group(1)) == max(extra), out
 
 
 def test_collectives_benchmark_rejects_a_bad_mesh():

@@ -201,11 +201,15 @@ capture = optax.GradientTransformation(
     lambda params: jax.tree.map(jnp.zeros_like, params),
     lambda updates, state, params=None: (jax.tree.map(jnp.zeros_like, updates), updates))
 
+# The ODE cases train with the local error on every row: 8 rows over 8 batch shards leave
+# one row a shard, where a stride s > 1 picks other rows than one device's (every s-th of
+# 8; setup says so). test_local_error_stride_picks_rows_within_each_batch_shard checks s.
+EVERY_ROW = {"local_error_stride": 1}
 CASES = {
-    "ode_gpt": {},
+    "ode_gpt": EVERY_ROW,
     # Continuous fine-tuning (the same hypernetworks at another step count and solver),
     # on the llama family: its blocks (RMSNorm, RoPE, SwiGLU) on every mesh too.
-    "continuous_llama": {"family": "llama", "solver_steps": 3, "solver": "midpoint"},
+    "continuous_llama": {"family": "llama", "solver_steps": 3, "solver": "midpoint", **EVERY_ROW},
     # LoRA fine-tuning of a materialised ODE: frozen parallel layers plus adapters.
     "lora": {"kind": "parallel", "lora_rank": 2, "lora_targets": "wq,wo,w1"},
 }

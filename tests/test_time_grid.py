@@ -531,16 +531,25 @@ def test_new_model_fields_match_fingerprints_written_before_them():
   # Nor does a config that sets the added field otherwise: the old run meant its default.
   assert fingerprint_diffs(old, fingerprint(c)) == ["model.step_time 'start' -> 'end'"]
   c.model.step_time = "start"
-  c.model.local_error_weight = 3000.0
-  before_penalty = {
-    **new,
-    "model": {k: v for k, v in new["model"].items() if k != "local_error_weight"},
-  }
+  # A run from before the local error penalty (neither field stored) meant λ = 0: under
+  # configs/default.py's penalty it does not resume, and the refusal names both fields.
+  assert (c.model.local_error_weight, c.model.local_error_stride) == (3000.0, 4)
+  penalty = ("local_error_weight", "local_error_stride")
+  before_penalty = {**new, "model": {k: v for k, v in new["model"].items() if k not in penalty}}
   assert fingerprint_diffs(before_penalty, fingerprint(c)) == [
-    "model.local_error_weight 0.0 -> 3000.0"
+    "model.local_error_stride 1 -> 4",
+    "model.local_error_weight 0.0 -> 3000.0",
   ]
-  # The depth a kind does not read (an ODE's num_layers) is not compared, set or not.
+  # With λ = 0 again it resumes, whatever the stride (which only λ reads) ...
   c.model.local_error_weight = 0.0
+  assert fingerprint_diffs(before_penalty, fingerprint(c)) == []
+  # ... and so does a discrete model under the penalty, which it ignores, but not an ODE.
+  c.model.local_error_weight = 3000.0
+  c.model.kind = "transformer"
+  old_gpt = {**before_penalty, "model": {**before_penalty["model"], "kind": "transformer"}}
+  assert fingerprint_diffs(old_gpt, fingerprint(c)) == []
+  c.model.kind = "diffeqformer"
+  # The depth a kind does not read (an ODE's num_layers) is not compared, set or not.
   c.model.num_layers = 7
   assert fingerprint_diffs(old, fingerprint(c)) == []
 
