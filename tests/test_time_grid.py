@@ -301,6 +301,34 @@ def test_model_local_error_counts_every_step(step_time):
 
 
 @pytest.mark.matmul_precision("highest")
+@pytest.mark.parametrize("kind", ["diffeqformer", "shared"])
+@pytest.mark.parametrize("grid", [None, "smooth"])
+def test_step_and_boundary_weights_are_the_weights_generated_apart(kind, grid):
+  """The local error's boundary weights, generated in one GEMM with the K·S stage times
+  (P read once), equal the stack's weights at that time alone, and the stage weights
+  equal step_weights' (midpoint: S = 2), on the uniform grid and a non-uniform one; a
+  shared layer's are its one layer."""
+  cfg = dataclasses.replace(TINY, kind=kind, solver="midpoint", solver_steps=5)
+  model = create_model(cfg, seed=0)
+  if kind == "diffeqformer":
+    _perturb_hypernet(model, scale=3.0)  # W(t) that changes with t
+  g = None if grid is None else jnp.asarray(_smooth_grid(5), jnp.float32)
+  weights, dt, method, boundary = model.step_and_boundary_weights(5, g, 1.0)
+  want, want_dt, want_method = model.step_weights(5, g)
+  alone = model.stack.step_weights(jnp.ones((1, 1), jnp.float32), jnp.float32)
+  assert method == want_method == "midpoint" and sorted(weights) == sorted(want)
+  np.testing.assert_array_equal(np.asarray(dt), np.asarray(want_dt))
+  for name in want:
+    assert weights[name].shape == want[name].shape and boundary[name].shape[:2] == (1, 1)
+    # float32 sums of d_t products in another GEMM shape: rounding on the weights' scale
+    scale = 1e-6 * float(np.abs(np.asarray(want[name])).max())
+    np.testing.assert_allclose(weights[name], want[name], rtol=1e-6, atol=scale)
+    np.testing.assert_allclose(boundary[name], alone[name], rtol=1e-6, atol=scale)
+  if kind == "diffeqformer":  # the boundary is not a stage's: t = 1 is never evaluated
+    assert not np.allclose(boundary["wq"][0, 0], weights["wq"][-1, -1])
+
+
+@pytest.mark.matmul_precision("highest")
 @pytest.mark.parametrize("step_time", ["start", "end"])
 @pytest.mark.parametrize("stride", [2, 4])
 def test_local_error_stride_is_the_error_of_every_nth_row(step_time, stride):

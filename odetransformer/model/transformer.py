@@ -185,6 +185,30 @@ class LanguageModel(nnx.Module):
     )
     return self.stack.step_weights(times, dtype, param_rules), dt, cfg.solver
 
+  def step_and_boundary_weights(self, num_steps, time_grid, boundary_time, param_rules=None):
+    """`step_weights(num_steps, time_grid)` in the compute dtype, and the stack's weights
+    at the one time `boundary_time` (leaves [1, 1, *shape]: the local error's boundary
+    evaluation), generated together: a hypernetwork's W(t) = P·h(t) + P0 is one GEMM
+    over the K·S + 1 times, so P is read once a step, and its gradient written once,
+    not twice (on an H100 a second GEMM of owt-small's P cost GBs a step). An ODE kind."""
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    times, dt = solvers.solve_times(
+      self.resolve_num_steps(num_steps), cfg.solver, cfg.step_time, time_grid
+    )
+    n = times.size
+    flat = jnp.concatenate(
+      [jnp.reshape(times, (n, 1)).astype(jnp.float32), jnp.full((1, 1), boundary_time)]
+    )
+    weights, boundary = {}, {}
+    for name, w in self.stack.step_weights(flat, dtype, param_rules).items():
+      if w.shape[0] == 1:  # the same at every time (a shared layer), broadcast
+        weights[name] = boundary[name] = w
+      else:
+        weights[name] = w[:n].reshape(times.shape + w.shape[2:])
+        boundary[name] = w[n:]
+    return weights, dt, cfg.solver, boundary
+
   def layer_weights(self, dtype=None):
     """A discrete model's L layers, name -> [L, *shape] (its step weights, one stage)."""
     if self.config.is_ode:
@@ -295,18 +319,20 @@ class LanguageModel(nnx.Module):
       x = blocks._dropout(x, cfg.dropout_rate, embed_rng)
     x = constrain(x, ("batch", "length", "embed"))
     mask = blocks.attention_mask(segment_ids_bl)
-    weights, dt, method = self.step_weights(k, time_grid, param_rules=param_rules)
+    # The local error's left-out step: the field at the end the solve never evaluates.
+    boundary, side = None, ("end" if cfg.step_time == "start" else "start")
+    if return_local_error and cfg.is_ode:
+      weights, dt, method, boundary = self.step_and_boundary_weights(
+        k, time_grid, 1.0 if side == "end" else 0.0, param_rules
+      )
+    else:
+      weights, dt, method = self.step_weights(k, time_grid, param_rules=param_rules)
     keys = None
     if use_dropout:  # one key per field evaluation (rk4's 2nd and 3rd share a time;
       # split_euler's attention and MLP parts are an evaluation each)
       n_evals = solvers.num_evals(method)
       keys = jax.random.split(dropout_rng, k * n_evals).reshape(k, n_evals)
     compute = jnp.dtype(cfg.dtype)
-    # The local error's left-out step: the field at the end the solve never evaluates.
-    boundary, side = None, ("end" if cfg.step_time == "start" else "start")
-    if return_local_error and cfg.is_ode:
-      t_b = jnp.full((1, 1), 1.0 if side == "end" else 0.0, jnp.float32)
-      boundary = self.stack.step_weights(t_b, compute, param_rules)
 
     # Rows s apart within each batch shard's R rows, so that they stay on their devices
     # (and a kernel split over the batch still gets whole shards), or gcd(s, R) apart
