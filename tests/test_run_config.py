@@ -168,7 +168,7 @@ def test_local_error_stride_that_splits_a_shards_rows_is_said(caplog):
   still, at more cost; a debug line, not a warning: a pod's microbatches of one or two
   rows a device are common); without the penalty (or on a discrete kind, which ignores
   it) nothing is said."""
-  caplog.set_level(logging.DEBUG)
+  caplog.set_level(logging.DEBUG, logger="absl")  # whatever verbosity absl was left at
   config = default.get_config()
   config.global_batch_size, config.optim.grad_accum_steps = 16, 2
   config.model.local_error_weight, config.model.local_error_stride = 3000.0, 8
