@@ -50,18 +50,27 @@ def depth_fields(kind: str) -> tuple:
   return ("solver_steps", "num_layers") if kind in ODE_KINDS else ("num_layers", "solver_steps")
 
 
+def reads_local_error(kind: str) -> bool:
+  """Whether a kind's train loss applies λ (`local_error_weight`): it has a solve."""
+  return kind in ODE_KINDS
+
+
+def reads_time_interp(kind: str) -> bool:
+  """Whether a kind's train loss applies μ (`time_interp_weight`): it has a W(t)."""
+  return kind == "diffeqformer"
+
+
 def unread_fields(model: dict) -> set:
   """Names of the fields a model config (a dict of ModelConfig's fields) does not read:
-  the depth its kind does not use (num_layers of an ODE), λ and its stride for a
-  discrete kind, the stride where λ is 0, and μ but for 'diffeqformer' (the properties
-  `local_error_penalty` and `time_interp_penalty` below)."""
+  the depth its kind does not use (num_layers of an ODE), λ and its stride for a kind
+  without a solve, the stride where λ is 0, and μ for a kind without W(t)."""
   kind = model.get("kind")
   unread = {depth_fields(kind)[1]}
-  if kind not in ODE_KINDS:
+  if not reads_local_error(kind):
     unread |= {"local_error_weight", "local_error_stride"}
   elif not model.get("local_error_weight"):
     unread.add("local_error_stride")
-  if kind != "diffeqformer":
+  if not reads_time_interp(kind):
     unread.add("time_interp_weight")
   return unread
 
@@ -437,7 +446,7 @@ class ModelConfig:
   @property
   def local_error_penalty(self) -> float:
     """λ as the train loss applies it: `local_error_weight`, 0 for a discrete kind."""
-    return self.local_error_weight if self.is_ode else 0.0
+    return self.local_error_weight if reads_local_error(self.kind) else 0.0
 
   def local_error_rows_apart(self, shard_rows: int) -> int:
     """How far apart the local error's rows are within a batch shard of `shard_rows`
@@ -448,7 +457,7 @@ class ModelConfig:
   @property
   def time_interp_penalty(self) -> float:
     """μ as the train loss applies it: `time_interp_weight`, 0 unless 'diffeqformer'."""
-    return self.time_interp_weight if self.kind == "diffeqformer" else 0.0
+    return self.time_interp_weight if reads_time_interp(self.kind) else 0.0
 
   @property
   def block(self) -> str:
