@@ -59,6 +59,7 @@ BASE = {
   "time_scale": 1000.0,
   "local_error_weight": 0.0,
   "local_error_stride": 1,
+  "local_error_sum": False,
   "time_interp_weight": 0.0,
 }
 # Training options compared with 'fixed' (BASE itself): model fields each changes.
@@ -81,6 +82,15 @@ CANDIDATES = {
   "local_error_3000_rows2": {"local_error_weight": 3000.0, "local_error_stride": 2},
   "local_error_3000_rows4": {"local_error_weight": 3000.0, "local_error_stride": 4},
   "local_error_3000_rows8": {"local_error_weight": 3000.0, "local_error_stride": 8},
+  # λ on mean((Σ_k e_k)²), the steps' summed errors (model.local_error_sum)
+  **{
+    f"local_error_sum_{w}_rows4": {
+      "local_error_weight": float(w),
+      "local_error_stride": 4,
+      "local_error_sum": True,
+    }
+    for w in (100, 300, 1000, 3000)
+  },
   "local_error_10000": {"local_error_weight": 10000.0},
   "local_error_30000": {"local_error_weight": 30000.0},
   "local_error_3000_interp_0.1": {"local_error_weight": 3000.0, "time_interp_weight": 0.1},

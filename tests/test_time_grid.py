@@ -230,14 +230,16 @@ def test_a_fraction_of_batches_draws_the_random_grid(fraction):
     dataclasses.replace(cfg, train_time_grid_fraction=0.0)
 
 
+@pytest.mark.parametrize("error_sum", [False, True])
 @pytest.mark.parametrize("boundary", [None, "end", "start"])
 @pytest.mark.parametrize("grid", [None, "smooth"])
-def test_local_error_is_the_heun_minus_euler_step(grid, boundary):
+def test_local_error_is_the_heun_minus_euler_step(grid, boundary, error_sum):
   """local_error=True: Σ_k mean(e_k²) with e_k Heun's step from x_{k-1} minus Euler's,
   dt_{k-1}/2·(F(x_k, t_k) − F(x_{k-1}, t_{k-1})), the F evaluated here from the field
   itself (not from the trajectory's differences), on a uniform and a non-uniform grid.
   With boundary inputs (a time t_b): 'end' adds the last step's, dt_(K-1)/2·(F(x_K, t_b)
-  − F(x_(K-1), t_(K-1))); 'start' adds dt_0/2·(F(x_0, t_0) − F(x_0, t_b))."""
+  − F(x_(K-1), t_(K-1))); 'start' adds dt_0/2·(F(x_0, t_0) − F(x_0, t_b)). error_sum:
+  mean((Σ_k e_k)²) of the same terms."""
   rng = np.random.default_rng(5)
   a = rng.normal(size=(3, 3)) * 0.8
   x0 = rng.normal(size=(2, 3)).astype(np.float32)
@@ -256,30 +258,32 @@ def test_local_error_is_the_heun_minus_euler_step(grid, boundary):
     local_error=True,
     boundary_inputs=None if boundary is None else jnp.full((1, 1), t_b, jnp.float32),
     boundary=boundary or "end",
+    error_sum=error_sum,
   )
   xs = np.concatenate([np.asarray(traj, np.float64), np.asarray(x_k, np.float64)[None]])
   f = lambda x, t: np.tanh(x @ a.T) * (1.0 + t)  # noqa: E731
-  want = sum(
-    np.mean((dts[j - 1] / 2 * (f(xs[j], ts[j]) - f(xs[j - 1], ts[j - 1]))) ** 2)
-    for j in range(1, k)
-  )
+  terms = [dts[j - 1] / 2 * (f(xs[j], ts[j]) - f(xs[j - 1], ts[j - 1])) for j in range(1, k)]
   if boundary == "end":
-    want += np.mean((dts[-1] / 2 * (f(xs[k], t_b) - f(xs[k - 1], ts[k - 1]))) ** 2)
+    terms.append(dts[-1] / 2 * (f(xs[k], t_b) - f(xs[k - 1], ts[k - 1])))
   elif boundary == "start":
-    want += np.mean((dts[0] / 2 * (f(xs[0], ts[0]) - f(xs[0], t_b))) ** 2)
+    terms.append(dts[0] / 2 * (f(xs[0], ts[0]) - f(xs[0], t_b)))
+  want = np.mean(sum(terms) ** 2) if error_sum else sum(np.mean(e**2) for e in terms)
   np.testing.assert_allclose(float(error), want, rtol=2e-4)
   plain = solvers.fixed_step_solve(field, jnp.asarray(x0), jnp.asarray(ts)[:, None], dt)
   np.testing.assert_array_equal(np.asarray(plain), np.asarray(x_k))  # the solve is the same
 
 
 @pytest.mark.matmul_precision("highest")
+@pytest.mark.parametrize("error_sum", [False, True])
 @pytest.mark.parametrize("step_time", ["start", "end"])
-def test_model_local_error_counts_every_step(step_time):
+def test_model_local_error_counts_every_step(step_time, error_sum):
   """The model's local error, from a float64 reference field on its own trajectory: Euler's
   K − 1 second differences plus the step the solve never closes, through the field at the
   time it never evaluates (t = 1 under 'start': the last step's Heun–Euler error; t = 0
-  under 'end': the first's)."""
-  cfg = dataclasses.replace(TINY, solver_steps=3, num_layers=3, step_time=step_time)
+  under 'end': the first's); with model.local_error_sum, the mean square of their sum."""
+  cfg = dataclasses.replace(
+    TINY, solver_steps=3, num_layers=3, step_time=step_time, local_error_sum=error_sum
+  )
   model = create_model(cfg, seed=0)
   _perturb_hypernet(model, scale=3.0)  # a field that moves x: a non-zero local error
   toks = tokens(3, b=1, length=8)
@@ -290,13 +294,14 @@ def test_model_local_error_counts_every_step(step_time):
   node = (lambda j: j * dt) if step_time == "start" else (lambda j: (j + 1) * dt)
   slopes = [ref_field(x[j], ref_weights(model, node(j)), cfg, seg, pos) for j in range(k)]
   x_k = x[-1] + dt * slopes[-1]  # x_K, in the reference's float64
-  want = sum(np.mean((dt / 2 * (slopes[j] - slopes[j - 1])) ** 2) for j in range(1, k))
+  terms = [dt / 2 * (slopes[j] - slopes[j - 1]) for j in range(1, k)]
   if step_time == "start":
     closing = ref_field(x_k, ref_weights(model, 1.0), cfg, seg, pos)
-    want += np.mean((dt / 2 * (closing - slopes[-1])) ** 2)
+    terms.append(dt / 2 * (closing - slopes[-1]))
   else:
     opening = ref_field(x[0], ref_weights(model, 0.0), cfg, seg, pos)
-    want += np.mean((dt / 2 * (slopes[0] - opening)) ** 2)
+    terms.append(dt / 2 * (slopes[0] - opening))
+  want = np.mean(sum(terms) ** 2) if error_sum else sum(np.mean(e**2) for e in terms)
   np.testing.assert_allclose(float(error), want, rtol=1e-3)
 
 

@@ -62,14 +62,14 @@ def reads_time_interp(kind: str) -> bool:
 
 def unread_fields(model: dict) -> set:
   """Names of the fields a model config (a dict of ModelConfig's fields) does not read:
-  the depth its kind does not use (num_layers of an ODE), λ and its stride for a kind
-  without a solve, the stride where λ is 0, and μ for a kind without W(t)."""
+  the depth its kind does not use (num_layers of an ODE), λ, its stride and its form for a
+  kind without a solve, the stride and form where λ is 0, and μ for a kind without W(t)."""
   kind = model.get("kind")
   unread = {depth_fields(kind)[1]}
   if not reads_local_error(kind):
-    unread |= {"local_error_weight", "local_error_stride"}
+    unread |= {"local_error_weight", "local_error_stride", "local_error_sum"}
   elif not model.get("local_error_weight"):
-    unread.add("local_error_stride")
+    unread |= {"local_error_stride", "local_error_sum"}
   if not reads_time_interp(kind):
     unread.add("time_interp_weight")
   return unread
@@ -189,6 +189,14 @@ class ModelConfig:
       "and its one more field evaluation); rows gcd(s, R) apart when s does not divide R, "
       "so that they never leave their devices (the estimate then depends on the mesh); "
       "1 = every row"
+    ),
+  )
+  local_error_sum: bool = _field(
+    False,
+    (
+      "λ's term is mean((Σ_k e_k)²), the square of the steps' summed local errors (an "
+      "estimate of the solve's global error: what a finer solve changes in its output), "
+      "instead of Σ_k mean(e_k²); the same cost. False = the sum of squares"
     ),
   )
   time_interp_weight: float = _field(

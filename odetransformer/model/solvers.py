@@ -276,6 +276,7 @@ def fixed_step_solve(
   boundary_inputs=None,
   boundary: str = "end",
   error_stride: int = 1,
+  error_sum: bool = False,
 ):
   """Integrates dx/dt = field(x, inputs(t)) with K fixed steps.
 
@@ -321,6 +322,10 @@ def fixed_step_solve(
       2s, …; `every_nth_row`) only: an unbiased estimate of the mean over all rows at
       1/s of its cost (the boundary evaluation's field is then called on those rows).
       s must divide the leading axis.
+    error_sum: with local_error, return mean((Σ_k e_k)²) instead: the square of the
+      steps' summed local errors, which estimates the solve's global error (the change a
+      finer solve makes to x_K, up to the errors' propagation), where the sum of squares
+      does not see errors that add up coherently over the steps.
   Returns:
     x_K, followed by [x_0 … x_{K-1}] with return_trajectory, by the outputs with
     eval_outputs and by the local error with local_error (a tuple when any is asked for).
@@ -397,18 +402,21 @@ def fixed_step_solve(
       e0 = 0.5 * ((next_rows - x_rows) - dt_k * first).astype(jnp.float32)
       e = jnp.where(started, e, e0)
       started = jnp.bool_(True)
-    acc = acc + jnp.where(started, jnp.mean(jnp.square(e)), 0.0)
+    acc = acc + jnp.where(started, e if error_sum else jnp.mean(jnp.square(e)), 0.0)
     return (x_next, x_rows, dt_k, acc, jnp.bool_(True)), ys
 
   dt0 = dt[0] if per_step else dt
-  init = (x0, rows(x0), dt0, jnp.float32(0.0), jnp.bool_(False))
+  acc0 = jnp.zeros(rows(x0).shape, jnp.float32) if error_sum else jnp.float32(0.0)
+  init = (x0, rows(x0), dt0, acc0, jnp.bool_(False))
   (x, x_last, dt_last, error, _), (traj, outs) = jax.lax.scan(
     body_with_error, init, xs, length=num_steps, unroll=unroll
   )
   if whole is not None and boundary == "end":
     x_rows = rows(x)
     e = 0.5 * (dt_last * whole(x_rows) - (x_rows - x_last)).astype(jnp.float32)
-    error = error + jnp.mean(jnp.square(e))
+    error = error + (e if error_sum else jnp.mean(jnp.square(e)))
+  if error_sum:
+    error = jnp.mean(jnp.square(error))
   return (
     (x,) + ((traj,) if return_trajectory else ()) + ((outs,) if eval_outputs else ()) + (error,)
   )

@@ -287,7 +287,8 @@ class LanguageModel(nnx.Module):
         state's elements and all K steps (`solvers.fixed_step_solve`'s `local_error`,
         with the field at the time the solve never evaluates as its `boundary_inputs`:
         one more evaluation; the train loss adds it times `model.local_error_weight`;
-        on every `model.local_error_stride`-th row),
+        on every `model.local_error_stride`-th row; mean((Σ_k e_k)²) with
+        `model.local_error_sum`),
         after the trajectory if asked for.
     """
     cfg = self.config
@@ -367,6 +368,7 @@ class LanguageModel(nnx.Module):
       boundary_inputs=boundary,
       boundary=side,
       error_stride=stride,
+      error_sum=cfg.local_error_sum,
     )
     if not (return_trajectory or return_local_error):
       return self.logits(out)
