@@ -59,7 +59,7 @@ BASE = {
   "time_scale": 1000.0,
   "local_error_weight": 0.0,
   "local_error_stride": 1,
-  "local_error_sum": False,
+  "local_error_form": "steps",
   "time_interp_weight": 0.0,
 }
 # Training options compared with 'fixed' (BASE itself): model fields each changes.
@@ -82,14 +82,16 @@ CANDIDATES = {
   "local_error_3000_rows2": {"local_error_weight": 3000.0, "local_error_stride": 2},
   "local_error_3000_rows4": {"local_error_weight": 3000.0, "local_error_stride": 4},
   "local_error_3000_rows8": {"local_error_weight": 3000.0, "local_error_stride": 8},
-  # λ on mean((Σ_k e_k)²), the steps' summed errors (model.local_error_sum)
+  # λ on another estimate (model.local_error_form): 'sum' the square of the steps' summed
+  # errors, 'halves' one step split in two Euler halves (the field between the nodes)
   **{
-    f"local_error_sum_{w}_rows4": {
+    f"local_error_{form}_{w}_rows4": {
       "local_error_weight": float(w),
       "local_error_stride": 4,
-      "local_error_sum": True,
+      "local_error_form": form,
     }
-    for w in (100, 300, 1000, 3000)
+    for form, weights in (("sum", (100, 300, 1000, 3000)), ("halves", (3000, 10000, 30000)))
+    for w in weights
   },
   "local_error_10000": {"local_error_weight": 10000.0},
   "local_error_30000": {"local_error_weight": 30000.0},

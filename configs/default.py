@@ -72,7 +72,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Perplexity at 2K-8K steps stays near K's; without it 4K, 8K fall apart (benchmarks/README.md).
   config.model.local_error_weight = 3000.0  # λ on the solve's Heun–Euler local error (0 = off)
   config.model.local_error_stride = 4  # λ's terms on every s-th row of a batch shard
-  config.model.local_error_sum = False  # True: λ on the square of the steps' summed errors
+  config.model.local_error_form = "steps"  # | 'sum' | 'halves': which estimate λ weighs
   config.model.time_interp_weight = 0.0  # μ on W(t)'s distance from the line between nodes
   config.model.remat_policy = "none"  # tiny activations: recomputing buys nothing
   config.model.layer_loop = "auto"  # GPUs: unrolled (no loop copies); TPU, CPU: a scan

@@ -274,15 +274,15 @@ def test_local_error_is_the_heun_minus_euler_step(grid, boundary, error_sum):
 
 
 @pytest.mark.matmul_precision("highest")
-@pytest.mark.parametrize("error_sum", [False, True])
+@pytest.mark.parametrize("form", ["steps", "sum"])
 @pytest.mark.parametrize("step_time", ["start", "end"])
-def test_model_local_error_counts_every_step(step_time, error_sum):
+def test_model_local_error_counts_every_step(step_time, form):
   """The model's local error, from a float64 reference field on its own trajectory: Euler's
   K − 1 second differences plus the step the solve never closes, through the field at the
   time it never evaluates (t = 1 under 'start': the last step's Heun–Euler error; t = 0
-  under 'end': the first's); with model.local_error_sum, the mean square of their sum."""
+  under 'end': the first's); model.local_error_form='sum': the mean square of their sum."""
   cfg = dataclasses.replace(
-    TINY, solver_steps=3, num_layers=3, step_time=step_time, local_error_sum=error_sum
+    TINY, solver_steps=3, num_layers=3, step_time=step_time, local_error_form=form
   )
   model = create_model(cfg, seed=0)
   _perturb_hypernet(model, scale=3.0)  # a field that moves x: a non-zero local error
@@ -301,8 +301,77 @@ def test_model_local_error_counts_every_step(step_time, error_sum):
   else:
     opening = ref_field(x[0], ref_weights(model, 0.0), cfg, seg, pos)
     terms.append(dt / 2 * (slopes[0] - opening))
-  want = np.mean(sum(terms) ** 2) if error_sum else sum(np.mean(e**2) for e in terms)
+  want = np.mean(sum(terms) ** 2) if form == "sum" else sum(np.mean(e**2) for e in terms)
   np.testing.assert_allclose(float(error), want, rtol=1e-3)
+
+
+@pytest.mark.parametrize("grid", [None, "smooth"])
+def test_halves_error_is_two_euler_halves_minus_the_step(grid):
+  """error_step j: K·mean(d_j²), d_j the two Euler half steps of step j (the second at
+  t_j + dt_j/2, from the first's end) minus its one Euler step, both from the solve's own
+  x_j, computed here in float64 from the field itself; on a uniform and a non-uniform
+  grid, on every 2nd row, and for every j: a uniform j's mean is the sum over steps."""
+  rng = np.random.default_rng(7)
+  a = rng.normal(size=(3, 3)) * 0.8
+  x0 = rng.normal(size=(4, 3)).astype(np.float32)
+  k = 5
+  g = _smooth_grid(k) if grid else np.arange(k + 1) / k
+  ts, dts = np.asarray(g[:-1], np.float32), np.diff(np.asarray(g, np.float64))
+  field = lambda x, t: jnp.tanh(x @ a.T.astype(np.float32)) * (1.0 + t)  # noqa: E731
+  f = lambda x, t: np.tanh(x @ a.T) * (1.0 + t)  # noqa: E731
+  dt = jnp.asarray(dts, jnp.float32) if grid else 1.0 / k
+  plain, traj = solvers.fixed_step_solve(
+    field, jnp.asarray(x0), jnp.asarray(ts)[:, None], dt, return_trajectory=True
+  )
+  xs = np.asarray(traj, np.float64)[:, ::2]  # the error's rows
+  for j in range(k):
+    t_mid = g[j] + dts[j] / 2
+    x_k, error = solvers.fixed_step_solve(
+      field,
+      jnp.asarray(x0),
+      jnp.asarray(ts)[:, None],
+      dt,
+      local_error=True,
+      boundary_inputs=jnp.full((1, 1), t_mid, jnp.float32),
+      error_stride=2,
+      error_step=jnp.int32(j),
+    )
+    half = xs[j] + dts[j] / 2 * f(xs[j], g[j])
+    halves = half + dts[j] / 2 * f(half, t_mid)
+    whole = xs[j] + dts[j] * f(xs[j], g[j])
+    np.testing.assert_allclose(float(error), k * np.mean((halves - whole) ** 2), rtol=2e-4)
+    np.testing.assert_array_equal(np.asarray(x_k), np.asarray(plain))  # the solve is the same
+
+
+@pytest.mark.matmul_precision("highest")
+@pytest.mark.parametrize("step_time", ["start", "end"])
+def test_model_halves_error_reads_the_field_between_the_nodes(step_time):
+  """model.local_error_form='halves' at step j: K·mean(d_j²), d_j = dt/2·(f(x_j + dt/2·F_j,
+  W(t_j + dt/2)) − F_j) from a float64 reference field on the model's own x_j, F_j step j's
+  slope (the field at t_j under 'start', t_(j+1) under 'end'); the same logits as without
+  the error, and an error without local_error_step is refused."""
+  cfg = dataclasses.replace(
+    TINY, solver_steps=3, num_layers=3, step_time=step_time, local_error_form="halves"
+  )
+  model = create_model(cfg, seed=0)
+  _perturb_hypernet(model, scale=3.0)
+  toks = tokens(3, b=1, length=8)
+  k, dt = cfg.solver_steps, 1.0 / cfg.solver_steps
+  seg, pos = np.zeros(8, np.int32), np.arange(8)
+  plain = model(toks)
+  for j in range(k):
+    logits, traj, error = model(
+      toks, return_trajectory=True, return_local_error=True, local_error_step=j
+    )
+    x = np.asarray(traj, np.float64)[j, 0]
+    node = j * dt if step_time == "start" else (j + 1) * dt
+    slope = ref_field(x, ref_weights(model, node), cfg, seg, pos)
+    mid = ref_field(x + dt / 2 * slope, ref_weights(model, (j + 0.5) * dt), cfg, seg, pos)
+    want = k * np.mean((dt / 2 * (mid - slope)) ** 2)
+    np.testing.assert_allclose(float(error), want, rtol=1e-3)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(plain))
+  with pytest.raises(ValueError, match="needs local_error_step"):
+    model(toks, return_local_error=True)
 
 
 @pytest.mark.matmul_precision("highest")
@@ -375,6 +444,13 @@ def _local_error(model, batch, rng):
   return model(jnp.asarray(batch["inputs"]), return_local_error=True)[1]
 
 
+def _halves_error(model, batch, rng):
+  """The 'halves' error at the step j the train step draws (its documented stream)."""
+  key = jax.random.fold_in(rng, steps._HALVES_STREAM)
+  j = jax.random.randint(key, (), 0, model.config.depth, jnp.int32)
+  return model(jnp.asarray(batch["inputs"]), return_local_error=True, local_error_step=j)[1]
+
+
 def _interp_error(model, batch, rng):
   """The codes' off-line error at the points the train step draws (the uniform grid)."""
   k = model.config.depth
@@ -409,13 +485,19 @@ def _sgd_step(model_cfg, batch, key):
 
 
 @pytest.mark.parametrize(
-  "field,error", [("local_error_weight", _local_error), ("time_interp_weight", _interp_error)]
+  "field,error,form",
+  [
+    ("local_error_weight", _local_error, "steps"),
+    ("local_error_weight", _halves_error, "halves"),
+    ("time_interp_weight", _interp_error, "steps"),
+  ],
 )
-def test_the_train_loss_adds_the_weighted_penalty(field, error):
+def test_the_train_loss_adds_the_weighted_penalty(field, error, form):
   """model.local_error_weight λ (model.time_interp_weight μ): one SGD step (lr 1) moves
   the parameters by the gradient of CE + λ·error, i.e. the λ = 1 step minus the λ = 0 step
-  is −∂error/∂θ; the reported loss is the cross-entropy alone."""
-  cfg = dataclasses.replace(TINY, solver_steps=3, num_layers=3)
+  is −∂error/∂θ; the reported loss is the cross-entropy alone. Under
+  local_error_form='halves' the error is that of the step the train step draws."""
+  cfg = dataclasses.replace(TINY, solver_steps=3, num_layers=3, local_error_form=form)
   batch, key = _batch(cfg), jax.random.key(0)
   after, losses = {}, {}
   for weight in (0.0, 1.0):

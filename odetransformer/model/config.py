@@ -32,6 +32,7 @@ REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = ("float32", "bfloat16", "float64")  # float64: numerical checks
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
+LOCAL_ERROR_FORMS = ("steps", "sum", "halves")
 DEFAULT_DEPTH = 6  # K or L when a config sets neither
 
 # Old name -> new name, for one release (`migrate_model_fields`).
@@ -67,9 +68,9 @@ def unread_fields(model: dict) -> set:
   kind = model.get("kind")
   unread = {depth_fields(kind)[1]}
   if not reads_local_error(kind):
-    unread |= {"local_error_weight", "local_error_stride", "local_error_sum"}
+    unread |= {"local_error_weight", "local_error_stride", "local_error_form"}
   elif not model.get("local_error_weight"):
-    unread |= {"local_error_stride", "local_error_sum"}
+    unread |= {"local_error_stride", "local_error_form"}
   if not reads_time_interp(kind):
     unread.add("time_interp_weight")
   return unread
@@ -191,12 +192,15 @@ class ModelConfig:
       "1 = every row"
     ),
   )
-  local_error_sum: bool = _field(
-    False,
+  local_error_form: str = _field(
+    "steps",
     (
-      "λ's term is mean((Σ_k e_k)²), the square of the steps' summed local errors (an "
-      "estimate of the solve's global error: what a finer solve changes in its output), "
-      "instead of Σ_k mean(e_k²); the same cost. False = the sum of squares"
+      "what λ weighs: 'steps' = Σ_k mean(e_k²), each step's Heun–Euler error at the "
+      "solve's nodes; 'sum' = mean((Σ_k e_k)²), the square of their sum (an estimate of "
+      "the solve's global error), the same cost; 'halves' = K·mean(d_j²) at one step j "
+      "drawn per batch, d_j = dt/2·(f(x_j + dt/2·F_j, t_j + dt/2) − F_j) the change that "
+      "splitting step j into two Euler halves makes (the field between the nodes), one "
+      "field evaluation and no per-step terms (solvers.fixed_step_solve)"
     ),
   )
   time_interp_weight: float = _field(
@@ -309,6 +313,7 @@ class ModelConfig:
     choice("step_time", STEP_TIMES)
     choice("llama_block", LLAMA_BLOCKS)
     choice("train_time_grid", TRAIN_TIME_GRIDS)
+    choice("local_error_form", LOCAL_ERROR_FORMS)
     choice("remat_policy", REMAT)
     choice("dtype", DTYPES)
     choice("attention_impl", ATTENTION_IMPLS)

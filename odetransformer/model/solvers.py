@@ -260,6 +260,31 @@ def every_nth_row(s: int):
   return pick
 
 
+def _halves_error(body, x0, xs, num_steps, unroll, rows, whole, j, dt, per_step):
+  """fixed_step_solve's (x_K, trajectory, outputs, K·mean(d_j²)) for `error_step` j: the
+  scan keeps step j's ends on the error's rows, and the one evaluation follows it."""
+  j = jnp.asarray(j, jnp.int32)
+
+  def body_keeping_step_j(carry, xs_k):
+    x, x_j, x_next_j = carry
+    k, xs_k = xs_k
+    x_next, ys = body(x, xs_k)
+    hit = k == j
+    x_j = jnp.where(hit, rows(x), x_j)
+    x_next_j = jnp.where(hit, rows(x_next), x_next_j)
+    return (x_next, x_j, x_next_j), ys
+
+  init = (x0, rows(x0), rows(x0))
+  steps = jnp.arange(num_steps, dtype=jnp.int32)
+  (x, x_j, x_next_j), (traj, outs) = jax.lax.scan(
+    body_keeping_step_j, init, (steps, xs), length=num_steps, unroll=unroll
+  )
+  dt_j = xs[1][j] if per_step else dt
+  slope = (x_next_j - x_j) / dt_j
+  d = (0.5 * dt_j * (whole(x_j + 0.5 * dt_j * slope) - slope)).astype(jnp.float32)
+  return x, traj, outs, num_steps * jnp.mean(jnp.square(d))
+
+
 def fixed_step_solve(
   field: Callable[..., Any],
   x0,
@@ -277,6 +302,7 @@ def fixed_step_solve(
   boundary: str = "end",
   error_stride: int = 1,
   error_sum: bool = False,
+  error_step=None,
 ):
   """Integrates dx/dt = field(x, inputs(t)) with K fixed steps.
 
@@ -326,6 +352,14 @@ def fixed_step_solve(
       steps' summed local errors, which estimates the solve's global error (the change a
       finer solve makes to x_K, up to the errors' propagation), where the sum of squares
       does not see errors that add up coherently over the steps.
+    error_step: with local_error, j (an int, or a traced int32 drawn per batch): return
+      K·mean(d_j²) instead, an unbiased estimate over a uniform j of Σ_k mean(d_k²), with
+      d_j = dt_j/2·(f(x_j + dt_j/2·F_j, boundary_inputs) − F_j), F_j step j's slope and
+      boundary_inputs then the field's inputs at t_j + dt_j/2: for Euler at the step's
+      start, the change that splitting step j into two Euler halves makes to x_(j+1)
+      (that of the embedded midpoint–Euler pair), with the field between the solve's
+      nodes, which the Heun–Euler terms never read. One field evaluation, on the error's
+      rows; `boundary` is not read.
   Returns:
     x_K, followed by [x_0 … x_{K-1}] with return_trajectory, by the outputs with
     eval_outputs and by the local error with local_error (a tuple when any is asked for).
@@ -370,11 +404,16 @@ def fixed_step_solve(
     x_next, out = step(x, *xs_k) if per_step else step(x, xs_k)
     return x_next, ((x if return_trajectory else None), out)
 
+  def results(x, traj, outs, *error):
+    out = (x,) + ((traj,) if return_trajectory else ()) + ((outs,) if eval_outputs else ())
+    return out + error if len(out + error) > 1 else x
+
   if not local_error:
     x, (traj, outs) = jax.lax.scan(body, x0, xs, length=num_steps, unroll=unroll)
-    results = (x,) + ((traj,) if return_trajectory else ()) + ((outs,) if eval_outputs else ())
-    return results if len(results) > 1 else x
+    return results(x, traj, outs)
 
+  if error_step is not None and boundary_inputs is None:
+    raise ValueError("error_step needs boundary_inputs: the field's inputs at t_j + dt_j/2")
   if boundary not in ("start", "end"):
     raise ValueError(f"boundary={boundary!r}: choose 'start' or 'end'")
   whole = None
@@ -389,6 +428,10 @@ def fixed_step_solve(
       return sum(field(x, at, part=p) for p in dict.fromkeys(parts))
 
   rows = every_nth_row(error_stride)
+  if error_step is not None:
+    return results(
+      *_halves_error(body, x0, xs, num_steps, unroll, rows, whole, error_step, dt, per_step)
+    )
   # 'start': the first step's term is (x_1 − x_0) − dt_0·f(x_0, boundary), over 2.
   first = whole(rows(x0)) if whole is not None and boundary == "start" else None
 
@@ -417,6 +460,4 @@ def fixed_step_solve(
     error = error + (e if error_sum else jnp.mean(jnp.square(e)))
   if error_sum:
     error = jnp.mean(jnp.square(error))
-  return (
-    (x,) + ((traj,) if return_trajectory else ()) + ((outs,) if eval_outputs else ()) + (error,)
-  )
+  return results(x, traj, outs, error)

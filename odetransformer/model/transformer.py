@@ -27,7 +27,7 @@ from odetransformer.model import axes, blocks, lora, solvers
 from odetransformer.model.axes import constrain
 from odetransformer.model.config import ModelConfig
 from odetransformer.model.hypernet import HyperNetwork
-from odetransformer.model.time_grid import check_time_grid
+from odetransformer.model.time_grid import check_time_grid, uniform_grid
 
 EMBED_STD = 0.02
 # As the authors' models (levanter's embeddings): GPT-2's learned positions N(0, 0.01²);
@@ -264,6 +264,7 @@ class LanguageModel(nnx.Module):
     time_grid=None,
     param_rules=None,
     return_local_error: bool = False,
+    local_error_step=None,
   ):
     """Logits [b, l, vocab] in the compute dtype.
 
@@ -287,9 +288,10 @@ class LanguageModel(nnx.Module):
         state's elements and all K steps (`solvers.fixed_step_solve`'s `local_error`,
         with the field at the time the solve never evaluates as its `boundary_inputs`:
         one more evaluation; the train loss adds it times `model.local_error_weight`;
-        on every `model.local_error_stride`-th row; mean((Σ_k e_k)²) with
-        `model.local_error_sum`),
-        after the trajectory if asked for.
+        on every `model.local_error_stride`-th row; the estimate `model.local_error_form`
+        says), after the trajectory if asked for.
+      local_error_step: under `model.local_error_form='halves'`, the step j whose halves
+        the local error compares (an int, or a traced int32 the train step draws).
     """
     cfg = self.config
     if time_grid is not None:
@@ -321,11 +323,17 @@ class LanguageModel(nnx.Module):
     x = constrain(x, ("batch", "length", "embed"))
     mask = blocks.attention_mask(segment_ids_bl)
     # The local error's left-out step: the field at the end the solve never evaluates.
+    # 'halves': the field halfway through step j instead.
     boundary, side = None, ("end" if cfg.step_time == "start" else "start")
+    halves = return_local_error and cfg.local_error_form == "halves"
+    if halves and local_error_step is None:
+      raise ValueError("model.local_error_form='halves' needs local_error_step, the step j")
     if return_local_error and cfg.is_ode:
-      weights, dt, method, boundary = self.step_and_boundary_weights(
-        k, time_grid, 1.0 if side == "end" else 0.0, param_rules
-      )
+      t_b = 1.0 if side == "end" else 0.0
+      if halves:
+        ends = uniform_grid(k) if time_grid is None else time_grid
+        t_b = 0.5 * (ends[local_error_step] + ends[local_error_step + 1])
+      weights, dt, method, boundary = self.step_and_boundary_weights(k, time_grid, t_b, param_rules)
     else:
       weights, dt, method = self.step_weights(k, time_grid, param_rules=param_rules)
     keys = None
@@ -368,7 +376,8 @@ class LanguageModel(nnx.Module):
       boundary_inputs=boundary,
       boundary=side,
       error_stride=stride,
-      error_sum=cfg.local_error_sum,
+      error_sum=cfg.local_error_form == "sum",
+      error_step=local_error_step if halves else None,
     )
     if not (return_trajectory or return_local_error):
       return self.logits(out)

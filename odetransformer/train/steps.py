@@ -129,11 +129,15 @@ def _with_rules(rules, fn):
 
 _GRID_STREAM = 0x71D  # folded into a step's rng for its time grid (apart from dropout's)
 _INTERP_STREAM = 0x1E9  # … and for model.time_interp_weight's points within the steps
+_HALVES_STREAM = 0x4A1  # … and for the step local_error_form='halves' splits
 
 
-def _logits(model, batch, rules, dropout_rng=None, time_grid=None, local_error=False):
+def _logits(
+  model, batch, rules, dropout_rng=None, time_grid=None, local_error=False, local_error_step=None
+):
   """The model's logits for a (micro)batch; `time_grid`: the solver's [K+1] grid
-  (None: uniform); dropout only with a `dropout_rng`.
+  (None: uniform); dropout only with a `dropout_rng`; the local error's step j
+  `local_error_step` under model.local_error_form='halves'.
 
   Generated weights (DiffEqFormer's W(t)) are sharded as their parameters are, by the
   parameter `rules` (the model's `param_rules`): every step that runs the model passes
@@ -148,6 +152,7 @@ def _logits(model, batch, rules, dropout_rng=None, time_grid=None, local_error=F
     time_grid=time_grid,
     param_rules=rules,
     return_local_error=local_error,
+    local_error_step=local_error_step,
   )
 
 
@@ -214,7 +219,14 @@ def make_train_step(
     # model.train_time_grid: this batch's solver grid (None = uniform), its own stream.
     grid = time_grid_lib.train_time_grid(model.config, jax.random.fold_in(rng, _GRID_STREAM))
     weight = model.config.local_error_penalty  # model.local_error_weight: λ·local error
-    out = _logits(model, batch, rules, rng if use_dropout else None, grid, local_error=weight > 0)
+    step_j = None  # model.local_error_form='halves': the step it splits, uniform over K
+    if model.config.local_error_form == "halves":
+      key = jax.random.fold_in(rng, _HALVES_STREAM)
+      step_j = jax.random.randint(key, (), 0, model.config.depth, jnp.int32)
+    dropout = rng if use_dropout else None
+    out = _logits(
+      model, batch, rules, dropout, grid, local_error=weight > 0, local_error_step=step_j
+    )
     logits, error = out if weight > 0 else (out, None)
     loss_sum, _ = token_cross_entropy(logits, batch["targets"], batch["weights"])
     loss = loss_sum / denominator
