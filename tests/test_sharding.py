@@ -385,15 +385,18 @@ for shape, stride in (((1, 1, 1), 4), ((1, 1, 1), 1), ((2, 1, 4), 4), ((8, 1, 1)
   devices = jax.devices()[: int(np.prod(shape))]
   mesh = sharding.make_mesh(c.mesh, devices)
   rules = sharding.logical_axis_rules(c.mesh.rules)
-  cfg = dataclasses.replace(base, local_error_stride=stride)
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    model = create_model(cfg, seed=0)
-    x = jax.device_put(toks, sharding.batch_sharding(mesh, rules))
-  # Traced as the train step is: activation rules, the weights made by the param rules.
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.activation_rules(rules)):
-    run = lambda m, t: m(t, param_rules=rules, return_local_error=True)[1]
-    error = jax.jit(run)(model, x)
-  out[f"{shape} {stride}"] = float(error)
+  for form in ("steps", "halves"):  # 'halves': step j = 1's, j traced as the train step's
+    cfg = dataclasses.replace(base, local_error_stride=stride, local_error_form=form)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+      model = create_model(cfg, seed=0)
+      x = jax.device_put(toks, sharding.batch_sharding(mesh, rules))
+    # Traced as the train step is: activation rules, the weights made by the param rules.
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(sharding.activation_rules(rules)):
+      j = None if form == "steps" else jnp.int32(1)
+      def run(m, t, j):
+        return m(t, param_rules=rules, return_local_error=True, local_error_step=j)[1]
+      error = jax.jit(run)(model, x, j)
+    out[f"{shape} {stride} {form}"] = float(error)
 print(json.dumps(out))
 """
 
@@ -403,10 +406,11 @@ def test_local_error_stride_picks_rows_within_each_batch_shard(tmp_path):
   """model.local_error_stride s on a mesh: 8 rows over 2 batch shards (4 a shard) at s = 4
   give the one-device error of rows 0 and 4; over 8 shards (1 a shard) every row's, as
   stride 1 (rows never leave their device: gcd(s, 1) = 1). No involuntary
-  rematerialisation either way."""
+  rematerialisation either way. The same for local_error_form='halves' (one step's)."""
   out, stderr = run_on_8_cpu_devices(_STRIDE_SCRIPT, tmp_path, timeout=900)
-  one_4, one_1 = out["(1, 1, 1) 4"], out["(1, 1, 1) 1"]
-  assert abs(one_4 - one_1) > 1e-3 * one_1  # the strided error is another estimate
-  np.testing.assert_allclose(out["(2, 1, 4) 4"], one_4, rtol=1e-5)
-  np.testing.assert_allclose(out["(8, 1, 1) 4"], one_1, rtol=1e-5)
+  for form in ("steps", "halves"):
+    one_4, one_1 = out[f"(1, 1, 1) 4 {form}"], out[f"(1, 1, 1) 1 {form}"]
+    assert abs(one_4 - one_1) > 1e-3 * one_1  # the strided error is another estimate
+    np.testing.assert_allclose(out[f"(2, 1, 4) 4 {form}"], one_4, rtol=1e-5)
+    np.testing.assert_allclose(out[f"(8, 1, 1) 4 {form}"], one_1, rtol=1e-5)
   assert "Involuntary full rematerialization" not in stderr, stderr[-3000:]
