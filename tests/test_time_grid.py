@@ -332,9 +332,10 @@ def test_halves_error_is_two_euler_halves_minus_the_step(grid):
       jnp.asarray(ts)[:, None],
       dt,
       local_error=True,
-      boundary_inputs=jnp.full((1, 1), t_mid, jnp.float32),
       error_stride=2,
+      error_nodes=False,
       error_step=jnp.int32(j),
+      halves_inputs=jnp.full((1, 1), t_mid, jnp.float32),
     )
     half = xs[j] + dts[j] / 2 * f(xs[j], g[j])
     halves = half + dts[j] / 2 * f(half, t_mid)
@@ -344,17 +345,21 @@ def test_halves_error_is_two_euler_halves_minus_the_step(grid):
 
 
 @pytest.mark.matmul_precision("highest")
+@pytest.mark.parametrize("form", ["halves", "both"])
 @pytest.mark.parametrize("step_time", ["start", "end"])
-def test_model_halves_error_reads_the_field_between_the_nodes(step_time):
+def test_model_halves_error_reads_the_field_between_the_nodes(step_time, form):
   """model.local_error_form='halves' at step j: K·mean(d_j²), d_j = dt/2·(f(x_j + dt/2·F_j,
   W(t_j + dt/2)) − F_j) from a float64 reference field on the model's own x_j, F_j step j's
-  slope (the field at t_j under 'start', t_(j+1) under 'end'); the same logits as without
+  slope (the field at t_j under 'start', t_(j+1) under 'end'); 'both': that plus the
+  'steps' error (test_model_local_error_counts_every_step); the same logits as without
   the error, and an error without local_error_step is refused."""
   cfg = dataclasses.replace(
-    TINY, solver_steps=3, num_layers=3, step_time=step_time, local_error_form="halves"
+    TINY, solver_steps=3, num_layers=3, step_time=step_time, local_error_form=form
   )
   model = create_model(cfg, seed=0)
   _perturb_hypernet(model, scale=3.0)
+  nodes = nnx.merge(*nnx.split(model))
+  nodes.config = dataclasses.replace(cfg, local_error_form="steps")
   toks = tokens(3, b=1, length=8)
   k, dt = cfg.solver_steps, 1.0 / cfg.solver_steps
   seg, pos = np.zeros(8, np.int32), np.arange(8)
@@ -368,6 +373,8 @@ def test_model_halves_error_reads_the_field_between_the_nodes(step_time):
     slope = ref_field(x, ref_weights(model, node), cfg, seg, pos)
     mid = ref_field(x + dt / 2 * slope, ref_weights(model, (j + 0.5) * dt), cfg, seg, pos)
     want = k * np.mean((dt / 2 * (mid - slope)) ** 2)
+    if form == "both":
+      want += float(nodes(toks, return_local_error=True)[1])
     np.testing.assert_allclose(float(error), want, rtol=1e-3)
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(plain))
   with pytest.raises(ValueError, match="needs local_error_step"):
@@ -378,18 +385,19 @@ def test_model_halves_error_reads_the_field_between_the_nodes(step_time):
 @pytest.mark.parametrize("kind", ["diffeqformer", "shared"])
 @pytest.mark.parametrize("grid", [None, "smooth"])
 def test_step_and_boundary_weights_are_the_weights_generated_apart(kind, grid):
-  """The local error's boundary weights, generated in one GEMM with the K·S stage times
-  (P read once), equal the stack's weights at that time alone, and the stage weights
-  equal step_weights' (midpoint: S = 2), on the uniform grid and a non-uniform one; a
-  shared layer's are its one layer."""
+  """The local error's boundary weights (at t = 1 and 0.3), generated in one GEMM with the
+  K·S stage times (P read once), equal the stack's weights at each time alone, and the
+  stage weights equal step_weights' (midpoint: S = 2), on the uniform grid and a
+  non-uniform one; a shared layer's are its one layer."""
   cfg = dataclasses.replace(TINY, kind=kind, solver="midpoint", solver_steps=5)
   model = create_model(cfg, seed=0)
   if kind == "diffeqformer":
     _perturb_hypernet(model, scale=3.0)  # W(t) that changes with t
   g = None if grid is None else jnp.asarray(_smooth_grid(5), jnp.float32)
-  weights, dt, method, boundary = model.step_and_boundary_weights(5, g, 1.0)
+  weights, dt, method, [boundary, other] = model.step_and_boundary_weights(5, g, [1.0, 0.3])
   want, want_dt, want_method = model.step_weights(5, g)
   alone = model.stack.step_weights(jnp.ones((1, 1), jnp.float32), jnp.float32)
+  other_alone = model.stack.step_weights(jnp.full((1, 1), 0.3, jnp.float32), jnp.float32)
   assert method == want_method == "midpoint" and sorted(weights) == sorted(want)
   np.testing.assert_array_equal(np.asarray(dt), np.asarray(want_dt))
   for name in want:
@@ -398,6 +406,7 @@ def test_step_and_boundary_weights_are_the_weights_generated_apart(kind, grid):
     scale = 1e-6 * float(np.abs(np.asarray(want[name])).max())
     np.testing.assert_allclose(weights[name], want[name], rtol=1e-6, atol=scale)
     np.testing.assert_allclose(boundary[name], alone[name], rtol=1e-6, atol=scale)
+    np.testing.assert_allclose(other[name], other_alone[name], rtol=1e-6, atol=scale)
   if kind == "diffeqformer":  # the boundary is not a stage's: t = 1 is never evaluated
     assert not np.allclose(boundary["wq"][0, 0], weights["wq"][-1, -1])
 
@@ -489,6 +498,7 @@ def _sgd_step(model_cfg, batch, key):
   [
     ("local_error_weight", _local_error, "steps"),
     ("local_error_weight", _halves_error, "halves"),
+    ("local_error_weight", _halves_error, "both"),
     ("time_interp_weight", _interp_error, "steps"),
   ],
 )

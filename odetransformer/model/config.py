@@ -32,7 +32,7 @@ REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = ("float32", "bfloat16", "float64")  # float64: numerical checks
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
-LOCAL_ERROR_FORMS = ("steps", "sum", "halves")
+LOCAL_ERROR_FORMS = ("steps", "sum", "halves", "both")
 DEFAULT_DEPTH = 6  # K or L when a config sets neither
 
 # Old name -> new name, for one release (`migrate_model_fields`).
@@ -200,7 +200,8 @@ class ModelConfig:
       "the solve's global error), the same cost; 'halves' = K·mean(d_j²) at one step j "
       "drawn per batch, d_j = dt/2·(f(x_j + dt/2·F_j, t_j + dt/2) − F_j) the change that "
       "splitting step j into two Euler halves makes (the field between the nodes), one "
-      "field evaluation and no per-step terms (solvers.fixed_step_solve)"
+      "field evaluation and no per-step terms; 'both' = 'steps' + 'halves': a step "
+      "against a coarser solve's (K/2) and a finer one's (2K) (solvers.fixed_step_solve)"
     ),
   )
   time_interp_weight: float = _field(
@@ -460,6 +461,11 @@ class ModelConfig:
   def local_error_penalty(self) -> float:
     """λ as the train loss applies it: `local_error_weight`, 0 for a discrete kind."""
     return self.local_error_weight if reads_local_error(self.kind) else 0.0
+
+  @property
+  def local_error_halves(self) -> bool:
+    """Whether λ's error has the halves term (`local_error_form`): a step j to draw."""
+    return self.local_error_form in ("halves", "both")
 
   def local_error_rows_apart(self, shard_rows: int) -> int:
     """How far apart the local error's rows are within a batch shard of `shard_rows`

@@ -260,31 +260,6 @@ def every_nth_row(s: int):
   return pick
 
 
-def _halves_error(body, x0, xs, num_steps, unroll, rows, whole, j, dt, per_step):
-  """fixed_step_solve's (x_K, trajectory, outputs, K·mean(d_j²)) for `error_step` j: the
-  scan keeps step j's ends on the error's rows, and the one evaluation follows it."""
-  j = jnp.asarray(j, jnp.int32)
-
-  def body_keeping_step_j(carry, xs_k):
-    x, x_j, x_next_j = carry
-    k, xs_k = xs_k
-    x_next, ys = body(x, xs_k)
-    hit = k == j
-    x_j = jnp.where(hit, rows(x), x_j)
-    x_next_j = jnp.where(hit, rows(x_next), x_next_j)
-    return (x_next, x_j, x_next_j), ys
-
-  init = (x0, rows(x0), rows(x0))
-  steps = jnp.arange(num_steps, dtype=jnp.int32)
-  (x, x_j, x_next_j), (traj, outs) = jax.lax.scan(
-    body_keeping_step_j, init, (steps, xs), length=num_steps, unroll=unroll
-  )
-  dt_j = xs[1][j] if per_step else dt
-  slope = (x_next_j - x_j) / dt_j
-  d = (0.5 * dt_j * (whole(x_j + 0.5 * dt_j * slope) - slope)).astype(jnp.float32)
-  return x, traj, outs, num_steps * jnp.mean(jnp.square(d))
-
-
 def fixed_step_solve(
   field: Callable[..., Any],
   x0,
@@ -301,8 +276,10 @@ def fixed_step_solve(
   boundary_inputs=None,
   boundary: str = "end",
   error_stride: int = 1,
+  error_nodes: bool = True,
   error_sum: bool = False,
   error_step=None,
+  halves_inputs=None,
 ):
   """Integrates dx/dt = field(x, inputs(t)) with K fixed steps.
 
@@ -348,18 +325,20 @@ def fixed_step_solve(
       2s, …; `every_nth_row`) only: an unbiased estimate of the mean over all rows at
       1/s of its cost (the boundary evaluation's field is then called on those rows).
       s must divide the leading axis.
-    error_sum: with local_error, return mean((Σ_k e_k)²) instead: the square of the
-      steps' summed local errors, which estimates the solve's global error (the change a
-      finer solve makes to x_K, up to the errors' propagation), where the sum of squares
-      does not see errors that add up coherently over the steps.
-    error_step: with local_error, j (an int, or a traced int32 drawn per batch): return
-      K·mean(d_j²) instead, an unbiased estimate over a uniform j of Σ_k mean(d_k²), with
-      d_j = dt_j/2·(f(x_j + dt_j/2·F_j, boundary_inputs) − F_j), F_j step j's slope and
-      boundary_inputs then the field's inputs at t_j + dt_j/2: for Euler at the step's
-      start, the change that splitting step j into two Euler halves makes to x_(j+1)
-      (that of the embedded midpoint–Euler pair), with the field between the solve's
-      nodes, which the Heun–Euler terms never read. One field evaluation, on the error's
-      rows; `boundary` is not read.
+    error_nodes: with local_error, the terms above (at the solve's nodes); False: the
+      halves term alone.
+    error_sum: the node terms as mean((Σ_k e_k)²) instead: the square of the steps'
+      summed local errors, which estimates the solve's global error (the change a finer
+      solve makes to x_K, up to the errors' propagation).
+    error_step: j (an int, or a traced int32 drawn per batch): add K·mean(d_j²), an
+      unbiased estimate over a uniform j of Σ_k mean(d_k²), with d_j = dt_j/2·(f(x_j +
+      dt_j/2·F_j, halves_inputs) − F_j), F_j step j's slope: for Euler at the step's
+      start, the change that splitting step j into two Euler halves makes to x_(j+1) (that
+      of the embedded midpoint–Euler pair). Where e_k compares a step with the one a
+      coarser solve takes over two (what K/2 changes), d_j compares it with a finer
+      solve's, through the field between the nodes, which e_k never reads. One field
+      evaluation, on the error's rows.
+    halves_inputs: with error_step, the field's inputs (leaves [1, 1, ...]) at t_j + dt_j/2.
   Returns:
     x_K, followed by [x_0 … x_{K-1}] with return_trajectory, by the outputs with
     eval_outputs and by the local error with local_error (a tuple when any is asked for).
@@ -412,52 +391,60 @@ def fixed_step_solve(
     x, (traj, outs) = jax.lax.scan(body, x0, xs, length=num_steps, unroll=unroll)
     return results(x, traj, outs)
 
-  if error_step is not None and boundary_inputs is None:
-    raise ValueError("error_step needs boundary_inputs: the field's inputs at t_j + dt_j/2")
+  if (error_step is None) != (halves_inputs is None):
+    raise ValueError("error_step and halves_inputs go together: step j and its midpoint's inputs")
   if boundary not in ("start", "end"):
     raise ValueError(f"boundary={boundary!r}: choose 'start' or 'end'")
-  whole = None
-  if boundary_inputs is not None:
-    _, rebuild_boundary = _split_constants(boundary_inputs, 1)
-    at = rebuild_boundary([])
-    parts = TABLEAUX[method].parts
+  parts = TABLEAUX[method].parts
 
-    def whole(x):  # the whole field (a splitting method's parts summed) at the boundary
-      if parts is None:
-        return field(x, at)
-      return sum(field(x, at, part=p) for p in dict.fromkeys(parts))
+  def whole(x, inputs):  # the whole field (a splitting method's parts summed) at one time
+    _, rebuild_at = _split_constants(inputs, 1)
+    at = rebuild_at([])
+    if parts is None:
+      return field(x, at)
+    return sum(field(x, at, part=p) for p in dict.fromkeys(parts))
 
   rows = every_nth_row(error_stride)
-  if error_step is not None:
-    return results(
-      *_halves_error(body, x0, xs, num_steps, unroll, rows, whole, error_step, dt, per_step)
-    )
+  ends = boundary_inputs is not None and error_nodes
   # 'start': the first step's term is (x_1 − x_0) − dt_0·f(x_0, boundary), over 2.
-  first = whole(rows(x0)) if whole is not None and boundary == "start" else None
+  first = whole(rows(x0), boundary_inputs) if ends and boundary == "start" else None
+  j = None if error_step is None else jnp.asarray(error_step, jnp.int32)
 
   def body_with_error(carry, xs_k):
-    x, x_prev, dt_prev, acc, started = carry  # x_prev: the error's rows only
+    (x, x_prev, dt_prev, acc, started), kept = carry  # x_prev: the error's rows only
+    k, xs_k = xs_k
     x_next, ys = body(x, xs_k)
     dt_k = xs_k[1] if per_step else dt
     x_rows, next_rows = rows(x), rows(x_next)
-    e = 0.5 * ((next_rows - x_rows) * (dt_prev / dt_k) - (x_rows - x_prev)).astype(jnp.float32)
-    if first is not None:
-      e0 = 0.5 * ((next_rows - x_rows) - dt_k * first).astype(jnp.float32)
-      e = jnp.where(started, e, e0)
-      started = jnp.bool_(True)
-    acc = acc + jnp.where(started, e if error_sum else jnp.mean(jnp.square(e)), 0.0)
-    return (x_next, x_rows, dt_k, acc, jnp.bool_(True)), ys
+    if error_nodes:
+      e = 0.5 * ((next_rows - x_rows) * (dt_prev / dt_k) - (x_rows - x_prev))
+      e = e.astype(jnp.float32)
+      if first is not None:
+        e0 = 0.5 * ((next_rows - x_rows) - dt_k * first).astype(jnp.float32)
+        e = jnp.where(started, e, e0)
+        started = jnp.bool_(True)
+      acc = acc + jnp.where(started, e if error_sum else jnp.mean(jnp.square(e)), 0.0)
+    if j is not None:  # step j's ends, on the error's rows
+      kept = tuple(jnp.where(k == j, new, old) for new, old in zip((x_rows, next_rows), kept))
+    return ((x_next, x_rows, dt_k, acc, jnp.bool_(True)), kept), ys
 
   dt0 = dt[0] if per_step else dt
   acc0 = jnp.zeros(rows(x0).shape, jnp.float32) if error_sum else jnp.float32(0.0)
-  init = (x0, rows(x0), dt0, acc0, jnp.bool_(False))
-  (x, x_last, dt_last, error, _), (traj, outs) = jax.lax.scan(
-    body_with_error, init, xs, length=num_steps, unroll=unroll
+  kept0 = (rows(x0), rows(x0)) if j is not None else ()
+  init = ((x0, rows(x0), dt0, acc0, jnp.bool_(False)), kept0)
+  steps = jnp.arange(num_steps, dtype=jnp.int32)
+  ((x, x_last, dt_last, error, _), kept), (traj, outs) = jax.lax.scan(
+    body_with_error, init, (steps, xs), length=num_steps, unroll=unroll
   )
-  if whole is not None and boundary == "end":
+  if ends and boundary == "end":
     x_rows = rows(x)
-    e = 0.5 * (dt_last * whole(x_rows) - (x_rows - x_last)).astype(jnp.float32)
+    e = 0.5 * (dt_last * whole(x_rows, boundary_inputs) - (x_rows - x_last)).astype(jnp.float32)
     error = error + (e if error_sum else jnp.mean(jnp.square(e)))
   if error_sum:
     error = jnp.mean(jnp.square(error))
+  if j is not None:
+    (x_j, x_next_j), dt_j = kept, (xs[1][j] if per_step else dt)
+    slope = (x_next_j - x_j) / dt_j
+    d = 0.5 * dt_j * (whole(x_j + 0.5 * dt_j * slope, halves_inputs) - slope)
+    error = error + num_steps * jnp.mean(jnp.square(d.astype(jnp.float32)))
   return results(x, traj, outs, error)

@@ -185,12 +185,13 @@ class LanguageModel(nnx.Module):
     )
     return self.stack.step_weights(times, dtype, param_rules), dt, cfg.solver
 
-  def step_and_boundary_weights(self, num_steps, time_grid, boundary_time, param_rules=None):
+  def step_and_boundary_weights(self, num_steps, time_grid, boundary_times, param_rules=None):
     """`step_weights(num_steps, time_grid)` in the compute dtype, and the stack's weights
-    at the one time `boundary_time` (leaves [1, 1, *shape]: the local error's boundary
-    evaluation), generated together: a hypernetwork's W(t) = P·h(t) + P0 is one GEMM
-    over the K·S + 1 times, so P is read once a step, and its gradient written once,
-    not twice (on an H100 a second GEMM of owt-small's P cost GBs a step). An ODE kind."""
+    at each time of `boundary_times` (floats or traced scalars; a list of trees of leaves
+    [1, 1, *shape]: the local error's extra evaluations), generated together: a
+    hypernetwork's W(t) = P·h(t) + P0 is one GEMM over the K·S + B times, so P is read
+    once a step, and its gradient written once, not twice (on an H100 a second GEMM of
+    owt-small's P cost GBs a step). An ODE kind."""
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     times, dt = solvers.solve_times(
@@ -198,15 +199,14 @@ class LanguageModel(nnx.Module):
     )
     n = times.size
     flat = jnp.concatenate(
-      [jnp.reshape(times, (n, 1)).astype(jnp.float32), jnp.full((1, 1), boundary_time)]
+      [jnp.reshape(times, (n, 1)).astype(jnp.float32)]
+      + [jnp.full((1, 1), t, jnp.float32) for t in boundary_times]
     )
-    weights, boundary = {}, {}
+    weights, boundary = {}, [{} for _ in boundary_times]
     for name, w in self.stack.step_weights(flat, dtype, param_rules).items():
-      if w.shape[0] == 1:  # the same at every time (a shared layer), broadcast
-        weights[name] = boundary[name] = w
-      else:
-        weights[name] = w[:n].reshape(times.shape + w.shape[2:])
-        boundary[name] = w[n:]
+      weights[name] = w if w.shape[0] == 1 else w[:n].reshape(times.shape + w.shape[2:])
+      for i, at in enumerate(boundary):  # a shared layer's: the same at every time
+        at[name] = w if w.shape[0] == 1 else w[n + i : n + i + 1]
     return weights, dt, cfg.solver, boundary
 
   def layer_weights(self, dtype=None):
@@ -322,18 +322,23 @@ class LanguageModel(nnx.Module):
       x = blocks._dropout(x, cfg.dropout_rate, embed_rng)
     x = constrain(x, ("batch", "length", "embed"))
     mask = blocks.attention_mask(segment_ids_bl)
-    # The local error's left-out step: the field at the end the solve never evaluates.
-    # 'halves': the field halfway through step j instead.
-    boundary, side = None, ("end" if cfg.step_time == "start" else "start")
-    halves = return_local_error and cfg.local_error_form == "halves"
+    # The local error's extra evaluations: the node terms' left-out step, at the end the
+    # solve never evaluates; the halves term's, halfway through step j.
+    boundary = halfway = None
+    side = "end" if cfg.step_time == "start" else "start"
+    nodes = cfg.local_error_form != "halves"
+    halves = return_local_error and cfg.local_error_halves
     if halves and local_error_step is None:
-      raise ValueError("model.local_error_form='halves' needs local_error_step, the step j")
+      raise ValueError(
+        f"model.local_error_form={cfg.local_error_form!r} needs local_error_step, the step j"
+      )
     if return_local_error and cfg.is_ode:
-      t_b = 1.0 if side == "end" else 0.0
+      times = [1.0 if side == "end" else 0.0] if nodes else []
       if halves:
         ends = uniform_grid(k) if time_grid is None else time_grid
-        t_b = 0.5 * (ends[local_error_step] + ends[local_error_step + 1])
-      weights, dt, method, boundary = self.step_and_boundary_weights(k, time_grid, t_b, param_rules)
+        times.append(0.5 * (ends[local_error_step] + ends[local_error_step + 1]))
+      weights, dt, method, extra = self.step_and_boundary_weights(k, time_grid, times, param_rules)
+      boundary, halfway = (extra[0] if nodes else None), (extra[-1] if halves else None)
     else:
       weights, dt, method = self.step_weights(k, time_grid, param_rules=param_rules)
     keys = None
@@ -376,8 +381,10 @@ class LanguageModel(nnx.Module):
       boundary_inputs=boundary,
       boundary=side,
       error_stride=stride,
+      error_nodes=nodes,
       error_sum=cfg.local_error_form == "sum",
       error_step=local_error_step if halves else None,
+      halves_inputs=halfway,
     )
     if not (return_trajectory or return_local_error):
       return self.logits(out)

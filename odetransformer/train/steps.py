@@ -219,8 +219,8 @@ def make_train_step(
     # model.train_time_grid: this batch's solver grid (None = uniform), its own stream.
     grid = time_grid_lib.train_time_grid(model.config, jax.random.fold_in(rng, _GRID_STREAM))
     weight = model.config.local_error_penalty  # model.local_error_weight: λ·local error
-    step_j = None  # model.local_error_form='halves': the step it splits, uniform over K
-    if model.config.local_error_form == "halves":
+    step_j = None  # model.local_error_form's halves term: the step it splits, uniform over K
+    if model.config.local_error_halves:
       key = jax.random.fold_in(rng, _HALVES_STREAM)
       step_j = jax.random.randint(key, (), 0, model.config.depth, jnp.int32)
     dropout = rng if use_dropout else None
