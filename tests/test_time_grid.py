@@ -656,16 +656,25 @@ def test_new_model_fields_match_fingerprints_written_before_them():
   # Nor does a config that sets the added field otherwise: the old run meant its default.
   assert fingerprint_diffs(old, fingerprint(c)) == ["model.step_time 'start' -> 'end'"]
   c.model.step_time = "start"
-  # A run from before the local error penalty (neither field stored) meant λ = 0: under
-  # configs/default.py's penalty it does not resume, and the refusal names both fields.
-  assert (c.model.local_error_weight, c.model.local_error_stride) == (3000.0, 4)
-  penalty = ("local_error_weight", "local_error_stride")
+  # A run from before the local error penalty (no field of it stored) meant λ = 0: under
+  # configs/default.py's penalty it does not resume, and the refusal names each field.
+  penalty = ("local_error_weight", "local_error_stride", "local_error_form")
+  assert tuple(c.model[k] for k in penalty) == (3000.0, 4, "both")
   before_penalty = {**new, "model": {k: v for k, v in new["model"].items() if k not in penalty}}
   assert fingerprint_diffs(before_penalty, fingerprint(c)) == [
+    "model.local_error_form 'steps' -> 'both'",
     "model.local_error_stride 1 -> 4",
     "model.local_error_weight 0.0 -> 3000.0",
   ]
-  # With λ = 0 again it resumes, whatever the stride (which only λ reads) ...
+  # A run of the node terms alone (stored before local_error_form existed) meant 'steps'.
+  c.model.local_error_form = "steps"
+  steps_run = {**new, "model": {k: v for k, v in new["model"].items() if k != "local_error_form"}}
+  assert fingerprint_diffs(steps_run, fingerprint(c)) == []
+  c.model.local_error_form = "both"
+  assert fingerprint_diffs(steps_run, fingerprint(c)) == [
+    "model.local_error_form 'steps' -> 'both'"
+  ]
+  # With λ = 0 again it resumes, whatever the stride and form (which only λ reads) ...
   c.model.local_error_weight = 0.0
   assert fingerprint_diffs(before_penalty, fingerprint(c)) == []
   # ... and so does a discrete model under the penalty, which it ignores, but not an ODE.
