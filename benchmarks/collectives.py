@@ -18,10 +18,11 @@ error penalty, K field evaluations against the GPT's K layers. Last line:
 hypernetwork shard: the per-device training state of its weight generators (P and P0,
 their float32 gradient and Adam moments), which a GPT of the same shape does not have.
 Where configs/default.py turns the penalty on (`model.local_error_weight`), the
-DiffEqFormer's step as configured is a third row ("+ local error"): one more field
-evaluation (on every `local_error_stride`-th row) gathers one more set of generated
-weights, and the line before the last prints its collective bytes over those of the K
-evaluations without it (at most (K + 1) / K: one more evaluation's).
+DiffEqFormer's step as configured is a third row ("+ local error"): its E more field
+evaluations (on every `local_error_stride`-th row; `ModelConfig.local_error_evaluations`,
+2 under the default `local_error_form='both'`) gather E more sets of generated weights,
+and the line before the last prints its collective bytes over those of the K evaluations
+without it (at most (K + E) / K: E more evaluations').
 
   python -m benchmarks.collectives                 # bench-small (vocab 8192, d 256, K 6)
   python -m benchmarks.collectives --tiny          # seconds-sized, for the tests
@@ -243,9 +244,11 @@ def main(argv=None):
   )
   if penalty:
     k = preset["model"]["solver_steps"]
+    form = default_config.get_config().model.local_error_form
+    e = config_lib.ModelConfig(local_error_form=form).local_error_evaluations
     print(
       f"local error penalty: collective bytes up to {max(penalty_ratios):.2f} × the K = {k} "
-      f"evaluations' without it (one more evaluation's: {(k + 1) / k:.2f})"
+      f"evaluations' without it ({e} more evaluation(s)': {(k + e) / k:.2f})"
     )
   print(f"diffeqformer/gpt collective bytes: max ratio {max(ratios):.2f} over meshes")
 

@@ -16,6 +16,7 @@ import textwrap
 import pytest
 
 from configs import default as default_config
+from odetransformer.model import config as config_lib
 
 from tiny import cpu_env
 
@@ -137,15 +138,24 @@ def test_collectives_benchmark_at_tiny_shape(parser_and_benchmark):
   r = float(m.group(1))
   assert math.isfinite(r) and r == max(ratios)
   assert r <= 1.10, out  # the ODE moves what GPT moves (its generated W, not its P)
-  # The penalty's one more field evaluation (of K = 2) moves at most one more evaluation's
-  # generated weights: up to (K + 1) / K of the K evaluations' bytes, less the part (the
-  # embeddings') that is not the layers'.
+  # The penalty's E more field evaluations (of K = 2; E = 2 under configs/default.py's
+  # local_error_form='both') move at most E more evaluations' generated weights: up to
+  # (K + E) / K of the K evaluations' bytes, less the part (the embeddings') that is not
+  # the layers'.
+  form = default_config.get_config().model.local_error_form
+  evaluations = config_lib.ModelConfig(local_error_form=form).local_error_evaluations
   extra = [
     float(r) for r in re.findall(r"\+ local error / diffeqformer: collective bytes ([0-9.]+)", out)
   ]
-  assert len(extra) == 2 and all(1.0 < e <= 1.5 for e in extra), out
-  m = re.search(r"^local error penalty: collective bytes up to ([0-9.]+) × the K = 2 ", out, re.M)
+  assert len(extra) == 2 and all(1.0 < e <= (2 + evaluations) / 2 for e in extra), out
+  m = re.search(
+    rf"^local error penalty: collective bytes up to ([0-9.]+) × the K = 2 evaluations' "
+    rf"without it \({evaluations} more evaluation\(s\)': ([0-9.]+)\)$",
+    out,
+    re.M,
+  )
   assert m and float(m.group(1)) == max(extra), out
+  assert float(m.group(2)) == (2 + evaluations) / 2, out
 
 
 def test_collectives_benchmark_rejects_a_bad_mesh():

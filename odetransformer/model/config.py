@@ -463,9 +463,20 @@ class ModelConfig:
     return self.local_error_weight if reads_local_error(self.kind) else 0.0
 
   @property
+  def local_error_nodes(self) -> bool:
+    """Whether λ's error has the node terms (`local_error_form`)."""
+    return self.local_error_form != "halves"
+
+  @property
   def local_error_halves(self) -> bool:
     """Whether λ's error has the halves term (`local_error_form`): a step j to draw."""
     return self.local_error_form in ("halves", "both")
+
+  @property
+  def local_error_evaluations(self) -> int:
+    """Field evaluations λ's error adds to the solve's (on its rows): one for the node
+    terms' left-out step, one for the halves term's midpoint."""
+    return int(self.local_error_nodes) + int(self.local_error_halves)
 
   def local_error_rows_apart(self, shard_rows: int) -> int:
     """How far apart the local error's rows are within a batch shard of `shard_rows`

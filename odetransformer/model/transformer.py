@@ -326,7 +326,7 @@ class LanguageModel(nnx.Module):
     # solve never evaluates; the halves term's, halfway through step j.
     boundary = halfway = None
     side = "end" if cfg.step_time == "start" else "start"
-    nodes = cfg.local_error_form != "halves"
+    nodes = cfg.local_error_nodes
     halves = return_local_error and cfg.local_error_halves
     if halves and local_error_step is None:
       raise ValueError(
