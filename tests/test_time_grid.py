@@ -230,6 +230,21 @@ def test_a_fraction_of_batches_draws_the_random_grid(fraction):
     dataclasses.replace(cfg, train_time_grid_fraction=0.0)
 
 
+def _tanh_problem(seed, rows, k, grid):
+  """dx/dt = tanh(x·Aᵀ)·(1 + t) on a uniform or a non-uniform ('smooth') grid of K steps:
+  (x0, grid g, stage times, step sizes in float64, the field in float32 for the solver and
+  in float64 for the reference, the solver's dt)."""
+  rng = np.random.default_rng(seed)
+  a = rng.normal(size=(3, 3)) * 0.8
+  x0 = rng.normal(size=(rows, 3)).astype(np.float32)
+  g = _smooth_grid(k) if grid else np.arange(k + 1) / k
+  ts, dts = np.asarray(g[:-1], np.float32), np.diff(np.asarray(g, np.float64))
+  field = lambda x, t: jnp.tanh(x @ a.T.astype(np.float32)) * (1.0 + t)  # noqa: E731
+  f = lambda x, t: np.tanh(x @ a.T) * (1.0 + t)  # noqa: E731
+  dt = jnp.asarray(dts, jnp.float32) if grid else 1.0 / k
+  return x0, g, ts, dts, field, f, dt
+
+
 @pytest.mark.parametrize("error_sum", [False, True])
 @pytest.mark.parametrize("boundary", [None, "end", "start"])
 @pytest.mark.parametrize("grid", [None, "smooth"])
@@ -240,14 +255,8 @@ def test_local_error_is_the_heun_minus_euler_step(grid, boundary, error_sum):
   With boundary inputs (a time t_b): 'end' adds the last step's, dt_(K-1)/2·(F(x_K, t_b)
   − F(x_(K-1), t_(K-1))); 'start' adds dt_0/2·(F(x_0, t_0) − F(x_0, t_b)). error_sum:
   mean((Σ_k e_k)²) of the same terms."""
-  rng = np.random.default_rng(5)
-  a = rng.normal(size=(3, 3)) * 0.8
-  x0 = rng.normal(size=(2, 3)).astype(np.float32)
   k = 6
-  g = _smooth_grid(k) if grid else np.arange(k + 1) / k
-  ts, dts = np.asarray(g[:-1], np.float32), np.diff(np.asarray(g, np.float64))
-  field = lambda x, t: jnp.tanh(x @ a.T.astype(np.float32)) * (1.0 + t)  # noqa: E731
-  dt = jnp.asarray(dts, jnp.float32) if grid else 1.0 / k
+  x0, g, ts, dts, field, f, dt = _tanh_problem(5, 2, k, grid)
   t_b = 1.0 if boundary == "end" else 0.3
   x_k, traj, error = solvers.fixed_step_solve(
     field,
@@ -261,7 +270,6 @@ def test_local_error_is_the_heun_minus_euler_step(grid, boundary, error_sum):
     error_sum=error_sum,
   )
   xs = np.concatenate([np.asarray(traj, np.float64), np.asarray(x_k, np.float64)[None]])
-  f = lambda x, t: np.tanh(x @ a.T) * (1.0 + t)  # noqa: E731
   terms = [dts[j - 1] / 2 * (f(xs[j], ts[j]) - f(xs[j - 1], ts[j - 1])) for j in range(1, k)]
   if boundary == "end":
     terms.append(dts[-1] / 2 * (f(xs[k], t_b) - f(xs[k - 1], ts[k - 1])))
@@ -311,15 +319,8 @@ def test_halves_error_is_two_euler_halves_minus_the_step(grid):
   t_j + dt_j/2, from the first's end) minus its one Euler step, both from the solve's own
   x_j, computed here in float64 from the field itself; on a uniform and a non-uniform
   grid, on every 2nd row, and for every j: a uniform j's mean is the sum over steps."""
-  rng = np.random.default_rng(7)
-  a = rng.normal(size=(3, 3)) * 0.8
-  x0 = rng.normal(size=(4, 3)).astype(np.float32)
   k = 5
-  g = _smooth_grid(k) if grid else np.arange(k + 1) / k
-  ts, dts = np.asarray(g[:-1], np.float32), np.diff(np.asarray(g, np.float64))
-  field = lambda x, t: jnp.tanh(x @ a.T.astype(np.float32)) * (1.0 + t)  # noqa: E731
-  f = lambda x, t: np.tanh(x @ a.T) * (1.0 + t)  # noqa: E731
-  dt = jnp.asarray(dts, jnp.float32) if grid else 1.0 / k
+  x0, g, ts, dts, field, f, dt = _tanh_problem(7, 4, k, grid)
   plain, traj = solvers.fixed_step_solve(
     field, jnp.asarray(x0), jnp.asarray(ts)[:, None], dt, return_trajectory=True
   )
