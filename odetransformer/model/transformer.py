@@ -290,8 +290,9 @@ class LanguageModel(nnx.Module):
         one more evaluation; the train loss adds it times `model.local_error_weight`;
         on every `model.local_error_stride`-th row; the estimate `model.local_error_form`
         says), after the trajectory if asked for.
-      local_error_step: under `model.local_error_form='halves'`, the step j whose halves
-        the local error compares (an int, or a traced int32 the train step draws).
+      local_error_step: where `model.local_error_form` has the halves term ('halves',
+        'both'), the step j whose halves the local error compares (an int, or a traced
+        int32 the train step draws).
     """
     cfg = self.config
     if time_grid is not None:

@@ -129,7 +129,7 @@ def _with_rules(rules, fn):
 
 _GRID_STREAM = 0x71D  # folded into a step's rng for its time grid (apart from dropout's)
 _INTERP_STREAM = 0x1E9  # … and for model.time_interp_weight's points within the steps
-_HALVES_STREAM = 0x4A1  # … and for the step local_error_form='halves' splits
+_HALVES_STREAM = 0x4A1  # … and for the step local_error_form's halves term splits
 
 
 def _logits(
@@ -137,7 +137,7 @@ def _logits(
 ):
   """The model's logits for a (micro)batch; `time_grid`: the solver's [K+1] grid
   (None: uniform); dropout only with a `dropout_rng`; the local error's step j
-  `local_error_step` under model.local_error_form='halves'.
+  `local_error_step` where model.local_error_form has the halves term.
 
   Generated weights (DiffEqFormer's W(t)) are sharded as their parameters are, by the
   parameter `rules` (the model's `param_rules`): every step that runs the model passes
@@ -220,7 +220,7 @@ def make_train_step(
     grid = time_grid_lib.train_time_grid(model.config, jax.random.fold_in(rng, _GRID_STREAM))
     weight = model.config.local_error_penalty  # model.local_error_weight: λ·local error
     step_j = None  # model.local_error_form's halves term: the step it splits, uniform over K
-    if model.config.local_error_halves:
+    if weight > 0 and model.config.local_error_halves:
       key = jax.random.fold_in(rng, _HALVES_STREAM)
       step_j = jax.random.randint(key, (), 0, model.config.depth, jnp.int32)
     dropout = rng if use_dropout else None
