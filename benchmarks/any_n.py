@@ -20,6 +20,7 @@ does); the last line is its ratio:
   python -m benchmarks.any_n --preset=bench-small --seeds=3 --workdir=D2
   python -m benchmarks.any_n --candidates=fixed,shift_half --seeds=1 --steps=100
   python -m benchmarks.any_n --runs=D1,D2 --data=local:DIR/test.txt  # no training
+  python -m benchmarks.any_n --seeds=3 --rows=A/any_n_rows.json,B/any_n_rows.json
 
 `--preset=default` is configs/default.py (K = 4, 500 steps, the embedded corpus: no data
 needed); `bench-small` is benchmarks.common's preset shape (d 256, 4 heads, K = 6, d_t
@@ -30,6 +31,12 @@ training. A `--workdir` holding runs of the same code and config is reused
 (`common.keyed_run`): a finished run's scores are read back, and its line says so and
 names the code version; an interrupted one resumes; runs of other code or another config
 are moved aside and trained afresh.
+
+Every scored run is added to `<workdir>/any_n_rows.json` as it finishes (its candidate,
+seed, perplexities and run key: code version and config), so the seeds of one table can
+be trained by several processes or machines: `--rows` adds the rows of such files to this
+run's (a run they hold is not trained again; with `--seeds=0` nothing is), after checking
+that each was made by this code with the config this command gives its candidate and seed.
 """
 
 import json
@@ -129,6 +136,7 @@ assert all(set(fields) <= set(BASE) for fields in CANDIDATES.values()), "BASE mi
 # The targets a candidate must meet to become the default (module docstring).
 MAX_FINER_RATIO, MAX_HALF_RATIO, MAX_K_COST, MAX_STEP_COST = 1.03, 1.10, 1.01, 1.10
 PRESETS = ("default", "bench-small")
+ROWS_FILE = "any_n_rows.json"  # every scored run of a workdir (candidate, seed, key, row)
 
 
 def step_counts(k: int) -> dict:
@@ -193,7 +201,12 @@ def define_flags(define) -> None:
     f"comma-separated candidates to train ({', '.join(CANDIDATES)}); {DEFAULT!r} is "
     "always among them",
   )
-  define("integer", "seeds", 3, "number of seeds, every candidate each")
+  define(
+    "integer",
+    "seeds",
+    3,
+    "number of seeds, every candidate each (0 with --rows: tabulate their rows only)",
+  )
   define(
     "integer",
     "first_seed",
@@ -220,6 +233,14 @@ def define_flags(define) -> None:
   define("integer", "eval_batches", 16, "evaluation batches per N (0 = the whole eval split)")
   define("integer", "rounds", 20, "interleaved timing rounds (0 = no timing)")
   define("string", "workdir", "", "default: a fresh temporary directory")
+  define(
+    "string",
+    "rows",
+    "",
+    "comma-separated any_n_rows.json files of other workdirs (this code and these flags, "
+    "other seeds or candidates): their rows join the table; their runs are not trained "
+    "again",
+  )
   define(
     "string",
     "runs",
@@ -249,8 +270,11 @@ def parse_args(argv=None):
   if unknown:
     raise UserError(f"--candidates: {unknown} unknown; choose from {', '.join(CANDIDATES)}")
   args.candidates = [DEFAULT] + [c for c in dict.fromkeys(names) if c != DEFAULT]
-  if args.seeds < 1:
-    raise UserError(f"--seeds={args.seeds} must be at least 1; pass --seeds=1 or more")
+  args.rows = [r for r in args.rows.split(",") if r]
+  if args.seeds < (0 if args.rows else 1):
+    raise UserError(
+      f"--seeds={args.seeds} must be at least 1 (0 only with --rows); pass --seeds=1 or more"
+    )
   if args.rounds < 0 or args.first_seed < 0:
     raise UserError(
       f"--rounds={args.rounds} and --first_seed={args.first_seed} must be >= 0; pass "
@@ -319,11 +343,64 @@ def train_and_score(config, workdir: str, eval_batches: int):
       f"train loss {hist[0][1]:.3f} -> {hist[-1][1]:.3f}" if not note else f"{note}, scored now"
     )
   row = stored["perplexity"]
-  cells = " | ".join(f"N={counts[label]} {row[label]:.2f}" for label in counts)
   return row, (
-    f"{source} | ppl {cells} | max ratio {worst_ratio(row):.3f} | "
+    f"{source} | ppl {_cells(row, config.model.solver_steps)} | max ratio {worst_ratio(row):.3f} | "
     f"eval tokens {stored['tokens']:,} | {trained:.0f}s"
   )
+
+
+def _cells(row: dict, k: int) -> str:
+  """'N=n ppl | …' of a row (label -> perplexity) of a model trained at K = k."""
+  return " | ".join(f"N={n} {row[label]:.2f}" for label, n in step_counts(k).items())
+
+
+def row_key(config) -> dict:
+  """What a row's perplexities depend on: `common.run_key` (code version and config)
+  without the tokenizer cache's path, which differs between workdirs and machines."""
+  key = common.run_key(config)
+  key["config"]["data"].pop("cache_dir", None)
+  return key
+
+
+def _first_difference(a, b, path: str = "") -> str:
+  """The first path at which the JSON values `a` and `b` differ, with both values."""
+  if isinstance(a, dict) and isinstance(b, dict):
+    for name in sorted(set(a) | set(b)):
+      if a.get(name) != b.get(name):
+        return _first_difference(a.get(name), b.get(name), f"{path}.{name}" if path else name)
+  return f"{path or 'value'} {a!r} (file) != {b!r} (this command)"
+
+
+def read_rows(args, cache_dir: str) -> dict:
+  """(candidate, seed) -> row entry of the `--rows` files, each checked against the run
+  this command would make of it: same code version and config (`row_key`). A row of a
+  candidate not in --candidates is left out; one found twice must agree."""
+  rows = {}
+  for path in args.rows:
+    stored = common.read_json(path)
+    if not isinstance(stored, dict) or not isinstance(stored.get("rows"), list):
+      raise UserError(
+        f"--rows: {path} is not an any_n rows file (missing or unreadable); pass the "
+        f"{ROWS_FILE} of an any_n workdir"
+      )
+    for entry in stored["rows"]:
+      c, seed = entry["candidate"], int(entry["seed"])
+      if c not in args.candidates:
+        continue
+      want = row_key(make_config(args, c, seed, cache_dir))
+      if entry["key"] != want:
+        raise UserError(
+          f"--rows: {path}'s {c} seed {seed} was made under another run: "
+          f"{_first_difference(entry['key'], want)}; run this command from the code (and "
+          "with the flags) that made it, or train the seed here"
+        )
+      if (c, seed) in rows and rows[c, seed]["perplexity"] != entry["perplexity"]:
+        raise UserError(
+          f"--rows: {c} seed {seed} is in two files with other perplexities ({path}); "
+          "pass one of them"
+        )
+      rows[c, seed] = entry
+  return rows
 
 
 def score_runs(runs: list, data: str, eval_batches: int) -> None:
@@ -432,15 +509,36 @@ def main(argv=None):
     return
   root = args.workdir or tempfile.mkdtemp(prefix="odet_any_n_")
   print(f"workdir {root}", flush=True)
-  ppl = {c: [] for c in args.candidates}  # per seed: label -> perplexity
-  config = None
-  seeds = range(args.first_seed, args.first_seed + args.seeds)
-  for seed in seeds:
+  os.makedirs(root, exist_ok=True)
+  cache = os.path.join(root, "cache")
+  rows = read_rows(args, cache)  # (candidate, seed) -> entry
+  for path in args.rows:
+    print(f"rows read from {path}", flush=True)
+  rows_path = os.path.join(root, ROWS_FILE)
+  config = make_config(args, DEFAULT, args.first_seed, cache)  # the timing's, without runs
+  for seed in range(args.first_seed, args.first_seed + args.seeds):
     for c in args.candidates:
-      config = make_config(args, c, seed, os.path.join(root, "cache"))
+      config = make_config(args, c, seed, cache)
+      if (c, seed) in rows:
+        print(
+          f"seed {seed} {c:20s} read from --rows: ppl "
+          f"{_cells(rows[c, seed]['perplexity'], config.model.solver_steps)}",
+          flush=True,
+        )
+        continue
       row, line = train_and_score(config, os.path.join(root, f"{c}_seed{seed}"), args.eval_batches)
-      ppl[c].append(row)
+      rows[c, seed] = {"candidate": c, "seed": seed, "key": row_key(config), "perplexity": row}
+      common.write_json(rows_path, {"rows": list(rows.values())})
       print(f"seed {seed} {c:20s} {line}", flush=True)
+  common.write_json(rows_path, {"rows": list(rows.values())})
+  seeds = sorted({seed for _, seed in rows})
+  missing = [f"{c} seed {s}" for s in seeds for c in args.candidates if (c, s) not in rows]
+  if missing:
+    raise UserError(
+      f"no row for {', '.join(missing)}: every candidate needs every seed of the table; "
+      "train them (--first_seed, --seeds) or pass the --rows files that hold them"
+    )
+  ppl = {c: [rows[c, s]["perplexity"] for s in seeds] for c in args.candidates}
 
   k = config.model.solver_steps
   counts = step_counts(k)

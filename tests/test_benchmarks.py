@@ -833,6 +833,64 @@ def test_any_n_scores_are_read_back_only_for_the_same_code(tmp_path, monkeypatch
   assert len(scored) == 3 and calls[-1] == (wd, 0) and line.startswith("train loss")
 
 
+def test_any_n_tables_the_seeds_of_several_workdirs_as_one_run(tmp_path, monkeypatch, capsys):
+  """Seeds trained in two workdirs (processes or machines) and tabulated with --rows give
+  the table one process training every seed gives, without training again; a row of
+  other code or another config, or a missing seed, is refused by name."""
+  calls = []
+  _fake_training(monkeypatch, calls)
+
+  def fake_evaluate(workdir, counts, max_batches):  # a seed's and a candidate's own row
+    seed = int(workdir.rsplit("seed", 1)[1])
+    shift = 7.0 if "random_shift" in workdir else 0.0
+    return [
+      types.SimpleNamespace(perplexity=50.0 + n + 3.0 * seed**2 + shift, num_tokens=1000)
+      for n in counts
+    ]
+
+  monkeypatch.setattr(any_n.evaluation, "evaluate", fake_evaluate)
+  flags = ["--steps=4", "--solver_steps=2", "--rounds=0", "--candidates=random_shift"]
+
+  def run(name, *more):
+    any_n.main([*flags, f"--workdir={tmp_path / name}", *more])
+    out = capsys.readouterr().out
+    return out, [line for line in out.splitlines() if line.startswith("| ")]
+
+  _, whole = run("all", "--seeds=3")
+  assert len(calls) == 6
+  run("a", "--seeds=2")
+  run("b", "--seeds=1", "--first_seed=2")
+  del calls[:]
+  rows = f"--rows={tmp_path / 'a' / any_n.ROWS_FILE},{tmp_path / 'b' / any_n.ROWS_FILE}"
+  out, merged = run("c", "--seeds=0", rows)
+  assert merged == whole and calls == []
+  assert "perplexity, mean ± std of seed(s) 0, 1, 2;" in out
+  # The merged workdir's own rows file holds every row: it alone tabulates them again.
+  _, again = run("d", "--seeds=0", f"--rows={tmp_path / 'c' / any_n.ROWS_FILE}")
+  assert again == whole
+  # --seeds=3 with the rows of seeds 0-1: only seed 2 is trained.
+  out, table = run("e", "--seeds=3", f"--rows={tmp_path / 'a' / any_n.ROWS_FILE}")
+  assert table == whole and sorted(w for w, _ in calls) == [
+    str(tmp_path / "e" / f"{c}_seed2") for c in ("fixed", "random_shift")
+  ]
+  assert "seed 1 random_shift         read from --rows: ppl N=1 " in out
+  with pytest.raises(
+    UserError, match=r"no row for shift_half seed 0, shift_half seed 1, shift_half seed 2: "
+  ):
+    run("f", "--seeds=0", rows, "--candidates=random_shift,shift_half")
+  with pytest.raises(UserError, match=r"x.json is not an any_n rows file"):
+    run("f", "--seeds=0", f"--rows={tmp_path / 'x.json'}")
+  with pytest.raises(
+    UserError,
+    match=r"a/any_n_rows.json's fixed seed 0 was made under "
+    r"another run: config.num_train_steps 4 \(file\) != 6 \(this command\)",
+  ):
+    any_n.main([*flags[1:], "--steps=6", f"--workdir={tmp_path / 'f'}", "--seeds=0", rows])
+  monkeypatch.setattr(common, "code_version", lambda: "0123456789ab")
+  with pytest.raises(UserError, match=r"another run: code '.{12}' \(file\) != '0123456789ab'"):
+    run("f", "--seeds=0", rows)
+
+
 def _single_epoch_text(tmp_path):
   """A small wikipedia-2015 layout: two training files, valid and test."""
   wiki = shared_data_path("wikipedia-2015")
