@@ -73,7 +73,7 @@ def get_config() -> ml_collections.ConfigDict:
   # (benchmarks/README.md, "Any N").
   config.model.local_error_weight = 3000.0  # λ on the solve's local error (0 = off)
   config.model.local_error_stride = 4  # λ's terms on every s-th row of a batch shard
-  config.model.local_error_form = "both"  # steps vs K/2's and 2K's | 'steps' | 'halves' | 'sum'
+  config.model.local_error_form = "both"  # steps vs K/2's and 2K's | 'steps' | 'halves'
   config.model.time_interp_weight = 0.0  # μ on W(t)'s distance from the line between nodes
   config.model.remat_policy = "none"  # tiny activations: recomputing buys nothing
   config.model.layer_loop = "auto"  # GPUs: unrolled (no loop copies); TPU, CPU: a scan

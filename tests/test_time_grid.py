@@ -245,16 +245,14 @@ def _tanh_problem(seed, rows, k, grid):
   return x0, g, ts, dts, field, f, dt
 
 
-@pytest.mark.parametrize("error_sum", [False, True])
 @pytest.mark.parametrize("boundary", [None, "end", "start"])
 @pytest.mark.parametrize("grid", [None, "smooth"])
-def test_local_error_is_the_heun_minus_euler_step(grid, boundary, error_sum):
+def test_local_error_is_the_heun_minus_euler_step(grid, boundary):
   """local_error=True: Σ_k mean(e_k²) with e_k Heun's step from x_{k-1} minus Euler's,
   dt_{k-1}/2·(F(x_k, t_k) − F(x_{k-1}, t_{k-1})), the F evaluated here from the field
   itself (not from the trajectory's differences), on a uniform and a non-uniform grid.
   With boundary inputs (a time t_b): 'end' adds the last step's, dt_(K-1)/2·(F(x_K, t_b)
-  − F(x_(K-1), t_(K-1))); 'start' adds dt_0/2·(F(x_0, t_0) − F(x_0, t_b)). error_sum:
-  mean((Σ_k e_k)²) of the same terms."""
+  − F(x_(K-1), t_(K-1))); 'start' adds dt_0/2·(F(x_0, t_0) − F(x_0, t_b))."""
   k = 6
   x0, g, ts, dts, field, f, dt = _tanh_problem(5, 2, k, grid)
   t_b = 1.0 if boundary == "end" else 0.3
@@ -267,7 +265,6 @@ def test_local_error_is_the_heun_minus_euler_step(grid, boundary, error_sum):
     local_error=True,
     boundary_inputs=None if boundary is None else jnp.full((1, 1), t_b, jnp.float32),
     boundary=boundary or "end",
-    error_sum=error_sum,
   )
   xs = np.concatenate([np.asarray(traj, np.float64), np.asarray(x_k, np.float64)[None]])
   terms = [dts[j - 1] / 2 * (f(xs[j], ts[j]) - f(xs[j - 1], ts[j - 1])) for j in range(1, k)]
@@ -275,22 +272,21 @@ def test_local_error_is_the_heun_minus_euler_step(grid, boundary, error_sum):
     terms.append(dts[-1] / 2 * (f(xs[k], t_b) - f(xs[k - 1], ts[k - 1])))
   elif boundary == "start":
     terms.append(dts[0] / 2 * (f(xs[0], ts[0]) - f(xs[0], t_b)))
-  want = np.mean(sum(terms) ** 2) if error_sum else sum(np.mean(e**2) for e in terms)
+  want = sum(np.mean(e**2) for e in terms)
   np.testing.assert_allclose(float(error), want, rtol=2e-4)
   plain = solvers.fixed_step_solve(field, jnp.asarray(x0), jnp.asarray(ts)[:, None], dt)
   np.testing.assert_array_equal(np.asarray(plain), np.asarray(x_k))  # the solve is the same
 
 
 @pytest.mark.matmul_precision("highest")
-@pytest.mark.parametrize("form", ["steps", "sum"])
 @pytest.mark.parametrize("step_time", ["start", "end"])
-def test_model_local_error_counts_every_step(step_time, form):
+def test_model_local_error_counts_every_step(step_time):
   """The model's local error, from a float64 reference field on its own trajectory: Euler's
   K − 1 second differences plus the step the solve never closes, through the field at the
   time it never evaluates (t = 1 under 'start': the last step's Heun–Euler error; t = 0
-  under 'end': the first's); model.local_error_form='sum': the mean square of their sum."""
+  under 'end': the first's)."""
   cfg = dataclasses.replace(
-    TINY, solver_steps=3, num_layers=3, step_time=step_time, local_error_form=form
+    TINY, solver_steps=3, num_layers=3, step_time=step_time, local_error_form="steps"
   )
   model = create_model(cfg, seed=0)
   _perturb_hypernet(model, scale=3.0)  # a field that moves x: a non-zero local error
@@ -309,7 +305,7 @@ def test_model_local_error_counts_every_step(step_time, form):
   else:
     opening = ref_field(x[0], ref_weights(model, 0.0), cfg, seg, pos)
     terms.append(dt / 2 * (slopes[0] - opening))
-  want = np.mean(sum(terms) ** 2) if form == "sum" else sum(np.mean(e**2) for e in terms)
+  want = sum(np.mean(e**2) for e in terms)
   np.testing.assert_allclose(float(error), want, rtol=1e-3)
 
 

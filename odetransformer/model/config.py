@@ -32,7 +32,7 @@ REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = ("float32", "bfloat16", "float64")  # float64: numerical checks
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
-LOCAL_ERROR_FORMS = ("steps", "sum", "halves", "both")
+LOCAL_ERROR_FORMS = ("steps", "halves", "both")
 DEFAULT_DEPTH = 6  # K or L when a config sets neither
 
 # Old name -> new name, for one release (`migrate_model_fields`).
@@ -196,8 +196,7 @@ class ModelConfig:
     "steps",
     (
       "what λ weighs: 'steps' = Σ_k mean(e_k²), each step's Heun–Euler error at the "
-      "solve's nodes; 'sum' = mean((Σ_k e_k)²), the square of their sum (an estimate of "
-      "the solve's global error), the same cost; 'halves' = K·mean(d_j²) at one step j "
+      "solve's nodes; 'halves' = K·mean(d_j²) at one step j "
       "drawn per batch, d_j = dt/2·(f(x_j + dt/2·F_j, t_j + dt/2) − F_j) the change that "
       "splitting step j into two Euler halves makes (the field between the nodes), one "
       "field evaluation and no per-step terms; 'both' = 'steps' + 'halves': a step "

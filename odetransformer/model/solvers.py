@@ -277,7 +277,6 @@ def fixed_step_solve(
   boundary: str = "end",
   error_stride: int = 1,
   error_nodes: bool = True,
-  error_sum: bool = False,
   error_step=None,
   halves_inputs=None,
 ):
@@ -327,9 +326,6 @@ def fixed_step_solve(
       s must divide the leading axis.
     error_nodes: with local_error, the terms above (at the solve's nodes); False: the
       halves term alone.
-    error_sum: the node terms as mean((Σ_k e_k)²) instead: the square of the steps'
-      summed local errors, which estimates the solve's global error (the change a finer
-      solve makes to x_K, up to the errors' propagation).
     error_step: j (an int, or a traced int32 drawn per batch): add K·mean(d_j²), an
       unbiased estimate over a uniform j of Σ_k mean(d_k²), with d_j = dt_j/2·(f(x_j +
       dt_j/2·F_j, halves_inputs) − F_j), F_j step j's slope: for Euler at the step's
@@ -423,15 +419,14 @@ def fixed_step_solve(
         e0 = 0.5 * ((next_rows - x_rows) - dt_k * first).astype(jnp.float32)
         e = jnp.where(started, e, e0)
         started = jnp.bool_(True)
-      acc = acc + jnp.where(started, e if error_sum else jnp.mean(jnp.square(e)), 0.0)
+      acc = acc + jnp.where(started, jnp.mean(jnp.square(e)), 0.0)
     if j is not None:  # step j's ends, on the error's rows
       kept = tuple(jnp.where(k == j, new, old) for new, old in zip((x_rows, next_rows), kept))
     return ((x_next, x_rows, dt_k, acc, jnp.bool_(True)), kept), ys
 
   dt0 = dt[0] if per_step else dt
-  acc0 = jnp.zeros(rows(x0).shape, jnp.float32) if error_sum else jnp.float32(0.0)
   kept0 = (rows(x0), rows(x0)) if j is not None else ()
-  init = ((x0, rows(x0), dt0, acc0, jnp.bool_(False)), kept0)
+  init = ((x0, rows(x0), dt0, jnp.float32(0.0), jnp.bool_(False)), kept0)
   steps = jnp.arange(num_steps, dtype=jnp.int32)
   ((x, x_last, dt_last, error, _), kept), (traj, outs) = jax.lax.scan(
     body_with_error, init, (steps, xs), length=num_steps, unroll=unroll
@@ -439,9 +434,7 @@ def fixed_step_solve(
   if ends and boundary == "end":
     x_rows = rows(x)
     e = 0.5 * (dt_last * whole(x_rows, boundary_inputs) - (x_rows - x_last)).astype(jnp.float32)
-    error = error + (e if error_sum else jnp.mean(jnp.square(e)))
-  if error_sum:
-    error = jnp.mean(jnp.square(error))
+    error = error + jnp.mean(jnp.square(e))
   if j is not None:
     (x_j, x_next_j), dt_j = kept, (xs[1][j] if per_step else dt)
     slope = (x_next_j - x_j) / dt_j

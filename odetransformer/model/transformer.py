@@ -383,7 +383,6 @@ class LanguageModel(nnx.Module):
       boundary=side,
       error_stride=stride,
       error_nodes=nodes,
-      error_sum=cfg.local_error_form == "sum",
       error_step=local_error_step if halves else None,
       halves_inputs=halfway,
     )
