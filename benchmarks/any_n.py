@@ -260,12 +260,14 @@ def parse_args(argv=None):
   args.runs = [r for r in args.runs.split(",") if r]
   if args.data and not args.runs:
     raise UserError("--data applies to --runs only; the trained runs score on their eval split")
+  args.rows = [r for r in args.rows.split(",") if r]
+  if args.rows and args.runs:
+    raise UserError("--rows applies to trained candidates, not --runs; pass one of the two")
   names = [c for c in args.candidates.split(",") if c]
   unknown = [c for c in names if c not in CANDIDATES]
   if unknown:
     raise UserError(f"--candidates: {unknown} unknown; choose from {', '.join(CANDIDATES)}")
   args.candidates = [DEFAULT] + [c for c in dict.fromkeys(names) if c != DEFAULT]
-  args.rows = [r for r in args.rows.split(",") if r]
   if args.seeds < (0 if args.rows else 1):
     raise UserError(
       f"--seeds={args.seeds} must be at least 1 (0 only with --rows); pass --seeds=1 or more"

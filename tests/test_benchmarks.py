@@ -1123,6 +1123,12 @@ def test_pretrained_and_kinds_flags_are_checked(tmp_path, monkeypatch, capsys):
   assert _usage_error("any_n", ["--data=local:x.txt"], monkeypatch, capsys).endswith(
     "error: --data applies to --runs only; the trained runs score on their eval split"
   )
+  assert _usage_error("any_n", ["--runs=a", "--rows=b.json"], monkeypatch, capsys).endswith(
+    "error: --rows applies to trained candidates, not --runs; pass one of the two"
+  )
+  assert _usage_error("any_n", ["--seeds=0"], monkeypatch, capsys).endswith(
+    "error: --seeds=0 must be at least 1 (0 only with --rows); pass --seeds=1 or more"
+  )
 
 
 @pytest.mark.slow
