@@ -51,8 +51,13 @@ def test_object_lock_refuses_takes_over_stale_and_notices_loss(gcs_bucket, caplo
   time.sleep(0.5)  # heartbeats rewrite the object
   assert json.loads(fileio.read_text(lock_path))["heartbeat"] > record["heartbeat"]
   first.check()
-  # Deleted under the live run; a second run creates its own: the first notices.
+  # Deleted under the live run: its heartbeat notices; a second run then creates its own,
+  # and the first names that run (not only the deletion its heartbeat saw).
   fileio.remove(lock_path)
+  first._thread.join(timeout=10)
+  assert not first._thread.is_alive() and first._lost == "was deleted"
+  with pytest.raises(WorkdirInUseError, match="of this run was deleted while it ran"):
+    first.check()
   second = WorkdirLock(wd, heartbeat_s=0.2, stale_s=1).acquire()
   assert second.previous is None
   time.sleep(0.5)

@@ -349,7 +349,15 @@ class WorkdirLock:
     replaced by another run's): the run must not write more into the workdir."""
     if self.record is None:
       return
-    lost = self._lost or (self._check_flock() if self._fd is not None else self._check_object())
+    if self._fd is not None:
+      lost = self._lost or self._check_flock()
+    elif not self._lost:
+      lost = self._check_object()
+    else:  # the object now: the heartbeat that found it gone may not have seen who took it
+      try:
+        lost = self._check_object() or self._lost
+      except Exception:  # noqa: BLE001 (lost either way; keep what the heartbeat saw)
+        lost = self._lost
     if lost:
       self._lost = lost
       raise WorkdirInUseError(
