@@ -48,7 +48,10 @@ def test_object_lock_refuses_takes_over_stale_and_notices_loss(gcs_bucket, caplo
   # A fresh lock: refused in one line, the object untouched.
   with pytest.raises(WorkdirInUseError, match=r"is in use by PID \d+ on host .*last heartbeat"):
     WorkdirLock(wd, stale_s=30).acquire()
-  time.sleep(0.5)  # heartbeats rewrite the object
+  deadline = time.monotonic() + 10  # heartbeats (every 0.2 s) rewrite the object
+  while json.loads(fileio.read_text(lock_path))["heartbeat"] == record["heartbeat"]:
+    assert time.monotonic() < deadline, "no heartbeat rewrote the lock in 10 s"
+    time.sleep(0.05)
   assert json.loads(fileio.read_text(lock_path))["heartbeat"] > record["heartbeat"]
   first.check()
   # Deleted under the live run: its heartbeat notices; a second run then creates its own,
